@@ -1,0 +1,252 @@
+"""Frozen configuration objects and their validation (no I/O, no torch).
+
+Every config is validated when it is built, so an unsupported combination is
+refused before any process starts. Values derived at run time (the number of KV
+blocks, the rank of this process) live in runtime objects, never here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+PREFILL_STRATEGIES = ("allgather", "ring")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder, read from config.json or GGUF metadata."""
+
+    architecture: str
+    """Hugging Face architecture name, e.g. "LlamaForCausalLM"."""
+    vocab_size: int
+    """Rows of the token embedding and the LM head."""
+    hidden_size: int
+    """Width of the residual stream."""
+    intermediate_size: int
+    """Width of the gated MLP."""
+    num_hidden_layers: int
+    """Number of decoder layers."""
+    num_attention_heads: int
+    """Query heads per layer."""
+    num_key_value_heads: int
+    """KV heads per layer (grouped-query attention when fewer than query heads)."""
+    head_dim: int
+    """Width of one attention head."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = 10000.0
+    """Rotary base frequency."""
+    rope_scaling: dict[str, Any] | None = None
+    """Rotary scaling as in config.json (only rope_type "llama3" and "default")."""
+    max_position_embeddings: int = 4096
+    """Longest context the model was trained for."""
+    tie_word_embeddings: bool = False
+    """LM head shares the token embedding's weight."""
+    attention_bias: bool = False
+    """q/k/v projections carry a bias (Qwen2)."""
+    sliding_window: int | None = None
+    """Sliding-window attention span; refused (not implemented) when set."""
+    bos_token_id: int | None = None
+    """Beginning-of-sequence token id."""
+    eos_token_ids: tuple[int, ...] = ()
+    """Token ids that end generation."""
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.sliding_window is not None:
+            raise ValueError(
+                f"sliding-window attention (sliding_window={self.sliding_window}) is not "
+                "supported by cpllm; use a model without it"
+            )
+        if self.rope_scaling is not None:
+            rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if rope_type not in ("llama3", "default"):
+                raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: llama3, default")
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """Build from a Hugging Face config.json dictionary."""
+        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        num_heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        if archs[0] == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+            sliding = None
+        if archs[0] == "MistralForCausalLM" and sliding is not None and sliding >= cfg.get(
+            "max_position_embeddings", 0
+        ):
+            sliding = None  # a window as long as the context is no window at all
+        return cls(
+            architecture=archs[0],
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=num_heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", 10000.0),
+            rope_scaling=cfg.get("rope_scaling"),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", archs[0] == "Qwen2ForCausalLM"),
+            sliding_window=sliding,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ParallelConfig:
+    """Sizes of the parallel dimensions; world = DP x PCP x TP (DESIGN section 2)."""
+
+    tensor_parallel_size: int = 1
+    """TP: attention heads and MLP columns split over this many ranks."""
+    prefill_context_parallel_size: int = 1
+    """PCP: each prompt's new tokens split along the sequence over this many ranks."""
+    decode_context_parallel_size: int = 1
+    """DCP: the KV cache is also sharded over this many TP ranks (divides TP)."""
+    data_parallel_size: int = 1
+    """DP: independent engine replicas, each with its own scheduler and KV cache."""
+    cp_kv_cache_interleave_size: int = 1
+    """Consecutive tokens stored on one CP rank before moving to the next."""
+    cp_prefill_strategy: str = "allgather"
+    """How new K/V crosses PCP ranks in prefill: "allgather" or "ring"."""
+    distributed_timeout_s: float = 120.0
+    """A collective that waits longer than this fails with an error naming the rank."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "tensor_parallel_size",
+            "prefill_context_parallel_size",
+            "decode_context_parallel_size",
+            "data_parallel_size",
+            "cp_kv_cache_interleave_size",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.tensor_parallel_size % self.decode_context_parallel_size != 0:
+            raise ValueError(
+                f"decode_context_parallel_size={self.decode_context_parallel_size} must divide "
+                f"tensor_parallel_size={self.tensor_parallel_size}"
+            )
+        if self.cp_prefill_strategy not in PREFILL_STRATEGIES:
+            raise ValueError(
+                f"cp_prefill_strategy={self.cp_prefill_strategy!r}; choose one of {PREFILL_STRATEGIES}"
+            )
+        if not self.distributed_timeout_s > 0:
+            raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel_size * self.prefill_context_parallel_size * self.tensor_parallel_size
+
+    @property
+    def cp_size(self) -> int:
+        return self.prefill_context_parallel_size * self.decode_context_parallel_size
+
+    def validate_for_model(self, model: ModelConfig) -> None:
+        """Checks that need the model's head counts (DESIGN section 2)."""
+        tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
+        heads, kv_heads = model.num_attention_heads, model.num_key_value_heads
+        if heads % tp != 0:
+            raise ValueError(f"num_attention_heads={heads} is not divisible by tensor_parallel_size={tp}")
+        if kv_heads >= tp and kv_heads % tp != 0:
+            raise ValueError(f"num_key_value_heads={kv_heads} is not divisible by tensor_parallel_size={tp}")
+        if kv_heads < tp and tp % kv_heads != 0:
+            raise ValueError(
+                f"tensor_parallel_size={tp} is not a multiple of num_key_value_heads={kv_heads} "
+                "(KV heads are replicated when there are fewer than TP of them)"
+            )
+        max_dcp = max(1, tp // kv_heads)
+        if dcp > max_dcp:
+            raise ValueError(
+                f"decode_context_parallel_size={dcp} exceeds max(1, tensor_parallel_size // "
+                f"num_key_value_heads)={max_dcp}: every rank of a DCP group must hold the same KV heads"
+            )
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class CacheConfig:
+    """Paged KV cache settings."""
+
+    block_size: int = 16
+    """Tokens per physical KV block on one rank."""
+    kv_cache_memory_bytes: int | None = None
+    """KV bytes per rank; None sizes it from free memory (logged at startup)."""
+    enable_prefix_caching: bool = True
+    """Reuse full blocks whose token prefix was already computed."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class SchedulerConfig:
+    """Continuous-batching limits."""
+
+    max_num_batched_tokens: int = 2048
+    """Tokens computed in one step, over all requests (the chunked-prefill budget)."""
+    max_num_seqs: int = 64
+    """Requests running at once."""
+    max_model_len: int = 4096
+    """Longest prompt plus output a request may reach."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class EngineConfig:
+    """Everything one engine needs, validated together."""
+
+    model_path: str
+    """A Hugging Face model folder or a .gguf file."""
+    model: ModelConfig
+    """The architecture, read from model_path."""
+    dtype: str = "float32"
+    """Weights and activations dtype."""
+    seed: int = 0
+    """Seed of requests that carry no seed of their own."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout."""
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    """KV cache."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """Batching limits."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}; choose one of {SUPPORTED_DTYPES}")
+        self.parallel.validate_for_model(self.model)
+        interleave = self.parallel.cp_kv_cache_interleave_size
+        if interleave > self.cache.block_size or self.cache.block_size % interleave != 0:
+            raise ValueError(
+                f"cp_kv_cache_interleave_size={interleave} must divide block_size={self.cache.block_size}"
+            )
+        if self.scheduler.max_model_len > self.model.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={self.scheduler.max_model_len} exceeds the model's "
+                f"max_position_embeddings={self.model.max_position_embeddings}"
+            )

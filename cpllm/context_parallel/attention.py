@@ -1,0 +1,150 @@
+"""Attention over a paged, CP-sharded KV cache (DESIGN sections 4 and 5).
+
+For each layer, a rank's queries see two disjoint key sets whose results merge
+exactly by log-sum-exp:
+- the new tokens of this step (prefill chunks), held across PCP ranks and
+  brought together by all-gather or by passing K/V around the PCP ring;
+- the cached context, sharded over the CP group: queries are gathered over the
+  CP group, every rank attends them to its own shard, and the partial outputs
+  return to their owners to be merged.
+With one rank every collective is skipped and the same code is the plain paged
+attention of the single-rank engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from cpllm.context_parallel.merge import merge_attention_partials, merge_two
+from cpllm.context_parallel.metadata import AttentionMetadata, RequestAttention
+from cpllm.context_parallel.sdpa import attention_with_lse
+from cpllm.distributed.comm import all_gather, all_to_all, ring_exchange
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class CPComm:
+    """The groups context-parallel attention talks over."""
+
+    pcp_group: dist.ProcessGroup | None = None
+    """Prefill CP group: holds the other parts of each prompt chunk."""
+    pcp_size: int = 1
+    pcp_rank: int = 0
+    cp_group: dist.ProcessGroup | None = None
+    """KV-shard group (PCP x DCP ranks), group rank = cp_rank."""
+    cp_size: int = 1
+    cp_rank: int = 0
+    strategy: str = "allgather"
+    """"allgather" or "ring": how new K/V crosses PCP ranks."""
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):
+    # q [L, Hq, D], k/v [S, Hkv, D] -> out [L, Hq, D], lse [L, Hq]
+    out, lse = attention_with_lse(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+        scale=scale, causal=causal,
+    )
+    return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+
+
+def _accumulate(out, lse, rows: slice, o_part, lse_part) -> None:
+    out[rows], lse[rows] = merge_two(out[rows], lse[rows], o_part, lse_part)
+
+
+class PagedCPAttention(torch.nn.Module):
+    """Stores this rank's share of the new K/V and returns attention outputs for its query rows."""
+
+    def __init__(self, comm: CPComm, scale: float):
+        super().__init__()
+        self.comm, self.scale = comm, scale
+
+    def forward(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata) -> torch.Tensor:
+        # q [N, Hq, D]; k, v [N, Hkv, D]; k_pool, v_pool [num_slots, Hkv, D]
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        if self.comm.strategy == "ring" and self.comm.pcp_size > 1 and meta.has_new:
+            self._ring_new_tokens(q, k, v, k_pool, v_pool, meta, out, lse)
+        else:
+            self._gathered_new_tokens(q, k, v, k_pool, v_pool, meta, out, lse)
+        if meta.has_context:
+            o_ctx, lse_ctx = self._context(q, k_pool, v_pool, meta)
+            out, lse = merge_two(out, lse, o_ctx, lse_ctx)
+        return out
+
+    def _gathered_new_tokens(self, q, k, v, k_pool, v_pool, meta, out, lse) -> None:
+        if meta.has_new:
+            k_all, v_all = all_gather(k, self.comm.pcp_group), all_gather(v, self.comm.pcp_group)
+            rows = meta.write_rows
+        else:  # only single tokens: every rank holds them, the rows point at this rank's own copy
+            k_all, v_all = k, v
+            rows = meta.write_rows - self.comm.pcp_rank * meta.num_rows
+        k_pool[meta.write_slots] = k_all[rows]
+        v_pool[meta.write_slots] = v_all[rows]
+        for request in meta.requests:
+            if request.num_new > 1:
+                self._new_token_attention(q, k_all, v_all, request, out, lse)
+
+    def _new_token_attention(self, q, k_all, v_all, request: RequestAttention, out, lse) -> None:
+        """Each local run [s, s+n) sees new keys [0, s) unmasked plus itself causally (head-tail safe)."""
+        for chunk in request.local_chunks:
+            rows = slice(chunk.row, chunk.row + chunk.length)
+            own = request.new_kv_rows[chunk.new_start : chunk.new_start + chunk.length]
+            out[rows], lse[rows] = _attend(q[rows], k_all[own], v_all[own], self.scale, causal=True)
+            if chunk.new_start > 0:
+                before = request.new_kv_rows[: chunk.new_start]
+                _accumulate(out, lse, rows, *_attend(q[rows], k_all[before], v_all[before], self.scale, False))
+
+    def _ring_new_tokens(self, q, k, v, k_pool, v_pool, meta, out, lse) -> None:
+        """Pass-KV ring: the block of PCP rank (me - i) arrives at step i while step i-1's attention runs."""
+        comm, n = self.comm, meta.num_rows
+        block = torch.stack((k, v))  # [2, N, Hkv, D]
+        for step in range(comm.pcp_size):
+            source = (comm.pcp_rank - step) % comm.pcp_size
+            transfer = ring_exchange(block, comm.pcp_group) if step < comm.pcp_size - 1 else None
+            mine = (meta.write_rows >= source * n) & (meta.write_rows < (source + 1) * n)
+            rows = meta.write_rows[mine] - source * n
+            k_pool[meta.write_slots[mine]] = block[0][rows]
+            v_pool[meta.write_slots[mine]] = block[1][rows]
+            for request in meta.requests:
+                if request.num_new > 1:
+                    self._ring_pair(q, block, source, request, out, lse)
+            if transfer is not None:
+                block = transfer.wait()
+
+    def _ring_pair(self, q, block, source: int, request: RequestAttention, out, lse) -> None:
+        for chunk in request.local_chunks:
+            rows = slice(chunk.row, chunk.row + chunk.length)
+            for key_row, key_start, key_len in request.source_rank_rows[source]:
+                keys = slice(key_row, key_row + key_len)
+                if key_start == chunk.new_start:
+                    part = _attend(q[rows], block[0][keys], block[1][keys], self.scale, causal=True)
+                elif key_start + key_len <= chunk.new_start:
+                    part = _attend(q[rows], block[0][keys], block[1][keys], self.scale, causal=False)
+                else:
+                    continue  # keys after the queries
+                _accumulate(out, lse, rows, *part)
+
+    def _context(self, q, k_pool, v_pool, meta: AttentionMetadata):
+        """Queries of the whole CP group against this rank's KV shard, merged back on their owners."""
+        comm, n = self.comm, meta.num_rows
+        dcp_size = comm.cp_size // comm.pcp_size
+        q_all = all_gather(q, comm.cp_group)  # [cp_size * N, Hq, D]: piece c from cp rank c
+        o_part = torch.zeros_like(q_all)
+        lse_part = torch.full(q_all.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        for request in meta.requests:
+            if request.context_len == 0 or request.context_slots.numel() == 0:
+                continue
+            k_ctx, v_ctx = k_pool[request.context_slots], v_pool[request.context_slots]
+            for piece in range(comm.cp_size):
+                start, end = request.pcp_rows[piece // dcp_size]
+                if end > start:
+                    rows = slice(piece * n + start, piece * n + end)
+                    o_part[rows], lse_part[rows] = _attend(q_all[rows], k_ctx, v_ctx, self.scale, causal=False)
+        if comm.cp_size == 1:
+            return o_part, lse_part
+        # Send piece c's partial back to cp rank c; receive every rank's partial of this rank's queries.
+        o_back = all_to_all(o_part, comm.cp_group).view(comm.cp_size, n, *q.shape[1:])
+        lse_back = all_to_all(lse_part, comm.cp_group).view(comm.cp_size, n, q.shape[1])
+        return merge_attention_partials(o_back, lse_back)

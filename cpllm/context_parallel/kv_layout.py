@@ -1,0 +1,179 @@
+"""Where each token's K/V lives when the KV cache is sharded over a CP group.
+
+DESIGN section 3. With `C = cp_size` and `I = interleave`, token `pos` belongs to
+rank `(pos // I) % C`, at index `(pos // (C*I))*I + pos % I` of that rank's local
+sequence. The scheduler counts virtual blocks of `block_size * C` tokens; one
+block id names the same physical block index on every CP rank, and each rank
+fills it with its own `block_size` local tokens. So the block table is identical
+on every rank and only ownership differs.
+
+Because `I` divides `block_size`, the virtual block of `pos`
+(`pos // (block_size*C)`) equals the local block of its owner
+(`local_index(pos) // block_size`); the vectorised helpers below use the former,
+which is also defined for tokens a rank does not own.
+
+The `KVLayout` methods are pure Python (usable by the torch-free scheduler); the
+module-level functions are vectorised torch versions for the model runner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class KVLayout:
+    """Token-to-rank mapping of the KV cache, seen from one CP rank."""
+
+    cp_size: int
+    """Ranks the KV cache is sharded over (`PCP * DCP`); 1 means no sharding."""
+    cp_rank: int
+    """This rank's index in the CP group, in `[0, cp_size)`."""
+    interleave: int
+    """Consecutive tokens kept together on one rank (`I`); divides `block_size`."""
+    block_size: int
+    """Tokens per physical block in each rank's pool."""
+
+    def __post_init__(self) -> None:
+        for name in ("cp_size", "interleave", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.cp_rank, int) or not 0 <= self.cp_rank < self.cp_size:
+            raise ValueError(f"cp_rank={self.cp_rank!r} is outside [0, cp_size={self.cp_size})")
+        if self.block_size % self.interleave != 0:
+            raise ValueError(
+                f"interleave={self.interleave} must divide block_size={self.block_size}"
+            )
+
+    @property
+    def cycle(self) -> int:
+        """Tokens in one round-robin cycle over all ranks (`C * I`)."""
+        return self.cp_size * self.interleave
+
+    def owner(self, pos: int) -> int:
+        """CP rank that stores the K/V of absolute position `pos`."""
+        return (pos // self.interleave) % self.cp_size
+
+    def local_index(self, pos: int) -> int:
+        """Index of `pos` in its owner's local sequence (meaningful on the owner only)."""
+        return (pos // self.cycle) * self.interleave + pos % self.interleave
+
+    def num_local_tokens(self, seq_len: int) -> int:
+        """Number of positions `< seq_len` that this rank owns, in O(1)."""
+        if seq_len < 0:
+            raise ValueError(f"seq_len must be >= 0, got {seq_len}")
+        full_cycles, rest = divmod(seq_len, self.cycle)
+        # In the last, partial cycle this rank's run starts at cp_rank * I.
+        tail = min(max(rest - self.cp_rank * self.interleave, 0), self.interleave)
+        return full_cycles * self.interleave + tail
+
+    def virtual_block_size(self) -> int:
+        """Tokens covered by one block id across the whole CP group."""
+        return self.block_size * self.cp_size
+
+    def num_virtual_blocks(self, seq_len: int) -> int:
+        """Block-table entries needed for a sequence of `seq_len` tokens."""
+        if seq_len < 0:
+            raise ValueError(f"seq_len must be >= 0, got {seq_len}")
+        return -(-seq_len // self.virtual_block_size())
+
+    def slot(self, pos: int, block_table: Sequence[int]) -> int | None:
+        """This rank's pool slot for `pos`, or None when another rank owns it."""
+        if self.owner(pos) != self.cp_rank:
+            return None
+        local = self.local_index(pos)
+        block = local // self.block_size
+        if block >= len(block_table):
+            raise ValueError(
+                f"position {pos} needs block-table entry {block}, table has {len(block_table)}"
+            )
+        return block_table[block] * self.block_size + local % self.block_size
+
+    def local_slots(self, seq_len: int, block_table: Sequence[int]) -> list[int]:
+        """Slots of this rank's tokens among positions `< seq_len`, in local order."""
+        num_local = self.num_local_tokens(seq_len)
+        needed = -(-num_local // self.block_size)
+        if needed > len(block_table):
+            raise ValueError(
+                f"seq_len={seq_len} needs {needed} block-table entries, table has {len(block_table)}"
+            )
+        bs = self.block_size
+        return [block_table[i // bs] * bs + i % bs for i in range(num_local)]
+
+    def owned_positions(self, start: int, end: int) -> list[int]:
+        """Positions in `[start, end)` that this rank owns, ascending."""
+        if start < 0 or end < start:
+            raise ValueError(f"need 0 <= start <= end, got start={start}, end={end}")
+        out: list[int] = []
+        # Walk this rank's runs of I tokens, beginning with the run that holds `start`.
+        run = (start // self.cycle) * self.cycle + self.cp_rank * self.interleave
+        while run < end:
+            out.extend(range(max(run, start), min(run + self.interleave, end)))
+            run += self.cycle
+        return out
+
+
+# ---------------------------------------------------------------------------
+# Vectorised torch helpers (per step, in the model runner).
+# ---------------------------------------------------------------------------
+
+
+def owner_of(positions: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+    """Owning CP rank of every position. `positions` long, any shape; same shape out."""
+    return torch.div(positions, layout.interleave, rounding_mode="floor") % layout.cp_size
+
+
+def local_index_of(positions: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+    """Local index of every position on its owner. Same shape as `positions`."""
+    cycles = torch.div(positions, layout.cycle, rounding_mode="floor")
+    return cycles * layout.interleave + positions % layout.interleave
+
+
+def slot_mapping(positions: torch.Tensor, block_table: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+    """This rank's pool slot for every token, -1 where another rank owns it.
+
+    positions: [N] long absolute positions.
+    block_table: [num_blocks] (one request, shared by all tokens) or
+        [N, num_blocks] (row `i` is the block table of token `i`'s request).
+    Returns [N] long. The -1 entries are a tensor mask convention only (for
+    `index_copy`/scatter filtering by `slots >= 0`); the Python API uses None.
+    """
+    positions = positions.long()
+    virtual_block = torch.div(positions, layout.virtual_block_size(), rounding_mode="floor")
+    if block_table.dim() == 1:
+        block_ids = block_table.long()[virtual_block]
+    elif block_table.dim() == 2:
+        block_ids = block_table.long().gather(1, virtual_block.unsqueeze(1)).squeeze(1)
+    else:
+        raise ValueError(f"block_table must be 1-D or 2-D, got shape {tuple(block_table.shape)}")
+    local = local_index_of(positions, layout)
+    slots = block_ids * layout.block_size + local % layout.block_size
+    owned = owner_of(positions, layout) == layout.cp_rank
+    return torch.where(owned, slots, torch.full_like(slots, -1))
+
+
+def local_positions(
+    seq_len: int, layout: KVLayout, *, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Absolute positions of this rank's tokens among `pos < seq_len`, local order. [num_local] long."""
+    num_local = layout.num_local_tokens(seq_len)
+    local = torch.arange(num_local, dtype=torch.long, device=device)
+    cycles = torch.div(local, layout.interleave, rounding_mode="floor")
+    return cycles * layout.cycle + layout.cp_rank * layout.interleave + local % layout.interleave
+
+
+def local_context_slots(seq_len: int, block_table: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+    """Pool slots of this rank's tokens among `pos < seq_len`, local order. [num_local] long.
+
+    `block_table` is one request's [num_blocks] table. Gathering the pool at
+    these slots gives this rank's KV shard in the order of `local_positions`.
+    """
+    num_local = layout.num_local_tokens(seq_len)
+    local = torch.arange(num_local, dtype=torch.long, device=block_table.device)
+    bs = layout.block_size
+    block_ids = block_table.long()[torch.div(local, bs, rounding_mode="floor")]
+    return block_ids * bs + local % bs

@@ -1,0 +1,55 @@
+"""Exact combination of attention partials computed over disjoint key sets.
+
+If partial `r` attended to key set `K_r` and returned its normalised output
+`o_r` and log-sum-exp `lse_r`, attention over the union of the `K_r` is
+
+    lse = log sum_r exp(lse_r)
+    o   = sum_r exp(lse_r - lse) * o_r
+
+(DESIGN section 5). Evaluated max-shifted in float32 so nothing overflows. An
+empty key set has `lse_r = -inf` and contributes nothing, whatever its `o_r`
+holds; a row where every partial is empty yields `o = 0`, `lse = -inf`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def merge_attention_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge `S` partials stacked on dim 0.
+
+    outs: [S, ..., H, D] partial outputs (any float dtype).
+    lses: [S, ..., H] their log-sum-exps (natural log), -inf for an empty key set.
+    Returns (out [..., H, D] in outs' dtype, lse [..., H] float32).
+    """
+    if outs.shape[:-1] != lses.shape:
+        raise ValueError(
+            f"outs shape {tuple(outs.shape)} does not match lses shape {tuple(lses.shape)} + [D]"
+        )
+    if outs.shape[0] == 0:
+        raise ValueError("need at least one partial to merge, got S=0")
+    lses = lses.float()
+    max_lse = lses.amax(dim=0)  # [..., H]
+    # Rows empty in every partial: shift by 0 instead of -inf to avoid inf - inf.
+    shift = torch.where(torch.isneginf(max_lse), torch.zeros_like(max_lse), max_lse)
+    weights = torch.exp(lses - shift)  # [S, ..., H], exactly 0 for empty partials
+    total = weights.sum(dim=0)  # [..., H]
+    lse = shift + torch.log(total)  # -inf where total == 0
+    safe_total = torch.where(total > 0, total, torch.ones_like(total))
+    scale = (weights / safe_total).unsqueeze(-1)  # [S, ..., H, 1]
+    # An empty partial's output may be garbage (even NaN): zero it explicitly, 0 * NaN is NaN.
+    zero = torch.zeros((), dtype=torch.float32, device=outs.device)
+    contrib = torch.where(scale > 0, scale * outs.float(), zero)
+    out = contrib.sum(dim=0)
+    return out.to(outs.dtype), lse
+
+
+def merge_two(
+    o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partials: o [..., H, D], lse [..., H]. Output dtype = o1's dtype."""
+    out, lse = merge_attention_partials(
+        torch.stack([o1, o2.to(o1.dtype)]), torch.stack([lse1.float(), lse2.float()])
+    )
+    return out, lse

@@ -1,0 +1,162 @@
+"""Per-step inputs of one rank: which tokens it computes and what each attention layer reads and writes.
+
+Built identically (up to the rank) on every rank from the same SchedulerOutput, so
+every rank of a CP group knows every other rank's batch layout and all of them
+issue the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cpllm.context_parallel.kv_layout import KVLayout, local_context_slots
+from cpllm.context_parallel.partition import rank_token_ranges
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class LocalChunk:
+    """A contiguous run of one request's new tokens held by this rank."""
+
+    row: int
+    """First row of the run in this rank's batch."""
+    new_start: int
+    """Index of the run's first token among the request's new tokens."""
+    length: int
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class RequestAttention:
+    """What attention needs to know about one request in this step."""
+
+    num_new: int
+    """New tokens of the request in this step (all ranks together)."""
+    context_len: int
+    """Cached positions the queries read from the KV shards (P, or P + 1 for an unsplit single token)."""
+    local_chunks: tuple[LocalChunk, ...]
+    """This rank's runs of new tokens; attention among new tokens covers these (only when num_new > 1)."""
+    new_kv_rows: torch.Tensor | None
+    """[num_new] rows of the PCP-gathered new K/V buffer, in token order (None when num_new == 1)."""
+    context_slots: torch.Tensor
+    """[num_local_context] this rank's pool slots of positions < context_len, in local order."""
+    pcp_rows: tuple[tuple[int, int], ...]
+    """Rows [start, end) of this request in each PCP rank's batch (index = pcp rank)."""
+    source_rank_rows: tuple[tuple[tuple[int, int, int], ...], ...]
+    """Per PCP rank: (row, new_start, length) runs of this request's new tokens on that rank."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class AttentionMetadata:
+    """Everything the attention layers of one step need; shared by all layers."""
+
+    num_rows: int
+    """Rows of every rank's batch, padding at the end included (equal on all PCP ranks)."""
+    requests: tuple[RequestAttention, ...]
+    write_rows: torch.Tensor
+    """[num_writes] rows of the gathered new K/V that this rank owns and stores."""
+    write_slots: torch.Tensor
+    """[num_writes] pool slots for those rows."""
+    has_context: bool
+    """Some request reads cached context (same value on every rank)."""
+    has_new: bool
+    """Some request has more than one new token (same value on every rank)."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class StepBatch:
+    """This rank's model inputs for one step."""
+
+    token_ids: torch.Tensor
+    """[num_rows] long, padded with 0 at the end."""
+    positions: torch.Tensor
+    """[num_rows] long, absolute positions (padding: 0)."""
+    attention: AttentionMetadata
+    output_rows: tuple[tuple[int, int], ...]
+    """(pcp rank, row) of each hidden state the driver needs, in the order the driver expects."""
+
+
+def _rank_runs(num_new: int, pcp_size: int, row_offsets: list[int]) -> list[list[tuple[int, int, int]]]:
+    """Per PCP rank, (row, new_start, length) runs of one request, advancing each rank's row offset."""
+    runs = []
+    for p in range(pcp_size):
+        rank_runs = []
+        for start, end in rank_token_ranges(num_new, pcp_size, p):
+            rank_runs.append((row_offsets[p], start, end - start))
+            row_offsets[p] += end - start
+        runs.append(rank_runs)
+    return runs
+
+
+def build_step_batch(chunks, layout: KVLayout, pcp_size: int, pcp_rank: int, output_plan) -> StepBatch:
+    """Lay out one step for this rank; `output_plan(chunk) -> new-token indices whose hidden state is needed`."""
+    row_offsets = [0] * pcp_size
+    runs_per_chunk = [_rank_runs(len(c.token_ids), pcp_size, row_offsets) for c in chunks]
+    num_rows = max(row_offsets) if chunks else 0
+    token_ids = torch.zeros(num_rows, dtype=torch.long)
+    positions = torch.zeros(num_rows, dtype=torch.long)
+    requests, write_rows, write_slots, output_rows = [], [], [], []
+    for chunk, runs in zip(chunks, runs_per_chunk):
+        for row, new_start, length in runs[pcp_rank]:
+            token_ids[row : row + length] = torch.tensor(chunk.token_ids[new_start : new_start + length])
+            positions[row : row + length] = torch.arange(length) + chunk.start_pos + new_start
+        requests.append(_request_attention(chunk, runs, layout, pcp_rank, num_rows))
+        _plan_writes(chunk, runs, layout, num_rows, write_rows, write_slots)
+        output_rows += _locate(output_plan(chunk), runs)
+    attention = AttentionMetadata(
+        num_rows=num_rows,
+        requests=tuple(requests),
+        write_rows=torch.tensor(write_rows, dtype=torch.long),
+        write_slots=torch.tensor(write_slots, dtype=torch.long),
+        has_context=any(r.context_len > 0 for r in requests),
+        has_new=any(r.num_new > 1 for r in requests),
+    )
+    return StepBatch(token_ids=token_ids, positions=positions, attention=attention, output_rows=tuple(output_rows))
+
+
+def _request_attention(chunk, runs, layout: KVLayout, pcp_rank: int, num_rows: int) -> RequestAttention:
+    num_new = len(chunk.token_ids)
+    # A single new token is not split: every PCP rank holds it, its owner stores it first, and it then
+    # attends to the cached context including itself (DESIGN section 5).
+    context_len = chunk.start_pos + (1 if num_new == 1 else 0)
+    block_table = torch.tensor(chunk.block_table, dtype=torch.long)
+    new_kv_rows = None
+    if num_new > 1:
+        new_kv_rows = torch.empty(num_new, dtype=torch.long)
+        for p, rank_runs in enumerate(runs):
+            for row, new_start, length in rank_runs:
+                new_kv_rows[new_start : new_start + length] = torch.arange(length) + p * num_rows + row
+    return RequestAttention(
+        num_new=num_new,
+        context_len=context_len,
+        local_chunks=tuple(LocalChunk(row=r, new_start=s, length=n) for r, s, n in runs[pcp_rank]),
+        new_kv_rows=new_kv_rows,
+        context_slots=local_context_slots(context_len, block_table, layout),
+        pcp_rows=tuple((rr[0][0], rr[-1][0] + rr[-1][2]) if rr else (0, 0) for rr in runs),
+        source_rank_rows=tuple(tuple(rr) for rr in runs),
+    )
+
+
+def _plan_writes(chunk, runs, layout: KVLayout, num_rows: int, write_rows: list, write_slots: list) -> None:
+    """This rank stores exactly the new tokens it owns, reading them from the gathered buffer."""
+    owned = layout.owned_positions(chunk.start_pos, chunk.end_pos)
+    if not owned:
+        return
+    gathered_row = {}
+    for p, rank_runs in enumerate(runs):
+        for row, new_start, length in rank_runs:
+            for i in range(length):
+                gathered_row.setdefault(new_start + i, p * num_rows + row + i)
+    for pos in owned:
+        write_rows.append(gathered_row[pos - chunk.start_pos])
+        write_slots.append(layout.slot(pos, chunk.block_table))
+
+
+def _locate(new_indices, runs) -> list[tuple[int, int]]:
+    """(pcp rank, row) holding each requested new-token index (the lowest rank when several hold it)."""
+    where = {}
+    for p, rank_runs in enumerate(runs):
+        for row, new_start, length in rank_runs:
+            for i in range(length):
+                where.setdefault(new_start + i, (p, row + i))
+    return [where[i] for i in new_indices]

@@ -1,0 +1,101 @@
+"""Load-balanced head-tail split of a request's new tokens over PCP ranks.
+
+Causal attention makes late tokens more expensive than early ones (they see more
+keys). Cutting the new tokens into `2 * pcp_size` equal chunks and giving rank
+`p` both chunk `p` (cheap, near the head) and chunk `2 * pcp_size - 1 - p`
+(expensive, near the tail) evens out the attention work across ranks
+(DESIGN section 4). Pure Python, no torch: the scheduler side may use it too.
+
+Worked example, `T = 10`, `pcp_size = 2`: chunk length 3, chunks
+`[0,3) [3,6) [6,9) [9,10)`; rank 0 computes tokens 0-2 and 9, rank 1 tokens 3-8.
+"""
+
+from __future__ import annotations
+
+
+def _check(num_tokens: int, pcp_size: int) -> None:
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    if pcp_size < 1:
+        raise ValueError(f"pcp_size must be >= 1, got {pcp_size}")
+
+
+def _check_rank(pcp_size: int, pcp_rank: int) -> None:
+    if not 0 <= pcp_rank < pcp_size:
+        raise ValueError(f"pcp_rank={pcp_rank} is outside [0, pcp_size={pcp_size})")
+
+
+def head_tail_chunks(num_tokens: int, pcp_size: int) -> list[tuple[int, int]]:
+    """The `2 * pcp_size` chunks `[start, end)` of the new tokens, in order.
+
+    Chunk length is `ceil(num_tokens / (2 * pcp_size))`; chunks past the end are
+    empty (`start == end == num_tokens`), so the list always has `2 * pcp_size`
+    entries and their union is exactly `[0, num_tokens)`.
+    """
+    _check(num_tokens, pcp_size)
+    num_chunks = 2 * pcp_size
+    chunk = -(-num_tokens // num_chunks)
+    return [
+        (min(i * chunk, num_tokens), min((i + 1) * chunk, num_tokens)) for i in range(num_chunks)
+    ]
+
+
+def rank_token_ranges(num_tokens: int, pcp_size: int, pcp_rank: int) -> list[tuple[int, int]]:
+    """The non-empty ranges `[start, end)` of new-token indices that `pcp_rank` computes.
+
+    Chunks `pcp_rank` and `2 * pcp_size - 1 - pcp_rank`, in that (ascending)
+    order, with empty ones dropped. A decode-like request (`num_tokens == 1`) is
+    not split: every rank computes it and gets `[(0, 1)]`.
+    """
+    _check(num_tokens, pcp_size)
+    _check_rank(pcp_size, pcp_rank)
+    if num_tokens == 1:
+        return [(0, 1)]
+    chunks = head_tail_chunks(num_tokens, pcp_size)
+    head = chunks[pcp_rank]
+    tail = chunks[2 * pcp_size - 1 - pcp_rank]
+    return [r for r in (head, tail) if r[1] > r[0]]
+
+
+def rank_token_indices(num_tokens: int, pcp_size: int, pcp_rank: int) -> list[int]:
+    """The new-token indices `pcp_rank` computes, ascending (flattened `rank_token_ranges`)."""
+    return [i for s, e in rank_token_ranges(num_tokens, pcp_size, pcp_rank) for i in range(s, e)]
+
+
+def rank_num_tokens(num_tokens: int, pcp_size: int, pcp_rank: int) -> int:
+    """How many new tokens `pcp_rank` computes (length of `rank_token_indices`)."""
+    return sum(e - s for s, e in rank_token_ranges(num_tokens, pcp_size, pcp_rank))
+
+
+def restore_order_indices(
+    num_tokens: int, pcp_size: int, *, rank_stride: int | None = None
+) -> list[int]:
+    """Permutation that puts the gathered tokens back in sequence order.
+
+    Let `concat` be every rank's tokens concatenated, rank 0 first, each rank's
+    tokens in `rank_token_indices` order. Without `rank_stride` there is no
+    padding (rank `r`'s tokens follow rank `r-1`'s directly); with it, rank
+    `r`'s tokens start at `r * rank_stride` (an all-gather of buffers padded at
+    the end to `rank_stride` tokens). Then
+    `perm = restore_order_indices(T, P)` satisfies `concat[perm[t]]` is token
+    `t`, i.e. `concat[perm] == arange(T)` when `concat` holds the token indices.
+    For `num_tokens == 1` every rank holds a copy of token 0 and `perm == [0]`
+    (rank 0's copy); the result has length `num_tokens` in every case.
+    """
+    _check(num_tokens, pcp_size)
+    if num_tokens == 1:
+        return [0]
+    perm = [0] * num_tokens
+    offset = 0
+    for rank in range(pcp_size):
+        indices = rank_token_indices(num_tokens, pcp_size, rank)
+        if rank_stride is not None:
+            if rank_stride < len(indices):
+                raise ValueError(
+                    f"rank_stride={rank_stride} is smaller than rank {rank}'s {len(indices)} tokens"
+                )
+            offset = rank * rank_stride
+        for i in indices:
+            perm[i] = offset
+            offset += 1
+    return perm

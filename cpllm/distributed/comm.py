@@ -1,0 +1,173 @@
+"""Thin collective helpers that take their group explicitly.
+
+A group is a `ProcessGroup` or `None`; `None` is a group of one rank (see
+`cpllm.distributed.groups`), and every helper returns at once for it, so layers
+call them unconditionally. Ranks passed in (`src`) are GLOBAL ranks, as in
+torch.distributed.
+
+Every collective here is bounded: the timeout given to `init_process_group` /
+`new_group` applies to each gloo operation, and a peer process that has died
+closes its sockets, which makes the surviving ranks' gloo calls raise at once
+(tests/test_launch.py checks both cases). A call never hangs forever.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+Group = dist.ProcessGroup | None
+
+
+def group_size(group: Group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: Group) -> int:
+    """This process's rank inside the group (0 for a group of one)."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+def all_gather(tensor: torch.Tensor, group: Group, *, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's tensor along `dim`, in group-rank order.
+
+    Every rank must pass the same shape (gloo cannot gather unequal sizes: pad,
+    or use `all_to_all` with split sizes).
+    """
+    world = group_size(group)
+    if world == 1:
+        return tensor
+    if tensor.dim() == 0:
+        raise ValueError("all_gather needs a tensor with at least one dimension")
+    # gloo's all_gather_into_tensor gathers contiguous buffers along dim 0 only.
+    shape = tensor.shape
+    out = torch.empty((world * shape[0], *shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    dist.all_gather_into_tensor(out, tensor.contiguous(), group=group)
+    dim = dim % tensor.dim()
+    if dim == 0:
+        return out
+    # [world, *shape] -> shape with dim scaled by world, rank r's slice at r * shape[dim]
+    return out.view(world, *shape).movedim(0, dim).flatten(dim, dim + 1)
+
+
+def all_reduce(tensor: torch.Tensor, group: Group, *, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+    """Reduce in place over the group; returns the same tensor."""
+    if group_size(group) > 1:
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def reduce_scatter(tensor: torch.Tensor, group: Group, *, dim: int = 0) -> torch.Tensor:
+    """Sum over the group, then keep this rank's equal slice of `dim` (group-rank order)."""
+    world = group_size(group)
+    if world == 1:
+        return tensor
+    dim = dim % tensor.dim()
+    if tensor.shape[dim] % world != 0:
+        raise ValueError(f"reduce_scatter: size {tensor.shape[dim]} of dim {dim} is not divisible by group size {world}")
+    inp = tensor.movedim(dim, 0).contiguous()  # [world * chunk, ...rest]
+    out = torch.empty((inp.shape[0] // world, *inp.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    dist.reduce_scatter_tensor(out, inp, group=group)
+    return out.movedim(0, dim)
+
+
+def all_to_all(
+    tensor: torch.Tensor,
+    group: Group,
+    *,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+) -> torch.Tensor:
+    """Exchange slices of dim 0: slice i of the input goes to group rank i.
+
+    `input_split_sizes[i]` rows go to rank i; `output_split_sizes[i]` rows come
+    from rank i (None = equal split). Unlike all_gather, sizes may differ.
+    """
+    world = group_size(group)
+    if world == 1:
+        return tensor
+    for name, splits in (("input_split_sizes", input_split_sizes), ("output_split_sizes", output_split_sizes)):
+        if splits is not None and len(splits) != world:
+            raise ValueError(f"all_to_all: {name} has {len(splits)} entries for a group of {world}")
+    if input_split_sizes is not None and sum(input_split_sizes) != tensor.shape[0]:
+        raise ValueError(f"all_to_all: input_split_sizes sum to {sum(input_split_sizes)}, dim 0 is {tensor.shape[0]}")
+    rows = tensor.shape[0] if output_split_sizes is None else sum(output_split_sizes)
+    out = torch.empty((rows, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    dist.all_to_all_single(
+        out,
+        tensor.contiguous(),
+        output_split_sizes=output_split_sizes,
+        input_split_sizes=input_split_sizes,
+        group=group,
+    )
+    return out
+
+
+def broadcast_object(obj: Any, *, src: int, group: Group) -> Any:
+    """Pickle `obj` on global rank `src` and return it on every rank of `group`.
+
+    Use a gloo group (ParallelGroups.replica_group / world_cpu_group): the object
+    travels as a CPU byte tensor, so control messages never touch the GPU.
+    Non-source ranks may pass anything (it is ignored).
+    """
+    if group_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def barrier(group: Group) -> None:
+    if group_size(group) > 1:
+        dist.barrier(group=group)
+
+
+@dataclass(kw_only=True, slots=True)
+class RingTransfer:
+    """An in-flight ring step; `wait()` returns the tensor received from the previous rank."""
+
+    received: torch.Tensor
+    """Buffer the previous rank's tensor lands in (valid only after wait())."""
+    sent: torch.Tensor | None
+    """The outgoing buffer, kept alive until the send completes."""
+    works: list[Any]
+    """Work handles of the send and the receive."""
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        self.works = []
+        self.sent = None
+        return self.received
+
+
+def ring_exchange(tensor: torch.Tensor, group: Group, *, recv_buffer: torch.Tensor | None = None) -> RingTransfer:
+    """Start sending `tensor` to the next group rank and receiving the previous one's.
+
+    Non-blocking (batch_isend_irecv), so compute can overlap the transfer; every
+    rank of the group must call it with the same shape. After `world - 1` steps
+    each rank has seen every rank's tensor. For a group of one, the "previous
+    rank" is this rank, so the tensor itself comes back.
+    """
+    world = group_size(group)
+    if world == 1:
+        return RingTransfer(received=tensor, sent=None, works=[])
+    me = dist.get_rank(group)
+    next_rank = dist.get_global_rank(group, (me + 1) % world)
+    prev_rank = dist.get_global_rank(group, (me - 1) % world)
+    if recv_buffer is None:
+        recv_buffer = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    elif recv_buffer.shape != tensor.shape or recv_buffer.dtype != tensor.dtype or not recv_buffer.is_contiguous():
+        raise ValueError(
+            f"ring_exchange: recv_buffer {tuple(recv_buffer.shape)} {recv_buffer.dtype} does not match "
+            f"tensor {tuple(tensor.shape)} {tensor.dtype} (it must also be contiguous)"
+        )
+    sent = tensor.contiguous()
+    ops = [
+        dist.P2POp(dist.isend, sent, next_rank, group),
+        dist.P2POp(dist.irecv, recv_buffer, prev_rank, group),
+    ]
+    return RingTransfer(received=recv_buffer, sent=sent, works=dist.batch_isend_irecv(ops))

@@ -1,0 +1,208 @@
+"""LLMEngine: the driver's loop of schedule -> run on every rank -> sample -> update."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+
+import torch
+
+from cpllm.config import EngineConfig
+from cpllm.engine.detokenizer import IncrementalDetokenizer
+from cpllm.engine.kv_blocks import BlockPool
+from cpllm.engine.outputs import RequestOutput
+from cpllm.engine.request import Request, RequestStatus
+from cpllm.engine.sampler import Sampler, SamplingRow, make_generator, prompt_logprobs
+from cpllm.engine.sampling_params import SamplingParams
+from cpllm.engine.scheduler import Scheduler, SchedulerOutput
+from cpllm.engine.sequence import RequestState, Sequence, finish_status
+from cpllm.model.tokenizer import Tokenizer
+from cpllm.worker.executor import Executor
+from cpllm.worker.runner import output_positions
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """Owns the scheduler and the executor of one replica; `step()` advances every running request."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, *, threads_per_rank: int | None = None):
+        self.config, self.tokenizer = config, tokenizer
+        self.executor = Executor(config, threads_per_rank=threads_per_rank)
+        cp_size = config.parallel.cp_size
+        self.tokens_per_block = config.cache.block_size * cp_size
+        num_blocks = self.executor.num_blocks
+        self.kv_capacity_tokens = num_blocks * self.tokens_per_block
+        self.max_model_len = min(config.scheduler.max_model_len, self.kv_capacity_tokens)
+        self._log_layout(num_blocks)
+        if self.max_model_len < config.scheduler.max_model_len:
+            logger.warning("max_model_len lowered from %d to %d: the KV cache of the CP group holds only %d tokens",
+                           config.scheduler.max_model_len, self.max_model_len, self.kv_capacity_tokens)
+        scheduler_config = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
+        self.pool = BlockPool(num_blocks, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(scheduler_config, self.pool, self.tokens_per_block)
+        self.sampler = Sampler()
+        self.eos_token_ids = tuple(config.model.eos_token_ids) or tuple(tokenizer.eos_token_ids)
+        self._seed_stream = random.Random(config.seed)
+        self._states: dict[str, RequestState] = {}
+        self._sequences: dict[str, tuple[RequestState, Sequence]] = {}
+
+    def _log_layout(self, num_blocks: int) -> None:
+        p, groups = self.config.parallel, self.executor.groups
+        logger.info(
+            "layout: world=%d dp=%d pcp=%d tp=%d dcp=%d cp_size=%d interleave=%d prefill_strategy=%s",
+            p.world_size, p.data_parallel_size, p.prefill_context_parallel_size, p.tensor_parallel_size,
+            p.decode_context_parallel_size, p.cp_size, p.cp_kv_cache_interleave_size, p.cp_prefill_strategy,
+        )
+        logger.info(
+            "KV cache: %d blocks x %d tokens per rank (%.1f MiB per rank); the CP group of %d ranks holds %d tokens",
+            num_blocks, self.config.cache.block_size, self.executor.runner.kv_bytes / 2**20, groups.cp_size,
+            self.kv_capacity_tokens,
+        )
+
+    # ---- requests -------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    *, prompt: str | None = None, arrival_time: float | None = None) -> None:
+        if request_id in self._states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_prompt(prompt_token_ids, params)
+        state = RequestState(request_id=request_id, prompt=prompt, prompt_token_ids=list(prompt_token_ids),
+                             sequences=[])
+        state.metrics.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]
+        for index in range(params.n):
+            child_params = params if index == 0 else dataclasses.replace(params, prompt_logprobs=None)
+            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            request = Request(request_id=child_id, prompt_token_ids=list(prompt_token_ids),
+                              sampling_params=child_params, arrival_time=state.metrics.arrival_time)
+            seq = Sequence(index=index, request=request,
+                           detokenizer=IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids), params),
+                           generator=self._generator(params, index),
+                           logprobs=[] if params.logprobs is not None else None)
+            state.sequences.append(seq)
+            self._sequences[child_id] = (state, seq)
+        self._states[request_id] = state
+        for seq in state.sequences:
+            self.scheduler.add_request(seq.request)
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        base = params.seed if params.seed is not None else self._seed_stream.getrandbits(63)
+        return None if params.greedy else make_generator(base + index)
+
+    def _check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty; at least one token is needed")
+        vocab = self.config.model.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        needed = len(prompt_token_ids) + (params.max_tokens or 1)
+        if needed > self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(prompt_token_ids)} tokens + max_tokens={params.max_tokens} = {needed} tokens "
+                f"exceeds max_model_len={self.max_model_len}"
+                + (f" (the KV cache of the CP group holds {self.kv_capacity_tokens} tokens)"
+                   if self.max_model_len == self.kv_capacity_tokens else "")
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        state = self._states.pop(request_id, None)
+        if state is None:
+            return
+        for seq in state.sequences:
+            self._sequences.pop(seq.request.request_id, None)
+            if not seq.finished:
+                self.scheduler.finish(seq.request, RequestStatus.FINISHED_ABORTED)
+                seq.detokenizer.finish()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._states)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- the step -------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule and run one step; returns the state of every request that advanced or finished."""
+        step = self.scheduler.schedule()
+        if not step.chunks:
+            return []
+        now = time.monotonic()
+        for chunk in step.chunks:
+            state, _ = self._sequences[chunk.request_id]
+            if state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = now
+        logits = self.executor.execute(step)
+        self.scheduler.on_step_done(step)
+        touched = self._process_logits(step, logits)
+        outputs = []
+        for state in touched:
+            state.mark_finished_if_done()
+            outputs.append(state.output())
+            if state.finished:
+                self._forget(state)
+        return outputs
+
+    def _forget(self, state: RequestState) -> None:
+        self._states.pop(state.request_id, None)
+        for seq in state.sequences:
+            self._sequences.pop(seq.request.request_id, None)
+
+    def _process_logits(self, step: SchedulerOutput, logits: torch.Tensor | None) -> list[RequestState]:
+        row, rows, to_sample, touched = 0, [], [], {}
+        for chunk in step.chunks:
+            state, seq = self._sequences[chunk.request_id]
+            num_rows = len(output_positions(chunk))
+            if chunk.prompt_logits:
+                self._add_prompt_logprobs(state, seq, chunk, logits[row : row + num_rows])
+            if chunk.sample:
+                rows.append(row + num_rows - 1)
+                to_sample.append((state, seq))
+            row += num_rows
+        if to_sample:
+            sample_rows = [
+                SamplingRow(params=seq.request.sampling_params, prompt_token_ids=seq.request.prompt_token_ids,
+                            output_token_ids=seq.request.output_token_ids, generator=seq.generator,
+                            eos_token_ids=self.eos_token_ids)
+                for _, seq in to_sample
+            ]
+            sampled = self.sampler(logits[rows], sample_rows)
+            for (state, seq), token in zip(to_sample, sampled):
+                self._append_token(state, seq, token)
+                touched[state.request_id] = state
+        return list(touched.values())
+
+    def _add_prompt_logprobs(self, state: RequestState, seq: Sequence, chunk, chunk_logits: torch.Tensor) -> None:
+        """Row i predicts position start + i + 1; fill the prompt positions not filled before (recompute)."""
+        prompt = seq.request.prompt_token_ids
+        first = len(state.prompt_logprobs) - 1  # logits row position whose target is the next unfilled position
+        last = min(chunk.end_pos, len(prompt) - 1)
+        if last <= first or first < chunk.start_pos:
+            return
+        rows = chunk_logits[first - chunk.start_pos : last - chunk.start_pos]
+        state.prompt_logprobs += prompt_logprobs(rows, prompt[first + 1 : last + 1],
+                                                 seq.request.sampling_params.prompt_logprobs)
+
+    def _append_token(self, state: RequestState, seq: Sequence, token) -> None:
+        request = seq.request
+        request.output_token_ids.append(token.token_id)
+        state.mark_first_token()
+        if seq.logprobs is not None:
+            seq.logprobs.append(token.logprobs)
+        status = finish_status(seq, token.token_id, self.eos_token_ids, self.max_model_len)
+        if status is not None:
+            self.scheduler.finish(request, status)
+            seq.detokenizer.finish()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

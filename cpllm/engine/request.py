@@ -1,0 +1,57 @@
+"""A request's state on the driver (torch-free)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from cpllm.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated: its tokens, its progress and its KV blocks."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    """Tokens whose K/V are in the cache (prefix-cache hits included)."""
+    block_ids: list[int] = field(default_factory=list)
+    """Virtual block table: entry i holds tokens [i*V, (i+1)*V) where V = block_size * cp_size."""
+    block_hashes: list[int] = field(default_factory=list)
+    """Chained hashes of the leading full blocks of all_token_ids (a pure function of the tokens)."""
+    num_registered_blocks: int = 0
+    """Leading blocks of block_ids that are computed and registered in the prefix cache."""
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None

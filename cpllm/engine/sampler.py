@@ -1,0 +1,244 @@
+"""Turns the driver's logits into tokens (and logprobs), one row per running sequence.
+
+Order of operations, as in vLLM v1: logprobs from the raw logits; then
+min_tokens masking, penalties; greedy rows take the argmax here; random rows go
+on through temperature, top-k, top-p, min-p and draw from their own generator,
+so a seeded request samples the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cpllm.engine.outputs import Logprob
+from cpllm.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """One sequence to sample in this step."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: torch.Generator | None
+    """This request's own generator; None only when params.greedy."""
+    eos_token_ids: tuple[int, ...] = ()
+    """The model's EOS ids, masked (with stop_token_ids) until min_tokens is reached."""
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprobs: dict[int, Logprob] | None
+    """The sampled token plus the top `params.logprobs` tokens; None when not requested."""
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator seeded for one request; any Python int is accepted as seed."""
+    gen = torch.Generator(device=device)
+    # manual_seed refuses values outside 64 bits; wrap so negative / huge seeds work.
+    gen.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+    return gen
+
+
+class Sampler:
+    """Stateless: all per-request state arrives in the rows."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+        # logits: [num_rows, vocab] raw model logits
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(
+                f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows"
+            )
+        logits = logits.float()
+        processed = _process_logits(logits, rows)
+        token_ids = _choose_tokens(processed, rows)
+        logprobs = _sampled_logprobs(logits, rows, token_ids)
+        return [SampledToken(token_id=t, logprobs=lp) for t, lp in zip(token_ids, logprobs)]
+
+
+def _sampled_logprobs(
+    logits: torch.Tensor, rows: list[SamplingRow], token_ids: list[int]
+) -> list[dict[int, Logprob] | None]:
+    """Entries from the raw logits (before penalties), for the rows that asked."""
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    out: list[dict[int, Logprob] | None] = [None] * len(rows)
+    if wanted:
+        lps = torch.log_softmax(logits[wanted], dim=-1)  # [len(wanted), vocab]
+        entries = logprob_entries(
+            lps, [token_ids[i] for i in wanted], [rows[i].params.logprobs for i in wanted]
+        )
+        for i, entry in zip(wanted, entries):
+            out[i] = entry
+    return out
+
+
+def _needs_processing(row: SamplingRow) -> bool:
+    return row.params.has_penalties or bool(_masked_stop_ids(row))
+
+
+def _process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """min_tokens masking and penalties, applied to a copy only when some row needs them."""
+    todo = [i for i, r in enumerate(rows) if _needs_processing(r)]
+    if not todo:
+        return logits
+    logits = logits.clone()
+    for i in todo:
+        _mask_stop_ids(logits[i], rows[i])
+        apply_penalties(logits[i], rows[i].params, rows[i].prompt_token_ids, rows[i].output_token_ids)
+    return logits
+
+
+def _masked_stop_ids(row: SamplingRow) -> list[int]:
+    """Ids that may not be sampled yet because fewer than min_tokens were generated."""
+    p = row.params
+    if len(row.output_token_ids) >= p.min_tokens:
+        return []
+    ids = list(p.stop_token_ids or [])
+    if not p.ignore_eos:
+        ids.extend(row.eos_token_ids)
+    return ids
+
+
+def _mask_stop_ids(logits: torch.Tensor, row: SamplingRow) -> None:
+    # logits: [vocab], modified in place
+    ids = [t for t in _masked_stop_ids(row) if t < logits.shape[0]]
+    if ids:
+        logits[ids] = float("-inf")
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    prompt_token_ids: Sequence[int],
+    output_token_ids: Sequence[int],
+) -> None:
+    """Repetition penalty over prompt+output, frequency/presence over output, in place.
+
+    logits: [vocab]. Repetition divides positive logits and multiplies negative
+    ones by the penalty; then logit -= frequency * count + presence * (count > 0).
+    """
+    if not params.has_penalties:
+        return
+    vocab = logits.shape[0]
+    device = logits.device
+    out_ids = torch.tensor(list(output_token_ids), dtype=torch.long, device=device)
+    counts = torch.bincount(out_ids, minlength=vocab)[:vocab]  # [vocab]
+    if params.repetition_penalty != 1.0:
+        seen = counts > 0
+        prompt = torch.tensor(list(prompt_token_ids), dtype=torch.long, device=device)
+        seen[prompt[prompt < vocab]] = True
+        penalty = params.repetition_penalty
+        scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits.copy_(torch.where(seen, scaled, logits))
+    if params.frequency_penalty != 0.0:
+        logits -= params.frequency_penalty * counts.to(logits.dtype)
+    if params.presence_penalty != 0.0:
+        logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _choose_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    """Argmax for greedy rows (one batched op), a draw from the row's generator otherwise."""
+    tokens = [0] * len(rows)
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    if greedy:
+        picked = logits[greedy].argmax(dim=-1).tolist()
+        for i, tok in zip(greedy, picked):
+            tokens[i] = tok
+    for i, row in enumerate(rows):
+        if not row.params.greedy:
+            tokens[i] = _sample_row(logits[i], row)
+    return tokens
+
+
+def _sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
+    # logits: [vocab], penalised
+    gen = row.generator
+    if gen is None:
+        raise ValueError(
+            f"row with temperature={row.params.temperature} needs a generator "
+            "(only greedy rows may pass generator=None)"
+        )
+    # Draw on the generator's device so the stream depends on the seed alone.
+    logits = logits.to(gen.device)
+    probs = restricted_probs(logits, row.params)
+    return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def restricted_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities after temperature, top-k, top-p and min-p (zero outside the support).
+
+    logits: [vocab] -> [vocab]
+    """
+    logits = logits / params.temperature
+    top_k = params.top_k_or_none
+    if top_k is not None and top_k < logits.shape[0]:
+        kth = torch.topk(logits, top_k).values[-1]
+        # Ties with the k-th value are kept, as in vLLM.
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        logits = _top_p(logits, params.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    if params.min_p > 0.0:
+        # The ratio to the top probability is unchanged by the renormalising after
+        # top-k / top-p, so the threshold can use these probabilities as they are.
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+        probs = probs / probs.sum()
+    return probs
+
+
+def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    # logits: [vocab]. Keep a token when the mass of the tokens strictly more
+    # likely than it is below top_p; the most likely token always stays.
+    probs = torch.softmax(logits, dim=-1)
+    sorted_probs, order = torch.sort(probs, descending=True)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    drop_sorted = mass_before >= top_p
+    drop_sorted[0] = False
+    drop = torch.zeros_like(drop_sorted).scatter_(0, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def logprob_entries(
+    logprobs: torch.Tensor, token_ids: Sequence[int], num_tops: Sequence[int]
+) -> list[dict[int, Logprob]]:
+    """Per row: the given token, then its num_top most likely tokens, each with a rank.
+
+    logprobs: [m, vocab] log_softmax rows; token_ids, num_tops: [m]. The given
+    token's rank is 1 + the number of strictly more likely tokens; the top
+    tokens are ranked 1..num_top by position, as in vLLM.
+    """
+    ids = torch.tensor(list(token_ids), dtype=torch.long, device=logprobs.device)
+    chosen = logprobs.gather(1, ids[:, None])  # [m, 1]
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    k = min(max(num_tops, default=0), logprobs.shape[1])
+    top_values, top_ids = torch.topk(logprobs, k, dim=-1)  # [m, k]
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    entries = []
+    for i, (tok, lp) in enumerate(zip(token_ids, chosen[:, 0].tolist())):
+        entry = {int(tok): Logprob(logprob=lp, rank=ranks[i])}
+        for r in range(min(num_tops[i], k)):
+            entry.setdefault(top_ids[i][r], Logprob(logprob=top_values[i][r], rank=r + 1))
+        entries.append(entry)
+    return entries
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, target_ids: Sequence[int], num_top: int
+) -> list[dict[int, Logprob]]:
+    """Logprobs of the prompt's next tokens from the logits at positions 0..n-1.
+
+    logits: [n, vocab], row i predicts target_ids[i] (the prompt token at i+1).
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(target_ids):
+        raise ValueError(
+            f"logits shape {tuple(logits.shape)} does not match {len(target_ids)} target ids"
+        )
+    if len(target_ids) == 0:
+        return []
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [n, vocab]
+    return logprob_entries(logprobs, target_ids, [num_top] * len(target_ids))

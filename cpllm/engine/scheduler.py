@@ -1,0 +1,192 @@
+"""Continuous batching with chunked prefill, prefix caching and preemption (torch-free).
+
+The scheduler owns every request's state; what it sends to the ranks is a
+`SchedulerOutput`: plain data, identical on every rank of a replica.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from cpllm.config import SchedulerConfig
+from cpllm.engine.kv_blocks import BlockPool, extend_hashes
+from cpllm.engine.request import Request, RequestStatus
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ScheduledChunk:
+    """The tokens of one request computed in this step."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    """New tokens, at positions start_pos .. start_pos + len - 1."""
+    start_pos: int
+    """Tokens already in the KV cache (earlier chunks, prefix-cache hits)."""
+    block_table: tuple[int, ...]
+    """Virtual block ids covering positions [0, start_pos + len(token_ids))."""
+    sample: bool
+    """The chunk ends the known tokens: the driver samples the next one from its last position."""
+    prompt_logits: bool
+    """Return logits of every position in the chunk (prompt logprobs)."""
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class SchedulerOutput:
+    """One step for every rank of a replica."""
+
+    step_id: int
+    chunks: tuple[ScheduledChunk, ...] = ()
+    shutdown: bool = False
+    """Tells the workers to leave their loop."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+class Scheduler:
+    """Decides, step by step, which tokens of which requests are computed."""
+
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, tokens_per_block: int):
+        self.config = config
+        self.pool = pool
+        self.tokens_per_block = tokens_per_block  # virtual block: block_size * cp_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._step_id = 0
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request (stopped, length, aborted) and release its blocks."""
+        request.status = status
+        self.requests.pop(request.request_id, None)
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.pool.free(request.block_ids)
+        request.block_ids = []
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        scheduled: set[str] = set()
+        for request in list(self.running):
+            if budget == 0 or request not in self.running:
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._reserve(request, num_new, scheduled):
+                continue
+            chunks.append(self._chunk(request, num_new))
+            scheduled.add(request.request_id)
+            budget -= num_new
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            self._use_prefix_cache(request)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            blocks = self.pool.allocate(self._blocks_needed(request, num_new))
+            if blocks is None:
+                self._release(request)
+                break
+            request.block_ids += blocks
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+        self._step_id += 1
+        return SchedulerOutput(step_id=self._step_id, chunks=tuple(chunks))
+
+    def on_step_done(self, output: SchedulerOutput) -> None:
+        """Advance progress after the ranks computed a step; register newly full blocks."""
+        for chunk in output.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is None:
+                continue
+            request.num_computed_tokens = chunk.end_pos
+            self._register_full_blocks(request)
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        end = start + num_new
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=tuple(request.all_token_ids[start:end]),
+            start_pos=start,
+            block_table=tuple(request.block_ids),
+            sample=end == request.num_tokens,
+            prompt_logits=request.wants_prompt_logprobs and start < request.num_prompt_tokens,
+        )
+
+    def _blocks_needed(self, request: Request, num_new: int) -> int:
+        total = -(-(request.num_computed_tokens + num_new) // self.tokens_per_block)
+        return max(0, total - len(request.block_ids))
+
+    def _reserve(self, request: Request, num_new: int, scheduled: set[str]) -> bool:
+        """Allocate blocks for a running request, preempting the newest others; False if it was preempted."""
+        needed = self._blocks_needed(request, num_new)
+        while True:
+            blocks = self.pool.allocate(needed)
+            if blocks is not None:
+                request.block_ids += blocks
+                return True
+            victim = next((r for r in reversed(self.running) if r.request_id not in scheduled), None)
+            if victim is None:
+                return False
+            self._preempt(victim)
+            if victim is request:
+                return False
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute later: drop the KV blocks and put the request first in line."""
+        self.running.remove(request)
+        self._release(request)
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _release(self, request: Request) -> None:
+        self.pool.free(request.block_ids)
+        request.block_ids = []
+        request.num_computed_tokens = 0
+        request.num_registered_blocks = 0
+
+    def _use_prefix_cache(self, request: Request) -> None:
+        """Start a fresh request after its longest cached prefix of full blocks."""
+        if request.num_computed_tokens or request.block_ids or request.wants_prompt_logprobs:
+            return
+        num_full = request.num_tokens // self.tokens_per_block
+        extend_hashes(request.block_hashes, request.all_token_ids, self.tokens_per_block, num_full)
+        hits = self.pool.lookup_prefix(request.block_hashes[:num_full])
+        if hits and len(hits) * self.tokens_per_block == request.num_tokens:
+            # At least one token must be computed to produce logits for sampling.
+            self.pool.free(hits[-1:])
+            hits = hits[:-1]
+        request.block_ids = hits
+        request.num_computed_tokens = len(hits) * self.tokens_per_block
+        request.num_registered_blocks = len(hits)
+
+    def _register_full_blocks(self, request: Request) -> None:
+        num_full = request.num_computed_tokens // self.tokens_per_block
+        if num_full <= request.num_registered_blocks:
+            return
+        extend_hashes(request.block_hashes, request.all_token_ids, self.tokens_per_block, num_full)
+        for i in range(request.num_registered_blocks, num_full):
+            self.pool.register(request.block_ids[i], request.block_hashes[i])
+        request.num_registered_blocks = num_full

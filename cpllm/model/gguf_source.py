@@ -1,0 +1,249 @@
+"""Weights from a llama.cpp GGUF file, renamed and reshaped to Hugging Face layout.
+
+Three things differ from a Hugging Face checkpoint:
+- names: `blk.N.attn_q.weight` instead of `model.layers.N.self_attn.q_proj.weight`;
+- storage: tensors may be block-quantized (Q8_0, Q4_1, K-quants, ...); they
+  are dequantized on read, and a row slice dequantizes only its rows, since a
+  quantization block never crosses a row;
+- Llama q/k rows: llama.cpp's converter reorders the rows of each head from
+  "first half, second half" (HF's rotate-half rotary) to interleaved pairs
+  (its own rotary). Reading undoes that so the rows match HF again. Qwen2 is
+  converted without the reordering.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.gguf_reader import ReaderTensor
+from gguf.quants import dequantize
+
+from cpllm.config import ModelConfig
+from cpllm.model.loader import resolve_slice
+
+_Q = GGMLQuantizationType
+SUPPORTED_TENSOR_TYPES = frozenset(
+    {_Q.F32, _Q.F16, _Q.BF16, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0}
+    | {_Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K}
+)
+"""Tensor types this loader dequantizes (through gguf.quants.dequantize)."""
+
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+"""GGUF `general.architecture` -> Hugging Face architecture."""
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+_QK_RE = re.compile(r"model\.layers\.\d+\.self_attn\.([qk])_proj\.(weight|bias)")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a llama.cpp tensor name, or None if it has none."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_RE.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        return None
+    return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+
+
+def _meta(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    """A scalar or string metadata value, or `default` when the key is absent."""
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _eos_ids(reader: GGUFReader) -> tuple[int, ...]:
+    # llama.cpp stops on end-of-turn as well as end-of-sequence; keep both, eos first
+    ids = [_meta(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot")]
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def _head_dim(reader: GGUFReader, arch: str, hidden: int, heads: int) -> int:
+    head_dim = int(_meta(reader, f"{arch}.attention.key_length", hidden // heads))
+    value_dim = int(_meta(reader, f"{arch}.attention.value_length", head_dim))
+    rope_dim = int(_meta(reader, f"{arch}.rope.dimension_count", head_dim))
+    if value_dim != head_dim:
+        raise ValueError(f"key_length={head_dim} differs from value_length={value_dim}; not supported")
+    if rope_dim != head_dim:
+        raise ValueError(
+            f"rope.dimension_count={rope_dim} differs from head_dim={head_dim}: partial rotary is not supported"
+        )
+    return head_dim
+
+
+def _check_rope_scaling(reader: GGUFReader, arch: str, names: set[str]) -> None:
+    scaling = _meta(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ValueError(f"GGUF rope scaling type {scaling!r} is not supported; only unscaled rotary is")
+    if "rope_freqs.weight" in names:
+        raise ValueError(
+            "the GGUF file carries rope_freqs.weight (Llama 3 style frequency scaling), which the GGUF "
+            "loader cannot turn into a rope_scaling config; load the Hugging Face folder instead"
+        )
+
+
+def gguf_model_config(reader: GGUFReader, tensor_shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
+    """ModelConfig from GGUF metadata; `tensor_shapes` (GGUF names, HF order) supply vocab and tying."""
+    arch = _meta(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(GGUF_ARCHITECTURES))}"
+        )
+    _check_rope_scaling(reader, arch, set(tensor_shapes))
+    hidden = int(_meta(reader, f"{arch}.embedding_length"))
+    heads = int(_meta(reader, f"{arch}.attention.head_count"))
+    bos = _meta(reader, "tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        architecture=GGUF_ARCHITECTURES[arch],
+        # the embedding's rows are what the weights are shaped by; the token list may be shorter
+        vocab_size=tensor_shapes["token_embd.weight"][0],
+        hidden_size=hidden,
+        intermediate_size=int(_meta(reader, f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(_meta(reader, f"{arch}.block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(_meta(reader, f"{arch}.attention.head_count_kv", heads)),
+        head_dim=_head_dim(reader, arch, hidden, heads),
+        rms_norm_eps=float(_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(_meta(reader, f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(_meta(reader, f"{arch}.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensor_shapes,
+        attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensor_shapes,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=_eos_ids(reader),
+    )
+
+
+def llama_rope_row_order(rows: int, num_heads: int) -> np.ndarray:
+    """For each HF row of a Llama q/k projection, the GGUF row that holds it.
+
+    llama.cpp stores, per head of width d, HF rows (0, d/2, 1, d/2+1, ...):
+    GGUF row h*d + 2*i + j holds HF row h*d + j*d/2 + i (i < d/2, j in {0, 1}).
+    """
+    if rows % (2 * num_heads) != 0:
+        raise ValueError(f"{rows} rows cannot be split into {num_heads} heads of even width")
+    half = rows // num_heads // 2
+    # [num_heads, half, 2] in GGUF order, read back as [num_heads, 2, half]
+    return np.arange(rows).reshape(num_heads, half, 2).swapaxes(1, 2).reshape(-1)
+
+
+class GGUFSource:
+    """WeightSource over a GGUF file, memory-mapped; tensors are dequantized on read."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._reader = GGUFReader(path)
+        shapes = {t.name: tuple(reversed(t.shape.tolist())) for t in self._reader.tensors}
+        self.config = gguf_model_config(self._reader, shapes)
+        self._arch = _meta(self._reader, "general.architecture")
+        self._tensors: dict[str, ReaderTensor] = {}
+        for tensor in self._reader.tensors:
+            name = hf_name(tensor.name)
+            if name is None:
+                raise ValueError(f"GGUF tensor {tensor.name!r} has no Hugging Face Llama counterpart")
+            if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
+                raise ValueError(
+                    f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, which cannot be "
+                    f"dequantized; supported: {', '.join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))}"
+                )
+            self._tensors[name] = tensor
+
+    def names(self) -> list[str]:
+        return sorted(self._tensors)
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def gguf_tensor_type(self, name: str) -> GGMLQuantizationType:
+        """Storage type of a tensor (for logging and tests)."""
+        return self._lookup(name).tensor_type
+
+    def _lookup(self, name: str) -> ReaderTensor:
+        if name not in self._tensors:
+            raise KeyError(f"tensor {name!r} is not in {self.path!r}")
+        return self._tensors[name]
+
+    def _row_order(self, name: str, rows: int) -> np.ndarray | None:
+        """GGUF row of each HF row when llama.cpp reordered them, else None."""
+        match = _QK_RE.fullmatch(name)
+        if self._arch != "llama" or match is None:
+            return None
+        cfg = self.config
+        heads = cfg.num_attention_heads if match.group(1) == "q" else cfg.num_key_value_heads
+        return llama_rope_row_order(rows, heads)
+
+    def get(
+        self,
+        name: str,
+        *,
+        dim: int | None = None,
+        start: int = 0,
+        end: int | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        tensor = self._lookup(name)
+        shape = tuple(reversed(tensor.shape.tolist()))  # HF order: (out, in)
+        span = resolve_slice(name, shape, dim, start, end)
+        out = _read(tensor, shape, span, self._row_order(name, shape[0]))
+        if not (out.flags.owndata and out.flags.writeable and out.flags.c_contiguous):
+            out = np.array(out)  # detach from the read-only memory map
+        return torch.from_numpy(out).to(dtype)
+
+
+def _read(
+    tensor: ReaderTensor,
+    shape: tuple[int, ...],
+    span: tuple[int, int, int] | None,
+    row_order: np.ndarray | None,
+) -> np.ndarray:
+    """Dequantize `span` of `tensor` (HF layout), touching as few stored blocks as the layout allows."""
+    qtype = tensor.tensor_type
+    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    # element types are stored as elements, the others as bytes along the last axis
+    unit, unit_bytes = (block, block_bytes) if tensor.data.dtype == np.uint8 else (1, 1)
+    last = len(shape) - 1
+    index: list[Any] = [slice(None)] * len(shape)
+    after: list[Any] = [slice(None)] * len(shape)  # applied to the dequantized values
+    if row_order is not None and last > 0:
+        index[0] = row_order  # rows are whole blocks, so reordering them is free
+    elif row_order is not None:
+        after[0] = row_order  # a 1-D q/k bias: reorder the dequantized values
+    out_shape = list(shape)
+    if span is not None:
+        d, lo, hi = span
+        out_shape[d] = hi - lo
+        if d < last:
+            index[d] = index[d][lo:hi] if isinstance(index[d], np.ndarray) else slice(lo, hi)
+        elif lo % unit == 0 and hi % unit == 0 and isinstance(after[d], slice):
+            index[d] = slice(lo // unit * unit_bytes, hi // unit * unit_bytes)
+        else:  # the span cuts a block: dequantize whole blocks, then slice
+            after[d] = np.arange(shape[d])[after[d]][lo:hi]
+    raw = tensor.data[tuple(index)]
+    if raw.size == 0:
+        return np.zeros(out_shape, dtype=np.float32)
+    values = dequantize(raw, qtype).reshape(*raw.shape[:-1], -1)
+    if any(not isinstance(a, slice) for a in after):
+        values = values[tuple(after)]
+    return values

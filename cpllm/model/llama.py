@@ -1,0 +1,143 @@
+"""The Llama family (Llama 2/3, Mistral without sliding window, Qwen2, SmolLM2) in one implementation.
+
+Every rank builds only its TP shard; attention goes through PagedCPAttention,
+which hides context parallelism from the model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from cpllm.config import ModelConfig
+from cpllm.context_parallel.attention import CPComm, PagedCPAttention
+from cpllm.context_parallel.metadata import AttentionMetadata
+from cpllm.model.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RMSNorm,
+    RowParallelLinear,
+    RowRange,
+    TPShard,
+    VocabParallelEmbedding,
+)
+from cpllm.model.loader import WeightSource
+from cpllm.model.rope import RotaryEmbedding
+
+
+def local_kv_heads(config: ModelConfig, tp: TPShard) -> tuple[int, int]:
+    """(first KV head, count) held by this rank: split when there are >= TP of them, else replicated."""
+    kv = config.num_key_value_heads
+    if kv >= tp.size:
+        per_rank = kv // tp.size
+        return tp.rank * per_rank, per_rank
+    return tp.rank // (tp.size // kv), 1
+
+
+class LlamaAttention(torch.nn.Module):
+    def __init__(self, config: ModelConfig, prefix: str, tp: TPShard, comm: CPComm, dtype: torch.dtype):
+        super().__init__()
+        d = config.head_dim
+        self.num_heads = config.num_attention_heads // tp.size
+        first_kv, self.num_kv_heads = local_kv_heads(config, tp)
+        q0 = tp.rank * self.num_heads * d
+        kv0 = first_kv * d
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size,
+            [
+                RowRange(name=f"{prefix}.q_proj", start=q0, end=q0 + self.num_heads * d),
+                RowRange(name=f"{prefix}.k_proj", start=kv0, end=kv0 + self.num_kv_heads * d),
+                RowRange(name=f"{prefix}.v_proj", start=kv0, end=kv0 + self.num_kv_heads * d),
+            ],
+            bias=config.attention_bias,
+            dtype=dtype,
+        )
+        self.o_proj = RowParallelLinear(
+            f"{prefix}.o_proj", config.num_attention_heads * d, config.hidden_size, tp, dtype
+        )
+        self.attn = PagedCPAttention(comm, scale=d**-0.5)
+        self.head_dim = d
+
+    def forward(self, positions, hidden, rope: RotaryEmbedding, kv_cache, meta: AttentionMetadata):
+        n, d = hidden.shape[0], self.head_dim
+        qkv = self.qkv_proj(hidden)  # [N, (Hq + 2 Hkv) * D]
+        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q = rope(positions, q.view(n, self.num_heads, d))  # [N, Hq, D]
+        k = rope(positions, k.view(n, self.num_kv_heads, d))  # [N, Hkv, D]
+        v = v.reshape(n, self.num_kv_heads, d)
+        out = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta)  # [N, Hq, D]
+        return self.o_proj(out.reshape(n, self.num_heads * d))
+
+
+class LlamaMLP(torch.nn.Module):
+    def __init__(self, config: ModelConfig, prefix: str, tp: TPShard, dtype: torch.dtype):
+        super().__init__()
+        shard = config.intermediate_size // tp.size
+        start = tp.rank * shard
+        self.shard = shard
+        self.gate_up_proj = ColumnParallelLinear(
+            config.hidden_size,
+            [
+                RowRange(name=f"{prefix}.gate_proj", start=start, end=start + shard),
+                RowRange(name=f"{prefix}.up_proj", start=start, end=start + shard),
+            ],
+            bias=False,
+            dtype=dtype,
+        )
+        self.down_proj = RowParallelLinear(f"{prefix}.down_proj", config.intermediate_size, config.hidden_size, tp, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.shard, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(torch.nn.Module):
+    def __init__(self, config: ModelConfig, index: int, tp: TPShard, comm: CPComm, dtype: torch.dtype):
+        super().__init__()
+        prefix = f"model.layers.{index}"
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(f"{prefix}.input_layernorm.weight", config.hidden_size, eps, dtype)
+        self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", tp, comm, dtype)
+        self.post_attention_layernorm = RMSNorm(
+            f"{prefix}.post_attention_layernorm.weight", config.hidden_size, eps, dtype
+        )
+        self.mlp = LlamaMLP(config, f"{prefix}.mlp", tp, dtype)
+
+    def forward(self, positions, hidden, rope, kv_cache, meta):
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rope, kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(torch.nn.Module):
+    """Decoder stack; `forward` returns final hidden states, `logits` applies the LM head to chosen rows."""
+
+    def __init__(self, config: ModelConfig, tp: TPShard, comm: CPComm, dtype: torch.dtype, max_positions: int):
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.embed_tokens = VocabParallelEmbedding("model.embed_tokens.weight", config.vocab_size, h, tp, dtype)
+        self.layers = torch.nn.ModuleList(
+            LlamaDecoderLayer(config, i, tp, comm, dtype) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm("model.norm.weight", h, config.rms_norm_eps, dtype)
+        tied = self.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(tied, "lm_head.weight", config.vocab_size, h, tp, dtype)
+        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, max_positions)
+
+    def load_weights(self, source: WeightSource) -> None:
+        for module in self.modules():
+            if hasattr(module, "load") and module is not self:
+                module.load(source)
+
+    @torch.inference_mode()
+    def forward(self, token_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        # token_ids, positions [N] -> hidden [N, hidden_size] (before the final norm)
+        hidden = self.embed_tokens(token_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(positions, hidden, self.rope, kv_cache, meta)
+        return hidden
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden [M, hidden_size] -> logits [M, vocab] float32
+        return self.lm_head(self.norm(hidden))

@@ -1,0 +1,95 @@
+"""One interface over model weight files: a Hugging Face folder or a GGUF file.
+
+Every source hands out tensors under Hugging Face Llama names and in Hugging
+Face layout, so the model code never knows which file format it came from:
+
+    model.embed_tokens.weight                       [vocab, hidden]
+    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight  (out, in)
+    model.layers.{i}.self_attn.{q,k,v}_proj.bias      (Qwen2)
+    model.layers.{i}.mlp.{gate,up,down}_proj.weight
+    model.layers.{i}.input_layernorm.weight
+    model.layers.{i}.post_attention_layernorm.weight
+    model.norm.weight
+    lm_head.weight                                  (absent when tied to the embedding)
+
+`get(name, dim=, start=, end=)` returns only a slice along one dimension, so a
+tensor-parallel rank reads its shard without holding every shard at once.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from cpllm.config import ModelConfig
+
+
+@runtime_checkable
+class WeightSource(Protocol):
+    """Read access to one model's weights, by Hugging Face tensor name."""
+
+    config: ModelConfig
+
+    def names(self) -> list[str]:
+        """Every tensor name the source holds, in Hugging Face Llama naming."""
+        ...
+
+    def get(
+        self,
+        name: str,
+        *,
+        dim: int | None = None,
+        start: int = 0,
+        end: int | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """The tensor in HF layout, or its slice [start:end) along `dim`, as `dtype`."""
+        ...
+
+    def has(self, name: str) -> bool:
+        """Whether `name` is one of `names()`."""
+        ...
+
+
+def open_weights(path: str) -> WeightSource:
+    """Open a Hugging Face folder (config.json + *.safetensors) or a .gguf file."""
+    if os.path.isdir(path):
+        from cpllm.model.safetensors_source import SafetensorsSource
+
+        return SafetensorsSource(path)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        from cpllm.model.gguf_source import GGUFSource
+
+        return GGUFSource(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path {path!r} does not exist")
+    raise ValueError(
+        f"model path {path!r} is neither a folder with config.json and *.safetensors nor a .gguf file"
+    )
+
+
+def resolve_slice(
+    name: str, shape: tuple[int, ...], dim: int | None, start: int, end: int | None
+) -> tuple[int, int, int] | None:
+    """Check a slice request against the tensor's shape.
+
+    Returns (dim, start, end) with `end` filled in, or None when the whole
+    tensor was asked for (dim is None, or the slice covers the full dimension).
+    """
+    if dim is None:
+        if start != 0 or end is not None:
+            raise ValueError(f"{name}: start={start}, end={end} given without dim")
+        return None
+    if not 0 <= dim < len(shape):
+        raise ValueError(f"{name}: dim={dim} is out of range for a tensor of shape {tuple(shape)}")
+    size = shape[dim]
+    stop = size if end is None else end
+    if not 0 <= start <= stop <= size:
+        raise ValueError(
+            f"{name}: slice [{start}:{end}) along dim {dim} is out of range; the dimension has {size} entries"
+        )
+    if start == 0 and stop == size:
+        return None
+    return dim, start, stop

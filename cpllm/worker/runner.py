@@ -1,0 +1,96 @@
+"""ModelRunner: one rank's model, KV pools and per-step forward (SPMD on every rank of a replica)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from cpllm.config import EngineConfig
+from cpllm.context_parallel.attention import CPComm
+from cpllm.context_parallel.kv_layout import KVLayout
+from cpllm.context_parallel.metadata import StepBatch, build_step_batch
+from cpllm.distributed.comm import all_reduce
+from cpllm.distributed.groups import ParallelGroups
+from cpllm.engine.scheduler import ScheduledChunk, SchedulerOutput
+from cpllm.model.layers import TPShard
+from cpllm.model.llama import LlamaForCausalLM, local_kv_heads
+from cpllm.model.loader import open_weights
+from cpllm.worker.kv_cache import allocate_kv_cache, bytes_per_block, kv_budget_bytes
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def output_positions(chunk: ScheduledChunk) -> list[int]:
+    """New-token indices whose hidden state the driver needs: all of them for prompt logprobs, else the last."""
+    if chunk.prompt_logits:
+        return list(range(len(chunk.token_ids)))
+    return [len(chunk.token_ids) - 1] if chunk.sample else []
+
+
+class ModelRunner:
+    """Loads this rank's shard, owns its KV pools, and runs steps; the replica driver gets the logits."""
+
+    def __init__(self, config: EngineConfig, groups: ParallelGroups, device: torch.device):
+        self.config, self.groups, self.device = config, groups, device
+        self.dtype = DTYPES[config.dtype]
+        tp = TPShard(rank=groups.tp_rank, size=groups.tp_size, group=groups.tp_group)
+        comm = CPComm(
+            pcp_group=groups.pcp_group, pcp_size=groups.pcp_size, pcp_rank=groups.pcp_rank,
+            cp_group=groups.cp_group, cp_size=groups.cp_size, cp_rank=groups.cp_rank,
+            strategy=config.parallel.cp_prefill_strategy,
+        )
+        self.layout = KVLayout(cp_size=groups.cp_size, cp_rank=groups.cp_rank,
+                               interleave=config.parallel.cp_kv_cache_interleave_size,
+                               block_size=config.cache.block_size)
+        with torch.device(device):
+            self.model = LlamaForCausalLM(config.model, tp, comm, self.dtype, config.scheduler.max_model_len)
+        self.model.load_weights(open_weights(config.model_path))
+        _, self.num_kv_heads = local_kv_heads(config.model, tp)
+        self.num_blocks = self._count_blocks()
+        self.kv_caches = allocate_kv_cache(config.model.num_hidden_layers, self.num_blocks, config.cache.block_size,
+                                           self.num_kv_heads, config.model.head_dim, self.dtype, device)
+
+    def _count_blocks(self) -> int:
+        """Blocks per rank, the same on every rank of the replica (block ids are shared across the CP group)."""
+        per_block = bytes_per_block(self.config, self.num_kv_heads, self.dtype)
+        count = torch.tensor([kv_budget_bytes(self.config, self.device) // per_block], dtype=torch.long)
+        all_reduce(count, self.groups.replica_group, op=dist.ReduceOp.MIN)
+        return int(count.item())
+
+    @property
+    def kv_bytes(self) -> int:
+        """KV bytes allocated on this rank."""
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+
+    @property
+    def is_driver(self) -> bool:
+        return self.groups.is_replica_driver
+
+    def execute(self, step: SchedulerOutput) -> torch.Tensor | None:
+        """Run one step; returns logits [num_output_rows, vocab] on the replica driver, None elsewhere."""
+        if not step.chunks:
+            return None
+        batch = build_step_batch(step.chunks, self.layout, self.groups.pcp_size, self.groups.pcp_rank,
+                                 output_positions)
+        hidden = self.model(batch.token_ids.to(self.device), batch.positions.to(self.device), self.kv_caches,
+                            batch.attention)
+        if not batch.output_rows:
+            return None
+        rows = self._gather_output_rows(hidden, batch)
+        if self.groups.pcp_rank != 0:
+            return None  # the LM head runs on PCP rank 0's TP group only
+        logits = self.model.logits(rows)
+        return logits if self.is_driver else None
+
+    def _gather_output_rows(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """Hidden states of the rows the driver samples from, collected on every PCP rank in driver order."""
+        me = self.groups.pcp_rank
+        if self.groups.pcp_size == 1:
+            return hidden[torch.tensor([row for _, row in batch.output_rows], device=hidden.device)]
+        out = torch.zeros(len(batch.output_rows), hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
+        mine = [(i, row) for i, (p, row) in enumerate(batch.output_rows) if p == me]
+        if mine:
+            idx = torch.tensor([i for i, _ in mine], device=hidden.device)
+            out[idx] = hidden[torch.tensor([row for _, row in mine], device=hidden.device)]
+        # Each row is non-zero on exactly one rank, so the sum is exact.
+        return all_reduce(out, self.groups.pcp_group)

@@ -1,0 +1,375 @@
+"""Launch (spawned driver + workers on gloo), the comm helpers, and failure handling.
+
+Every multi-process test runs its driver in a spawned child, so the pytest process
+never joins a process group, and waits on it with a bound (a hang fails the test).
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from cpllm.config import ParallelConfig
+from cpllm.distributed import comm
+from cpllm.distributed.launch import (
+    find_free_port,
+    init_distributed,
+    is_torchrun,
+    shutdown_distributed,
+    spawn_workers,
+    torchrun_env,
+)
+
+HANG_GUARD_S = 90.0
+"""Longest a test waits for its processes; only reached when something hangs."""
+
+
+def _pid_gone(pid: int) -> bool:
+    """True when the process no longer exists or is a zombie (exited, not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _wait_gone(pids, bound_s: float = 30.0) -> list[int]:
+    end = time.monotonic() + bound_s
+    while time.monotonic() < end:
+        alive = [pid for pid in pids if not _pid_gone(pid)]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return [pid for pid in pids if not _pid_gone(pid)]
+
+
+# --- plain functions ------------------------------------------------------------------
+
+
+def test_is_torchrun(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert not is_torchrun()
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not is_torchrun()  # MASTER_ADDR still missing
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1234")
+    assert is_torchrun()
+    assert torchrun_env() == {"rank": 1, "world_size": 2, "master_addr": "10.0.0.1", "master_port": 1234}
+
+
+def test_find_free_port_can_be_bound():
+    port = find_free_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", port))
+
+
+def test_init_distributed_checks_world_size():
+    parallel = ParallelConfig(tensor_parallel_size=2, prefill_context_parallel_size=2)
+    with pytest.raises(ValueError, match="3 processes started but DP=1 x PCP=2 x TP=2 needs 4"):
+        init_distributed(parallel, rank=0, world_size=3, master_addr="127.0.0.1", master_port=1, timeout_s=1)
+    single = init_distributed(
+        ParallelConfig(), rank=0, world_size=1, master_addr="127.0.0.1", master_port=1, timeout_s=1
+    )
+    assert single.world_size == 1 and not dist.is_initialized()
+
+
+def test_comm_helpers_on_group_of_one_return_input():
+    x = torch.randn(2, 3)
+    assert comm.all_gather(x, None, dim=1) is x
+    assert comm.reduce_scatter(x, None, dim=0) is x
+    assert comm.all_to_all(x, None, input_split_sizes=[2], output_split_sizes=[2]) is x
+    assert comm.ring_exchange(x, None).wait() is x
+    assert comm.group_size(None) == 1 and comm.group_rank(None) == 0
+
+
+# --- harness: a spawned driver (rank 0) that spawns its workers -----------------------
+
+
+def _init(rank: int, world: int, port: int, timeout_s: float):
+    parallel = ParallelConfig(tensor_parallel_size=world, distributed_timeout_s=timeout_s)
+    return init_distributed(
+        parallel, rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, timeout_s=timeout_s
+    )
+
+
+def _worker_main(rank: int, body, world: int, port: int, results) -> None:
+    try:
+        results.put((rank, body(rank, world, port)))
+    finally:
+        shutdown_distributed()
+
+
+def _driver_main(body, world: int, results) -> None:
+    """Rank 0: spawn ranks 1.. with spawn_workers, run the body, report, join the workers."""
+    try:
+        port = find_free_port()
+        handles = spawn_workers(world, _worker_main, (body, world, port, results), master_port=port)
+        results.put(("pids", handles.pids))
+        with handles.watch():
+            value = body(0, world, port)
+        results.put((0, value))
+        shutdown_distributed()
+        handles.join(timeout_s=60)
+        results.put(("joined", None))
+    except BaseException as exc:
+        results.put(("driver_error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def _run_driver(body, world: int) -> tuple[dict, object]:
+    """Start the driver, collect messages until it joined (or failed) and exited."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    driver = ctx.Process(target=_driver_main, args=(body, world, results), daemon=False)
+    driver.start()
+    messages: dict = {}
+    try:
+        while "joined" not in messages and "driver_error" not in messages:
+            key, value = results.get(timeout=HANG_GUARD_S)
+            messages[key] = value
+    except queue_mod.Empty:
+        pytest.fail(f"processes hung; messages so far: {messages}")
+    finally:
+        driver.join(HANG_GUARD_S)
+        if driver.exitcode is None:
+            driver.kill()
+            driver.join()
+    return messages, driver
+
+
+# --- comm helpers in a world of 3 -------------------------------------------------------
+
+
+def _x(rank: int) -> torch.Tensor:
+    return torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(100 + rank))
+
+
+def _y(rank: int, world: int) -> torch.Tensor:
+    return torch.randn(2, 2 * world, 4, generator=torch.Generator().manual_seed(200 + rank))
+
+
+def _count(src: int, dst: int) -> int:
+    """Rows rank src sends to rank dst in the uneven all_to_all (zero included)."""
+    return (src + 2 * dst) % 3
+
+
+def _rows(src: int, dst: int) -> torch.Tensor:
+    # [count, 2]: each row says where it came from and where it goes
+    return torch.tensor([[src * 100 + dst * 10 + k, -1.0] for k in range(_count(src, dst))]).reshape(-1, 2)
+
+
+def _comm_body(rank: int, world: int, port: int) -> dict:
+    _init(rank, world, port, timeout_s=30)
+    g = dist.group.WORLD
+    out = {
+        "gather0": comm.all_gather(_x(rank), g, dim=0),
+        "gather1": comm.all_gather(_x(rank).transpose(0, 2), g, dim=1),  # non-contiguous input
+        "reduce": comm.all_reduce(_x(rank).clone(), g),
+        "max": comm.all_reduce(_x(rank).clone(), g, op=dist.ReduceOp.MAX),
+        "scatter1": comm.reduce_scatter(_y(rank, world), g, dim=1),
+        "a2a": comm.all_to_all(
+            torch.cat([_rows(rank, j) for j in range(world)]),
+            g,
+            input_split_sizes=[_count(rank, j) for j in range(world)],
+            output_split_sizes=[_count(i, rank) for i in range(world)],
+        ),
+        "obj": comm.broadcast_object({"step": 7} if rank == 0 else None, src=0, group=g),
+    }
+    ring, current = [], _x(rank)
+    for _ in range(world - 1):
+        current = comm.ring_exchange(current, g).wait()
+        ring.append(current)
+    out["ring"] = ring
+    # A subgroup whose group ranks differ from global ranks: [0, 2] (rank 1 is not a member,
+    # but must still call new_group).
+    sub = dist.new_group([0, 2])
+    if rank != 1:
+        out["sub_ring"] = comm.ring_exchange(_x(rank), sub).wait()
+        out["sub_obj"] = comm.broadcast_object(f"from {rank}", src=2, group=sub)
+    return out
+
+
+def test_comm_helpers_in_world_of_3():
+    world = 3
+    messages, driver = _run_driver(_comm_body, world)
+    assert "driver_error" not in messages, messages.get("driver_error")
+    assert "joined" in messages and driver.exitcode == 0
+    xs = [_x(r) for r in range(world)]
+    ys = [_y(r, world) for r in range(world)]
+    for rank in range(world):
+        got = messages[rank]
+        torch.testing.assert_close(got["gather0"], torch.cat(xs, dim=0))
+        torch.testing.assert_close(got["gather1"], torch.cat([x.transpose(0, 2) for x in xs], dim=1))
+        torch.testing.assert_close(got["reduce"], sum(xs))
+        torch.testing.assert_close(got["max"], torch.stack(xs).amax(0))
+        torch.testing.assert_close(got["scatter1"], sum(ys)[:, 2 * rank : 2 * rank + 2])
+        torch.testing.assert_close(got["a2a"], torch.cat([_rows(i, rank) for i in range(world)]))
+        assert got["obj"] == {"step": 7}
+        assert [r.tolist() for r in got["ring"]] == [xs[(rank - s) % world].tolist() for s in (1, 2)]
+        if rank != 1:
+            other = 2 - rank
+            torch.testing.assert_close(got["sub_ring"], xs[other])
+            assert got["sub_obj"] == "from 2"
+    assert _wait_gone(messages["pids"].values()) == []
+
+
+# --- failures -----------------------------------------------------------------------------
+
+KILLED_RANK, KILL_STEP, KILL_CODE = 2, 3, 17
+
+
+def _dying_body(rank: int, world: int, port: int) -> None:
+    """Steps of broadcast + all_reduce; rank 2 dies abruptly at step 3, mid-run."""
+    groups = _init(rank, world, port, timeout_s=30)
+    for step in range(1000):
+        if rank == KILLED_RANK and step == KILL_STEP:
+            os._exit(KILL_CODE)
+        comm.broadcast_object(step if rank == 0 else None, src=0, group=groups.replica_group)
+        comm.all_reduce(torch.ones(4), groups.tp_group)
+    return None
+
+
+def _dying_driver(world: int, results) -> None:
+    try:
+        port = find_free_port()
+        handles = spawn_workers(world, _worker_main, (_dying_body, world, port, results), master_port=port)
+        results.put(("pids", handles.pids))
+        groups = _init(0, world, port, timeout_s=30)
+        step = 0
+        while True:  # the driver's loop: check the workers around every step
+            with handles.watch():
+                comm.broadcast_object(step, src=0, group=groups.replica_group)
+                comm.all_reduce(torch.ones(4), groups.tp_group)
+            step += 1
+    except RuntimeError as exc:
+        results.put(("error", (str(exc), step)))
+
+
+def test_killed_worker_is_named_and_every_process_exits():
+    world = 3
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    driver = ctx.Process(target=_dying_driver, args=(world, results), daemon=False)
+    driver.start()
+    messages = {}
+    try:
+        while "error" not in messages:
+            key, value = results.get(timeout=HANG_GUARD_S)
+            messages[key] = value
+    except queue_mod.Empty:
+        pytest.fail(f"the driver did not report the dead worker; messages: {messages}")
+    finally:
+        driver.join(HANG_GUARD_S)
+        if driver.exitcode is None:
+            driver.kill()
+            driver.join()
+    error, step = messages["error"]
+    assert f"worker rank {KILLED_RANK}" in error and f"exited with code {KILL_CODE}" in error, error
+    assert step == KILL_STEP  # the first step rank 2 never joined, mid-run
+    assert driver.exitcode == 0
+    assert _wait_gone(messages["pids"].values()) == []
+
+
+HUNG_TIMEOUT_S = 2.0
+
+
+def _short_timeout_group() -> dist.ProcessGroup:
+    # Start-up uses a generous timeout (spawning is slow on a loaded machine); only the
+    # collective under test runs on a group with a short one.
+    return dist.new_group([0, 1], timeout=timedelta(seconds=HUNG_TIMEOUT_S))
+
+
+def _hung_peer_body(rank: int, world: int, port: int) -> None:
+    _init(rank, world, port, timeout_s=30)
+    _short_timeout_group()
+    dist.barrier()
+    time.sleep(HANG_GUARD_S)  # alive but never joins the collective
+
+
+def _hung_peer_driver(results) -> None:
+    port = find_free_port()
+    handles = spawn_workers(2, _worker_main, (_hung_peer_body, 2, port, results), master_port=port)
+    results.put(("pids", handles.pids))
+    _init(0, 2, port, timeout_s=30)
+    group = _short_timeout_group()
+    dist.barrier()
+    try:
+        with handles.watch():
+            comm.all_reduce(torch.ones(4), group)
+        results.put(("error", None))
+    except Exception as exc:
+        results.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def test_collective_with_hung_peer_times_out_and_workers_are_stopped():
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    driver = ctx.Process(target=_hung_peer_driver, args=(results,), daemon=False)
+    driver.start()
+    messages = {}
+    try:
+        while "error" not in messages:
+            key, value = results.get(timeout=HANG_GUARD_S)
+            messages[key] = value
+    except queue_mod.Empty:
+        pytest.fail(f"the all_reduce with a hung peer did not time out; messages: {messages}")
+    finally:
+        driver.join(HANG_GUARD_S)
+        if driver.exitcode is None:
+            driver.kill()
+            driver.join()
+    assert messages["error"] is not None and "timed out" in messages["error"].lower(), messages["error"]
+    assert _wait_gone(messages["pids"].values()) == []
+
+
+def _sleeping_worker(rank: int) -> None:
+    time.sleep(HANG_GUARD_S)
+
+
+def _vanishing_driver(results) -> None:
+    handles = spawn_workers(3, _sleeping_worker, (), master_port=find_free_port())
+    results.put(("pids", handles.pids))
+    time.sleep(1.0)  # let the workers start their parent watch
+    os._exit(0)  # no atexit, no cleanup: as if the driver were SIGKILLed
+
+
+def test_workers_exit_when_driver_dies_abruptly():
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    driver = ctx.Process(target=_vanishing_driver, args=(results,), daemon=False)
+    driver.start()
+    try:
+        key, pids = results.get(timeout=HANG_GUARD_S)
+    finally:
+        driver.join(HANG_GUARD_S)
+    assert key == "pids" and sorted(pids) == [1, 2]
+    assert _wait_gone(pids.values()) == []
+
+
+def _failing_worker(rank: int) -> None:
+    raise ValueError(f"bad input on rank {rank}")
+
+
+def test_join_reports_failed_worker():
+    handles = spawn_workers(2, _failing_worker, (), master_port=find_free_port())
+    with pytest.raises(RuntimeError, match="worker rank 1 exited with code 1"):
+        handles.join(timeout_s=HANG_GUARD_S)
+    with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) exited with code 1"):
+        handles.check_alive()
+
+
+def test_join_terminates_workers_past_the_timeout():
+    handles = spawn_workers(2, _sleeping_worker, (), master_port=find_free_port())
+    with pytest.raises(RuntimeError, match=r"worker ranks \[1\] were still running"):
+        handles.join(timeout_s=0.5)
+    assert handles.dead_ranks()[1] < 0  # stopped by a signal
