@@ -1,22 +1,31 @@
 """Tiny random Llama / Qwen2 models for tests, built on the spot (nothing is downloaded).
 
-Two on-disk forms, both readable by cpllm and by transformers:
+Helpers (all deterministic for a given seed):
 
-- a Hugging Face folder (`make_tiny_hf_model`): config.json, *.safetensors
-  (sharded on request), tokenizer.json / tokenizer_config.json with a ChatML
-  chat template, generation_config.json;
-- a GGUF file (`make_tiny_gguf`, or `write_tiny_gguf` for given weights),
-  written with gguf.GGUFWriter the way llama.cpp's converter does it: llama.cpp
-  tensor names, Llama q/k rows reordered for llama.cpp's interleaved rotary,
-  block-quantized tensors, and a gpt2-style BPE vocabulary in the metadata.
+- `make_tiny_hf_model(arch, seed=, **config)`: an in-memory transformers model
+  (the reference to compare an engine against);
+- `save_tiny_hf_model(folder, arch, seed=, max_shard_size=, **config)`: the same
+  model as a Hugging Face folder: config.json, *.safetensors (sharded on
+  request), generation_config.json, tokenizer.json / tokenizer_config.json with
+  a ChatML chat template;
+- `save_tiny_gguf(path, arch, seed=, tensor_types=, raw_tensors=, **config)`:
+  the same model as a GGUF file, or `write_tiny_gguf(path, config, state_dict)`
+  for given weights. Written with gguf.GGUFWriter the way llama.cpp's converter
+  does it: llama.cpp tensor names, Llama q/k rows reordered for llama.cpp's
+  interleaved rotary, block-quantized tensors, and a gpt2-style BPE vocabulary
+  in the metadata, so transformers can load it too (`gguf_file=`). Returns the
+  dequantized weights a correct reader must produce (HF names and layout);
+- `tiny_vocab()`, `tiny_hf_tokenizer()`, `tiny_hf_config(arch, **config)`.
 
-All models share one tiny byte-level BPE vocabulary (`tiny_vocab`): three
-special tokens, the 256 byte symbols, and merges for a handful of words, so
-any text encodes and decodes losslessly.
+`arch` is "llama" or "qwen2" (q/k/v biases). All models share one tiny
+byte-level BPE vocabulary (`tiny_vocab`): three special tokens
+(<|endoftext|> 0, <|im_start|> 1 = bos, <|im_end|> 2 = eos), the 256 byte
+symbols, and merges for a handful of words, so any text round-trips.
 
-Default shapes: hidden 64, 4 query heads and 2 KV heads of width 16, MLP 128,
-2 layers; every input width is a multiple of 32, the block of Q8_0 / Q4_0 /
-Q4_1. Override any Hugging Face config field by keyword.
+Default shapes: vocab 300, hidden 64, 4 query heads and 2 KV heads of width
+16, MLP 128, 2 layers, 256 positions, rope_theta 50000, untied; every input
+width is a multiple of 32, the block of Q8_0 / Q4_0 / Q4_1. Override any
+Hugging Face config field by keyword (e.g. tie_word_embeddings=True).
 """
 
 from __future__ import annotations

@@ -179,9 +179,13 @@ class WorkerHandles:
 
     def wait_for_any_exit(self, timeout_s: float) -> None:
         """Block until some worker exits or `timeout_s` passes."""
-        alive = [proc.sentinel for proc in self.processes.values() if proc.exitcode is None]
-        if alive:
-            connection.wait(alive, timeout=timeout_s)
+        alive = {proc.sentinel: proc for proc in self.processes.values() if proc.exitcode is None}
+        if not alive:
+            return
+        for sentinel in connection.wait(list(alive), timeout=timeout_s):
+            # The sentinel fires while the child closes its files, a moment before the
+            # kernel lets it be reaped; join (a blocking waitpid) so exitcode is set.
+            alive[sentinel].join(timeout_s)
 
     def join(self, timeout_s: float) -> None:
         """Wait for every worker to exit; raise if one fails or outlives the timeout.

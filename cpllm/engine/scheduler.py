@@ -61,6 +61,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._step_id = 0
         self.num_preemptions = 0
+        self.num_prefix_hit_tokens = 0
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -180,6 +181,7 @@ class Scheduler:
             hits = hits[:-1]
         request.block_ids = hits
         request.num_computed_tokens = len(hits) * self.tokens_per_block
+        self.num_prefix_hit_tokens += request.num_computed_tokens
         request.num_registered_blocks = len(hits)
 
     def _register_full_blocks(self, request: Request) -> None:
