@@ -7,8 +7,8 @@ import random
 import pytest
 
 from cpllm import LLM, SamplingParams
-from tests.reference import check_against_hf, hf_greedy
-from tests.tiny_models import make_tiny_hf_model, save_tiny_hf_model
+from reference import check_against_hf, hf_greedy
+from tiny_models import make_tiny_hf_model, save_tiny_hf_model
 
 MAX_TOKENS = 32
 PROMPT_LENGTHS = (1, 5, 17, 40)

@@ -1,0 +1,83 @@
+"""`cpllm generate | serve | bench`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from cpllm.engine_args import add_engine_arguments, engine_kwargs
+
+
+def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=128)
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--request-seed", type=int, default=None, help="seed of this request's sampling")
+    group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from cpllm.engine.generate_cmd import run_generate
+
+    return run_generate(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from cpllm.server.launcher import run_server
+
+    return run_server(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from cpllm.bench.cli import run_bench
+
+    return run_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cpllm", description="LLM inference with context parallelism")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="complete one prompt and print timing")
+    add_engine_arguments(generate)
+    source = generate.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="prompt text")
+    source.add_argument("--prompt-file", help="file holding the prompt text")
+    generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    _add_sampling_arguments(generate)
+    generate.set_defaults(handler=_generate)
+
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("model_path", nargs="?", default=None, help="model folder or .gguf (or use --model)")
+    add_engine_arguments(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None)
+    serve.add_argument("--served-model-name", default=None)
+    serve.set_defaults(handler=_serve)
+
+    try:
+        from cpllm.bench.cli import add_bench_parser
+    except ImportError:
+        add_bench_parser = None
+    if add_bench_parser is not None:
+        bench = commands.add_parser("bench", help="prefill / decode / serve benchmarks")
+        add_bench_parser(bench, add_engine_arguments)
+        bench.set_defaults(handler=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level), format="%(levelname)s %(name)s: %(message)s")
+    return args.handler(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
