@@ -148,12 +148,18 @@ def _observe(groups: ParallelGroups) -> dict:
 def _groups_body(rank: int, world: int, port: int) -> dict:
     first = _parallel(*LAYOUTS_OF_4[0])
     groups = init_distributed(
-        first, rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, timeout_s=GLOO_TIMEOUT_S
+        first,
+        rank=rank,
+        world_size=world,
+        master_addr="127.0.0.1",
+        master_port=port,
+        timeout_s=GLOO_TIMEOUT_S,
     )
     assert groups.backend == "gloo"
     out = {LAYOUTS_OF_4[0]: _observe(groups)}
     # A second layout of the same world, built on the already-initialised default group.
-    out[LAYOUTS_OF_4[1]] = _observe(ParallelGroups.build(_parallel(*LAYOUTS_OF_4[1]), timeout_s=GLOO_TIMEOUT_S))
+    second = ParallelGroups.build(_parallel(*LAYOUTS_OF_4[1]), timeout_s=GLOO_TIMEOUT_S)
+    out[LAYOUTS_OF_4[1]] = _observe(second)
     try:
         ParallelGroups.build(_parallel(2, 2, 2, 1), timeout_s=GLOO_TIMEOUT_S)
     except ValueError as exc:
@@ -175,7 +181,10 @@ def _run_world(body, world: int) -> dict[int, object]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = find_free_port()
-    procs = [ctx.Process(target=_rank_main, args=(body, r, world, port, results), daemon=True) for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(body, r, world, port, results), daemon=True)
+        for r in range(world)
+    ]
     for proc in procs:
         proc.start()
     out, errors = {}, {}
@@ -204,9 +213,11 @@ def test_parallel_groups_in_world_of_4():
             seen = results[rank][layout_sizes]
             for kind in ("tp", "pcp", "dcp", "cp", "dp", "replica"):
                 members = expected[kind][rank]
-                assert seen[kind] == (sum(members), members.index(rank), len(members)), (layout_sizes, rank, kind)
+                expected_seen = (sum(members), members.index(rank), len(members))
+                assert seen[kind] == expected_seen, (layout_sizes, rank, kind)
             d, p, t = divmod(rank, pcp * tp)[0], (rank // tp) % pcp, rank % tp
             assert seen["coords"] == (d, p, t, t % dcp, p * dcp + t % dcp)
             assert seen["world_cpu_sum"] == 0 + 1 + 2 + 3
             assert seen["announced"] == {"driver": expected["replica"][rank][0]}
-        assert all("has 4 processes but DP=2 x PCP=2 x TP=2 needs 8" in results[r]["mismatch"] for r in range(4))
+        for rank in range(4):
+            assert "has 4 processes but DP=2 x PCP=2 x TP=2 needs 8" in results[rank]["mismatch"]

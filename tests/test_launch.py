@@ -176,6 +176,7 @@ def _comm_body(rank: int, world: int, port: int) -> dict:
         "gather1": comm.all_gather(_x(rank).transpose(0, 2), g, dim=1),  # non-contiguous input
         "reduce": comm.all_reduce(_x(rank).clone(), g),
         "max": comm.all_reduce(_x(rank).clone(), g, op=dist.ReduceOp.MAX),
+        "scatter0": comm.reduce_scatter(_y(rank, world).transpose(0, 1), g, dim=0),
         "scatter1": comm.reduce_scatter(_y(rank, world), g, dim=1),
         "a2a": comm.all_to_all(
             torch.cat([_rows(rank, j) for j in range(world)]),
@@ -212,6 +213,7 @@ def test_comm_helpers_in_world_of_3():
         torch.testing.assert_close(got["gather1"], torch.cat([x.transpose(0, 2) for x in xs], dim=1))
         torch.testing.assert_close(got["reduce"], sum(xs))
         torch.testing.assert_close(got["max"], torch.stack(xs).amax(0))
+        torch.testing.assert_close(got["scatter0"], sum(ys).transpose(0, 1)[2 * rank : 2 * rank + 2])
         torch.testing.assert_close(got["scatter1"], sum(ys)[:, 2 * rank : 2 * rank + 2])
         torch.testing.assert_close(got["a2a"], torch.cat([_rows(i, rank) for i in range(world)]))
         assert got["obj"] == {"step": 7}

@@ -53,7 +53,9 @@ def all_gather(tensor: torch.Tensor, group: Group, *, dim: int = 0) -> torch.Ten
     return out.view(world, *shape).movedim(0, dim).flatten(dim, dim + 1)
 
 
-def all_reduce(tensor: torch.Tensor, group: Group, *, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+def all_reduce(
+    tensor: torch.Tensor, group: Group, *, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+) -> torch.Tensor:
     """Reduce in place over the group; returns the same tensor."""
     if group_size(group) > 1:
         dist.all_reduce(tensor, op=op, group=group)
@@ -67,7 +69,9 @@ def reduce_scatter(tensor: torch.Tensor, group: Group, *, dim: int = 0) -> torch
         return tensor
     dim = dim % tensor.dim()
     if tensor.shape[dim] % world != 0:
-        raise ValueError(f"reduce_scatter: size {tensor.shape[dim]} of dim {dim} is not divisible by group size {world}")
+        raise ValueError(
+            f"reduce_scatter: size {tensor.shape[dim]} of dim {dim} is not divisible by group size {world}"
+        )
     inp = tensor.movedim(dim, 0).contiguous()  # [world * chunk, ...rest]
     out = torch.empty((inp.shape[0] // world, *inp.shape[1:]), dtype=tensor.dtype, device=tensor.device)
     dist.reduce_scatter_tensor(out, inp, group=group)
@@ -89,11 +93,14 @@ def all_to_all(
     world = group_size(group)
     if world == 1:
         return tensor
-    for name, splits in (("input_split_sizes", input_split_sizes), ("output_split_sizes", output_split_sizes)):
+    named = (("input_split_sizes", input_split_sizes), ("output_split_sizes", output_split_sizes))
+    for name, splits in named:
         if splits is not None and len(splits) != world:
             raise ValueError(f"all_to_all: {name} has {len(splits)} entries for a group of {world}")
     if input_split_sizes is not None and sum(input_split_sizes) != tensor.shape[0]:
-        raise ValueError(f"all_to_all: input_split_sizes sum to {sum(input_split_sizes)}, dim 0 is {tensor.shape[0]}")
+        raise ValueError(
+            f"all_to_all: input_split_sizes sum to {sum(input_split_sizes)}, dim 0 is {tensor.shape[0]}"
+        )
     rows = tensor.shape[0] if output_split_sizes is None else sum(output_split_sizes)
     out = torch.empty((rows, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
     dist.all_to_all_single(
@@ -144,7 +151,9 @@ class RingTransfer:
         return self.received
 
 
-def ring_exchange(tensor: torch.Tensor, group: Group, *, recv_buffer: torch.Tensor | None = None) -> RingTransfer:
+def ring_exchange(
+    tensor: torch.Tensor, group: Group, *, recv_buffer: torch.Tensor | None = None
+) -> RingTransfer:
     """Start sending `tensor` to the next group rank and receiving the previous one's.
 
     Non-blocking (batch_isend_irecv), so compute can overlap the transfer; every
@@ -160,7 +169,11 @@ def ring_exchange(tensor: torch.Tensor, group: Group, *, recv_buffer: torch.Tens
     prev_rank = dist.get_global_rank(group, (me - 1) % world)
     if recv_buffer is None:
         recv_buffer = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-    elif recv_buffer.shape != tensor.shape or recv_buffer.dtype != tensor.dtype or not recv_buffer.is_contiguous():
+    elif (
+        recv_buffer.shape != tensor.shape
+        or recv_buffer.dtype != tensor.dtype
+        or not recv_buffer.is_contiguous()
+    ):
         raise ValueError(
             f"ring_exchange: recv_buffer {tuple(recv_buffer.shape)} {recv_buffer.dtype} does not match "
             f"tensor {tuple(tensor.shape)} {tensor.dtype} (it must also be contiguous)"

@@ -175,7 +175,7 @@ class WorkerHandles:
         """Raise RuntimeError naming each worker that has exited, with its exit status."""
         dead = self.dead_ranks()
         if dead:
-            self._raise_for(dead)
+            raise RuntimeError(self._describe(dead))
 
     def wait_for_any_exit(self, timeout_s: float) -> None:
         """Block until some worker exits or `timeout_s` passes."""
@@ -198,12 +198,16 @@ class WorkerHandles:
         running = [rank for rank, proc in self.processes.items() if proc.exitcode is None]
         if running:
             self.terminate_all()
-            raise RuntimeError(f"worker ranks {running} were still running after {timeout_s}s; terminated them")
+            raise RuntimeError(
+                f"worker ranks {running} were still running after {timeout_s}s; terminated them"
+            )
         failed = {rank: code for rank, code in self.dead_ranks().items() if code != 0}
         atexit.unregister(self.terminate_all)
         if failed:
             raise RuntimeError(
-                "; ".join(f"worker rank {rank} {_describe_exit(code)}" for rank, code in sorted(failed.items()))
+                "; ".join(
+                    f"worker rank {rank} {_describe_exit(code)}" for rank, code in sorted(failed.items())
+                )
             )
 
     def terminate_all(self, grace_s: float = 5.0) -> None:
@@ -238,19 +242,15 @@ class WorkerHandles:
             dead = self.dead_ranks()
             self.terminate_all()
             if dead:
-                try:
-                    self._raise_for(dead)
-                except RuntimeError as named:
-                    raise named from exc
+                raise RuntimeError(self._describe(dead)) from exc
             raise
         self.check_alive()
 
-    def _raise_for(self, dead: dict[int, int]) -> None:
-        what = "; ".join(
+    def _describe(self, dead: dict[int, int]) -> str:
+        return "; ".join(
             f"worker rank {rank} (pid {self.processes[rank].pid}) {_describe_exit(code)}"
             for rank, code in sorted(dead.items())
         )
-        raise RuntimeError(what)
 
 
 class _Deadline:

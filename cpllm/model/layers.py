@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from cpllm.distributed.comm import all_gather, all_reduce
 from cpllm.model.loader import WeightSource
 
 
@@ -23,16 +24,10 @@ class TPShard:
     """The TP process group (None when size is 1)."""
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
-            dist.all_reduce(x, group=self.group)
-        return x
+        return all_reduce(x, self.group if self.size > 1 else None)
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size == 1:
-            return x
-        parts = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(parts, x.contiguous(), group=self.group)
-        return torch.cat(list(parts.unbind(0)), dim=-1)
+        return all_gather(x, self.group if self.size > 1 else None, dim=-1)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

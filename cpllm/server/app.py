@@ -1,0 +1,165 @@
+"""The FastAPI application: routes, API key, body size limit, errors in OpenAI's shape, HTTP metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cpllm.server.async_engine import AsyncEngine, EngineDeadError
+from cpllm.server.errors import APIError, bad_request, from_validation_error
+from cpllm.server.formatting import TokenTexts
+from cpllm.server.metrics import ServerMetrics
+from cpllm.server.protocol import ChatCompletionRequest, CompletionRequest
+from cpllm.server.requests import ServerContext
+from cpllm.server.serving_chat import create_chat_completion
+from cpllm.server.serving_completion import create_completion
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 16 * 2**20
+"""Largest request body accepted; larger ones get 413 before they are read in full."""
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The app; its lifespan starts the engine thread and, on shutdown, stops it and the worker ranks."""
+    metrics = engine.metrics or ServerMetrics(model_name)
+    engine.metrics = metrics
+    ctx = ServerContext(engine=engine, model_name=model_name, texts=TokenTexts(engine.tokenizer))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        engine.start(asyncio.get_running_loop())
+        yield
+        logger.info("stopping the engine")
+        await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="cpllm", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(_HTTPMetrics, metrics=metrics)
+    _add_error_handlers(app)
+
+    def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+    async def parse(request: Request, model: type[BaseModel]):
+        authorize(request)
+        body = await _read_body(request, max_body_bytes)
+        try:
+            parsed = model.model_validate_json(body)
+        except ValidationError as exc:
+            raise from_validation_error(exc) from exc
+        if parsed.model is not None and parsed.model != model_name:
+            raise APIError(404, f"the model {parsed.model!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+        return parsed
+
+    def respond(result):
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream", headers=_SSE_HEADERS)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.healthy:
+            return APIError(503, f"the engine is not running (error: {engine.error!r})").response()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        authorize(request)
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "cpllm",
+                "max_model_len": engine.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        arrival = time.monotonic()
+        return respond(await create_completion(ctx, await parse(request, CompletionRequest), arrival))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        arrival = time.monotonic()
+        return respond(await create_chat_completion(ctx, await parse(request, ChatCompletionRequest), arrival))
+
+    return app
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refusing (413) as soon as it is known to exceed `limit` bytes, whether announced or not."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body of {int(declared)} bytes exceeds the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    if not body.strip():
+        raise bad_request("the request body is empty; send a JSON object")
+    return body
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_request: Request, exc: EngineDeadError):
+        return APIError(503, str(exc)).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException):
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(json.JSONDecodeError)
+    async def json_error(_request: Request, exc: json.JSONDecodeError):
+        return bad_request(f"the body is not valid JSON: {exc}").response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(_request: Request, exc: Exception):
+        logger.exception("unhandled error")
+        return APIError(500, f"internal error: {exc!r}").response()
+
+
+class _HTTPMetrics:
+    """ASGI middleware counting responses by route and status (streams count when their headers go out)."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                route = path if path.startswith("/v1/") or path in ("/health", "/metrics") else "other"
+                self.metrics.http_requests.labels(route=route, status=str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

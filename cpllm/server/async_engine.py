@@ -1,0 +1,273 @@
+"""The engine's step loop on one background thread, fed from the asyncio event loop.
+
+The engine is not thread-safe, so exactly one thread (started here) calls it.
+Requests and aborts reach that thread through one FIFO queue, so an abort can
+never overtake the request it cancels. Outputs go back through one asyncio queue
+per request; RequestOutputs are cumulative, so a reader that fell behind keeps
+only the newest one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+
+from cpllm.engine.engine import LLMEngine
+from cpllm.engine.outputs import RequestOutput
+from cpllm.engine.sampling_params import SamplingParams
+from cpllm.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+_ACCEPTED = object()
+"""Posted to a request's queue once the engine took it (add_request did not raise)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop failed (for example a worker rank died); no request can be served any more."""
+
+
+@dataclasses.dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+    arrival_time: float
+    outputs: asyncio.Queue
+
+
+@dataclasses.dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+class _Stop:
+    pass
+
+
+class AsyncEngine:
+    """Async front of an LLMEngine: `add_request` returns a stream of outputs while the thread steps the engine."""
+
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None):
+        self.engine = engine
+        self.metrics = metrics
+        self.max_model_len = engine.max_model_len
+        self.tokenizer = engine.tokenizer
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue] = {}  # touched by the engine thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._close_lock = threading.Lock()
+        """Makes "is the thread still taking requests?" and the put into its inbox one step."""
+        self.error: BaseException | None = None
+        """Why the step loop died, or None while it is healthy."""
+        groups = engine.executor.groups
+        self._ranks = groups.layout.replica_group(groups.rank)
+
+    # ---- event-loop side ------------------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._publish_state()
+        self._thread = threading.Thread(target=self._run, name="cpllm-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return not self._closed and self._thread is not None and self._thread.is_alive()
+
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                          prompt: str | None = None, arrival_time: float | None = None) -> "RequestStream":
+        """Hands the request to the engine thread and waits until the engine took it.
+
+        Raises ValueError when the engine refuses the request (prompt too long, bad
+        token id) and EngineDeadError when the step loop is not running.
+        """
+        outputs: asyncio.Queue = asyncio.Queue()
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        with self._close_lock:
+            if self._closed or self._thread is None:
+                raise EngineDeadError(f"the engine is not running (error: {self.error!r})")
+            self._inbox.put(_Add(request_id, list(prompt_token_ids), params, prompt, arrival, outputs))
+        try:
+            _raise_if_error(await outputs.get())
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return RequestStream(self, request_id, outputs)
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; aborting an unknown or finished request does nothing."""
+        self._inbox.put(_Abort(request_id))
+
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        """Aborts what is left, stops the thread and the worker ranks (blocking; call via to_thread)."""
+        if self._thread is None:
+            self.engine.shutdown()
+            return
+        self._inbox.put(_Stop())
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.error("the engine thread did not stop within %.0f s", timeout_s)
+
+    # ---- engine thread --------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._handle_commands(block=not self.engine.has_unfinished_requests()):
+                if self.engine.has_unfinished_requests():
+                    self._deliver(self.engine.step())
+                self._publish_state()
+        except BaseException as exc:  # noqa: BLE001 - every waiting request must learn about it
+            logger.exception("engine step loop failed")
+            self.error = exc
+            self._fail_all(EngineDeadError(f"the engine failed: {exc!r}"))
+        finally:
+            self._close_inbox()
+            self._abort_all()
+            self._publish_state()
+            try:
+                self.engine.shutdown()
+            except Exception:  # noqa: BLE001 - already stopping; say why and go on
+                logger.exception("engine shutdown failed")
+
+    def _handle_commands(self, block: bool) -> bool:
+        """Applies every queued command (waiting for one when idle); False once asked to stop."""
+        try:
+            command = self._inbox.get() if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if isinstance(command, _Stop):
+                return False
+            if isinstance(command, _Add):
+                self._add(command)
+            else:
+                self.engine.abort_request(command.request_id)
+                self._streams.pop(command.request_id, None)
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, command: _Add) -> None:
+        try:
+            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                    prompt=command.prompt, arrival_time=command.arrival_time)
+        except ValueError as exc:
+            self._post([(command.outputs, exc)])
+            return
+        self._streams[command.request_id] = command.outputs
+        self._post([(command.outputs, _ACCEPTED)])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        batch = []
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            batch.append((stream, output))
+            if output.finished:
+                del self._streams[output.request_id]
+        if batch:
+            self._post(batch)
+
+    def _post(self, batch: list[tuple[asyncio.Queue, object]]) -> None:
+        """One wake-up of the event loop per step, however many requests advanced."""
+        def put_all():
+            for stream, item in batch:
+                stream.put_nowait(item)
+
+        try:
+            self._loop.call_soon_threadsafe(put_all)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._post([(stream, error) for stream in self._streams.values()])
+
+    def _close_inbox(self) -> None:
+        """Refuses new requests and fails those still queued, so that no caller waits forever."""
+        with self._close_lock:
+            self._closed = True
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                self._post([(command.outputs, EngineDeadError("the server is shutting down"))])
+
+    def _abort_all(self) -> None:
+        streams, self._streams = self._streams, {}
+        for request_id in streams:
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # noqa: BLE001 - best effort while stopping
+                logger.exception("abort of %s failed", request_id)
+        self._post([(stream, EngineDeadError("the server is shutting down")) for stream in streams.values()])
+
+    def _publish_state(self) -> None:
+        if self.metrics is not None:
+            self.metrics.set_engine_state(self.engine.num_running, self.engine.num_waiting,
+                                          self.engine.pool.usage(), self._ranks)
+
+
+def _raise_if_error(item) -> None:
+    if isinstance(item, BaseException):
+        raise item
+
+
+class RequestStream:
+    """The outputs of one accepted request: `async for output in stream`, the last one finished.
+
+    `close()` (always call it, e.g. in a finally) aborts the request if it has not
+    finished, which frees its KV blocks, and records its metrics.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, outputs: asyncio.Queue):
+        self.request_id = request_id
+        self.last: RequestOutput | None = None
+        """The newest output seen, or None before the first."""
+        self._engine = engine
+        self._outputs = outputs
+        self._closed = False
+
+    @property
+    def finished(self) -> bool:
+        return self.last is not None and self.last.finished
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self._closed:
+            raise StopAsyncIteration
+        item = await self._outputs.get()
+        while not self._outputs.empty():  # outputs are cumulative: only the newest matters
+            _raise_if_error(item)
+            item = self._outputs.get_nowait()
+        _raise_if_error(item)
+        self.last = item
+        return item
+
+    async def result(self) -> RequestOutput:
+        """The finished output."""
+        async for _ in self:
+            pass
+        return self.last
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not self.finished:
+            self._engine.abort(self.request_id)
+        if self.last is not None and self._engine.metrics is not None:
+            self._engine.metrics.observe_finished(self.last)

@@ -1,0 +1,58 @@
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}} with an HTTP status."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """Any failure a route turns into an OpenAI-shaped error response."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    @property
+    def type(self) -> str:
+        return _TYPES.get(self.status, HTTPStatus(self.status).phrase)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value" if param else None)
+
+
+def from_validation_error(exc: ValidationError) -> APIError:
+    """The first pydantic error, with its field path as `param` (e.g. "messages.0.role")."""
+    first = exc.errors()[0]
+    param = ".".join(str(part) for part in first["loc"]) or None
+    # pydantic prefixes custom messages with "Value error, "; users do not need it.
+    message = first["msg"].removeprefix("Value error, ")
+    return bad_request(f"{param}: {message}" if param else message, param)
+
+
+def param_of(message: str, fields: frozenset[str]) -> str | None:
+    """The field an engine ValueError starts with ("max_tokens must be ..." -> "max_tokens"), if it is one."""
+    word = message.split(" ", 1)[0].strip(":=,")
+    return word if word in fields else None

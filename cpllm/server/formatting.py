@@ -1,0 +1,155 @@
+"""Pieces of OpenAI responses shared by both endpoints: sampling params, stream deltas, logprobs, usage."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+
+from cpllm.engine.outputs import PositionLogprobs, RequestOutput
+from cpllm.engine.sampling_params import SamplingParams
+from cpllm.model.tokenizer import Tokenizer
+from cpllm.server.errors import bad_request, param_of
+from cpllm.server.protocol import SamplingFields
+
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) | {"prompt", "max_completion_tokens"}
+LOGPROB_FLOOR = -9999.0
+"""JSON has no -inf; a token the model cannot produce gets this logprob instead."""
+
+
+def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None, max_tokens_param: str = "max_tokens") -> SamplingParams:
+    """The request's SamplingParams; a bad value becomes a 400 that names the field."""
+    given = {
+        "n": req.n, "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "stop": req.stop,
+        "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty, "top_k": req.top_k,
+        "min_p": req.min_p, "repetition_penalty": req.repetition_penalty, "stop_token_ids": req.stop_token_ids,
+    }
+    try:
+        return SamplingParams(
+            **{k: v for k, v in given.items() if v is not None},
+            max_tokens=max_tokens, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
+            skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        )
+    except ValueError as exc:
+        message = str(exc)
+        param = param_of(message, SAMPLING_FIELDS)
+        if param == "max_tokens":
+            param, message = max_tokens_param, message.replace("max_tokens", max_tokens_param, 1)
+        raise bad_request(message, param) from exc
+
+
+def engine_error(exc: ValueError, max_tokens_param: str = "max_tokens"):
+    """A ValueError of LLMEngine.add_request (prompt too long, bad token id) as a 400."""
+    message = str(exc)
+    param = param_of(message, SAMPLING_FIELDS)
+    if "max_model_len" in message:
+        param = "max_tokens" if "max_tokens=" in message else "prompt"
+        if param == "max_tokens":
+            param = max_tokens_param
+    return bad_request(message, param or "prompt")
+
+
+def pending_stop_prefix(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    best = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:size]):
+                best = size
+                break
+    return best
+
+
+@dataclasses.dataclass(slots=True)
+class ChoiceCursor:
+    """What one streamed choice has sent so far."""
+
+    chars: int = 0
+    tokens: int = 0
+    done: bool = False
+
+    def advance(self, text: str, finished: bool, params: SamplingParams) -> str:
+        """New text to stream: all of it once finished, else minus a tail that a stop string may still cut."""
+        end = len(text)
+        if not finished and not params.include_stop_str_in_output:
+            end -= pending_stop_prefix(text, params.stop)
+        end = max(end, self.chars)
+        delta = text[self.chars : end]
+        self.chars = end
+        return delta
+
+
+class TokenTexts:
+    """Text of single tokens, for logprobs (cached: the same ids come back all the time)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self.text = functools.lru_cache(maxsize=65536)(self._decode)
+
+    def _decode(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def clamp(logprob: float) -> float:
+    return LOGPROB_FLOOR if math.isinf(logprob) or math.isnan(logprob) else max(logprob, LOGPROB_FLOOR)
+
+
+def top_entries(position: PositionLogprobs, num_top: int) -> list[tuple[int, float]]:
+    """The position's alternatives ranked 1..num_top, best first."""
+    ranked = sorted(((lp.rank or 0, tok, lp.logprob) for tok, lp in position.items() if (lp.rank or 0) <= num_top))
+    seen, out = set(), []
+    for _, tok, lp in ranked:
+        if tok not in seen:
+            seen.add(tok)
+            out.append((tok, lp))
+    return out[:num_top]
+
+
+def completion_logprobs(texts: TokenTexts, token_ids: list[int], positions: list[PositionLogprobs | None],
+                        num_top: int, offset: int) -> dict:
+    """OpenAI completions shape: tokens, token_logprobs, top_logprobs, text_offset (from `offset` on)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, position in zip(token_ids, positions):
+        token = texts.text(token_id)
+        out["tokens"].append(token)
+        out["text_offset"].append(offset)
+        offset += len(token)
+        if position is None:  # the first prompt token has no logprob
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        out["token_logprobs"].append(clamp(position[token_id].logprob))
+        top = {texts.text(tok): clamp(lp) for tok, lp in top_entries(position, num_top)}
+        top.setdefault(token, clamp(position[token_id].logprob))
+        out["top_logprobs"].append(top)
+    return out
+
+
+def chat_logprobs(texts: TokenTexts, token_ids: list[int], positions: list[PositionLogprobs], num_top: int) -> dict:
+    """OpenAI chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
+    def entry(token_id: int, logprob: float) -> dict:
+        token = texts.text(token_id)
+        return {"token": token, "logprob": clamp(logprob), "bytes": list(token.encode("utf-8"))}
+
+    content = []
+    for token_id, position in zip(token_ids, positions):
+        item = entry(token_id, position[token_id].logprob)
+        item["top_logprobs"] = [entry(tok, lp) for tok, lp in top_entries(position, num_top)]
+        content.append(item)
+    return {"content": content}
+
+
+def usage(outputs: list[RequestOutput]) -> dict:
+    """prompt_tokens per prompt (once, not per choice) and every generated token of every choice."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def sse(payload: dict | str) -> str:
+    """One server-sent event."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {data}\n\n"

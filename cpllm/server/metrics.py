@@ -1,0 +1,67 @@
+"""Prometheus metrics of one server, in their own registry (so that several apps can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from cpllm.engine.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_TOKEN_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class ServerMetrics:
+    """Counters, histograms and gauges the routes and the engine thread update."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        self._labels = labels
+        r = self.registry
+        self.http_requests = Counter("cpllm_http_requests", "HTTP requests by route and status",
+                                     ["route", "status"], registry=r)
+        self.finished = Counter("cpllm_request_success", "Generation requests finished, by finish reason",
+                                ["model_name", "finished_reason"], registry=r)
+        self.prompt_tokens = Counter("cpllm_prompt_tokens", "Prompt tokens of finished requests",
+                                     ["model_name"], registry=r).labels(**labels)
+        self.generation_tokens = Counter("cpllm_generation_tokens", "Generated tokens of finished requests",
+                                         ["model_name"], registry=r).labels(**labels)
+        self.ttft = Histogram("cpllm_time_to_first_token_seconds", "Arrival to first generated token",
+                              ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
+        self.tpot = Histogram("cpllm_time_per_output_token_seconds", "Mean time between output tokens, per request",
+                              ["model_name"], buckets=_TOKEN_TIME_BUCKETS, registry=r).labels(**labels)
+        self.e2e = Histogram("cpllm_e2e_request_latency_seconds", "Arrival to last token",
+                             ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
+        self.running = Gauge("cpllm_num_requests_running", "Sequences the scheduler is running",
+                             ["model_name"], registry=r).labels(**labels)
+        self.waiting = Gauge("cpllm_num_requests_waiting", "Sequences waiting to be scheduled",
+                             ["model_name"], registry=r).labels(**labels)
+        self.kv_usage = Gauge("cpllm_kv_cache_usage_perc", "Fraction of KV cache blocks in use, per rank",
+                              ["model_name", "rank"], registry=r)
+
+    def set_engine_state(self, running: int, waiting: int, kv_usage: float, ranks: list[int]) -> None:
+        """Called by the engine thread after every step (block ids are shared, so one value for all ranks)."""
+        self.running.set(running)
+        self.waiting.set(waiting)
+        for rank in ranks:
+            self.kv_usage.labels(model_name=self._labels["model_name"], rank=str(rank)).set(kv_usage)
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        """Token counts and latencies of a request that finished (or was aborted)."""
+        m = output.metrics
+        num_out = sum(len(c.token_ids) for c in output.outputs)
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.generation_tokens.inc(num_out)
+        for completion in output.outputs:
+            self.finished.labels(model_name=self._labels["model_name"],
+                                 finished_reason=completion.finish_reason or "abort").inc()
+        if m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+            longest = max((len(c.token_ids) for c in output.outputs), default=0)
+            if longest > 1 and m.first_token_time is not None:
+                self.tpot.observe((m.finished_time - m.first_token_time) / (longest - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
