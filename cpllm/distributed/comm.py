@@ -45,7 +45,7 @@ def all_gather(tensor: torch.Tensor, group: Group, *, dim: int = 0) -> torch.Ten
     # gloo's all_gather_into_tensor gathers contiguous buffers along dim 0 only.
     shape = tensor.shape
     out = torch.empty((world * shape[0], *shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    dist.all_gather_into_tensor(out, tensor.contiguous(), group=group)
+    dist.all_gather_single(out, tensor.contiguous(), group=group)
     dim = dim % tensor.dim()
     if dim == 0:
         return out

@@ -19,6 +19,7 @@ from cpllm.engine.sampling_params import SamplingParams
 from cpllm.engine.scheduler import Scheduler, SchedulerOutput
 from cpllm.engine.sequence import RequestState, Sequence, finish_status
 from cpllm.model.tokenizer import Tokenizer
+from cpllm.distributed.launch import shutdown_distributed
 from cpllm.worker.executor import Executor
 from cpllm.worker.runner import output_positions
 
@@ -28,9 +29,9 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     """Owns the scheduler and the executor of one replica; `step()` advances every running request."""
 
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, *, threads_per_rank: int | None = None):
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer, executor: Executor):
         self.config, self.tokenizer = config, tokenizer
-        self.executor = Executor(config, threads_per_rank=threads_per_rank)
+        self.executor = executor
         cp_size = config.parallel.cp_size
         self.tokens_per_block = config.cache.block_size * cp_size
         num_blocks = self.executor.num_blocks
@@ -206,3 +207,21 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def create_engine(config: EngineConfig, tokenizer: Tokenizer, *, threads_per_rank: int | None = None):
+    """The engine of global rank 0 (a DP front when DP > 1). On any other rank (torchrun) this serves
+    steps until the front shuts the world down, then exits the process."""
+    from cpllm.engine.data_parallel import DataParallelFront
+    from cpllm.worker.startup import start_ranks
+    from cpllm.worker.worker import serve_rank
+
+    groups, workers = start_ranks(config, threads_per_rank)
+    if groups.rank != 0:
+        try:
+            serve_rank(config, groups)
+        finally:
+            shutdown_distributed()
+        raise SystemExit(0)
+    engine = LLMEngine(config, tokenizer, Executor(config, groups, workers))
+    return DataParallelFront(engine) if groups.dp_size > 1 else engine

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cpllm.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-from cpllm.engine.engine import LLMEngine
+from cpllm.engine.engine import create_engine
 from cpllm.engine.outputs import RequestOutput
 from cpllm.engine.sampling_params import SamplingParams
 from cpllm.model.default_model import default_model_path
@@ -71,7 +71,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, threads_per_rank: int | None = None, **engine_options: Any):
         config = build_engine_config(model, **engine_options)
         self.tokenizer: Tokenizer = load_tokenizer(config.model_path)
-        self.engine = LLMEngine(config, self.tokenizer, threads_per_rank=threads_per_rank)
+        self.engine = create_engine(config, self.tokenizer, threads_per_rank=threads_per_rank)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:

@@ -1,69 +1,35 @@
-"""Starts the ranks of one replica and drives them step by step from the driver process."""
+"""The replica driver's handle on every rank of its replica: runs a step everywhere, returns the logits."""
 
 from __future__ import annotations
 
 import contextlib
-import logging
 
 import torch
 
 from cpllm.config import EngineConfig
 from cpllm.distributed.comm import broadcast_object
-from cpllm.distributed.launch import (
-    find_free_port,
-    init_distributed,
-    is_torchrun,
-    shutdown_distributed,
-    spawn_workers,
-    torchrun_env,
-)
+from cpllm.distributed.groups import ParallelGroups
+from cpllm.distributed.launch import WorkerHandles, shutdown_distributed
 from cpllm.engine.scheduler import SchedulerOutput
 from cpllm.worker.runner import ModelRunner
-from cpllm.worker.worker import device_for, run_worker_loop, worker_main
-
-logger = logging.getLogger(__name__)
+from cpllm.worker.worker import device_for
 
 
 class Executor:
-    """The driver's handle on every rank of its replica: runs a step everywhere, returns the logits."""
+    """Owns this rank's ModelRunner and broadcasts each step to the other ranks of the replica."""
 
-    def __init__(self, config: EngineConfig, *, threads_per_rank: int | None = None):
-        self.config = config
-        self.workers = None
-        world = config.parallel.world_size
-        if is_torchrun():
-            env = torchrun_env()
-            groups = init_distributed(config.parallel, rank=env["rank"], world_size=env["world_size"],
-                                      master_addr=env["master_addr"], master_port=env["master_port"],
-                                      timeout_s=config.parallel.distributed_timeout_s)
-        elif world > 1:
-            port = find_free_port()
-            self.workers = spawn_workers(world, worker_main, (config, "127.0.0.1", port, threads_per_rank),
-                                         master_port=port)
-            groups = init_distributed(config.parallel, rank=0, world_size=world, master_addr="127.0.0.1",
-                                      master_port=port, timeout_s=config.parallel.distributed_timeout_s)
-        else:
-            groups = init_distributed(config.parallel, rank=0, world_size=1, master_addr="", master_port=0,
-                                      timeout_s=config.parallel.distributed_timeout_s)
-        if threads_per_rank:
-            torch.set_num_threads(threads_per_rank)
-        self.groups = groups
+    def __init__(self, config: EngineConfig, groups: ParallelGroups, workers: WorkerHandles | None = None):
+        self.config, self.groups, self.workers = config, groups, workers
         with self._watch():
             self.runner = ModelRunner(config, groups, device_for(groups))
         self._closed = False
-        if not groups.is_replica_driver:
-            # Under torchrun every process builds the engine; all but the drivers serve steps and leave.
-            try:
-                run_worker_loop(self.runner)
-            finally:
-                shutdown_distributed()
-            raise SystemExit(0)
 
     @property
     def num_blocks(self) -> int:
         return self.runner.num_blocks
 
     def _watch(self):
+        """Turns a dead spawned worker into an error naming its rank (torchrun watches its own processes)."""
         return self.workers.watch() if self.workers is not None else contextlib.nullcontext()
 
     def execute(self, step: SchedulerOutput) -> torch.Tensor | None:
@@ -72,6 +38,7 @@ class Executor:
             return self.runner.execute(step)
 
     def shutdown(self) -> None:
+        """Stop this replica's workers (the shutdown step), then wait for the processes this driver spawned."""
         if self._closed:
             return
         self._closed = True

@@ -1,0 +1,118 @@
+"""Data parallelism: independent engine replicas behind one front on global rank 0.
+
+The replica drivers (global ranks with pcp = tp = 0) advance in lockstep ticks:
+the front broadcasts each replica's new requests and aborts over the DP group,
+every replica runs one step of its own scheduler, and the outputs are gathered
+back on the front. New requests go to the replica with the fewest unfinished ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from cpllm.distributed.comm import broadcast_object
+from cpllm.engine.engine import LLMEngine
+from cpllm.engine.outputs import RequestOutput
+from cpllm.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ReplicaCommands:
+    """What one replica must do before its next step."""
+
+    adds: list[tuple[str, list[int], SamplingParams, str | None, float | None]] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Tick:
+    commands: list[ReplicaCommands]
+    shutdown: bool = False
+
+
+def _apply(engine: LLMEngine, commands: ReplicaCommands) -> None:
+    for request_id in commands.aborts:
+        engine.abort_request(request_id)
+    for request_id, prompt_ids, params, prompt, arrival in commands.adds:
+        engine.add_request(request_id, prompt_ids, params, prompt=prompt, arrival_time=arrival)
+
+
+def _step_and_gather(engine: LLMEngine, group, front: int) -> list[list[RequestOutput]] | None:
+    outputs = engine.step() if engine.has_unfinished_requests() else []
+    gathered = [None] * dist.get_world_size(group) if dist.get_rank() == front else None
+    dist.gather_object(outputs, gathered, dst=front, group=group)
+    return gathered
+
+
+def serve_replica(engine: LLMEngine) -> None:
+    """Loop of a replica driver other than the front: apply commands, step, send outputs, until shutdown."""
+    groups = engine.executor.groups
+    front = dist.get_global_rank(groups.dp_group, 0)
+    while True:
+        tick: Tick = broadcast_object(None, src=front, group=groups.dp_group)
+        if tick.shutdown:
+            engine.shutdown()
+            return
+        _apply(engine, tick.commands[groups.dp_rank])
+        _step_and_gather(engine, groups.dp_group, front)
+
+
+class DataParallelFront:
+    """The LLMEngine interface over DP replicas; runs replica 0 itself."""
+
+    def __init__(self, engine: LLMEngine):
+        self.local = engine
+        self.groups = engine.executor.groups
+        self.num_replicas = self.groups.dp_size
+        self._pending = [ReplicaCommands() for _ in range(self.num_replicas)]
+        self._owner: dict[str, int] = {}
+        self._load = [0] * self.num_replicas
+
+    def __getattr__(self, name):
+        # tokenizer, max_model_len, config, scheduler stats ...: those of replica 0
+        return getattr(self.local, name)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    prompt: str | None = None, arrival_time: float | None = None) -> None:
+        if request_id in self._owner:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.local._check_prompt(prompt_token_ids, params)  # same limits on every replica
+        replica = min(range(self.num_replicas), key=lambda r: self._load[r])
+        self._pending[replica].adds.append((request_id, list(prompt_token_ids), params, prompt, arrival_time))
+        self._owner[request_id] = replica
+        self._load[replica] += 1
+
+    def abort_request(self, request_id: str) -> None:
+        replica = self._owner.pop(request_id, None)
+        if replica is not None:
+            self._pending[replica].aborts.append(request_id)
+            self._load[replica] -= 1
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._owner)
+
+    @property
+    def num_running(self) -> int:
+        return sum(self._load)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.local.num_waiting
+
+    def step(self) -> list[RequestOutput]:
+        tick = Tick(commands=self._pending)
+        self._pending = [ReplicaCommands() for _ in range(self.num_replicas)]
+        broadcast_object(tick, src=self.groups.rank, group=self.groups.dp_group)
+        _apply(self.local, tick.commands[0])
+        outputs = [out for replica in _step_and_gather(self.local, self.groups.dp_group, self.groups.rank)
+                   for out in replica]
+        for output in outputs:
+            if output.finished and output.request_id in self._owner:
+                self._load[self._owner.pop(output.request_id)] -= 1
+        return outputs
+
+    def shutdown(self) -> None:
+        broadcast_object(Tick(commands=[], shutdown=True), src=self.groups.rank, group=self.groups.dp_group)
+        self.local.shutdown()
