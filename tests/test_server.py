@@ -19,6 +19,7 @@ from tiny_models import save_tiny_hf_model
 
 from cpllm.engine.llm import LLM
 from cpllm.engine.sampling_params import SamplingParams
+from cpllm.server.formatting import ChoiceCursor, pending_stop_prefix
 from cpllm.server.process import ServerProcess
 
 ENGINE_FLAGS = ["--kv-cache-memory-bytes", "4MiB", "--max-model-len", "256", "--block-size", "4"]
@@ -117,11 +118,24 @@ def test_completion_batch_of_prompts(client, llm, model_folder):
     assert got.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in refs)
 
 
+def _boundary_stop(llm: LLM, prompt: str) -> str:
+    """Two characters of the greedy text that straddle a token boundary, so that a stream sees the
+    first one a step before the stop string is complete (what the server must hold back)."""
+    out = reference(llm, prompt, max_tokens=24, temperature=0.0, ignore_eos=True).outputs[0]
+    full = out.text
+    for k in range(len(out.token_ids) // 2, len(out.token_ids)):
+        head = llm.tokenizer.decode(out.token_ids[:k])
+        cut = len(head)
+        if full.startswith(head) and 0 < cut < len(full) - 1 and "\ufffd" not in full[cut - 1 : cut + 1]:
+            if full.find(full[cut - 1 : cut + 1]) == cut - 1:
+                return full[cut - 1 : cut + 1]
+    raise AssertionError(f"no usable stop string in {full!r}")
+
+
 def test_stop_string_streamed_and_not(client, llm, model_folder):
-    full = reference(llm, PROMPTS[2], max_tokens=24, temperature=0.0, ignore_eos=True).outputs[0].text
-    stop = full[len(full) // 2 : len(full) // 2 + 2]  # a two-character stop inside the greedy text
+    stop = _boundary_stop(llm, PROMPTS[2])
     ref = reference(llm, PROMPTS[2], max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])
-    assert ref.outputs[0].finish_reason == "stop" and ref.outputs[0].text != full
+    assert ref.outputs[0].finish_reason == "stop" and ref.outputs[0].stop_reason == stop
     got = client.completions.create(model=model_folder, prompt=PROMPTS[2], max_tokens=24, temperature=0,
                                     stop=[stop], extra_body={"ignore_eos": True})
     assert got.choices[0].text == ref.outputs[0].text
@@ -130,6 +144,19 @@ def test_stop_string_streamed_and_not(client, llm, model_folder):
                                             stop=[stop], stream=True, extra_body={"ignore_eos": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == ref.outputs[0].text
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_stream_cursor_holds_back_a_possible_stop_string():
+    params = SamplingParams(stop=["XYZ", "ab"])
+    cursor = ChoiceCursor()
+    assert cursor.advance("hello X", False, params) == "hello "  # "X" may start "XYZ"
+    assert cursor.advance("hello XY", False, params) == ""
+    assert cursor.advance("hello XYq", False, params) == "XYq"  # not a stop after all
+    assert cursor.advance("hello XYqa", False, params) == ""
+    assert cursor.advance("hello XYq", True, params) == ""  # the engine cut "ab": nothing more to send
+    assert pending_stop_prefix("say XY", ["XYZ"]) == 2 and pending_stop_prefix("say", ["XYZ"]) == 0
+    keep = ChoiceCursor()
+    assert keep.advance("hello X", False, SamplingParams(stop=["XYZ"], include_stop_str_in_output=True)) == "hello X"
 
 
 def test_streaming_completion_with_usage(client, llm, model_folder):
