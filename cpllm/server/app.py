@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import time
 
@@ -133,10 +132,6 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, exc: StarletteHTTPException):
         return APIError(exc.status_code, str(exc.detail)).response()
-
-    @app.exception_handler(json.JSONDecodeError)
-    async def json_error(_request: Request, exc: json.JSONDecodeError):
-        return bad_request(f"the body is not valid JSON: {exc}").response()
 
     @app.exception_handler(Exception)
     async def unexpected(_request: Request, exc: Exception):

@@ -50,7 +50,7 @@ class ServerProcess:
         raise TimeoutError(f"the server was not healthy after {timeout_s:.0f} s:\n{self.log()[-4000:]}")
 
     def stop(self, timeout_s: float = 30.0) -> int:
-        """SIGTERM, then SIGKILL (to the whole process group) if it is still running after `timeout_s`; returns the exit status."""
+        """SIGTERM, then SIGKILL to its process group if still running after `timeout_s`; returns the exit status."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:

@@ -21,8 +21,8 @@ def _prompts(ctx: ServerContext, req: CompletionRequest) -> list[Prompt]:
     except ValueError as exc:
         raise bad_request(str(exc), "prompt") from exc
     tokenizer = ctx.engine.tokenizer
-    return [Prompt(token_ids=tokenizer.encode(p), text=p) if isinstance(p, str) else Prompt(token_ids=list(p), text=None)
-            for p in items]
+    return [Prompt(token_ids=tokenizer.encode(p), text=p) if isinstance(p, str)
+            else Prompt(token_ids=list(p), text=None) for p in items]
 
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, arrival_time: float):

