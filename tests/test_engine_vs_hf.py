@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from cpllm import LLM, SamplingParams
 from reference import check_against_hf, hf_greedy
@@ -83,3 +84,21 @@ def test_preemption_keeps_every_request(tiny):
     for output, ref in zip(outputs, refs):
         assert len(output.outputs[0].token_ids) == MAX_TOKENS
         check_against_hf(output, *ref)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gguf_file_matches_transformers_reading_it(arch, tmp_path):
+    """Tiny GGUF (float and quantized tensors) through cpllm and through transformers' GGUF reader."""
+    pytest.importorskip("accelerate")  # transformers needs it to read GGUF
+    from transformers import AutoModelForCausalLM
+
+    from tiny_models import save_tiny_gguf
+
+    path = tmp_path / f"tiny-{arch}.gguf"
+    save_tiny_gguf(str(path), arch, seed=2)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    prompts = random_prompts(hf.config.vocab_size, (3, 21), seed=5)
+    with LLM(str(path), max_model_len=256, block_size=4) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    for output, prompt in zip(outputs, prompts):
+        check_against_hf(output, *hf_greedy(hf, prompt, MAX_TOKENS))

@@ -78,7 +78,7 @@ class DataParallelFront:
                     prompt: str | None = None, arrival_time: float | None = None) -> None:
         if request_id in self._owner:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.local._check_prompt(prompt_token_ids, params)  # same limits on every replica
+        self.local.check_prompt(prompt_token_ids, params)  # same limits on every replica
         replica = min(range(self.num_replicas), key=lambda r: self._load[r])
         self._pending[replica].adds.append((request_id, list(prompt_token_ids), params, prompt, arrival_time))
         self._owner[request_id] = replica

@@ -69,7 +69,7 @@ class LLMEngine:
                     *, prompt: str | None = None, arrival_time: float | None = None) -> None:
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self._check_prompt(prompt_token_ids, params)
+        self.check_prompt(prompt_token_ids, params)
         state = RequestState(request_id=request_id, prompt=prompt, prompt_token_ids=list(prompt_token_ids),
                              sequences=[])
         state.metrics.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
@@ -94,7 +94,7 @@ class LLMEngine:
         base = params.seed if params.seed is not None else self._seed_stream.getrandbits(63)
         return None if params.greedy else make_generator(base + index)
 
-    def _check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:
             raise ValueError("the prompt is empty; at least one token is needed")
         vocab = self.config.model.vocab_size

@@ -87,9 +87,11 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = self._params_per_prompt(len(prompts), sampling_params)
+        tokenized = [self._tokenize(prompt) for prompt in prompts]
+        for (_, token_ids), param in zip(tokenized, params):
+            self.engine.check_prompt(token_ids, param)  # refuse the whole batch before any of it runs
         ids = []
-        for prompt, param in zip(prompts, params):
-            text, token_ids = self._tokenize(prompt)
+        for (text, token_ids), param in zip(tokenized, params):
             request_id = str(next(self._ids))
             self.engine.add_request(request_id, token_ids, param, prompt=text)
             ids.append(request_id)

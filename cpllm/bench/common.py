@@ -1,0 +1,129 @@
+"""Pieces every bench command shares: layouts, prompts, engine options, the machine description."""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Layout:
+    """One parallel layout of the engine, written TPxPCPxDCP[@threads] on the command line."""
+
+    tp: int
+    """Tensor-parallel size."""
+    pcp: int
+    """Prefill context-parallel size."""
+    dcp: int
+    """Decode context-parallel size."""
+    threads_per_rank: int | None = None
+    """torch threads in each rank's process; None = the bench's --threads-per-rank (or cores / ranks)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pcp
+
+    def label(self, threads: int | None = None) -> str:
+        threads = threads if threads is not None else self.threads_per_rank
+        base = f"{self.tp}x{self.pcp}x{self.dcp}"
+        return base if threads is None else f"{base}@{threads}"
+
+
+def parse_layout(text: str) -> Layout:
+    """'1x2x1' or '1x1x1@2' (two threads per rank) -> Layout."""
+    spec, _, threads = text.strip().partition("@")
+    parts = spec.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"layout {text!r} is not TPxPCPxDCP with positive sizes (example: 1x2x1 or 1x1x1@2)")
+    if threads and (not threads.isdigit() or int(threads) < 1):
+        raise ValueError(f"layout {text!r}: threads after '@' must be a positive integer")
+    tp, pcp, dcp = (int(p) for p in parts)
+    return Layout(tp=tp, pcp=pcp, dcp=dcp, threads_per_rank=int(threads) if threads else None)
+
+
+def parse_int_list(text: str, name: str) -> list[int]:
+    """'1024,2048' -> [1024, 2048]; every value must be a positive integer."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{name}: {text!r} is not a comma-separated list of integers") from None
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"{name}: {text!r} must list positive integers")
+    return values
+
+
+def parse_str_list(text: str, name: str, allowed: tuple[str, ...]) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in values if v not in allowed]
+    if not values or bad:
+        raise ValueError(f"{name}: {text!r} must be a comma-separated subset of {allowed}")
+    return values
+
+
+def threads_for(layout: Layout, default: int | None) -> int:
+    """Threads per rank: the layout's, else the bench-wide option, else the cores shared out evenly.
+
+    Always explicit: with more busy threads than cores, OpenMP spin-waiting makes small ops very slow.
+    """
+    if layout.threads_per_rank is not None:
+        return layout.threads_per_rank
+    if default is not None:
+        return default
+    return max(1, (os.cpu_count() or 1) // layout.world_size)
+
+
+def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
+    """Reproducible token ids, avoiding the first ids (special tokens in most vocabularies)."""
+    rng = random.Random(seed)
+    low = min(16, vocab_size - 1)
+    return [rng.randrange(low, vocab_size) for _ in range(length)]
+
+
+def kv_bytes_per_token(model_config: Any, dtype_bytes: int = 4) -> int:
+    """K and V of one token over all layers on a single rank (no sharding)."""
+    return 2 * model_config.num_hidden_layers * model_config.num_key_value_heads * model_config.head_dim * dtype_bytes
+
+
+def kv_budget_for(model_config: Any, tokens: int, cp_size: int, dtype_bytes: int = 4) -> int:
+    """Per-rank KV bytes that hold `tokens` of context (plus blocks of slack), instead of a fraction of RAM."""
+    per_rank_tokens = -(-tokens // cp_size) + 256
+    return per_rank_tokens * kv_bytes_per_token(model_config, dtype_bytes)
+
+
+def machine_info() -> dict[str, Any]:
+    """What a reader needs to compare numbers: CPU, cores, load, library versions."""
+    import torch
+
+    info: dict[str, Any] = {
+        "cpu": _cpu_name(),
+        "cores": os.cpu_count(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+    }
+    for package in ("transformers", "llama_cpp"):
+        try:
+            module = __import__(package)
+            info[package] = getattr(module, "__version__", "?")
+        except ImportError:
+            info[package] = None
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def as_dict(obj: Any) -> dict[str, Any]:
+    return asdict(obj)
