@@ -1,0 +1,231 @@
+"""Unsupported combinations are refused when the engine is configured, with the bad values in the message.
+
+No process starts here: `build_engine_config` reads only config.json (the
+weights of a variant folder are the base model's and are never loaded), and the
+CLI checks parse `cpllm.cli.build_parser()`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections import Counter
+
+import pytest
+
+from cpllm.cli import build_parser
+from cpllm.engine.llm import build_engine_config
+from cpllm.engine_args import engine_kwargs
+from tiny_models import save_tiny_hf_model
+
+
+@pytest.fixture(scope="module")
+def base_folder(tmp_path_factory) -> str:
+    """The default tiny Llama: 4 heads, 2 KV heads, 256 positions."""
+    return save_tiny_hf_model(str(tmp_path_factory.mktemp("base")), "llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def variant(base_folder, tmp_path_factory):
+    """variant(**config_changes) -> a copy of the base folder whose config.json has the changes applied."""
+    count = 0
+
+    def make(**changes) -> str:
+        nonlocal count
+        count += 1
+        folder = str(tmp_path_factory.mktemp(f"variant{count}"))
+        shutil.copytree(base_folder, folder, dirs_exist_ok=True)
+        path = os.path.join(folder, "config.json")
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+        config.update(changes)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(config, f)
+        return folder
+
+    return make
+
+
+def refused(folder: str, *values, **options) -> str:
+    """build_engine_config must raise ValueError quoting every one of `values`; returns the message."""
+    with pytest.raises(ValueError) as error:
+        build_engine_config(folder, **options)
+    message = str(error.value)
+    for value in values:
+        assert str(value) in message, f"{value!r} missing from: {message}"
+    return message
+
+
+# ---- parallel sizes against the model --------------------------------------------------------------
+
+
+def test_valid_layouts_are_accepted(base_folder, variant):
+    kv1 = variant(num_key_value_heads=1)
+    config = build_engine_config(base_folder, tensor_parallel_size=4)  # 2 KV heads replicated over 4 ranks
+    assert config.parallel.world_size == 4
+    config = build_engine_config(base_folder, tensor_parallel_size=4, decode_context_parallel_size=2,
+                                 prefill_context_parallel_size=2, data_parallel_size=2, block_size=8,
+                                 cp_kv_cache_interleave_size=8, cp_prefill_strategy="ring")
+    assert (config.parallel.world_size, config.parallel.cp_size) == (16, 4)
+    config = build_engine_config(kv1, tensor_parallel_size=2, decode_context_parallel_size=2)
+    assert config.parallel.cp_size == 2
+
+
+def test_tp_must_divide_attention_heads(base_folder):
+    refused(base_folder, "num_attention_heads=4", "tensor_parallel_size=3", tensor_parallel_size=3)
+
+
+def test_tp_must_divide_kv_heads_when_they_are_split(variant):
+    folder = variant(num_attention_heads=6, num_key_value_heads=3, hidden_size=96)
+    refused(folder, "num_key_value_heads=3", "tensor_parallel_size=2", tensor_parallel_size=2)
+
+
+def test_tp_must_be_a_multiple_of_kv_heads_when_they_are_replicated(variant):
+    folder = variant(num_attention_heads=6, num_key_value_heads=2, hidden_size=96)
+    refused(folder, "tensor_parallel_size=3", "num_key_value_heads=2", tensor_parallel_size=3)
+
+
+def test_dcp_must_divide_tp(base_folder):
+    refused(base_folder, "decode_context_parallel_size=3", "tensor_parallel_size=4",
+            tensor_parallel_size=4, decode_context_parallel_size=3)
+
+
+@pytest.mark.parametrize(("tp", "dcp", "limit"), [(2, 2, 1), (4, 4, 2)])
+def test_dcp_at_most_tp_over_kv_heads(base_folder, tp, dcp, limit):
+    # With 2 KV heads, TP=2 gives each rank its own KV head: a DCP group would mix heads.
+    refused(base_folder, f"decode_context_parallel_size={dcp}", f"={limit}",
+            tensor_parallel_size=tp, decode_context_parallel_size=dcp)
+
+
+@pytest.mark.parametrize("interleave", [3, 8])
+def test_interleave_must_divide_block_size(base_folder, interleave):
+    refused(base_folder, f"cp_kv_cache_interleave_size={interleave}", "block_size=4",
+            block_size=4, cp_kv_cache_interleave_size=interleave, prefill_context_parallel_size=2)
+
+
+def test_unknown_prefill_strategy(base_folder):
+    message = refused(base_folder, "'ringg'", prefill_context_parallel_size=2, cp_prefill_strategy="ringg")
+    assert "allgather" in message and "ring" in message
+
+
+@pytest.mark.parametrize("option", [
+    "tensor_parallel_size", "prefill_context_parallel_size", "decode_context_parallel_size", "data_parallel_size",
+    "cp_kv_cache_interleave_size", "block_size", "max_num_seqs",
+])
+@pytest.mark.parametrize("value", [0, -1])
+def test_sizes_below_one(base_folder, option, value):
+    refused(base_folder, option, value, **{option: value})
+
+
+@pytest.mark.parametrize("option", ["max_model_len", "max_num_batched_tokens"])
+@pytest.mark.parametrize("value", [0, -1])
+def test_scheduler_limits_below_one(base_folder, option, value):
+    # 0 is a bad value like -1, not "use the default".
+    refused(base_folder, option, value, **{option: value})
+
+
+@pytest.mark.parametrize(("option", "value"), [("kv_cache_memory_bytes", 0), ("distributed_timeout", 0.0)])
+def test_non_positive_memory_and_timeout(base_folder, option, value):
+    refused(base_folder, value, **{option: value})
+
+
+# ---- model and dtype ------------------------------------------------------------------------------
+
+
+def test_max_model_len_beyond_the_model(base_folder):
+    refused(base_folder, "max_model_len=512", "max_position_embeddings=256", max_model_len=512)
+    assert build_engine_config(base_folder, max_model_len=256).scheduler.max_model_len == 256
+
+
+def test_unknown_dtype(base_folder):
+    refused(base_folder, "'float64'", dtype="float64")
+
+
+def test_unsupported_architecture(variant):
+    refused(variant(architectures=["GPT2LMHeadModel"]), "'GPT2LMHeadModel'")
+
+
+@pytest.mark.parametrize("pcp", [1, 2])
+def test_mistral_sliding_window_refused(variant, pcp):
+    folder = variant(architectures=["MistralForCausalLM"], sliding_window=128)
+    refused(folder, "sliding_window=128", prefill_context_parallel_size=pcp)
+
+
+def test_mistral_window_as_long_as_the_context_is_no_window(variant):
+    folder = variant(architectures=["MistralForCausalLM"], sliding_window=256)
+    assert build_engine_config(folder, prefill_context_parallel_size=2).model.sliding_window is None
+
+
+@pytest.mark.parametrize("pcp", [1, 2])
+def test_qwen2_sliding_window_refused(variant, pcp):
+    folder = variant(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=64)
+    refused(folder, "sliding_window=64", prefill_context_parallel_size=pcp)
+
+
+def test_qwen2_unused_sliding_window_is_accepted(variant):
+    # Qwen2 configs carry a sliding_window value even when use_sliding_window is off.
+    folder = variant(architectures=["Qwen2ForCausalLM"], use_sliding_window=False, sliding_window=64)
+    assert build_engine_config(folder, prefill_context_parallel_size=2).model.sliding_window is None
+
+
+# ---- command line ---------------------------------------------------------------------------------
+
+PARALLEL_OPTIONS = {
+    "-tp": "--tensor-parallel-size",
+    "-pcp": "--prefill-context-parallel-size",
+    "-dcp": "--decode-context-parallel-size",
+    "-dp": "--data-parallel-size",
+}
+
+
+def listed_options(help_text: str) -> list[list[str]]:
+    """The option strings of each entry of an argparse help text (the usage summary left out)."""
+    body = help_text.split("\n\n", 1)[1]
+    entries = []
+    for line in body.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("-"):
+            invocation = re.split(r"\s{2,}", stripped)[0]  # "-tp N, --tensor-parallel-size N"
+            entries.append([part.split(" ")[0] for part in invocation.split(", ")])
+    return entries
+
+
+def command_help(command: str, capsys) -> str:
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args([command, "--help"])
+    assert done.value.code == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_parallel_options_listed_once(command, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    entries = listed_options(command_help(command, capsys))
+    counts = Counter(option for entry in entries for option in entry)
+    for short, long in PARALLEL_OPTIONS.items():
+        assert counts[short] == 1 and counts[long] == 1, (short, long, counts)
+        assert [short, long] in entries, f"{short} and {long} should name one option"
+    assert counts["--cp-kv-cache-interleave-size"] == 1, counts
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve"]])
+def test_parallel_options_reach_the_engine(command):
+    args = build_parser().parse_args([*command, "-tp", "4", "-pcp", "2", "-dcp", "2", "-dp", "3",
+                                      "--cp-kv-cache-interleave-size", "8", "--cp-prefill-strategy", "ring"])
+    kwargs = engine_kwargs(args)
+    assert (kwargs["tensor_parallel_size"], kwargs["prefill_context_parallel_size"],
+            kwargs["decode_context_parallel_size"], kwargs["data_parallel_size"]) == (4, 2, 2, 3)
+    assert kwargs["cp_kv_cache_interleave_size"] == 8 and kwargs["cp_prefill_strategy"] == "ring"
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve"]])
+def test_deprecated_interleave_alias(command):
+    parser = build_parser()
+    with pytest.warns(Warning, match="deprecated"):
+        old = parser.parse_args([*command, "--dcp-kv-cache-interleave-size", "8"])
+    new = parser.parse_args([*command, "--cp-kv-cache-interleave-size", "8"])
+    assert old.cp_kv_cache_interleave_size == new.cp_kv_cache_interleave_size == 8
+    assert engine_kwargs(old)["cp_kv_cache_interleave_size"] == 8
+    assert parser.parse_args(command).cp_kv_cache_interleave_size == 1
