@@ -155,7 +155,8 @@ def assert_same_greedy(got, want, *, what: str, prompt_logprobs: bool, atol: flo
     tokens = got.outputs[0].token_ids
     n = len(tokens)
     assert n > 0 and len(want.outputs[0].token_ids) >= n, what
-    assert tokens == want.outputs[0].token_ids[:n], f"{what}: greedy tokens differ\n{tokens}\n{want.outputs[0].token_ids[:n]}"
+    expected = want.outputs[0].token_ids[:n]
+    assert tokens == expected, f"{what}: greedy tokens differ\n{tokens}\n{expected}"
     diff = max_abs_diff(sampled_logprobs(got), sampled_logprobs(want)[:n])
     assert diff <= atol, f"{what}: sampled-token logprobs differ by {diff:.3g}"
     if prompt_logprobs:

@@ -44,15 +44,26 @@ class DecodeResult:
         }
 
 
-def time_decode(engine, prompts: list[list[int]], steps: int, tag: str) -> float:
-    """Prefill every prompt, then time `steps` decode steps of the whole batch; returns seconds."""
-    params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
-    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+def _prefill_all(engine, ids: list[str], prompts: list[list[int]], params: SamplingParams) -> None:
+    """Add the requests and step until each has its first token (the prefill may take several steps)."""
     for request_id, prompt in zip(ids, prompts):
         engine.add_request(request_id, prompt, params)
-    started = set()
-    while len(started) < len(ids):  # prefill (possibly chunked over several steps)
+    started: set[str] = set()
+    while len(started) < len(ids):
         started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
+
+
+def time_decode(engine, prompts: list[list[int]], steps: int, tag: str) -> float:
+    """Prefill every prompt, then time `steps` decode steps of the whole batch; returns seconds.
+
+    The first prompt is prefilled alone first, so that with prefix caching on, prompts sharing its
+    prefix reuse its KV blocks instead of computing them again.
+    """
+    # max_tokens leaves room for the decode steps the first request runs while the others prefill
+    params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True)
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    _prefill_all(engine, ids[:1], prompts[:1], params)
+    _prefill_all(engine, ids[1:], prompts[1:], params)
     begin = time.perf_counter()
     for _ in range(steps):
         engine.step()
@@ -62,6 +73,13 @@ def time_decode(engine, prompts: list[list[int]], steps: int, tag: str) -> float
     while engine.has_unfinished_requests():
         engine.step()
     return seconds
+
+
+def _batch_prompts(vocab_size: int, context: int, batch: int, shared_prefix: bool) -> list[list[int]]:
+    if not shared_prefix:
+        return [random_prompt(context, vocab_size, seed=context * 1000 + i) for i in range(batch)]
+    prefix = random_prompt(context - 1, vocab_size, seed=context)
+    return [prefix + random_prompt(1, vocab_size, seed=context * 1000 + i) for i in range(batch)]
 
 
 def _decode_options(engine_options: dict[str, Any] | None, longest: int, batch: int) -> dict[str, Any]:
@@ -82,21 +100,28 @@ def run_decode_bench(
     steps: int = 32,
     threads_per_rank: int | None = None,
     engine_options: dict[str, Any] | None = None,
+    shared_prefix: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> list[DecodeResult]:
-    """One engine per layout; for each (batch, context): prefill, then time `steps` decode steps."""
+    """One engine per layout; for each (batch, context): prefill, then time `steps` decode steps.
+
+    With `shared_prefix`, the prompts of a batch differ only in their last token and prefix caching
+    is on, so a batch of long contexts costs one long prefill instead of `batch` of them (the decode
+    steps still attend over every request's whole context, through shared blocks).
+    """
     config = model_config_of(model)
     results = []
-    longest = max(context_lengths) + steps + 16
+    longest = max(context_lengths) + steps + 80  # room for max_tokens = steps + 64
     for layout in layouts:
         llm, threads = build_llm(model, layout, strategy=strategy, threads_per_rank=threads_per_rank,
                                  context_tokens=longest * max(batch_sizes), batch_tokens=max(8192, longest),
-                                 engine_options=_decode_options(engine_options, longest, max(batch_sizes)))
+                                 engine_options=_decode_options(engine_options, longest, max(batch_sizes)),
+                                 prefix_caching=shared_prefix)
         try:
             time_decode(llm.engine, [random_prompt(16, config.vocab_size, seed=-1)], 4, "warmup")
             for context in context_lengths:
                 for batch in batch_sizes:
-                    prompts = [random_prompt(context, config.vocab_size, seed=context * 1000 + i) for i in range(batch)]
+                    prompts = _batch_prompts(config.vocab_size, context, batch, shared_prefix)
                     seconds = time_decode(llm.engine, prompts, steps, f"b{batch}c{context}")
                     results.append(DecodeResult(system="cpllm", layout=layout.label(threads),
                                                 total_threads=threads * layout.world_size, batch_size=batch,

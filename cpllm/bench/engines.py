@@ -29,10 +29,11 @@ def build_llm(
     context_tokens: int,
     batch_tokens: int,
     engine_options: dict[str, Any] | None = None,
+    prefix_caching: bool = False,
 ) -> tuple[LLM, int]:
     """An LLM for `layout` whose KV cache holds `context_tokens` and whose step budget is `batch_tokens`.
 
-    Prefix caching is off: repeated runs must compute every token, not hit the cache.
+    Prefix caching is off unless asked for: repeated runs must compute every token, not hit the cache.
     Returns the LLM and the threads per rank it runs with.
     """
     options = {**DEFAULTS, **(engine_options or {})}
@@ -51,6 +52,6 @@ def build_llm(
         prefill_context_parallel_size=layout.pcp,
         decode_context_parallel_size=layout.dcp,
         cp_prefill_strategy=strategy or "allgather",
-        enable_prefix_caching=False,
+        enable_prefix_caching=prefix_caching,
     )
     return LLM(model, threads_per_rank=threads, **options), threads

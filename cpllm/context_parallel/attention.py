@@ -77,9 +77,9 @@ class PagedCPAttention(torch.nn.Module):
         if meta.has_new:
             k_all, v_all = all_gather(k, self.comm.pcp_group), all_gather(v, self.comm.pcp_group)
             rows = meta.write_rows
-        else:  # only single tokens: every rank holds them, the rows point at this rank's own copy
+        else:  # only single tokens: every PCP rank holds them at the same rows, so PCP rank 0's rows are local
             k_all, v_all = k, v
-            rows = meta.write_rows - self.comm.pcp_rank * meta.num_rows
+            rows = meta.write_rows
         k_pool[meta.write_slots] = k_all[rows]
         v_pool[meta.write_slots] = v_all[rows]
         for request in meta.requests:

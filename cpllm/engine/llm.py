@@ -48,7 +48,7 @@ def build_engine_config(
         distributed_timeout_s=distributed_timeout,
     )
     model_config = open_weights(path).config
-    max_len = max_model_len or model_config.max_position_embeddings
+    max_len = model_config.max_position_embeddings if max_model_len is None else max_model_len
     return EngineConfig(
         model_path=path,
         model=model_config,
@@ -58,7 +58,8 @@ def build_engine_config(
         cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
                           enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(
-            max_num_batched_tokens=max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS,
+            max_num_batched_tokens=(DEFAULT_MAX_NUM_BATCHED_TOKENS if max_num_batched_tokens is None
+                                    else max_num_batched_tokens),
             max_num_seqs=max_num_seqs,
             max_model_len=max_len,
         ),

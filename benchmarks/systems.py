@@ -1,0 +1,141 @@
+"""The same prefill and decode workloads through cpllm, Hugging Face transformers and llama.cpp.
+
+Each runner holds one loaded model and measures, with an explicit thread count:
+- `prefill_s(prompt)`: seconds from the prompt to the first token's logits;
+- `decode_s(prompt, batch, steps)`: seconds of `steps` decode steps of `batch` sequences whose
+  context is `prompt` (for transformers the prompt is prefilled once and its KV cache repeated
+  over the batch; llama.cpp runs batch 1 only).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from cpllm.bench.common import Layout
+from cpllm.bench.decode import time_decode
+from cpllm.bench.engines import build_llm
+from cpllm.bench.prefill import time_prefill
+
+
+class CpllmRunner:
+    """cpllm on one rank, in this process (torch threads set per measurement)."""
+
+    name = "cpllm"
+
+    def __init__(self, model_path: str, max_tokens: int, max_batch: int):
+        self.llm, _ = build_llm(model_path, Layout(tp=1, pcp=1, dcp=1), strategy=None, threads_per_rank=1,
+                                context_tokens=max_tokens * max_batch, batch_tokens=max(max_tokens, 8192),
+                                engine_options={"max_model_len": max_tokens, "max_num_seqs": max_batch},
+                                prefix_caching=True)
+        self._ids = 0
+
+    def set_threads(self, threads: int) -> None:
+        torch.set_num_threads(threads)
+
+    def prefill_s(self, prompt: list[int]) -> float:
+        # every prompt is new (random ids), so the prefix cache never hits here
+        return time_prefill(self.llm, prompt)
+
+    def decode_s(self, prompt: list[int], batch: int, steps: int) -> float:
+        self._ids += 1
+        # the batch shares the prompt but the last token: one long prefill, then every request decodes
+        prompts = [prompt[:-1] + [(prompt[-1] + i) % 1000 + 16] for i in range(batch)]
+        return time_decode(self.llm.engine, prompts, steps, f"cmp{self._ids}")
+
+    def close(self) -> None:
+        self.llm.shutdown()
+
+
+class TransformersRunner:
+    """Hugging Face transformers (sdpa attention, float32) loading the same GGUF file."""
+
+    name = "transformers"
+
+    def __init__(self, model_path: str):
+        from transformers import AutoModelForCausalLM
+
+        folder, file = os.path.split(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32,
+                                                          attn_implementation="sdpa").eval()
+
+    def set_threads(self, threads: int) -> None:
+        torch.set_num_threads(threads)
+
+    @torch.inference_mode()
+    def prefill_s(self, prompt: list[int]) -> float:
+        ids = torch.tensor([prompt])
+        start = time.perf_counter()
+        logits = self.model(input_ids=ids).logits  # logits for every position: what a plain forward does
+        logits[0, -1].argmax()
+        return time.perf_counter() - start
+
+    @torch.inference_mode()
+    def decode_s(self, prompt: list[int], batch: int, steps: int) -> float:
+        out = self.model(input_ids=torch.tensor([prompt]), use_cache=True)
+        cache = out.past_key_values
+        if batch > 1:
+            cache.batch_repeat_interleave(batch)
+        token = out.logits[:, -1:].argmax(-1).expand(batch, 1).contiguous()
+        mask = torch.ones(batch, len(prompt) + steps + 1, dtype=torch.long)
+        start = time.perf_counter()
+        for step in range(steps):
+            out = self.model(input_ids=token, past_key_values=cache, use_cache=True,
+                             attention_mask=mask[:, : len(prompt) + step + 1])
+            cache = out.past_key_values
+            token = out.logits[:, -1:].argmax(-1)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        del self.model
+
+
+class LlamaCppRunner:
+    """llama.cpp through llama-cpp-python, on the GGUF file's own quantized weights (Q4_1 for SmolLM2)."""
+
+    name = "llama.cpp"
+
+    def __init__(self, model_path: str, max_tokens: int):
+        self.model_path, self.max_tokens = model_path, max_tokens
+        self.threads: int | None = None
+        self.llm = None
+
+    def set_threads(self, threads: int) -> None:
+        from llama_cpp import Llama
+
+        if threads == self.threads:
+            return
+        self.threads = threads
+        self.llm = Llama(model_path=self.model_path, n_ctx=self.max_tokens, n_threads=threads,
+                         n_threads_batch=threads, n_batch=512, n_ubatch=512, verbose=False)
+
+    def prefill_s(self, prompt: list[int]) -> float:
+        self.llm.reset()
+        start = time.perf_counter()
+        self.llm.eval(prompt)
+        return time.perf_counter() - start
+
+    def decode_s(self, prompt: list[int], batch: int, steps: int) -> float:
+        if batch != 1:
+            raise ValueError(f"llama-cpp-python decodes one sequence at a time, not a batch of {batch}")
+        self.llm.reset()
+        self.llm.eval(prompt)
+        token = prompt[-1]
+        start = time.perf_counter()
+        for _ in range(steps):
+            self.llm.eval([token])
+            token = int(self.llm.scores[self.llm.n_tokens - 1].argmax())
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.llm = None
+
+
+def llama_cpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,161 @@
+"""Bytes each prefill strategy moves per layer: the formula, and a count of what the collectives carry.
+
+Formula (one request of T new tokens, no cached context, PCP = p, per rank):
+  n = the largest rank's token count under the head-tail partition (every rank pads to it);
+  each rank receives the other p - 1 ranks' K and V blocks of n rows:
+      bytes_received = 2 * (p - 1) * n * kv_heads_per_rank * head_dim * dtype_bytes
+  for both `allgather` (one all-gather of K and one of V) and `ring` (p - 1 pass-KV steps of a
+  [2, n, heads, dim] block). The strategies move the same bytes; they differ in how fast the
+  transport is (gloo all-gather vs point-to-point) and in whether the transfer overlaps compute.
+
+Measured: the collectives imported from cpllm.distributed.comm are wrapped, in this process only
+(global rank 0), for the duration of one prefill; each call records the bytes this rank received.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cpllm.context_parallel.partition import rank_num_tokens
+from cpllm.distributed import comm
+
+WRAPPED = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "ring_exchange")
+
+
+def kv_heads_per_rank(config: Any, tp: int) -> int:
+    """KV heads are split over TP when there are at least TP of them, else each rank keeps one."""
+    return config.num_key_value_heads // tp if config.num_key_value_heads >= tp else 1
+
+
+def formula_bytes_per_layer(config: Any, tokens: int, pcp: int, tp: int = 1, dtype_bytes: int = 4) -> int:
+    """Bytes of new K/V one rank receives per layer in a prefill of `tokens` (either strategy)."""
+    if pcp == 1:
+        return 0
+    rows = max(rank_num_tokens(tokens, pcp, r) for r in range(pcp))
+    return 2 * (pcp - 1) * rows * kv_heads_per_rank(config, tp) * config.head_dim * dtype_bytes
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _received(name: str, args: tuple, kwargs: dict, result: Any) -> int:
+    """Bytes this rank received in one call (0 for a group of one)."""
+    group = args[1] if len(args) > 1 else kwargs.get("group")
+    world = comm.group_size(group)
+    if world == 1:
+        return 0
+    tensor = args[0]
+    if name == "all_gather":
+        return _nbytes(tensor) * (world - 1)
+    if name in ("all_reduce", "reduce_scatter"):
+        return _nbytes(tensor) * (world - 1) // world  # a ring all-reduce: (w-1)/w of it in each phase
+    if name == "ring_exchange":
+        return _nbytes(tensor)
+    if name == "all_to_all":
+        splits = kwargs.get("output_split_sizes")
+        me = comm.group_rank(group)
+        rows = result.shape[0]
+        own = splits[me] if splits is not None else rows // world
+        return (rows - own) * (_nbytes(result) // max(rows, 1))
+    return 0
+
+
+@dataclass(slots=True)
+class CommCounter:
+    """Calls and bytes received, keyed by (calling module, collective)."""
+
+    calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+
+    def record(self, module: str, name: str, received: int) -> None:
+        self.calls[(module, name)] += 1
+        self.bytes[(module, name)] += received
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [{"module": m, "op": op, "calls": self.calls[(m, op)], "bytes": self.bytes[(m, op)]}
+                for m, op in sorted(self.calls)]
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[CommCounter]:
+    """Wrap every cpllm module's reference to a comm collective; undone on exit."""
+    counter = CommCounter()
+    originals = {name: getattr(comm, name) for name in WRAPPED}
+    patched: list[tuple[Any, str, Any]] = []
+
+    def wrap(module_name: str, name: str, fn):
+        def counted(*args, **kwargs):
+            result = fn(*args, **kwargs)
+            out = result.received if name == "ring_exchange" else result
+            counter.record(module_name, name, _received(name, args, kwargs, out))
+            return result
+        return counted
+
+    for module_name, module in list(sys.modules.items()):
+        if not module_name.startswith("cpllm.") or module_name.startswith("cpllm.bench") or module is comm:
+            continue
+        for name, fn in originals.items():
+            if getattr(module, name, None) is fn:
+                patched.append((module, name, fn))
+                setattr(module, name, wrap(module_name, name, fn))
+    try:
+        yield counter
+    finally:
+        for module, name, fn in patched:
+            setattr(module, name, fn)
+
+
+def measure_prefill_comm(llm, prompt: list[int]) -> CommCounter:
+    """Count rank 0's collectives during one prefill (max_tokens=1) of `prompt`."""
+    from cpllm.bench.prefill import time_prefill
+
+    with count_collectives() as counter:
+        time_prefill(llm, prompt)
+    return counter
+
+
+def attention_bytes_per_layer(counter: CommCounter, num_layers: int) -> int:
+    """Bytes received by the context-parallel attention module, per layer."""
+    total = sum(b for (module, _), b in counter.bytes.items() if module.startswith("cpllm.context_parallel"))
+    return total // num_layers
+
+
+def run_comm_bench(
+    model: str | None,
+    *,
+    lengths: list[int],
+    pcp: int,
+    tp: int = 1,
+    strategies: list[str],
+    threads_per_rank: int | None = 1,
+) -> list[dict[str, Any]]:
+    """Per strategy and length: measured attention bytes per layer on rank 0 vs the formula."""
+    from cpllm.bench.common import Layout, random_prompt
+    from cpllm.bench.engines import build_llm, model_config_of
+
+    config = model_config_of(model)
+    rows = []
+    for strategy in strategies:
+        llm, _ = build_llm(model, Layout(tp=tp, pcp=pcp, dcp=1), strategy=strategy,
+                           threads_per_rank=threads_per_rank, context_tokens=max(lengths) + 16,
+                           batch_tokens=max(lengths) + 16)
+        try:
+            for length in lengths:
+                counter = measure_prefill_comm(llm, random_prompt(length, config.vocab_size, seed=length))
+                measured = attention_bytes_per_layer(counter, config.num_hidden_layers)
+                formula = formula_bytes_per_layer(config, length, pcp, tp)
+                rows.append({"strategy": strategy, "pcp": pcp, "tp": tp, "prompt_tokens": length,
+                             "measured_bytes_per_layer": measured, "formula_bytes_per_layer": formula,
+                             "ratio": round(measured / formula, 4) if formula else None,
+                             "calls": {f"{m}.{op}": n for (m, op), n in counter.calls.items()}})
+        finally:
+            llm.shutdown()
+    return rows
