@@ -1,0 +1,131 @@
+"""cpllm vs transformers vs llama.cpp on SmolLM2: prefill and decode, same prompts, same threads, one run.
+
+    python benchmarks/compare.py --lengths 1024,2048,4096,8192 --threads 1,2 \
+        --decode-contexts 128,2048 --decode-batches 1,16 --out benchmarks/results/compare.json
+
+Measurements are interleaved (for each thread count and length, every system in turn), so a change
+in machine load touches every system alike. llama.cpp is skipped, with a note in the JSON, when
+llama-cpp-python is not installed (it is an optional extra: it compiles for ~15 minutes here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from systems import CpllmRunner, LlamaCppRunner, TransformersRunner, llama_cpp_available  # noqa: E402
+
+from cpllm.bench.ceiling import measure_ceilings, prefill_flops  # noqa: E402
+from cpllm.bench.common import machine_info, parse_int_list, random_prompt  # noqa: E402
+from cpllm.bench.engines import model_config_of  # noqa: E402
+from cpllm.bench.report import print_table, write_json  # noqa: E402
+from cpllm.model.default_model import default_model_path  # noqa: E402
+
+
+def _log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] load {os.getloadavg()[0]:.2f}  {message}", flush=True)
+
+
+def load_runners(model: str, max_tokens: int, max_batch: int, skip: set[str]) -> tuple[list, list[str]]:
+    notes = []
+    runners = []
+    if "cpllm" not in skip:
+        runners.append(CpllmRunner(model, max_tokens, max_batch))
+    if "transformers" not in skip:
+        runners.append(TransformersRunner(model))
+    if "llama.cpp" in skip:
+        pass
+    elif llama_cpp_available():
+        runners.append(LlamaCppRunner(model, max_tokens))
+    else:
+        notes.append("llama.cpp skipped: llama-cpp-python is not installed "
+                     "(pip install llama-cpp-python==0.3.36, ~15 min build)")
+    return runners, notes
+
+
+def run_prefill(runners, config, lengths: list[int], threads: list[int]) -> list[dict]:
+    rows = []
+    for t in threads:
+        for runner in runners:
+            runner.set_threads(t)
+            runner.prefill_s(random_prompt(64, config.vocab_size, seed=-1))  # warm-up
+        for length in lengths:
+            prompt = random_prompt(length, config.vocab_size, seed=length)  # the same prompt for everyone
+            for runner in runners:
+                runner.set_threads(t)
+                seconds = runner.prefill_s(prompt)
+                # transformers computes logits at every position; the others at the last one only
+                logit_rows = length if runner.name == "transformers" else 1
+                flops = prefill_flops(config, length, logits_rows=logit_rows).total
+                rows.append({"system": runner.name, "layout": f"{t} thread{'s' * (t > 1)}", "threads": t,
+                             "prompt_tokens": length, "ttft_s": round(seconds, 4),
+                             "tokens_per_s": round(length / seconds, 1), "gflops": round(flops / seconds / 1e9, 1)})
+                _log(f"prefill {runner.name} {t}t {length}: {seconds:.2f} s")
+    return rows
+
+
+def run_decode(runners, config, contexts: list[int], batches: list[int], threads: int, steps: int) -> list[dict]:
+    rows = []
+    for runner in runners:
+        runner.set_threads(threads)
+    for context in contexts:
+        prompt = random_prompt(context, config.vocab_size, seed=context + 7)
+        for batch in batches:
+            for runner in runners:
+                if runner.name == "llama.cpp" and batch > 1:
+                    continue
+                seconds = runner.decode_s(prompt, batch, steps)
+                rows.append({"system": runner.name, "layout": f"{threads} threads", "threads": threads,
+                             "batch_size": batch, "context_tokens": context,
+                             "tokens_per_s": round(batch * steps / seconds, 2),
+                             "step_ms": round(1000 * seconds / steps, 2)})
+                _log(f"decode {runner.name} batch {batch} context {context}: {batch * steps / seconds:.1f} tok/s")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
+    parser.add_argument("--lengths", default="1024,2048,4096,8192")
+    parser.add_argument("--threads", default="1,2", help="total CPU threads per system, comma-separated")
+    parser.add_argument("--decode-contexts", default="128,2048")
+    parser.add_argument("--decode-batches", default="1,16")
+    parser.add_argument("--decode-threads", type=int, default=2)
+    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--skip", default="", help="systems to leave out, comma-separated")
+    parser.add_argument("--out", default="benchmarks/results/compare.json")
+    args = parser.parse_args()
+
+    model = args.model or default_model_path()
+    config = model_config_of(model)
+    lengths = parse_int_list(args.lengths, "--lengths")
+    threads = parse_int_list(args.threads, "--threads")
+    contexts = parse_int_list(args.decode_contexts, "--decode-contexts")
+    batches = parse_int_list(args.decode_batches, "--decode-batches")
+    max_tokens = max(max(lengths), max(contexts) + args.decode_steps + 80) + 16
+    machine = machine_info()
+    ceilings = measure_ceilings(sorted(set(threads) | {args.decode_threads}))
+    _log(f"ceilings {ceilings}")
+    runners, notes = load_runners(model, max_tokens, max(batches), {s for s in args.skip.split(",") if s})
+    try:
+        prefill = run_prefill(runners, config, lengths, threads)
+        decode = run_decode(runners, config, contexts, batches, args.decode_threads, args.decode_steps)
+    finally:
+        for runner in runners:
+            runner.close()
+    for row in prefill:
+        row["ceiling_fraction"] = round(row["gflops"] / ceilings[row["threads"]]["matmul_gflops"], 3)
+    print_table("prefill", prefill)
+    print_table("decode", decode)
+    machine["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    write_json(args.out, {"command": "compare", "argv": sys.argv[1:], "machine": machine, "notes": notes,
+                          "model": os.path.basename(model), "ceilings": {str(k): v for k, v in ceilings.items()},
+                          "prefill": prefill, "decode": decode})
+
+
+if __name__ == "__main__":
+    main()
