@@ -1,6 +1,6 @@
 """cpllm vs transformers vs llama.cpp on SmolLM2: prefill and decode, same prompts, same threads, one run.
 
-    python benchmarks/compare.py --lengths 1024,2048,4096,8192 --threads 1,2 \
+    python benchmarks/compare.py --lengths 1024,2048,4096,8000 --threads 1,2 \
         --decode-contexts 128,2048 --decode-batches 1,16 --out benchmarks/results/compare.json
 
 Measurements are interleaved (for each thread count and length, every system in turn), so a change
@@ -90,7 +90,7 @@ def run_decode(runners, config, contexts: list[int], batches: list[int], threads
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
-    parser.add_argument("--lengths", default="1024,2048,4096,8192")
+    parser.add_argument("--lengths", default="1024,2048,4096,8000")
     parser.add_argument("--threads", default="1,2", help="total CPU threads per system, comma-separated")
     parser.add_argument("--decode-contexts", default="128,2048")
     parser.add_argument("--decode-batches", default="1,16")

@@ -89,7 +89,10 @@ def run_bench(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise SystemExit(f"cpllm bench {args.bench_command}: {error}") from None
     if args.json:
-        write_json(args.json, {"command": args.bench_command, "machine": machine_info(), **payload})
+        import sys
+
+        argv = ["cpllm", *sys.argv[1:]] if sys.argv and sys.argv[0].endswith(("cpllm", "__main__.py")) else None
+        write_json(args.json, {"command": args.bench_command, "argv": argv, "machine": machine_info(), **payload})
     return 0
 
 

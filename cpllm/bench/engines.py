@@ -41,10 +41,11 @@ def build_llm(
         options.pop(key, None)
     threads = threads_for(layout, threads_per_rank)
     cp_size = layout.pcp * layout.dcp
+    config = model_config_of(model)
     if options.get("kv_cache_memory_bytes") is None:
-        options["kv_cache_memory_bytes"] = kv_budget_for(model_config_of(model), context_tokens, cp_size)
+        options["kv_cache_memory_bytes"] = kv_budget_for(config, context_tokens, cp_size)
     if options.get("max_model_len") is None:
-        options["max_model_len"] = context_tokens
+        options["max_model_len"] = min(context_tokens, config.max_position_embeddings)
     if options.get("max_num_batched_tokens") is None:
         options["max_num_batched_tokens"] = batch_tokens
     options.update(

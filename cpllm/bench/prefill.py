@@ -99,7 +99,7 @@ def run_prefill_bench(
                                      engine_options=engine_options)
             threads_of[index] = threads
             try:
-                time_prefill(llm, random_prompt(WARMUP_TOKENS, config.vocab_size, seed=-1))
+                time_prefill(llm, random_prompt(min(WARMUP_TOKENS, max(lengths)), config.vocab_size, seed=-1))
                 for length in lengths:
                     prompt = random_prompt(length, config.vocab_size, seed=repeat * 1_000_003 + length)
                     times.setdefault((index, length), []).append(time_prefill(llm, prompt))

@@ -126,6 +126,19 @@ class PagedCPAttention(torch.nn.Module):
                     continue  # keys after the queries
                 _accumulate(out, lse, rows, *part)
 
+    def _decode_context(self, q_all, k_pool, v_pool, meta: AttentionMetadata, o_part, lse_part, dcp_size) -> None:
+        """All single-token queries of every piece against this rank's shard, one padded call per piece."""
+        decode, n = meta.decode, meta.num_rows
+        if decode.max_local_context == 0:
+            return  # this rank's shard is empty for every one of them: their partials stay (0, -inf)
+        k_ctx = k_pool[decode.slots].transpose(1, 2)  # [B, Hkv, L, D]
+        v_ctx = v_pool[decode.slots].transpose(1, 2)
+        for piece in range(self.comm.cp_size):
+            rows = decode.rows[piece // dcp_size] + piece * n  # [B]
+            out, lse = attention_with_lse(q_all[rows].unsqueeze(2), k_ctx, v_ctx, scale=self.scale,
+                                          mask=decode.key_mask)  # [B, Hq, 1, D], [B, Hq, 1]
+            o_part[rows], lse_part[rows] = out[:, :, 0], lse[:, :, 0]
+
     def _context(self, q, k_pool, v_pool, meta: AttentionMetadata):
         """Queries of the whole CP group against this rank's KV shard, merged back on their owners."""
         comm, n = self.comm, meta.num_rows
@@ -133,8 +146,11 @@ class PagedCPAttention(torch.nn.Module):
         q_all = all_gather(q, comm.cp_group)  # [cp_size * N, Hq, D]: piece c from cp rank c
         o_part = torch.zeros_like(q_all)
         lse_part = torch.full(q_all.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
-        for request in meta.requests:
-            if request.context_len == 0 or request.context_slots.numel() == 0:
+        if meta.decode is not None:
+            self._decode_context(q_all, k_pool, v_pool, meta, o_part, lse_part, dcp_size)
+        batched = set(meta.decode.requests) if meta.decode is not None else set()
+        for index, request in enumerate(meta.requests):
+            if index in batched or request.context_len == 0 or request.context_slots.numel() == 0:
                 continue
             k_ctx, v_ctx = k_pool[request.context_slots], v_pool[request.context_slots]
             for piece in range(comm.cp_size):

@@ -47,6 +47,22 @@ class RequestAttention:
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
+class DecodeBatch:
+    """Single-token requests batched into one padded attention call against this rank's KV shard."""
+
+    requests: tuple[int, ...]
+    """Indices (into AttentionMetadata.requests) of the requests in the batch."""
+    slots: torch.Tensor
+    """[B, max_local_context] pool slots of each request's local context, padded with slot 0."""
+    key_mask: torch.Tensor | None
+    """[B, 1, 1, max_local_context] additive mask hiding the padding (None when nothing is padded)."""
+    rows: torch.Tensor
+    """[pcp_size, B] row of each request in each PCP rank's batch."""
+    max_local_context: int
+    """Longest local context among them (0: this rank's shard is empty for all)."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
 class AttentionMetadata:
     """Everything the attention layers of one step need; shared by all layers."""
 
@@ -61,6 +77,8 @@ class AttentionMetadata:
     """Some request reads cached context (same value on every rank)."""
     has_new: bool
     """Some request has more than one new token (same value on every rank)."""
+    decode: DecodeBatch | None
+    """The single-token requests, attended to the context in one call (None when there are none)."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -110,6 +128,7 @@ def build_step_batch(chunks, layout: KVLayout, pcp_size: int, pcp_rank: int, out
         write_slots=torch.tensor(write_slots, dtype=torch.long),
         has_context=any(r.context_len > 0 for r in requests),
         has_new=any(r.num_new > 1 for r in requests),
+        decode=_decode_batch(requests),
     )
     return StepBatch(token_ids=token_ids, positions=positions, attention=attention, output_rows=tuple(output_rows))
 
@@ -160,3 +179,22 @@ def _locate(new_indices, runs) -> list[tuple[int, int]]:
             for i in range(length):
                 where.setdefault(new_start + i, (p, row + i))
     return [where[i] for i in new_indices]
+
+
+def _decode_batch(requests: list[RequestAttention]) -> DecodeBatch | None:
+    members = [i for i, r in enumerate(requests) if r.num_new == 1]
+    if not members:
+        return None
+    lengths = [requests[i].context_slots.numel() for i in members]
+    width = max(max(lengths), 1)
+    slots = torch.zeros(len(members), width, dtype=torch.long)
+    for b, i in enumerate(members):
+        slots[b, : lengths[b]] = requests[i].context_slots
+    key_mask = None
+    if min(lengths) < width:
+        valid = torch.arange(width) < torch.tensor(lengths).unsqueeze(1)  # [B, width]
+        key_mask = torch.zeros(len(members), 1, 1, width).masked_fill(~valid[:, None, None, :], float("-inf"))
+    rows = torch.tensor([[requests[i].pcp_rows[p][0] for i in members] for p in range(len(requests[0].pcp_rows))],
+                        dtype=torch.long)
+    return DecodeBatch(requests=tuple(members), slots=slots, key_mask=key_mask, rows=rows,
+                       max_local_context=max(lengths))

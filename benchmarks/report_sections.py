@@ -1,0 +1,220 @@
+"""The sections of docs/benchmarks.md, each a function of the loaded results returning markdown lines."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+Results = dict[str, dict[str, Any]]
+
+
+def md_table(rows: list[dict[str, Any]], columns: list[str] | None = None) -> list[str]:
+    if not rows:
+        return ["(no rows)"]
+    columns = columns or [k for k, v in rows[0].items() if not isinstance(v, (list, dict))]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join("" if row.get(c) is None else str(row.get(c)) for c in columns) + " |")
+    return lines
+
+
+def _missing(name: str) -> list[str]:
+    return [f"_No results yet: run `benchmarks/run_all.sh {name}`._"]
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+# ---- machine and commands -----------------------------------------------------------------------------
+
+def machine_section(results: Results, images: str, rel: str) -> list[str]:
+    lines = ["## Machine and versions", ""]
+    if not results:
+        return lines + _missing("")
+    any_machine = next(iter(results.values()))["machine"]
+    for key in ("cpu", "cores", "platform", "python", "torch", "transformers", "llama_cpp"):
+        value = any_machine.get(key)
+        lines.append(f"- {key}: {value if value is not None else 'not installed'}")
+    lines += ["", "Load average (1, 5, 15 min) when each result was taken; the machine is shared, so "
+              "compare only numbers from the same file (they were measured side by side, interleaved):", ""]
+    rows = [{"result": name, "load_average": " / ".join(str(x) for x in data["machine"]["load_average"])}
+            for name, data in results.items()]
+    return lines + md_table(rows)
+
+
+def commands_section(results: Results, images: str, rel: str) -> list[str]:
+    lines = ["## Commands", "", "Each result file and the command that wrote it:", "", "```"]
+    for name, data in results.items():
+        argv = data.get("argv")
+        if data.get("command") == "compare":
+            argv = ["python", "benchmarks/compare.py", *(argv or [])]
+        lines.append(f"# {name}.json")
+        lines.append(" ".join(argv) if argv else "(command not recorded)")
+    return lines + ["```"]
+
+
+# ---- targets ------------------------------------------------------------------------------------------
+
+def _model_config():
+    try:
+        from cpllm.bench.engines import model_config_of
+
+        return model_config_of(None)
+    except Exception:  # the default model is not installed: the decode bound is left out
+        return None
+
+
+def targets_section(results: Results, images: str, rel: str) -> list[str]:
+    rows: list[dict[str, Any]] = []
+    pcp = results.get("prefill_pcp")
+    if pcp:
+        longest = max(r["prompt_tokens"] for r in pcp["efficiency"])
+        best = max((r for r in pcp["efficiency"] if r["prompt_tokens"] == longest and r["efficiency"]),
+                   key=lambda r: r["efficiency"], default=None)
+        if best:
+            rows.append({"target": f"PCP=2 (1 thread/rank) parallel efficiency at {longest} tokens", "goal": ">= 0.95",
+                         "measured": f"{best['efficiency']} ({best['strategy']})"})
+            rows.append({"target": f"PCP=2 (1 thread/rank) speed-up over 1 rank with 2 threads, {longest} tokens",
+                         "goal": "(reported)", "measured": str(best["speedup_vs_same_total_threads"])})
+        singles = [r for r in pcp["results"] if r["layout"] == "1x1x1@1" and 2048 <= r["prompt_tokens"] <= 8192]
+        if singles and "ceiling_fraction" in singles[0]:
+            fractions = ", ".join(f"{r['prompt_tokens']}: {r['ceiling_fraction']}" for r in singles)
+            rows.append({"target": "single-rank prefill, fraction of fp32 matmul ceiling (1 thread)",
+                         "goal": ">= 0.80", "measured": fractions})
+    compare = results.get("compare")
+    if compare:
+        rows += _compare_targets(compare)
+    lines = ["## Targets", "", "Computed from the results below (targets from the benchmarks issue; ceilings "
+             "in DESIGN §8). Nothing here is asserted by tests.", ""]
+    return lines + (md_table(rows) if rows else _missing(""))
+
+
+def _compare_targets(compare: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    by = {(r["system"], r["threads"], r["prompt_tokens"]): r for r in compare["prefill"]}
+    ratios = []
+    for (system, threads, length), row in sorted(by.items()):
+        other = by.get(("transformers", threads, length))
+        if system == "cpllm" and other and 2048 <= length:
+            ratios.append(f"{threads}t/{length}: {row['tokens_per_s'] / other['tokens_per_s']:.2f}")
+    if ratios:
+        rows.append({"target": "cpllm / transformers prefill tokens/s, same threads", "goal": ">= 1.15",
+                     "measured": ", ".join(ratios)})
+    decode = {(r["system"], r["batch_size"], r["context_tokens"]): r for r in compare["decode"]}
+    config = _model_config()
+    threads = compare["decode"][0]["threads"] if compare["decode"] else None
+    ceiling = compare.get("ceilings", {}).get(str(threads))
+    if config is not None and ceiling:
+        from cpllm.bench.ceiling import weight_bytes_per_decode_step
+
+        bound = ceiling["matvec_gbps"] * 1e9 / weight_bytes_per_decode_step(config)
+        for (system, batch, context), row in sorted(decode.items()):
+            if system == "cpllm" and batch == 1:
+                rows.append({"target": f"cpllm batch-1 decode / fp32 weight-traffic bound ({bound:.1f} tok/s), "
+                                       f"context {context}", "goal": ">= 0.90",
+                             "measured": f"{row['tokens_per_s'] / bound:.2f}"})
+    for (system, batch, context), row in sorted(decode.items()):
+        single = decode.get(("llama.cpp", 1, context))
+        if system == "cpllm" and batch == 16 and single:
+            rows.append({"target": f"cpllm aggregate decode, 16 requests / llama.cpp single stream, context {context}",
+                         "goal": ">= 4", "measured": f"{row['tokens_per_s'] / single['tokens_per_s']:.2f}"})
+    return rows
+
+
+# ---- measurements -------------------------------------------------------------------------------------
+
+def ceiling_section(results: Results, images: str, rel: str) -> list[str]:
+    lines = ["## Machine ceilings", "",
+             "`cpllm bench ceiling`: a 2048x2048 fp32 `torch.matmul` (compute ceiling) and a matrix-vector "
+             "product over 256 MiB of fp32 weights (the memory traffic that bounds batch-1 decode).", ""]
+    data = results.get("ceiling")
+    return lines + (md_table(data["results"]) if data else _missing("ceiling"))
+
+
+def prefill_pcp_section(results: Results, images: str, rel: str) -> list[str]:
+    lines = ["## Prefill with context parallelism", "",
+             "`cpllm bench prefill`: time to first token of one prompt (random token ids, prefix caching off), "
+             "one engine per layout, `TPxPCPxDCP@threads_per_rank`. Efficiency = TTFT(1 rank, same threads per "
+             "rank) / (ranks x TTFT); the last column compares with one rank using the same total threads. "
+             "`ceiling_fraction` = achieved GFLOP/s over the matmul ceiling measured at the same total threads.", ""]
+    data = results.get("prefill_pcp")
+    if not data:
+        return lines + _missing("prefill")
+    lines += md_table(data["results"]) + ["", "Parallel efficiency:", ""] + md_table(data["efficiency"])
+    if os.path.exists(os.path.join(images, "prefill_pcp.png")):
+        lines += ["", f"![prefill with PCP]({rel}/prefill_pcp.png)"]
+    return lines
+
+
+def compare_section(results: Results, images: str, rel: str) -> list[str]:
+    lines = ["## cpllm vs transformers vs llama.cpp", "",
+             "`benchmarks/compare.py`: the same prompts through each system in one process, interleaved, with the "
+             "same thread count. cpllm and transformers run fp32 weights dequantized from the GGUF file; llama.cpp "
+             "runs its Q4_1 weights directly. transformers computes logits at every prompt position (a plain "
+             "forward); its GFLOP/s counts that LM-head work too.", ""]
+    data = results.get("compare")
+    if not data:
+        return lines + _missing("compare")
+    for note in data.get("notes", []):
+        lines += [f"> {note}", ""]
+    lines += ["### Prefill", ""] + md_table(data["prefill"])
+    from cpllm.bench.plot import plot_decode, plot_prefill
+
+    plot_prefill(data["prefill"], os.path.join(images, "compare_prefill.png"), title="Prefill, same threads")
+    lines += ["", f"![prefill comparison]({rel}/compare_prefill.png)", "", "### Decode", "",
+              "Output tokens/s over all requests of the batch, steady state (`decode_steps` steps after the "
+              "prefill). transformers repeats one prefilled KV cache over the batch; cpllm shares the prompt "
+              "blocks through its prefix cache; llama.cpp runs one stream.", ""]
+    lines += md_table(data["decode"])
+    if data["decode"]:
+        plot_decode(data["decode"], os.path.join(images, "compare_decode.png"), title="Decode, same threads")
+        lines += ["", f"![decode comparison]({rel}/compare_decode.png)"]
+    return lines
+
+
+def decode_section(results: Results, images: str, rel: str) -> list[str]:
+    lines = ["## Decode per layout", "", "`cpllm bench decode --shared-prefix`: steady decode per layout.", ""]
+    data = results.get("decode_cpllm")
+    if not data:
+        return lines + _missing("decode")
+    lines += md_table(data["results"])
+    if os.path.exists(os.path.join(images, "decode_cpllm.png")):
+        lines += ["", f"![decode per layout]({rel}/decode_cpllm.png)"]
+    return lines
+
+
+def memory_section(results: Results, images: str, rel: str) -> list[str]:
+    lines = ["## KV memory per rank", "",
+             "`cpllm bench memory`: the same KV budget on every rank; the CP group holds cp_size times as many "
+             "tokens. `longest_prompt` is found by asking the engine's admission check (max_tokens = 1); it is "
+             "also capped by the model's max_position_embeddings.", ""]
+    data = results.get("memory")
+    return lines + (md_table(data["results"]) if data else _missing("memory"))
+
+
+def comm_section(results: Results, images: str, rel: str) -> list[str]:
+    lines = ["## Communication per prefill layer", "",
+             "`cpllm bench comm`: bytes of new K/V one rank receives per layer. Formula: "
+             "`2 * (PCP - 1) * n * kv_heads_per_rank * head_dim * 4` with `n` the largest rank's token count "
+             "under the head-tail partition (ranks pad to it); the same for both strategies. Measured: the "
+             "collectives of `cpllm.distributed.comm` wrapped in the driver process (rank 0) during one prefill.", ""]
+    data = results.get("comm")
+    if not data:
+        return lines + _missing("comm")
+    return lines + md_table(data["results"])
+
+
+def serve_section(results: Results, images: str, rel: str) -> list[str]:
+    lines = ["## Serving load", "", "`cpllm bench serve`: concurrent streamed `/v1/completions` requests.", ""]
+    data = results.get("serve")
+    if not data:
+        return lines + _missing("serve")
+    lines += md_table([data["summary"]])
+    if os.path.exists(os.path.join(images, "serve.png")):
+        lines += ["", f"![serving load]({rel}/serve.png)"]
+    return lines
+
+
+SECTIONS = [machine_section, targets_section, ceiling_section, prefill_pcp_section, compare_section,
+            decode_section, memory_section, comm_section, serve_section, commands_section]
