@@ -121,6 +121,7 @@ def main() -> None:
         row["ceiling_fraction"] = round(row["gflops"] / ceilings[row["threads"]]["matmul_gflops"], 3)
     print_table("prefill", prefill)
     print_table("decode", decode)
+    machine["load_average_start"] = machine.pop("load_average")
     machine["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     write_json(args.out, {"command": "compare", "argv": sys.argv[1:], "machine": machine, "notes": notes,
                           "model": os.path.basename(model), "ceilings": {str(k): v for k, v in ceilings.items()},

@@ -19,7 +19,7 @@ def md_table(rows: list[dict[str, Any]], columns: list[str] | None = None) -> li
 
 
 def _missing(name: str) -> list[str]:
-    return [f"_No results yet: run `benchmarks/run_all.sh {name}`._"]
+    return [f"_No results yet: run `benchmarks/run_all.sh{' ' + name if name else ''}`._"]
 
 
 def _fmt(value: float | None, digits: int = 2) -> str:
@@ -36,9 +36,13 @@ def machine_section(results: Results, images: str, rel: str) -> list[str]:
     for key in ("cpu", "cores", "platform", "python", "torch", "transformers", "llama_cpp"):
         value = any_machine.get(key)
         lines.append(f"- {key}: {value if value is not None else 'not installed'}")
-    lines += ["", "Load average (1, 5, 15 min) when each result was taken; the machine is shared, so "
+    lines += ["", "Load average (1, 5, 15 min) when each result was started and written; the machine is shared, so "
               "compare only numbers from the same file (they were measured side by side, interleaved):", ""]
-    rows = [{"result": name, "load_average": " / ".join(str(x) for x in data["machine"]["load_average"])}
+    def loads(machine: dict[str, Any], key: str) -> str | None:
+        return " / ".join(str(x) for x in machine[key]) if machine.get(key) else None
+
+    rows = [{"result": name, "load_at_start": loads(data["machine"], "load_average_start"),
+             "load_at_end": loads(data["machine"], "load_average_end") or loads(data["machine"], "load_average")}
             for name, data in results.items()]
     return lines + md_table(rows)
 
@@ -52,6 +56,25 @@ def commands_section(results: Results, images: str, rel: str) -> list[str]:
         lines.append(f"# {name}.json")
         lines.append(" ".join(argv) if argv else "(command not recorded)")
     return lines + ["```"]
+
+
+def usage_section(results: Results, images: str, rel: str) -> list[str]:
+    return ["## The bench commands", "", "```",
+            "cpllm bench prefill --model M --lengths 1024,2048 --layouts 1x1x1@1,1x1x1@2,1x2x1@1 \\",
+            "    --strategies allgather,ring --repeats 3 --json out.json --plot out.png",
+            "cpllm bench decode --layouts 1x1x1@2 --batch-sizes 1,16 --context-lengths 128,2048 [--shared-prefix]",
+            "cpllm bench serve [--url http://127.0.0.1:8000] --num-requests 32 --concurrency 8 \\",
+            "    --prompt-tokens 256 --output-tokens 64      # without --url it starts `cpllm serve` itself",
+            "cpllm bench memory --cp-sizes 1,2,4 --budget 64MiB",
+            "cpllm bench comm --lengths 2048,8000 -pcp 2",
+            "cpllm bench ceiling --threads 1,2",
+            "python benchmarks/compare.py --threads 1,2      # cpllm vs transformers vs llama.cpp",
+            "```", "",
+            "A layout is `TPxPCPxDCP`, optionally `@threads_per_rank`; without it the threads come from "
+            "`--threads-per-rank`, else the cores are shared out evenly. Always give threads explicitly: with more "
+            "busy threads than cores, OpenMP spin-waiting makes small ops very slow. Each command prints a table "
+            "and, with `--json`, writes the rows plus the machine (CPU, cores, load average, versions); every engine "
+            "flag of `cpllm generate` is accepted (e.g. `--model`, `--block-size`, `--kv-cache-memory-bytes`)."]
 
 
 # ---- targets ------------------------------------------------------------------------------------------
@@ -216,5 +239,5 @@ def serve_section(results: Results, images: str, rel: str) -> list[str]:
     return lines
 
 
-SECTIONS = [machine_section, targets_section, ceiling_section, prefill_pcp_section, compare_section,
+SECTIONS = [usage_section, machine_section, targets_section, ceiling_section, prefill_pcp_section, compare_section,
             decode_section, memory_section, comm_section, serve_section, commands_section]

@@ -111,3 +111,15 @@ def test_invalid_sampling_params_raise():
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_dtypes_follow_float32(llm, dtype, tmp_path):
+    folder = save_tiny_hf_model(str(tmp_path), "llama", seed=4)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    want = llm.generate({"prompt_token_ids": PROMPT}, params)[0].outputs[0]
+    with LLM(folder, dtype=dtype, max_model_len=128, block_size=4) as half:
+        got = half.generate({"prompt_token_ids": PROMPT}, params)[0].outputs[0]
+    assert got.token_ids[0] == want.token_ids[0]
+    first = lambda c: next(iter(c.logprobs[0].values())).logprob  # noqa: E731
+    assert abs(first(got) - first(want)) < 0.05

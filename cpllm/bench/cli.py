@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from cpllm.bench.common import Layout, machine_info, parse_int_list, parse_layout, parse_str_list
+from cpllm.bench.common import Layout, machine_info, parse_int_list, parse_layout, parse_str_list, threads_for
 from cpllm.bench.report import print_table, write_json
 
 STRATEGIES = ("allgather", "ring")
@@ -35,7 +35,8 @@ def add_bench_parser(parser: argparse.ArgumentParser, add_engine_arguments: Call
     prefill.add_argument("--layouts", default=None,
                          help="TPxPCPxDCP[@threads_per_rank], comma-separated (default: from -tp/-pcp/-dcp)")
     prefill.add_argument("--strategies", default="allgather,ring", help="PCP prefill strategies to compare")
-    prefill.add_argument("--repeats", type=int, default=1, help="runs per point (the median is reported)")
+    prefill.add_argument("--repeats", type=int, default=1,
+                         help="runs per point (the fastest is reported, with the median)")
     prefill.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=True,
                          help="measure the fp32 matmul ceiling and report the achieved fraction")
     _add_output_options(prefill)
@@ -84,6 +85,9 @@ def add_bench_parser(parser: argparse.ArgumentParser, add_engine_arguments: Call
 def run_bench(args: argparse.Namespace) -> int:
     handlers = {"prefill": _prefill, "decode": _decode, "serve": _serve, "memory": _memory, "comm": _comm,
                 "ceiling": _ceiling}
+    import os
+
+    load_at_start = [round(x, 2) for x in os.getloadavg()]
     try:
         payload = handlers[args.bench_command](args)
     except ValueError as error:
@@ -92,7 +96,9 @@ def run_bench(args: argparse.Namespace) -> int:
         import sys
 
         argv = ["cpllm", *sys.argv[1:]] if sys.argv and sys.argv[0].endswith(("cpllm", "__main__.py")) else None
-        write_json(args.json, {"command": args.bench_command, "argv": argv, "machine": machine_info(), **payload})
+        machine = {**machine_info(), "load_average_start": load_at_start}
+        machine["load_average_end"] = machine.pop("load_average")
+        write_json(args.json, {"command": args.bench_command, "argv": argv, "machine": machine, **payload})
     return 0
 
 
@@ -138,6 +144,9 @@ def _prefill(args: argparse.Namespace) -> dict[str, Any]:
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     progress = _Progress(len(layout_runs(layouts, strategies)) * len(lengths) * args.repeats, "prefill")
+    thread_counts = sorted({threads_for(layout, args.threads_per_rank) * layout.world_size for layout in layouts})
+    # the ceiling is measured before and after the runs and the better kept: other load only lowers it
+    before = measure_ceilings(thread_counts) if args.ceiling else {}
     try:
         results = run_prefill_bench(args.model, lengths=lengths, layouts=layouts, strategies=strategies,
                                     threads_per_rank=args.threads_per_rank, repeats=args.repeats,
@@ -147,11 +156,12 @@ def _prefill(args: argparse.Namespace) -> dict[str, Any]:
     rows = [r.row() for r in results]
     payload: dict[str, Any] = {"results": rows, "efficiency": parallel_efficiency(results)}
     if args.ceiling:
-        ceilings = measure_ceilings(sorted({r.total_threads for r in results}))
+        after = measure_ceilings(thread_counts)
+        ceilings = {t: {k: max(v, before[t][k]) for k, v in after[t].items()} for t in thread_counts}
         for row in rows:
             row["ceiling_fraction"] = round(row["gflops"] / ceilings[row["threads"]]["matmul_gflops"], 3)
         payload["ceilings"] = {str(t): c for t, c in ceilings.items()}
-    print_table("prefill (median over repeats)", rows)
+    print_table("prefill (ttft_s: best of the repeats)", rows)
     print_table("parallel efficiency: TTFT(1 rank) / (ranks x TTFT)", payload["efficiency"])
     if args.plot:
         from cpllm.bench.plot import plot_prefill

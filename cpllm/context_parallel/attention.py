@@ -133,11 +133,15 @@ class PagedCPAttention(torch.nn.Module):
             return  # this rank's shard is empty for every one of them: their partials stay (0, -inf)
         k_ctx = k_pool[decode.slots].transpose(1, 2)  # [B, Hkv, L, D]
         v_ctx = v_pool[decode.slots].transpose(1, 2)
+        by_dcp_rank = {}
         for piece in range(self.comm.cp_size):
             rows = decode.rows[piece // dcp_size] + piece * n  # [B]
-            out, lse = attention_with_lse(q_all[rows].unsqueeze(2), k_ctx, v_ctx, scale=self.scale,
-                                          mask=decode.key_mask)  # [B, Hq, 1, D], [B, Hq, 1]
-            o_part[rows], lse_part[rows] = out[:, :, 0], lse[:, :, 0]
+            if piece % dcp_size not in by_dcp_rank:
+                # Every PCP rank holds the same single-token queries: attend once per DCP rank, copy for the rest.
+                out, lse = attention_with_lse(q_all[rows].unsqueeze(2), k_ctx, v_ctx, scale=self.scale,
+                                              mask=decode.key_mask)  # [B, Hq, 1, D], [B, Hq, 1]
+                by_dcp_rank[piece % dcp_size] = (out[:, :, 0], lse[:, :, 0])
+            o_part[rows], lse_part[rows] = by_dcp_rank[piece % dcp_size]
 
     def _context(self, q, k_pool, v_pool, meta: AttentionMetadata):
         """Queries of the whole CP group against this rank's KV shard, merged back on their owners."""
