@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from cpllm.engine_args import add_engine_arguments, engine_kwargs
+from cpllm.engine_args import add_engine_arguments
 
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -74,14 +75,17 @@ class CommCounter:
 
     calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    seconds: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
+    """Wall time inside the call (for ring_exchange only the start: its transfer is waited on later)."""
 
-    def record(self, module: str, name: str, received: int) -> None:
+    def record(self, module: str, name: str, received: int, seconds: float) -> None:
         self.calls[(module, name)] += 1
         self.bytes[(module, name)] += received
+        self.seconds[(module, name)] += seconds
 
     def rows(self) -> list[dict[str, Any]]:
-        return [{"module": m, "op": op, "calls": self.calls[(m, op)], "bytes": self.bytes[(m, op)]}
-                for m, op in sorted(self.calls)]
+        return [{"module": m, "op": op, "calls": self.calls[(m, op)], "bytes": self.bytes[(m, op)],
+                 "seconds": round(self.seconds[(m, op)], 4)} for m, op in sorted(self.calls)]
 
 
 @contextlib.contextmanager
@@ -93,9 +97,11 @@ def count_collectives() -> Iterator[CommCounter]:
 
     def wrap(module_name: str, name: str, fn):
         def counted(*args, **kwargs):
+            start = time.perf_counter()
             result = fn(*args, **kwargs)
+            seconds = time.perf_counter() - start
             out = result.received if name == "ring_exchange" else result
-            counter.record(module_name, name, _received(name, args, kwargs, out))
+            counter.record(module_name, name, _received(name, args, kwargs, out), seconds)
             return result
         return counted
 
@@ -155,6 +161,7 @@ def run_comm_bench(
                 rows.append({"strategy": strategy, "pcp": pcp, "tp": tp, "prompt_tokens": length,
                              "measured_bytes_per_layer": measured, "formula_bytes_per_layer": formula,
                              "ratio": round(measured / formula, 4) if formula else None,
+                             "collective_s": round(sum(counter.seconds.values()), 3),
                              "calls": {f"{m}.{op}": n for (m, op), n in counter.calls.items()}})
         finally:
             llm.shutdown()

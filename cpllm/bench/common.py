@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -123,7 +123,3 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
-
-
-def as_dict(obj: Any) -> dict[str, Any]:
-    return asdict(obj)
