@@ -30,11 +30,12 @@ def _log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] load {os.getloadavg()[0]:.2f}  {message}", flush=True)
 
 
-def load_runners(model: str, max_tokens: int, max_batch: int, skip: set[str]) -> tuple[list, list[str]]:
+def load_runners(model: str, max_tokens: int, max_batch: int, decode_tokens: int,
+                 skip: set[str]) -> tuple[list, list[str]]:
     notes = []
     runners = []
     if "cpllm" not in skip:
-        runners.append(CpllmRunner(model, max_tokens, max_batch))
+        runners.append(CpllmRunner(model, max_tokens, max_batch, decode_tokens))
     if "transformers" not in skip:
         runners.append(TransformersRunner(model))
     if "llama.cpp" in skip:
@@ -106,11 +107,13 @@ def main() -> None:
     threads = parse_int_list(args.threads, "--threads")
     contexts = parse_int_list(args.decode_contexts, "--decode-contexts")
     batches = parse_int_list(args.decode_batches, "--decode-batches")
-    max_tokens = max(max(lengths), max(contexts) + args.decode_steps + 80) + 16
+    decode_tokens = max(contexts) + args.decode_steps + 80  # time_decode's max_tokens is steps + 64
+    max_tokens = min(max(max(lengths), decode_tokens) + 16, config.max_position_embeddings)
     machine = machine_info()
     ceilings = measure_ceilings(sorted(set(threads) | {args.decode_threads}))
     _log(f"ceilings {ceilings}")
-    runners, notes = load_runners(model, max_tokens, max(batches), {s for s in args.skip.split(",") if s})
+    runners, notes = load_runners(model, max_tokens, max(batches), decode_tokens,
+                                  {s for s in args.skip.split(",") if s})
     try:
         prefill = run_prefill(runners, config, lengths, threads)
         decode = run_decode(runners, config, contexts, batches, args.decode_threads, args.decode_steps)

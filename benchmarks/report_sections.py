@@ -32,15 +32,18 @@ def machine_section(results: Results, images: str, rel: str) -> list[str]:
     lines = ["## Machine and versions", ""]
     if not results:
         return lines + _missing("")
-    any_machine = next(iter(results.values()))["machine"]
     for key in ("cpu", "cores", "platform", "python", "torch", "transformers", "llama_cpp"):
-        value = any_machine.get(key)
+        # a package installed between two runs shows up in the later files only
+        value = next((d["machine"][key] for d in results.values() if d["machine"].get(key) is not None), None)
         lines.append(f"- {key}: {value if value is not None else 'not installed'}")
     lines += ["", "Load average (1, 5, 15 min) when each result was started and written; the machine is shared, so "
-              "compare only numbers from the same file (they were measured side by side, interleaved):", ""]
+              "compare only numbers from the same file (they were measured side by side, interleaved)."]
     def loads(machine: dict[str, Any], key: str) -> str | None:
         return " / ".join(str(x) for x in machine[key]) if machine.get(key) else None
 
+    lines += ["On two cores, every other busy process slows a 2-thread run far more than a 1-thread one "
+              "(OpenMP threads spin-wait for each other), so 2-thread figures are the most fragile; prefill "
+              "reports the fastest of its repeats (other load only ever adds time) next to the median.", ""]
     rows = [{"result": name, "load_at_start": loads(data["machine"], "load_average_start"),
              "load_at_end": loads(data["machine"], "load_average_end") or loads(data["machine"], "load_average")}
             for name, data in results.items()]

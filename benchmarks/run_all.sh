@@ -16,8 +16,8 @@ for step in "${steps[@]}"; do
   echo "== $step (load: $(cut -d' ' -f1-3 /proc/loadavg))"
   case "$step" in
     ceiling) bench ceiling --threads 1,2 --json "$R/ceiling.json" ;;
-    prefill) bench prefill --lengths 1024,2048,4096,8000 --layouts 1x1x1@1,1x1x1@2,1x2x1@1 \
-               --strategies allgather,ring --repeats 1 --json "$R/prefill_pcp.json" --plot "$IMG/prefill_pcp.png" ;;
+    prefill) bench prefill --lengths 1024,4096,8000 --layouts 1x1x1@1,1x1x1@2,1x2x1@1 \
+               --strategies allgather,ring --repeats 2 --json "$R/prefill_pcp.json" --plot "$IMG/prefill_pcp.png" ;;
     comm) bench comm --lengths 2048,8000 --threads-per-rank 1 --json "$R/comm.json" ;;
     memory) bench memory --cp-sizes 1,2,4 --budget 64MiB --threads-per-rank 1 --json "$R/memory.json" ;;
     decode) bench decode --layouts 1x1x1@2,1x2x1@1 --batch-sizes 1,16 --context-lengths 128,2048 \

@@ -21,32 +21,39 @@ from cpllm.bench.prefill import time_prefill
 
 
 class CpllmRunner:
-    """cpllm on one rank, in this process (torch threads set per measurement)."""
+    """cpllm on one rank, in this process (torch threads set per measurement).
+
+    Two engines: prefill runs on one without prefix caching (the same prompt measured at another
+    thread count must be computed again, not found in the cache); decode runs on one with it, so a
+    batch sharing a long prompt costs one prefill.
+    """
 
     name = "cpllm"
 
-    def __init__(self, model_path: str, max_tokens: int, max_batch: int):
-        self.llm, _ = build_llm(model_path, Layout(tp=1, pcp=1, dcp=1), strategy=None, threads_per_rank=1,
-                                context_tokens=max_tokens * max_batch, batch_tokens=max(max_tokens, 8192),
-                                engine_options={"max_model_len": max_tokens, "max_num_seqs": max_batch},
-                                prefix_caching=True)
+    def __init__(self, model_path: str, max_tokens: int, max_batch: int, decode_tokens: int):
+        self.prefill_llm, _ = build_llm(model_path, Layout(tp=1, pcp=1, dcp=1), strategy=None, threads_per_rank=1,
+                                        context_tokens=max_tokens, batch_tokens=max(max_tokens, 8192))
+        self.decode_llm, _ = build_llm(model_path, Layout(tp=1, pcp=1, dcp=1), strategy=None, threads_per_rank=1,
+                                       context_tokens=decode_tokens * max_batch, batch_tokens=8192,
+                                       engine_options={"max_model_len": decode_tokens, "max_num_seqs": max_batch},
+                                       prefix_caching=True)
         self._ids = 0
 
     def set_threads(self, threads: int) -> None:
         torch.set_num_threads(threads)
 
     def prefill_s(self, prompt: list[int]) -> float:
-        # every prompt is new (random ids), so the prefix cache never hits here
-        return time_prefill(self.llm, prompt)
+        return time_prefill(self.prefill_llm, prompt)
 
     def decode_s(self, prompt: list[int], batch: int, steps: int) -> float:
         self._ids += 1
         # the batch shares the prompt but the last token: one long prefill, then every request decodes
         prompts = [prompt[:-1] + [(prompt[-1] + i) % 1000 + 16] for i in range(batch)]
-        return time_decode(self.llm.engine, prompts, steps, f"cmp{self._ids}")
+        return time_decode(self.decode_llm.engine, prompts, steps, f"cmp{self._ids}")
 
     def close(self) -> None:
-        self.llm.shutdown()
+        self.prefill_llm.shutdown()
+        self.decode_llm.shutdown()
 
 
 class TransformersRunner:
@@ -126,8 +133,15 @@ class LlamaCppRunner:
         start = time.perf_counter()
         for _ in range(steps):
             self.llm.eval([token])
-            token = int(self.llm.scores[self.llm.n_tokens - 1].argmax())
+            token = self._greedy_token()
         return time.perf_counter() - start
+
+    def _greedy_token(self) -> int:
+        """Argmax of the last evaluated position (without logits_all, Llama.scores is not filled)."""
+        import numpy as np
+
+        logits = np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.llm.n_vocab(),))
+        return int(logits.argmax())
 
     def close(self) -> None:
         self.llm = None
