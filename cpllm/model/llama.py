@@ -126,8 +126,9 @@ class LlamaForCausalLM(torch.nn.Module):
 
     def load_weights(self, source: WeightSource) -> None:
         for module in self.modules():
-            if hasattr(module, "load") and module is not self:
+            if hasattr(module, "load") and module is not self and module is not self.lm_head:
                 module.load(source)
+        self.lm_head.load(source)  # last: a tied head copies the loaded embedding
 
     @torch.inference_mode()
     def forward(self, token_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
