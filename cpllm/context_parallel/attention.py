@@ -165,6 +165,7 @@ class PagedCPAttention(torch.nn.Module):
         if comm.cp_size == 1:
             return o_part, lse_part
         # Send piece c's partial back to cp rank c; receive every rank's partial of this rank's queries.
-        o_back = all_to_all(o_part, comm.cp_group).view(comm.cp_size, n, *q.shape[1:])
-        lse_back = all_to_all(lse_part, comm.cp_group).view(comm.cp_size, n, q.shape[1])
-        return merge_attention_partials(o_back, lse_back)
+        # Output and lse travel together in one float32 message: [C * N, Hq, D + 1].
+        packed = all_to_all(torch.cat((o_part.float(), lse_part.unsqueeze(-1)), dim=-1), comm.cp_group)
+        packed = packed.view(comm.cp_size, n, q.shape[1], q.shape[2] + 1)
+        return merge_attention_partials(packed[..., :-1].to(q.dtype), packed[..., -1])
