@@ -131,17 +131,25 @@ class PagedCPAttention(torch.nn.Module):
         decode, n = meta.decode, meta.num_rows
         if decode.max_local_context == 0:
             return  # this rank's shard is empty for every one of them: their partials stay (0, -inf)
-        k_ctx = k_pool[decode.slots].transpose(1, 2)  # [B, Hkv, L, D]
+        k_ctx = k_pool[decode.slots].transpose(1, 2)  # [B, Hkv, L, D], or [1, Hkv, U, D] with shared keys
         v_ctx = v_pool[decode.slots].transpose(1, 2)
         by_dcp_rank = {}
         for piece in range(self.comm.cp_size):
             rows = decode.rows[piece // dcp_size] + piece * n  # [B]
             if piece % dcp_size not in by_dcp_rank:
                 # Every PCP rank holds the same single-token queries: attend once per DCP rank, copy for the rest.
-                out, lse = attention_with_lse(q_all[rows].unsqueeze(2), k_ctx, v_ctx, scale=self.scale,
-                                              mask=decode.key_mask)  # [B, Hq, 1, D], [B, Hq, 1]
-                by_dcp_rank[piece % dcp_size] = (out[:, :, 0], lse[:, :, 0])
+                by_dcp_rank[piece % dcp_size] = self._attend_single_tokens(q_all[rows], k_ctx, v_ctx, decode)
             o_part[rows], lse_part[rows] = by_dcp_rank[piece % dcp_size]
+
+    def _attend_single_tokens(self, q, k_ctx, v_ctx, decode):
+        # q [B, Hq, D] -> out [B, Hq, D], lse [B, Hq]
+        if decode.shared_keys:  # the B queries are the rows of one sequence over the union of keys
+            out, lse = attention_with_lse(q.transpose(0, 1).unsqueeze(0), k_ctx, v_ctx, scale=self.scale,
+                                          mask=decode.key_mask)  # [1, Hq, B, D], [1, Hq, B]
+            return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+        out, lse = attention_with_lse(q.unsqueeze(2), k_ctx, v_ctx, scale=self.scale,
+                                      mask=decode.key_mask)  # [B, Hq, 1, D], [B, Hq, 1]
+        return out[:, :, 0], lse[:, :, 0]
 
     def _context(self, q, k_pool, v_pool, meta: AttentionMetadata):
         """Queries of the whole CP group against this rank's KV shard, merged back on their owners."""

@@ -60,6 +60,9 @@ class DecodeBatch:
     """[pcp_size, B] row of each request in each PCP rank's batch."""
     max_local_context: int
     """Longest local context among them (0: this rank's shard is empty for all)."""
+    shared_keys: bool = False
+    """slots is [1, U], the union of their slots, and key_mask [1, 1, B, U] says which keys each query sees:
+    chosen when requests share most of their context (a common prefix), so each shared key is read once."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -186,6 +189,9 @@ def _decode_batch(requests: list[RequestAttention]) -> DecodeBatch | None:
     if not members:
         return None
     lengths = [requests[i].context_slots.numel() for i in members]
+    union = torch.unique(torch.cat([requests[i].context_slots for i in members]))
+    if len(members) > 1 and len(members) * union.numel() <= 2 * sum(lengths):
+        return _shared_key_batch(requests, members, union, lengths)
     width = max(max(lengths), 1)
     slots = torch.zeros(len(members), width, dtype=torch.long)
     for b, i in enumerate(members):
@@ -194,7 +200,19 @@ def _decode_batch(requests: list[RequestAttention]) -> DecodeBatch | None:
     if min(lengths) < width:
         valid = torch.arange(width) < torch.tensor(lengths).unsqueeze(1)  # [B, width]
         key_mask = torch.zeros(len(members), 1, 1, width).masked_fill(~valid[:, None, None, :], float("-inf"))
-    rows = torch.tensor([[requests[i].pcp_rows[p][0] for i in members] for p in range(len(requests[0].pcp_rows))],
-                        dtype=torch.long)
-    return DecodeBatch(requests=tuple(members), slots=slots, key_mask=key_mask, rows=rows,
+    return DecodeBatch(requests=tuple(members), slots=slots, key_mask=key_mask, rows=_rows(requests, members),
                        max_local_context=max(lengths))
+
+
+def _rows(requests: list[RequestAttention], members: list[int]) -> torch.Tensor:
+    return torch.tensor([[requests[i].pcp_rows[p][0] for i in members] for p in range(len(requests[0].pcp_rows))],
+                        dtype=torch.long)
+
+
+def _shared_key_batch(requests, members, union: torch.Tensor, lengths: list[int]) -> DecodeBatch:
+    visible = torch.zeros(len(members), union.numel(), dtype=torch.bool)
+    for b, i in enumerate(members):
+        visible[b, torch.searchsorted(union, requests[i].context_slots)] = True
+    key_mask = torch.zeros(1, 1, len(members), union.numel()).masked_fill(~visible[None, None], float("-inf"))
+    return DecodeBatch(requests=tuple(members), slots=union.unsqueeze(0), key_mask=key_mask,
+                       rows=_rows(requests, members), max_local_context=max(lengths), shared_keys=True)
