@@ -242,5 +242,27 @@ def serve_section(results: Results, images: str, rel: str) -> list[str]:
     return lines
 
 
-SECTIONS = [usage_section, machine_section, targets_section, ceiling_section, prefill_pcp_section, compare_section,
-            decode_section, memory_section, comm_section, serve_section, commands_section]
+def bounds_section(results: Results, images: str, rel: str) -> list[str]:
+    """What limits the targets that are missed (from profiles with torch.profiler; prose, no figures)."""
+    return [
+        "## What bounds the missed targets", "",
+        "- **Batch-1 decode** streams every fp32 weight once per token. In a torch.profiler trace the weight "
+        "matmuls take about three quarters of a step and run close to the matrix-vector ceiling above; the rest is "
+        "per-layer dispatch (30 layers of small ops). Storing linear weights as `[in, out]` (so decode is `x @ W`) "
+        "raised the streaming rate by about a quarter. What remains is the weight format: llama.cpp reads Q4_1, "
+        "about a sixth of the bytes. Quantized-weight matmuls are the next step and are not built yet.",
+        "- **16-request decode** is bound by small-M fp32 GEMMs (16 rows reuse each weight only 16 times) and, at "
+        "long context, by reading every request's fp32 KV each step. Decode queries of a step share one attention "
+        "call per layer; when they share a prefix through the prefix cache, the shared keys are read once (queries "
+        "become rows of one block over the union of their slots), which is what the shared-prefix runs measure.",
+        "- **PCP=2 prefill efficiency**: the collectives are about 1% of the prefill (see the communication "
+        "section); the remaining gap to 1.0 is the pad rows of the head-tail partition, the merge of the two "
+        "attention pieces per chunk, and whatever else runs on the two cores (each rank owns one core, so any "
+        "other process stalls one rank and the other waits for it at the next collective).",
+        "- **Prefill vs transformers at 8K**: attention dominates at long prompts and both use the same CPU "
+        "flash-attention kernel, so the gain from skipping the LM head over every prompt position shrinks.",
+    ]
+
+
+SECTIONS = [usage_section, machine_section, targets_section, bounds_section, ceiling_section, prefill_pcp_section,
+            compare_section, decode_section, memory_section, comm_section, serve_section, commands_section]
