@@ -210,6 +210,18 @@ def decode_section(results: Results, images: str, rel: str) -> list[str]:
     return lines
 
 
+def tensor_parallel_section(results: Results, images: str, rel: str) -> list[str]:
+    lines = ["## Tensor parallelism", "",
+             "`cpllm bench prefill` and `cpllm bench decode` on SmolLM2 with TP=1 (1 and 2 threads) and TP=3 "
+             "(1 thread per rank). SmolLM2 has 9 query heads and 3 KV heads, so TP=2 is refused and TP=3 gives each "
+             "rank one KV head. Three ranks on two cores are oversubscribed: these rows show the cost of the "
+             "all-reduces and of sharing cores, not a speed-up this machine can give.", ""]
+    for name, title in (("tp_prefill", "Prefill"), ("tp_decode", "Decode")):
+        data = results.get(name)
+        lines += [f"### {title}", ""] + (md_table(data["results"]) if data else _missing(name)) + [""]
+    return lines
+
+
 def memory_section(results: Results, images: str, rel: str) -> list[str]:
     lines = ["## KV memory per rank", "",
              "`cpllm bench memory`: the same KV budget on every rank; the CP group holds cp_size times as many "
@@ -265,4 +277,5 @@ def bounds_section(results: Results, images: str, rel: str) -> list[str]:
 
 
 SECTIONS = [usage_section, machine_section, targets_section, bounds_section, ceiling_section, prefill_pcp_section,
-            compare_section, decode_section, memory_section, comm_section, serve_section, commands_section]
+            compare_section, decode_section, tensor_parallel_section, memory_section, comm_section, serve_section,
+            commands_section]

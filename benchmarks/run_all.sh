@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate every result under benchmarks/results/ and docs/benchmarks.md (with its plots).
 #   benchmarks/run_all.sh            # everything (about an hour on 2 cores)
-#   benchmarks/run_all.sh prefill    # one step: ceiling prefill comm memory decode compare serve report
+#   benchmarks/run_all.sh prefill    # one step: ceiling prefill comm memory decode tp compare serve report
 # Threads are always explicit: more busy threads than cores make torch's OpenMP spin-waits ruinous.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,7 +9,7 @@ R=benchmarks/results
 IMG=docs/img
 mkdir -p "$R" "$IMG"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(ceiling prefill comm memory decode compare serve report)
+[ ${#steps[@]} -eq 0 ] && steps=(ceiling prefill comm memory decode tp compare serve report)
 bench() { python -m cpllm --log-level WARNING bench "$@"; }
 
 for step in "${steps[@]}"; do
@@ -22,6 +22,9 @@ for step in "${steps[@]}"; do
     memory) bench memory --cp-sizes 1,2,4 --budget 64MiB --threads-per-rank 1 --json "$R/memory.json" ;;
     decode) bench decode --layouts 1x1x1@2,1x2x1@1 --batch-sizes 1,16 --context-lengths 128,2048 \
               --shared-prefix --steps 32 --json "$R/decode_cpllm.json" --plot "$IMG/decode_cpllm.png" ;;
+    tp) bench prefill --lengths 1024 --layouts 1x1x1@1,1x1x1@2,3x1x1@1 --json "$R/tp_prefill.json"
+        bench decode --layouts 1x1x1@1,1x1x1@2,3x1x1@1 --batch-sizes 1,16 --context-lengths 128 --shared-prefix \
+          --steps 16 --json "$R/tp_decode.json" ;;
     compare) python benchmarks/compare.py --lengths 1024,2048,4096,8000 --threads 1,2 \
                --decode-contexts 128,2048 --decode-batches 1,16 --decode-threads 2 --out "$R/compare.json" ;;
     serve) bench serve --threads-per-rank 2 --num-requests 32 --concurrency 8 --prompt-tokens 256 \
