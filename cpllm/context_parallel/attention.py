@@ -126,7 +126,8 @@ class PagedCPAttention(torch.nn.Module):
                     continue  # keys after the queries
                 _accumulate(out, lse, rows, *part)
 
-    def _decode_context(self, q_all, k_pool, v_pool, meta: AttentionMetadata, o_part, lse_part, dcp_size) -> None:
+    def _decode_context(self, q_all, k_pool, v_pool, meta: AttentionMetadata, o_part, lse_part, dcp_size,
+                        num_pieces: int | None = None) -> None:
         """All single-token queries of every piece against this rank's shard, one padded call per piece."""
         decode, n = meta.decode, meta.num_rows
         if decode.max_local_context == 0:
@@ -134,7 +135,7 @@ class PagedCPAttention(torch.nn.Module):
         k_ctx = k_pool[decode.slots].transpose(1, 2)  # [B, Hkv, L, D], or [1, Hkv, U, D] with shared keys
         v_ctx = v_pool[decode.slots].transpose(1, 2)
         by_dcp_rank = {}
-        for piece in range(self.comm.cp_size):
+        for piece in range(self.comm.cp_size if num_pieces is None else num_pieces):
             rows = decode.rows[piece // dcp_size] + piece * n  # [B]
             if piece % dcp_size not in by_dcp_rank:
                 # Every PCP rank holds the same single-token queries: attend once per DCP rank, copy for the rest.
@@ -155,6 +156,8 @@ class PagedCPAttention(torch.nn.Module):
         """Queries of the whole CP group against this rank's KV shard, merged back on their owners."""
         comm, n = self.comm, meta.num_rows
         dcp_size = comm.cp_size // comm.pcp_size
+        if comm.cp_size > 1 and dcp_size == 1 and not meta.has_new:
+            return self._replicated_query_context(q, k_pool, v_pool, meta)
         q_all = all_gather(q, comm.cp_group)  # [cp_size * N, Hq, D]: piece c from cp rank c
         o_part = torch.zeros_like(q_all)
         lse_part = torch.full(q_all.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
@@ -176,4 +179,14 @@ class PagedCPAttention(torch.nn.Module):
         # Output and lse travel together in one float32 message: [C * N, Hq, D + 1].
         packed = all_to_all(torch.cat((o_part.float(), lse_part.unsqueeze(-1)), dim=-1), comm.cp_group)
         packed = packed.view(comm.cp_size, n, q.shape[1], q.shape[2] + 1)
+        return merge_attention_partials(packed[..., :-1].to(q.dtype), packed[..., -1])
+
+    def _replicated_query_context(self, q, k_pool, v_pool, meta: AttentionMetadata):
+        """A step of single tokens without DCP: every CP rank already holds every query, at the same rows, so each
+        attends them to its own shard and the partials are all-gathered and merged (one collective, not two)."""
+        o_part = torch.zeros_like(q)
+        lse_part = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        self._decode_context(q, k_pool, v_pool, meta, o_part, lse_part, dcp_size=1, num_pieces=1)
+        packed = all_gather(torch.cat((o_part.float(), lse_part.unsqueeze(-1)), dim=-1), self.comm.cp_group)
+        packed = packed.view(self.comm.cp_size, *q.shape[:2], q.shape[2] + 1)  # [C, N, Hq, D + 1]
         return merge_attention_partials(packed[..., :-1].to(q.dtype), packed[..., -1])
