@@ -122,8 +122,9 @@ def build_step_batch(chunks, layout: KVLayout, pcp_size: int, pcp_rank: int, out
             token_ids[row : row + length] = torch.tensor(chunk.token_ids[new_start : new_start + length])
             positions[row : row + length] = torch.arange(length) + chunk.start_pos + new_start
         requests.append(_request_attention(chunk, runs, layout, pcp_rank, num_rows))
-        _plan_writes(chunk, runs, layout, num_rows, write_rows, write_slots)
-        output_rows += _locate(output_plan(chunk), runs)
+        homes = _token_homes(runs)
+        _plan_writes(chunk, homes, layout, num_rows, write_rows, write_slots)
+        output_rows += [homes[i] for i in output_plan(chunk)]
     attention = AttentionMetadata(
         num_rows=num_rows,
         requests=tuple(requests),
@@ -159,29 +160,22 @@ def _request_attention(chunk, runs, layout: KVLayout, pcp_rank: int, num_rows: i
     )
 
 
-def _plan_writes(chunk, runs, layout: KVLayout, num_rows: int, write_rows: list, write_slots: list) -> None:
+def _token_homes(runs) -> dict[int, tuple[int, int]]:
+    """New-token index -> (pcp rank, row) holding it; the lowest rank when several hold it (a single token)."""
+    homes: dict[int, tuple[int, int]] = {}
+    for p, rank_runs in enumerate(runs):
+        for row, new_start, length in rank_runs:
+            for i in range(length):
+                homes.setdefault(new_start + i, (p, row + i))
+    return homes
+
+
+def _plan_writes(chunk, homes, layout: KVLayout, num_rows: int, write_rows: list, write_slots: list) -> None:
     """This rank stores exactly the new tokens it owns, reading them from the gathered buffer."""
-    owned = layout.owned_positions(chunk.start_pos, chunk.end_pos)
-    if not owned:
-        return
-    gathered_row = {}
-    for p, rank_runs in enumerate(runs):
-        for row, new_start, length in rank_runs:
-            for i in range(length):
-                gathered_row.setdefault(new_start + i, p * num_rows + row + i)
-    for pos in owned:
-        write_rows.append(gathered_row[pos - chunk.start_pos])
+    for pos in layout.owned_positions(chunk.start_pos, chunk.end_pos):
+        p, row = homes[pos - chunk.start_pos]
+        write_rows.append(p * num_rows + row)
         write_slots.append(layout.slot(pos, chunk.block_table))
-
-
-def _locate(new_indices, runs) -> list[tuple[int, int]]:
-    """(pcp rank, row) holding each requested new-token index (the lowest rank when several hold it)."""
-    where = {}
-    for p, rank_runs in enumerate(runs):
-        for row, new_start, length in rank_runs:
-            for i in range(length):
-                where.setdefault(new_start + i, (p, row + i))
-    return [where[i] for i in new_indices]
 
 
 def _decode_batch(requests: list[RequestAttention]) -> DecodeBatch | None:

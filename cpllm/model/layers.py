@@ -24,10 +24,10 @@ class TPShard:
     """The TP process group (None when size is 1)."""
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(x, self.group if self.size > 1 else None)
+        return all_reduce(x, self.group)
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
-        return all_gather(x, self.group if self.size > 1 else None, dim=-1)
+        return all_gather(x, self.group, dim=-1)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

@@ -18,6 +18,7 @@ tensor-parallel rank reads its shard without holding every shard at once.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Protocol, runtime_checkable
 
@@ -54,7 +55,18 @@ class WeightSource(Protocol):
 
 
 def open_weights(path: str) -> WeightSource:
-    """Open a Hugging Face folder (config.json + *.safetensors) or a .gguf file."""
+    """Open a Hugging Face folder (config.json + *.safetensors) or a .gguf file.
+
+    The driver reads the config before the engine starts and loads the weights right after; opening a GGUF
+    file parses all its metadata (seconds for a real vocabulary), so a source is reused while the file is
+    unchanged."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path {path!r} does not exist")
+    return _open_unchanged(os.path.realpath(path), os.stat(path).st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_unchanged(path: str, mtime_ns: int) -> WeightSource:
     if os.path.isdir(path):
         from cpllm.model.safetensors_source import SafetensorsSource
 
@@ -63,8 +75,6 @@ def open_weights(path: str) -> WeightSource:
         from cpllm.model.gguf_source import GGUFSource
 
         return GGUFSource(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"model path {path!r} does not exist")
     raise ValueError(
         f"model path {path!r} is neither a folder with config.json and *.safetensors nor a .gguf file"
     )

@@ -12,7 +12,7 @@ from cpllm.engine.outputs import RequestOutput
 from cpllm.engine.sampling_params import SamplingParams
 from cpllm.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from cpllm.server.errors import APIError
-from cpllm.server.formatting import TokenTexts, engine_error
+from cpllm.server.formatting import TokenTexts, engine_error, sse
 
 logger = logging.getLogger("cpllm.server.requests")
 
@@ -88,6 +88,25 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
     finally:
         for task in tasks:
             task.cancel()
+
+
+async def sse_events(request_id: str, streams: list[RequestStream], chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Relay a streamed response's events; a failure after the status line is reported in-band, the request is
+    closed however the stream ends (client gone included), and `[DONE]` ends a stream that ran out."""
+    status = 200
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except APIError as exc:
+        status = exc.status
+        yield sse(exc.body())
+    except Exception as exc:  # noqa: BLE001 - the status line is gone; report in-band
+        status = 500
+        yield sse(APIError(500, f"generation failed: {exc}").body())
+    finally:
+        await chunks.aclose()
+        close(request_id, streams, status=status)
+    yield sse("[DONE]")
 
 
 async def results(streams: list[RequestStream]) -> list[RequestOutput]:

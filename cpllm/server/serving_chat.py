@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from cpllm.engine.outputs import CompletionOutput
 from cpllm.engine.sampling_params import SamplingParams
 from cpllm.server import requests
-from cpllm.server.errors import APIError, bad_request
+from cpllm.server.errors import bad_request
 from cpllm.server.formatting import ChoiceCursor, chat_logprobs, sampling_params, sse, usage
 from cpllm.server.protocol import ChatCompletionRequest
 from cpllm.server.requests import Prompt, ServerContext
@@ -35,7 +35,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     streams = await requests.start(ctx, request_id, [prompt], params, arrival_time, limit_param)
     head = {"id": request_id, "created": int(time.time()), "model": ctx.model_name}
     if req.stream:
-        return _stream(ctx, req, params, streams, head)
+        return requests.sse_events(head["id"], streams, _stream(ctx, req, params, streams, head))
     status = 500
     try:
         (output,) = await requests.results(streams)
@@ -57,27 +57,16 @@ async def _stream(ctx: ServerContext, req: ChatCompletionRequest, params: Sampli
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     extra = {"usage": None} if include_usage else {}
     cursors = [ChoiceCursor() for _ in range(params.n)]
-    status = 200
-    try:
-        for index in range(params.n):  # OpenAI opens every choice with the role
-            yield sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}], **extra})
-        async for _, out in requests.merged(streams):
-            for c in out.outputs:
-                chunk = _delta_choice(ctx, req, params, c, cursors[c.index])
-                if chunk is not None:
-                    yield sse({**head, "choices": [chunk], **extra})
-        if include_usage:
-            yield sse({**head, "choices": [], "usage": usage([streams[0].last])})
-    except APIError as exc:
-        status = exc.status
-        yield sse(exc.body())
-    except Exception as exc:  # noqa: BLE001 - the status line is gone; report in-band
-        status = 500
-        yield sse(APIError(500, f"generation failed: {exc}").body())
-    finally:
-        requests.close(head["id"], streams, status=status)
-    yield sse("[DONE]")
+    for index in range(params.n):  # OpenAI opens every choice with the role
+        yield sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}], **extra})
+    async for _, out in requests.merged(streams):
+        for c in out.outputs:
+            chunk = _delta_choice(ctx, req, params, c, cursors[c.index])
+            if chunk is not None:
+                yield sse({**head, "choices": [chunk], **extra})
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": usage([streams[0].last])})
 
 
 def _delta_choice(ctx: ServerContext, req: ChatCompletionRequest, params: SamplingParams, c: CompletionOutput,

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from cpllm.engine.outputs import CompletionOutput, RequestOutput
 from cpllm.engine.sampling_params import SamplingParams
 from cpllm.server import requests
-from cpllm.server.errors import APIError, bad_request
+from cpllm.server.errors import bad_request
 from cpllm.server.formatting import ChoiceCursor, completion_logprobs, sampling_params, sse, usage
 from cpllm.server.protocol import CompletionRequest
 from cpllm.server.requests import Prompt, ServerContext
@@ -35,7 +35,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, arrival_
     streams = await requests.start(ctx, request_id, prompts, params, arrival_time)
     head = {"id": request_id, "created": int(time.time()), "model": ctx.model_name}
     if req.stream:
-        return _stream(ctx, req, params, prompts, streams, head)
+        return requests.sse_events(head["id"], streams, _stream(ctx, req, params, prompts, streams, head))
     status = 500
     try:
         outputs = await requests.results(streams)
@@ -75,33 +75,22 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, params: SamplingPa
     cursors = {}
     offsets = {}  # (prompt, choice) -> chars of echoed prompt text
     include_usage = req.stream_options is not None and req.stream_options.include_usage
-    status = 200
-    try:
-        if req.echo:
-            for i, prompt in enumerate(prompts):
-                text = _prompt_text(ctx, prompt)
-                for j in range(n):
-                    offsets[i, j] = len(text)
-                    yield sse({**head, "choices": [{"index": i * n + j, "text": text, "logprobs": None,
-                                                    "finish_reason": None, "stop_reason": None}],
-                               **({"usage": None} if include_usage else {})})
-        async for i, out in requests.merged(streams):
-            for c in out.outputs:
-                cursor = cursors.setdefault((i, c.index), ChoiceCursor())
-                chunk = _delta_choice(ctx, req, params, c, cursor, offsets.get((i, c.index), 0), i * n + c.index)
-                if chunk is not None:
-                    yield sse({**head, "choices": [chunk], **({"usage": None} if include_usage else {})})
-        if include_usage:
-            yield sse({**head, "choices": [], "usage": usage([s.last for s in streams])})
-    except APIError as exc:
-        status = exc.status
-        yield sse(exc.body())
-    except Exception as exc:  # noqa: BLE001 - the status line is gone; report in-band
-        status = 500
-        yield sse(APIError(500, f"generation failed: {exc}").body())
-    finally:
-        requests.close(head["id"], streams, status=status)
-    yield sse("[DONE]")
+    if req.echo:
+        for i, prompt in enumerate(prompts):
+            text = _prompt_text(ctx, prompt)
+            for j in range(n):
+                offsets[i, j] = len(text)
+                yield sse({**head, "choices": [{"index": i * n + j, "text": text, "logprobs": None,
+                                                "finish_reason": None, "stop_reason": None}],
+                           **({"usage": None} if include_usage else {})})
+    async for i, out in requests.merged(streams):
+        for c in out.outputs:
+            cursor = cursors.setdefault((i, c.index), ChoiceCursor())
+            chunk = _delta_choice(ctx, req, params, c, cursor, offsets.get((i, c.index), 0), i * n + c.index)
+            if chunk is not None:
+                yield sse({**head, "choices": [chunk], **({"usage": None} if include_usage else {})})
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": usage([s.last for s in streams])})
 
 
 def _delta_choice(ctx: ServerContext, req: CompletionRequest, params: SamplingParams, c: CompletionOutput,
