@@ -161,7 +161,7 @@ class ParallelConfig:
         return self.prefill_context_parallel_size * self.decode_context_parallel_size
 
     def validate_for_model(self, model: ModelConfig) -> None:
-        """Checks that need the model's head counts (DESIGN section 2)."""
+        """Checks that need the model's shapes (DESIGN section 2), before any weight is cut."""
         tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
         heads, kv_heads = model.num_attention_heads, model.num_key_value_heads
         if heads % tp != 0:
@@ -173,11 +173,45 @@ class ParallelConfig:
                 f"tensor_parallel_size={tp} is not a multiple of num_key_value_heads={kv_heads} "
                 "(KV heads are replicated when there are fewer than TP of them)"
             )
-        max_dcp = max(1, tp // kv_heads)
-        if dcp > max_dcp:
+        if model.intermediate_size % tp != 0:
             raise ValueError(
-                f"decode_context_parallel_size={dcp} exceeds max(1, tensor_parallel_size // "
-                f"num_key_value_heads)={max_dcp}: every rank of a DCP group must hold the same KV heads"
+                f"intermediate_size={model.intermediate_size} is not divisible by tensor_parallel_size={tp}"
+            )
+        _check_dcp_placement(tp, dcp, kv_heads)
+
+
+def kv_heads_of_tp_rank(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """(first KV head, count) that TP rank `tp_rank` holds: the one placement rule of the engine.
+
+    With at least TP KV heads each rank holds its own `num_kv_heads // tp_size`; with fewer,
+    they are replicated and rank t holds head `t // (tp_size // num_kv_heads)`.
+    """
+    if num_kv_heads >= tp_size:
+        per_rank = num_kv_heads // tp_size
+        return tp_rank * per_rank, per_rank
+    return tp_rank // (tp_size // num_kv_heads), 1
+
+
+def valid_dcp_sizes(tp_size: int, num_kv_heads: int) -> list[int]:
+    """Every DCP size for which each DCP group holds one set of KV heads (the rule of DESIGN section 2)."""
+    if num_kv_heads >= tp_size:
+        return [1]
+    ranks_per_head = tp_size // num_kv_heads
+    return [d for d in range(1, ranks_per_head + 1) if ranks_per_head % d == 0]
+
+
+def _check_dcp_placement(tp: int, dcp: int, kv_heads: int) -> None:
+    """Every DCP group (DCP consecutive TP ranks) must hold the same KV heads, or decode mixes heads silently."""
+    for first in range(0, tp, dcp):
+        held = {kv_heads_of_tp_rank(kv_heads, tp, t) for t in range(first, first + dcp)}
+        if len(held) > 1:
+            heads = sorted(h for start, count in held for h in range(start, start + count))
+            raise ValueError(
+                f"decode_context_parallel_size={dcp} with tensor_parallel_size={tp} and "
+                f"num_key_value_heads={kv_heads}: the DCP group of TP ranks {list(range(first, first + dcp))} "
+                f"holds different KV heads {heads}, but every rank of a DCP group must hold the same KV heads "
+                f"(KV heads are replicated over TP / num_key_value_heads ranks each, and DCP must divide that "
+                f"number). Valid DCP sizes here: {valid_dcp_sizes(tp, kv_heads)}"
             )
 
 

@@ -7,6 +7,7 @@ CLI checks parse `cpllm.cli.build_parser()`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -16,6 +17,7 @@ from collections import Counter
 import pytest
 
 from cpllm.cli import build_parser
+from cpllm.config import ModelConfig, ParallelConfig, kv_heads_of_tp_rank, valid_dcp_sizes
 from cpllm.engine.llm import build_engine_config
 from cpllm.engine_args import engine_kwargs
 from tiny_models import save_tiny_hf_model
@@ -92,11 +94,71 @@ def test_dcp_must_divide_tp(base_folder):
             tensor_parallel_size=4, decode_context_parallel_size=3)
 
 
-@pytest.mark.parametrize(("tp", "dcp", "limit"), [(2, 2, 1), (4, 4, 2)])
-def test_dcp_at_most_tp_over_kv_heads(base_folder, tp, dcp, limit):
-    # With 2 KV heads, TP=2 gives each rank its own KV head: a DCP group would mix heads.
-    refused(base_folder, f"decode_context_parallel_size={dcp}", f"={limit}",
-            tensor_parallel_size=tp, decode_context_parallel_size=dcp)
+@pytest.mark.parametrize(("tp", "dcp", "valid"), [(2, 2, "[1]"), (4, 4, "[1, 2]")])
+def test_dcp_group_must_not_mix_kv_heads(base_folder, tp, dcp, valid):
+    # 2 KV heads: TP=2 gives each rank its own head, TP=4 replicates each head on 2 ranks only.
+    message = refused(base_folder, f"decode_context_parallel_size={dcp}", f"tensor_parallel_size={tp}",
+                      "num_key_value_heads=2", tensor_parallel_size=tp, decode_context_parallel_size=dcp)
+    assert f"Valid DCP sizes here: {valid}" in message
+
+
+def test_dcp_counter_example_tp6_kv2_is_refused(variant):
+    # DCP <= TP // kv_heads (2 <= 3) holds, yet the DCP group of TP ranks {2, 3} holds KV heads 0 and 1.
+    folder = variant(num_attention_heads=12, num_key_value_heads=2, hidden_size=192, intermediate_size=192)
+    message = refused(folder, "decode_context_parallel_size=2", "tensor_parallel_size=6", "num_key_value_heads=2",
+                      tensor_parallel_size=6, decode_context_parallel_size=2)
+    assert "TP ranks [2, 3]" in message and "KV heads [0, 1]" in message
+
+
+def brute_force_dcp_ok(tp: int, kv_heads: int, dcp: int) -> bool:
+    """Place KV heads over TP ranks from first principles and look at every DCP group."""
+    if kv_heads >= tp:
+        held = [frozenset(range(t * kv_heads // tp, (t + 1) * kv_heads // tp)) for t in range(tp)]
+    else:
+        copies = tp // kv_heads  # each head lives on `copies` consecutive ranks
+        held = [frozenset([t // copies]) for t in range(tp)]
+    return all(len(set(held[g : g + dcp])) == 1 for g in range(0, tp, dcp))
+
+
+def placeable(tp: int, kv_heads: int) -> bool:
+    return kv_heads % tp == 0 if kv_heads >= tp else tp % kv_heads == 0
+
+
+ENUMERATED = [(tp, kv, dcp) for tp in range(1, 9) for kv in (1, 2, 3, 4, 8) if placeable(tp, kv)
+              for dcp in range(1, tp + 1) if tp % dcp == 0]
+
+
+def test_dcp_rule_matches_brute_force_placement():
+    model = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=840, intermediate_size=840,
+                        num_hidden_layers=1, num_attention_heads=840, num_key_value_heads=1, head_dim=1)  # 840 = lcm(1..8)
+    accepted, refused_layouts = [], []
+    for tp, kv, dcp in ENUMERATED:
+        shaped = dataclasses.replace(model, num_key_value_heads=kv)
+        parallel = ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp)
+        try:
+            parallel.validate_for_model(shaped)
+            accepted.append((tp, kv, dcp))
+        except ValueError as error:
+            assert f"decode_context_parallel_size={dcp}" in str(error)
+            refused_layouts.append((tp, kv, dcp))
+        assert ((tp, kv, dcp) in accepted) == brute_force_dcp_ok(tp, kv, dcp), (tp, kv, dcp)
+        assert ((tp, kv, dcp) in accepted) == (dcp in valid_dcp_sizes(tp, kv)), (tp, kv, dcp)
+    assert (6, 2, 2) in refused_layouts and (6, 2, 3) in accepted and (8, 2, 4) in accepted
+    assert (8, 2, 8) in refused_layouts and (4, 4, 2) in refused_layouts
+
+
+def test_engine_placement_is_the_validated_placement():
+    """The model cuts KV heads with the same function the validation reasons about."""
+    for tp, kv, _ in ENUMERATED:
+        for t in range(tp):
+            first, count = kv_heads_of_tp_rank(kv, tp, t)
+            expected = range(t * kv // tp, (t + 1) * kv // tp) if kv >= tp else range(t // (tp // kv), t // (tp // kv) + 1)
+            assert range(first, first + count) == expected
+
+
+def test_intermediate_size_must_divide_tp(variant):
+    folder = variant(intermediate_size=66)
+    refused(folder, "intermediate_size=66", "tensor_parallel_size=4", tensor_parallel_size=4)
 
 
 @pytest.mark.parametrize("interleave", [3, 8])

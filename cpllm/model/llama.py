@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cpllm.config import ModelConfig
+from cpllm.config import ModelConfig, kv_heads_of_tp_rank
 from cpllm.context_parallel.attention import CPComm, PagedCPAttention
 from cpllm.context_parallel.metadata import AttentionMetadata
 from cpllm.model.layers import (
@@ -27,11 +27,7 @@ from cpllm.model.rope import RotaryEmbedding
 
 def local_kv_heads(config: ModelConfig, tp: TPShard) -> tuple[int, int]:
     """(first KV head, count) held by this rank: split when there are >= TP of them, else replicated."""
-    kv = config.num_key_value_heads
-    if kv >= tp.size:
-        per_rank = kv // tp.size
-        return tp.rank * per_rank, per_rank
-    return tp.rank // (tp.size // kv), 1
+    return kv_heads_of_tp_rank(config.num_key_value_heads, tp.size, tp.rank)
 
 
 class LlamaAttention(torch.nn.Module):
