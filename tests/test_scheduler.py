@@ -105,3 +105,40 @@ def test_max_num_seqs_limits_running_requests():
         scheduler.add_request(request(f"r{i}", 5, start=50 * i))
     out = scheduler.schedule()
     assert [c.request_id for c in out.chunks] == ["r0", "r1"]
+
+
+def test_a_request_preempted_in_a_step_is_not_rescheduled_in_that_step():
+    # Three blocks and a 5-token budget: "b" runs out of blocks mid-decode and
+    # preempts itself, after which one block is free again, enough for its
+    # first recomputed chunk; it must still wait until the next step.
+    scheduler, pool = make(num_blocks=3, budget=5, caching=False)
+    scheduler.add_request(request("a", 4))
+    scheduler.add_request(request("b", 4, start=50))
+    preempted_seen = 0
+    for _ in range(12):
+        preemptions_before = {rid: r.num_preemptions for rid, r in scheduler.requests.items()}
+        out = run_step(scheduler)
+        preempted = {rid for rid, n in preemptions_before.items() if scheduler.requests[rid].num_preemptions > n}
+        assert not preempted & {c.request_id for c in out.chunks}, out
+        preempted_seen += len(preempted)
+    assert preempted_seen > 0
+
+
+def test_prefix_hits_released_by_a_failed_allocation_are_not_counted():
+    scheduler, pool = make(num_blocks=4, budget=16)
+    scheduler.add_request(request("a", 8))  # 2 full blocks, cached once "a" finishes
+    run_step(scheduler)
+    scheduler.finish(scheduler.requests["a"], RequestStatus.FINISHED_STOPPED)
+    scheduler.add_request(request("hog", 8, start=200))  # takes the 2 never-used blocks
+    scheduler.add_request(request("b", 16))  # hits a's 2 blocks but needs 2 more: none free
+    for _ in range(3):
+        out = scheduler.schedule()
+        assert [c.request_id for c in out.chunks] in (["hog"], [])
+        scheduler.on_step_done(out)
+    assert scheduler.requests["b"].status is RequestStatus.WAITING
+    assert scheduler.num_prefix_hit_tokens == 0
+    scheduler.finish(scheduler.requests["hog"], RequestStatus.FINISHED_STOPPED)
+    out = scheduler.schedule()
+    (chunk,) = out.chunks
+    assert chunk.request_id == "b" and chunk.start_pos == 8
+    assert scheduler.num_prefix_hit_tokens == 8

@@ -7,19 +7,29 @@ one virtual block holds `block_size * cp_size` consecutive tokens of a sequence
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
+ROOT_BLOCK_HASH = hashlib.sha256(b"cpllm prefix cache root").digest()
+"""Parent of the first block of every sequence (a fixed value, so hashes agree across processes)."""
 
-def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    """Identity of a full block: its tokens and everything before them."""
-    return hash((parent, tokens))
+
+def block_hash(parent: bytes, tokens: tuple[int, ...]) -> bytes:
+    """Identity of a full block: its tokens and everything before them.
+
+    A collision would hand a request another prefix's KV, so this is SHA-256
+    (Python's hash() is 64-bit and not guaranteed equal across processes). The encoding is
+    unambiguous: a 32-byte parent digest, then one little-endian int64 per token.
+    """
+    return hashlib.sha256(parent + struct.pack(f"<{len(tokens)}q", *tokens)).digest()
 
 
 @dataclass(slots=True)
 class _Block:
     ref_count: int = 0
-    hash: int | None = None
+    hash: bytes | None = None
 
 
 class BlockPool:
@@ -33,7 +43,7 @@ class BlockPool:
         self._blocks = [_Block() for _ in range(num_blocks)]
         # Free blocks in eviction order: never-used and uncached ones first, then least recently freed.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._cached: dict[int, int] = {}  # hash -> block id
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
 
     @property
     def num_free(self) -> int:
@@ -68,7 +78,7 @@ class BlockPool:
                 if block.hash is None:
                     self._free.move_to_end(block_id, last=False)
 
-    def lookup_prefix(self, hashes: list[int]) -> list[int]:
+    def lookup_prefix(self, hashes: list[bytes]) -> list[int]:
         """Longest run of leading cached blocks for these block hashes; each gains a reference."""
         hits = []
         if not self.enable_prefix_caching:
@@ -85,7 +95,7 @@ class BlockPool:
             block.ref_count += 1
         return hits
 
-    def register(self, block_id: int, h: int) -> None:
+    def register(self, block_id: int, h: bytes) -> None:
         """Mark a full, computed block as reusable for the prefix with hash `h`."""
         if not self.enable_prefix_caching or h in self._cached:
             return
@@ -98,8 +108,8 @@ class BlockPool:
         self._cached.clear()
 
 
-def extend_hashes(hashes: list[int], token_ids: list[int], tokens_per_block: int, num_blocks: int) -> None:
+def extend_hashes(hashes: list[bytes], token_ids: list[int], tokens_per_block: int, num_blocks: int) -> None:
     """Append the chained hashes of full blocks len(hashes)..num_blocks-1 of a token sequence."""
     for i in range(len(hashes), num_blocks):
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else ROOT_BLOCK_HASH
         hashes.append(block_hash(parent, tuple(token_ids[i * tokens_per_block : (i + 1) * tokens_per_block])))

@@ -34,8 +34,8 @@ class Request:
     """Tokens whose K/V are in the cache (prefix-cache hits included)."""
     block_ids: list[int] = field(default_factory=list)
     """Virtual block table: entry i holds tokens [i*V, (i+1)*V) where V = block_size * cp_size."""
-    block_hashes: list[int] = field(default_factory=list)
-    """Chained hashes of the leading full blocks of all_token_ids (a pure function of the tokens)."""
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Chained SHA-256 digests of the leading full blocks of all_token_ids (a pure function of the tokens)."""
     num_registered_blocks: int = 0
     """Leading blocks of block_ids that are computed and registered in the prefix cache."""
     num_preemptions: int = 0

@@ -84,34 +84,49 @@ class Scheduler:
         request.block_ids = []
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
+        preempted: set[str] = set()
+        budget = self._schedule_running(chunks, preempted)
+        self._admit_waiting(chunks, budget, preempted)
+        self._step_id += 1
+        return SchedulerOutput(step_id=self._step_id, chunks=tuple(chunks))
+
+    def _schedule_running(self, chunks: list[ScheduledChunk], preempted: set[str]) -> int:
+        """Continue running requests first; returns the token budget left for waiting ones."""
+        budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
         for request in list(self.running):
             if budget == 0 or request not in self.running:
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._reserve(request, num_new, scheduled):
+            if not self._reserve(request, num_new, scheduled, preempted):
                 continue
             chunks.append(self._chunk(request, num_new))
             scheduled.add(request.request_id)
             budget -= num_new
+        return budget
+
+    def _admit_waiting(self, chunks: list[ScheduledChunk], budget: int, preempted: set[str]) -> None:
+        """Start waiting requests in order while the budget, max_num_seqs and free blocks allow."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            self._use_prefix_cache(request)
+            if request.request_id in preempted:
+                # Its blocks were just taken for a running request: re-admitting it in
+                # the same step would take them back. It waits, first in line.
+                break
+            num_hit_tokens = self._use_prefix_cache(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             blocks = self.pool.allocate(self._blocks_needed(request, num_new))
             if blocks is None:
-                self._release(request)
+                self._release(request)  # the prefix hits too: they are looked up again next step
                 break
             request.block_ids += blocks
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             chunks.append(self._chunk(request, num_new))
+            self.num_prefix_hit_tokens += num_hit_tokens
             budget -= num_new
-        self._step_id += 1
-        return SchedulerOutput(step_id=self._step_id, chunks=tuple(chunks))
 
     def on_step_done(self, output: SchedulerOutput) -> None:
         """Advance progress after the ranks computed a step; register newly full blocks."""
@@ -138,8 +153,9 @@ class Scheduler:
         total = -(-(request.num_computed_tokens + num_new) // self.tokens_per_block)
         return max(0, total - len(request.block_ids))
 
-    def _reserve(self, request: Request, num_new: int, scheduled: set[str]) -> bool:
-        """Allocate blocks for a running request, preempting the newest others; False if it was preempted."""
+    def _reserve(self, request: Request, num_new: int, scheduled: set[str], preempted: set[str]) -> bool:
+        """Allocate blocks for a running request, preempting the newest unscheduled ones (added to
+        `preempted`); False if the request itself was preempted."""
         needed = self._blocks_needed(request, num_new)
         while True:
             blocks = self.pool.allocate(needed)
@@ -150,6 +166,7 @@ class Scheduler:
             if victim is None:
                 return False
             self._preempt(victim)
+            preempted.add(victim.request_id)
             if victim is request:
                 return False
 
@@ -168,10 +185,10 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_registered_blocks = 0
 
-    def _use_prefix_cache(self, request: Request) -> None:
-        """Start a fresh request after its longest cached prefix of full blocks."""
+    def _use_prefix_cache(self, request: Request) -> int:
+        """Start a fresh request after its longest cached prefix of full blocks; returns the tokens skipped."""
         if request.num_computed_tokens or request.block_ids or request.wants_prompt_logprobs:
-            return
+            return 0
         num_full = request.num_tokens // self.tokens_per_block
         extend_hashes(request.block_hashes, request.all_token_ids, self.tokens_per_block, num_full)
         hits = self.pool.lookup_prefix(request.block_hashes[:num_full])
@@ -181,8 +198,8 @@ class Scheduler:
             hits = hits[:-1]
         request.block_ids = hits
         request.num_computed_tokens = len(hits) * self.tokens_per_block
-        self.num_prefix_hit_tokens += request.num_computed_tokens
         request.num_registered_blocks = len(hits)
+        return request.num_computed_tokens
 
     def _register_full_blocks(self, request: Request) -> None:
         num_full = request.num_computed_tokens // self.tokens_per_block
