@@ -7,6 +7,7 @@ never joins a process group, and waits on it with a bound (a hang fails the test
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_mod
 import socket
 import time
@@ -20,14 +21,8 @@ import torch.multiprocessing as mp
 
 from cpllm.config import ParallelConfig
 from cpllm.distributed import comm
-from cpllm.distributed.launch import (
-    find_free_port,
-    init_distributed,
-    is_torchrun,
-    shutdown_distributed,
-    spawn_workers,
-    torchrun_env,
-)
+from cpllm.distributed.launch import find_free_port, init_distributed, is_torchrun, shutdown_distributed, torchrun_env
+from cpllm.distributed.rank_processes import spawn_workers
 
 HANG_GUARD_S = 90.0
 """Longest a test waits for its processes; only reached when something hangs."""
@@ -103,34 +98,39 @@ def _init(rank: int, world: int, port: int, timeout_s: float):
     )
 
 
-def _worker_main(rank: int, body, world: int, port: int, results) -> None:
+def _worker_main(rank: int, body, world: int, port: int, out_dir: str) -> None:
+    """A spawned worker (a fresh interpreter): its result travels back as a file."""
     try:
-        results.put((rank, body(rank, world, port)))
+        torch.save(body(rank, world, port), os.path.join(out_dir, f"{rank}.pt"))
     finally:
         shutdown_distributed()
 
 
-def _driver_main(body, world: int, results) -> None:
+def _driver_main(body, world: int, results, out_dir: str) -> None:
     """Rank 0: spawn ranks 1.. with spawn_workers, run the body, report, join the workers."""
     try:
         port = find_free_port()
-        handles = spawn_workers(world, _worker_main, (body, world, port, results), master_port=port)
+        handles = spawn_workers(world, _worker_main, (body, world, port, out_dir), master_port=port)
         results.put(("pids", handles.pids))
         with handles.watch():
             value = body(0, world, port)
-        results.put((0, value))
+        # Plain pickles: a tensor put on a multiprocessing queue travels as a shared file descriptor
+        # that dies with this process, and the reader may get to it only after this process exited.
+        results.put((0, pickle.dumps(value)))
         shutdown_distributed()
         handles.join(timeout_s=60)
+        for rank in range(1, world):
+            results.put((rank, pickle.dumps(torch.load(os.path.join(out_dir, f"{rank}.pt")))))
         results.put(("joined", None))
     except BaseException as exc:
         results.put(("driver_error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-def _run_driver(body, world: int) -> tuple[dict, object]:
+def _run_driver(body, world: int, out_dir) -> tuple[dict, object]:
     """Start the driver, collect messages until it joined (or failed) and exited."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    driver = ctx.Process(target=_driver_main, args=(body, world, results), daemon=False)
+    driver = ctx.Process(target=_driver_main, args=(body, world, results, str(out_dir)), daemon=False)
     driver.start()
     messages: dict = {}
     try:
@@ -200,15 +200,15 @@ def _comm_body(rank: int, world: int, port: int) -> dict:
     return out
 
 
-def test_comm_helpers_in_world_of_3():
+def test_comm_helpers_in_world_of_3(tmp_path):
     world = 3
-    messages, driver = _run_driver(_comm_body, world)
+    messages, driver = _run_driver(_comm_body, world, tmp_path)
     assert "driver_error" not in messages, messages.get("driver_error")
     assert "joined" in messages and driver.exitcode == 0
     xs = [_x(r) for r in range(world)]
     ys = [_y(r, world) for r in range(world)]
     for rank in range(world):
-        got = messages[rank]
+        got = pickle.loads(messages[rank])
         torch.testing.assert_close(got["gather0"], torch.cat(xs, dim=0))
         torch.testing.assert_close(got["gather1"], torch.cat([x.transpose(0, 2) for x in xs], dim=1))
         torch.testing.assert_close(got["reduce"], sum(xs))
@@ -241,10 +241,10 @@ def _dying_body(rank: int, world: int, port: int) -> None:
     return None
 
 
-def _dying_driver(world: int, results) -> None:
+def _dying_driver(world: int, results, out_dir: str) -> None:
     try:
         port = find_free_port()
-        handles = spawn_workers(world, _worker_main, (_dying_body, world, port, results), master_port=port)
+        handles = spawn_workers(world, _worker_main, (_dying_body, world, port, out_dir), master_port=port)
         results.put(("pids", handles.pids))
         groups = _init(0, world, port, timeout_s=30)
         step = 0
@@ -257,11 +257,11 @@ def _dying_driver(world: int, results) -> None:
         results.put(("error", (str(exc), step)))
 
 
-def test_killed_worker_is_named_and_every_process_exits():
+def test_killed_worker_is_named_and_every_process_exits(tmp_path):
     world = 3
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    driver = ctx.Process(target=_dying_driver, args=(world, results), daemon=False)
+    driver = ctx.Process(target=_dying_driver, args=(world, results, str(tmp_path)), daemon=False)
     driver.start()
     messages = {}
     try:
@@ -298,9 +298,9 @@ def _hung_peer_body(rank: int, world: int, port: int) -> None:
     time.sleep(HANG_GUARD_S)  # alive but never joins the collective
 
 
-def _hung_peer_driver(results) -> None:
+def _hung_peer_driver(results, out_dir: str) -> None:
     port = find_free_port()
-    handles = spawn_workers(2, _worker_main, (_hung_peer_body, 2, port, results), master_port=port)
+    handles = spawn_workers(2, _worker_main, (_hung_peer_body, 2, port, out_dir), master_port=port)
     results.put(("pids", handles.pids))
     _init(0, 2, port, timeout_s=30)
     group = _short_timeout_group()
@@ -313,10 +313,10 @@ def _hung_peer_driver(results) -> None:
         results.put(("error", f"{type(exc).__name__}: {exc}"))
 
 
-def test_collective_with_hung_peer_times_out_and_workers_are_stopped():
+def test_collective_with_hung_peer_times_out_and_workers_are_stopped(tmp_path):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    driver = ctx.Process(target=_hung_peer_driver, args=(results,), daemon=False)
+    driver = ctx.Process(target=_hung_peer_driver, args=(results, str(tmp_path)), daemon=False)
     driver.start()
     messages = {}
     try:
@@ -366,7 +366,7 @@ def test_join_reports_failed_worker():
     handles = spawn_workers(2, _failing_worker, (), master_port=find_free_port())
     with pytest.raises(RuntimeError, match="worker rank 1 exited with code 1"):
         handles.join(timeout_s=HANG_GUARD_S)
-    with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) exited with code 1"):
+    with pytest.raises(RuntimeError, match=r"(?s)worker rank 1 \(pid \d+\) exited with code 1:\n.*ValueError: bad input on rank 1"):
         handles.check_alive()
 
 
@@ -375,3 +375,26 @@ def test_join_terminates_workers_past_the_timeout():
     with pytest.raises(RuntimeError, match=r"worker ranks \[1\] were still running"):
         handles.join(timeout_s=0.5)
     assert handles.dead_ranks()[1] < 0  # stopped by a signal
+
+
+def test_worker_failing_at_start_is_reported_at_once_with_its_error():
+    """The driver waits for its workers in the store; a worker that dies first is named with its traceback."""
+    timeout_s = 60.0
+    port = find_free_port()
+    handles = spawn_workers(3, _failing_worker, (), master_port=port)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)while starting: worker rank \d \(pid \d+\) exited with code 1:\n"
+                                           r".*ValueError: bad input on rank \d"):
+        init_distributed(ParallelConfig(tensor_parallel_size=3), rank=0, world_size=3, master_addr="127.0.0.1",
+                         master_port=port, timeout_s=timeout_s, workers=handles)
+    assert time.monotonic() - start < timeout_s / 2  # not a store timeout
+    assert _wait_gone(handles.pids.values()) == []
+
+
+def test_worker_function_from_main_is_refused():
+    def local():  # defined here, but pretend it is the user's script
+        pass
+
+    local.__module__ = "__main__"
+    with pytest.raises(ValueError, match="importable module, not in __main__"):
+        spawn_workers(2, local, (), master_port=find_free_port())

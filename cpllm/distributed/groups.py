@@ -150,6 +150,8 @@ class ParallelGroups:
     """KV-shard group (PCP x DCP ranks); its group rank equals cp_rank."""
     dp_group: dist.ProcessGroup | None
     """Same (pcp, tp) coordinates across replicas."""
+    dp_cpu_group: dist.ProcessGroup | None
+    """The DP group's ranks on gloo, for the DP front's control messages (ticks, gathered outputs)."""
     replica_group: dist.ProcessGroup | None
     """All ranks of this replica on gloo, for control messages (step broadcasts)."""
     world_cpu_group: dist.ProcessGroup | None
@@ -225,6 +227,7 @@ class ParallelGroups:
             dcp_group=None,
             cp_group=None,
             dp_group=None,
+            dp_cpu_group=None,
             replica_group=None,
             world_cpu_group=None,
         )
@@ -257,6 +260,11 @@ class ParallelGroups:
                 if rank in members:
                     mine[kind] = group
         world_cpu = maker.make(list(range(world)), "gloo")
+        dp_cpu = None  # the same group as dp_group when the default backend is gloo (the maker reuses it)
+        for members in layout.all_groups("dp"):
+            group = maker.make(members, "gloo")
+            if rank in members:
+                dp_cpu = group
         return cls(
             rank=rank,
             layout=layout,
@@ -266,6 +274,7 @@ class ParallelGroups:
             dcp_group=mine["dcp"],
             cp_group=mine["cp"],
             dp_group=mine["dp"],
+            dp_cpu_group=dp_cpu,
             replica_group=mine["replica"],
             world_cpu_group=world_cpu,
         )

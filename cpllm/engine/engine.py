@@ -19,7 +19,6 @@ from cpllm.engine.sampling_params import SamplingParams
 from cpllm.engine.scheduler import Scheduler, SchedulerOutput
 from cpllm.engine.sequence import RequestState, Sequence, finish_status
 from cpllm.model.tokenizer import Tokenizer
-from cpllm.distributed.launch import shutdown_distributed
 from cpllm.worker.executor import Executor
 from cpllm.worker.runner import output_positions
 
@@ -207,21 +206,3 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
-
-
-def create_engine(config: EngineConfig, tokenizer: Tokenizer, *, threads_per_rank: int | None = None):
-    """The engine of global rank 0 (a DP front when DP > 1). On any other rank (torchrun) this serves
-    steps until the front shuts the world down, then exits the process."""
-    from cpllm.engine.data_parallel import DataParallelFront
-    from cpllm.worker.startup import start_ranks
-    from cpllm.worker.worker import serve_rank
-
-    groups, workers = start_ranks(config, threads_per_rank)
-    if groups.rank != 0:
-        try:
-            serve_rank(config, groups)
-        finally:
-            shutdown_distributed()
-        raise SystemExit(0)
-    engine = LLMEngine(config, tokenizer, Executor(config, groups, workers))
-    return DataParallelFront(engine) if groups.dp_size > 1 else engine

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from cpllm.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-from cpllm.engine.engine import create_engine
 from cpllm.engine.outputs import RequestOutput
 from cpllm.engine.sampling_params import SamplingParams
+from cpllm.launch import create_engine
 from cpllm.model.default_model import default_model_path
 from cpllm.model.loader import open_weights
 from cpllm.model.tokenizer import Tokenizer, load_tokenizer

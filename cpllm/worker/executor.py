@@ -9,7 +9,8 @@ import torch
 from cpllm.config import EngineConfig
 from cpllm.distributed.comm import broadcast_object
 from cpllm.distributed.groups import ParallelGroups
-from cpllm.distributed.launch import WorkerHandles, shutdown_distributed
+from cpllm.distributed.launch import shutdown_distributed
+from cpllm.distributed.rank_processes import WorkerHandles
 from cpllm.engine.scheduler import SchedulerOutput
 from cpllm.worker.runner import ModelRunner
 from cpllm.worker.worker import device_for
