@@ -22,7 +22,7 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from cpllm.engine.generate_cmd import run_generate
+    from cpllm.cli_generate import run_generate
 
     return run_generate(args)
 

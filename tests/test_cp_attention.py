@@ -9,7 +9,7 @@ from cpllm.context_parallel.attention import CPComm, PagedCPAttention
 from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.context_parallel.metadata import build_step_batch
 from cpllm.context_parallel.sdpa import reference_attention
-from cpllm.engine.scheduler import ScheduledChunk
+from cpllm.step import ScheduledChunk
 
 HQ, HKV, D, BLOCK = 4, 2, 8, 4
 

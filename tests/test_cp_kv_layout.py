@@ -6,14 +6,7 @@ import random
 import pytest
 import torch
 
-from cpllm.context_parallel.kv_layout import (
-    KVLayout,
-    local_context_slots,
-    local_index_of,
-    local_positions,
-    owner_of,
-    slot_mapping,
-)
+from cpllm.context_parallel.kv_layout import KVLayout, local_context_slots
 
 # (cp_size, interleave, block_size) with interleave dividing block_size
 CONFIGS = [
@@ -51,8 +44,8 @@ def test_design_table():
     assert layouts[0].virtual_block_size() == 8
     assert layouts[0].num_virtual_blocks(10) == 2
     table = [7, 3]
-    assert layouts[0].local_slots(10, table) == [28, 29, 30, 31, 12, 13]
-    assert layouts[1].local_slots(10, table) == [28, 29, 30, 31]
+    assert local_context_slots(10, torch.tensor(table), layouts[0]).tolist() == [28, 29, 30, 31, 12, 13]
+    assert local_context_slots(10, torch.tensor(table), layouts[1]).tolist() == [28, 29, 30, 31]
     assert layouts[0].slot(9, table) == 13 and layouts[1].slot(9, table) is None
 
 
@@ -87,17 +80,8 @@ def test_slots_disjoint_and_inside_blocks(cp_size, interleave, block_size):
         assert len(mine) == lay.num_local_tokens(seq_len)
         assert len(set(mine)) == len(mine), "two positions share a slot"
         assert set(mine) <= allowed
-        # local_slots lists them in local (= ascending position) order
-        assert lay.local_slots(seq_len, table) == mine
-        # vectorised versions agree
-        t_table = torch.tensor(table)
-        positions = torch.arange(seq_len)
-        got = slot_mapping(positions, t_table, lay).tolist()
-        assert got == [-1 if s is None else s for s in slots]
-        assert local_context_slots(seq_len, t_table, lay).tolist() == mine
-        assert local_positions(seq_len, lay).tolist() == lay.owned_positions(0, seq_len)
-        assert owner_of(positions, lay).tolist() == [lay.owner(p) for p in range(seq_len)]
-        assert local_index_of(positions, lay).tolist() == [lay.local_index(p) for p in range(seq_len)]
+        # the vectorised context slots list them in local (= ascending position) order
+        assert local_context_slots(seq_len, torch.tensor(table), lay).tolist() == mine
 
 
 def test_every_token_stored_once_across_ranks():
@@ -112,17 +96,6 @@ def test_every_token_stored_once_across_ranks():
         assert len(stored) == seq_len == len(set(stored))
 
 
-def test_slot_mapping_per_token_block_tables():
-    lay = KVLayout(cp_size=2, cp_rank=1, interleave=2, block_size=4)
-    tables = torch.tensor([[5, 6, 0], [9, 1, 2]])  # two requests
-    positions = torch.tensor([2, 3, 10, 0, 18, 19])
-    per_token = tables[torch.tensor([0, 0, 0, 1, 1, 1])]
-    got = slot_mapping(positions, per_token, lay).tolist()
-    want = [lay.slot(int(p), tables[r].tolist()) for p, r in zip(positions, [0, 0, 0, 1, 1, 1])]
-    assert got == [-1 if s is None else s for s in want]
-    assert got == [20, 21, 24, -1, 8, 9]
-
-
 def test_validation():
     with pytest.raises(ValueError, match="cp_rank=2"):
         KVLayout(cp_size=2, cp_rank=2, interleave=1, block_size=4)
@@ -132,6 +105,6 @@ def test_validation():
         KVLayout(cp_size=2, cp_rank=0, interleave=1, block_size=0)
     lay = KVLayout(cp_size=2, cp_rank=0, interleave=1, block_size=4)
     with pytest.raises(ValueError, match="table has 1"):
-        lay.local_slots(9, [0])
+        lay.slot(8, [0])
     with pytest.raises(ValueError, match="seq_len"):
         lay.num_local_tokens(-1)

@@ -9,7 +9,6 @@ from cpllm.context_parallel.partition import (
     rank_num_tokens,
     rank_token_indices,
     rank_token_ranges,
-    restore_order_indices,
 )
 
 CASES = [(t, p) for t in range(0, 71) for p in range(1, 6)]
@@ -78,35 +77,12 @@ def test_decode_not_split():
         for p in range(pcp):
             assert rank_token_ranges(1, pcp, p) == [(0, 1)]
             assert rank_token_indices(1, pcp, p) == [0]
-        assert restore_order_indices(1, pcp) == [0]
 
 
 def test_empty_request():
     for pcp in range(1, 6):
         assert head_tail_chunks(0, pcp) == [(0, 0)] * (2 * pcp)
         assert all(rank_token_ranges(0, pcp, p) == [] for p in range(pcp))
-        assert restore_order_indices(0, pcp) == []
-
-
-@pytest.mark.parametrize("t,pcp", CASES)
-def test_restore_order_is_inverse(t, pcp):
-    concat = [i for p in range(pcp) for i in rank_token_indices(t, pcp, p)]
-    perm = restore_order_indices(t, pcp)
-    assert [concat[j] for j in perm] == list(range(t))
-    if t != 1:
-        assert sorted(perm) == list(range(len(concat)))
-
-
-@pytest.mark.parametrize("pcp", range(1, 6))
-def test_restore_order_padded(pcp):
-    for t in range(0, 71):
-        stride = max(rank_num_tokens(t, pcp, p) for p in range(pcp)) + 1 if t else 1
-        padded = []
-        for p in range(pcp):
-            idx = rank_token_indices(t, pcp, p)
-            padded.extend(idx + [None] * (stride - len(idx)))
-        perm = restore_order_indices(t, pcp, rank_stride=stride)
-        assert [padded[j] for j in perm] == list(range(t))
 
 
 def test_invalid_arguments():
@@ -116,5 +92,3 @@ def test_invalid_arguments():
         head_tail_chunks(-1, 2)
     with pytest.raises(ValueError, match="pcp_rank=2"):
         rank_token_ranges(4, 2, 2)
-    with pytest.raises(ValueError, match="rank_stride=1"):
-        restore_order_indices(10, 2, rank_stride=1)

@@ -35,7 +35,7 @@ def run_step(scheduler, next_token=1):
 def test_scheduler_imports_no_torch():
     import subprocess
 
-    code = "import sys, cpllm.engine.scheduler, cpllm.engine.kv_blocks; print('torch' in sys.modules)"
+    code = "import sys, cpllm.engine.scheduler, cpllm.engine.kv_blocks, cpllm.step; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
 

@@ -9,11 +9,10 @@ on every rank and only ownership differs.
 
 Because `I` divides `block_size`, the virtual block of `pos`
 (`pos // (block_size*C)`) equals the local block of its owner
-(`local_index(pos) // block_size`); the vectorised helpers below use the former,
-which is also defined for tokens a rank does not own.
+(`local_index(pos) // block_size`).
 
-The `KVLayout` methods are pure Python (usable by the torch-free scheduler); the
-module-level functions are vectorised torch versions for the model runner.
+The `KVLayout` methods are pure Python; `local_context_slots` is the vectorised
+torch version the per-step metadata uses for a request's cached context.
 """
 
 from __future__ import annotations
@@ -93,17 +92,6 @@ class KVLayout:
             )
         return block_table[block] * self.block_size + local % self.block_size
 
-    def local_slots(self, seq_len: int, block_table: Sequence[int]) -> list[int]:
-        """Slots of this rank's tokens among positions `< seq_len`, in local order."""
-        num_local = self.num_local_tokens(seq_len)
-        needed = -(-num_local // self.block_size)
-        if needed > len(block_table):
-            raise ValueError(
-                f"seq_len={seq_len} needs {needed} block-table entries, table has {len(block_table)}"
-            )
-        bs = self.block_size
-        return [block_table[i // bs] * bs + i % bs for i in range(num_local)]
-
     def owned_positions(self, start: int, end: int) -> list[int]:
         """Positions in `[start, end)` that this rank owns, ascending."""
         if start < 0 or end < start:
@@ -117,60 +105,11 @@ class KVLayout:
         return out
 
 
-# ---------------------------------------------------------------------------
-# Vectorised torch helpers (per step, in the model runner).
-# ---------------------------------------------------------------------------
-
-
-def owner_of(positions: torch.Tensor, layout: KVLayout) -> torch.Tensor:
-    """Owning CP rank of every position. `positions` long, any shape; same shape out."""
-    return torch.div(positions, layout.interleave, rounding_mode="floor") % layout.cp_size
-
-
-def local_index_of(positions: torch.Tensor, layout: KVLayout) -> torch.Tensor:
-    """Local index of every position on its owner. Same shape as `positions`."""
-    cycles = torch.div(positions, layout.cycle, rounding_mode="floor")
-    return cycles * layout.interleave + positions % layout.interleave
-
-
-def slot_mapping(positions: torch.Tensor, block_table: torch.Tensor, layout: KVLayout) -> torch.Tensor:
-    """This rank's pool slot for every token, -1 where another rank owns it.
-
-    positions: [N] long absolute positions.
-    block_table: [num_blocks] (one request, shared by all tokens) or
-        [N, num_blocks] (row `i` is the block table of token `i`'s request).
-    Returns [N] long. The -1 entries are a tensor mask convention only (for
-    `index_copy`/scatter filtering by `slots >= 0`); the Python API uses None.
-    """
-    positions = positions.long()
-    virtual_block = torch.div(positions, layout.virtual_block_size(), rounding_mode="floor")
-    if block_table.dim() == 1:
-        block_ids = block_table.long()[virtual_block]
-    elif block_table.dim() == 2:
-        block_ids = block_table.long().gather(1, virtual_block.unsqueeze(1)).squeeze(1)
-    else:
-        raise ValueError(f"block_table must be 1-D or 2-D, got shape {tuple(block_table.shape)}")
-    local = local_index_of(positions, layout)
-    slots = block_ids * layout.block_size + local % layout.block_size
-    owned = owner_of(positions, layout) == layout.cp_rank
-    return torch.where(owned, slots, torch.full_like(slots, -1))
-
-
-def local_positions(
-    seq_len: int, layout: KVLayout, *, device: torch.device | str | None = None
-) -> torch.Tensor:
-    """Absolute positions of this rank's tokens among `pos < seq_len`, local order. [num_local] long."""
-    num_local = layout.num_local_tokens(seq_len)
-    local = torch.arange(num_local, dtype=torch.long, device=device)
-    cycles = torch.div(local, layout.interleave, rounding_mode="floor")
-    return cycles * layout.cycle + layout.cp_rank * layout.interleave + local % layout.interleave
-
-
 def local_context_slots(seq_len: int, block_table: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     """Pool slots of this rank's tokens among `pos < seq_len`, local order. [num_local] long.
 
     `block_table` is one request's [num_blocks] table. Gathering the pool at
-    these slots gives this rank's KV shard in the order of `local_positions`.
+    these slots gives this rank's KV shard in ascending position order.
     """
     num_local = layout.num_local_tokens(seq_len)
     local = torch.arange(num_local, dtype=torch.long, device=block_table.device)

@@ -65,37 +65,3 @@ def rank_token_indices(num_tokens: int, pcp_size: int, pcp_rank: int) -> list[in
 def rank_num_tokens(num_tokens: int, pcp_size: int, pcp_rank: int) -> int:
     """How many new tokens `pcp_rank` computes (length of `rank_token_indices`)."""
     return sum(e - s for s, e in rank_token_ranges(num_tokens, pcp_size, pcp_rank))
-
-
-def restore_order_indices(
-    num_tokens: int, pcp_size: int, *, rank_stride: int | None = None
-) -> list[int]:
-    """Permutation that puts the gathered tokens back in sequence order.
-
-    Let `concat` be every rank's tokens concatenated, rank 0 first, each rank's
-    tokens in `rank_token_indices` order. Without `rank_stride` there is no
-    padding (rank `r`'s tokens follow rank `r-1`'s directly); with it, rank
-    `r`'s tokens start at `r * rank_stride` (an all-gather of buffers padded at
-    the end to `rank_stride` tokens). Then
-    `perm = restore_order_indices(T, P)` satisfies `concat[perm[t]]` is token
-    `t`, i.e. `concat[perm] == arange(T)` when `concat` holds the token indices.
-    For `num_tokens == 1` every rank holds a copy of token 0 and `perm == [0]`
-    (rank 0's copy); the result has length `num_tokens` in every case.
-    """
-    _check(num_tokens, pcp_size)
-    if num_tokens == 1:
-        return [0]
-    perm = [0] * num_tokens
-    offset = 0
-    for rank in range(pcp_size):
-        indices = rank_token_indices(num_tokens, pcp_size, rank)
-        if rank_stride is not None:
-            if rank_stride < len(indices):
-                raise ValueError(
-                    f"rank_stride={rank_stride} is smaller than rank {rank}'s {len(indices)} tokens"
-                )
-            offset = rank * rank_stride
-        for i in indices:
-            perm[i] = offset
-            offset += 1
-    return perm

@@ -127,11 +127,6 @@ def broadcast_object(obj: Any, *, src: int, group: Group) -> Any:
     return box[0]
 
 
-def barrier(group: Group) -> None:
-    if group_size(group) > 1:
-        dist.barrier(group=group)
-
-
 @dataclass(kw_only=True, slots=True)
 class RingTransfer:
     """An in-flight ring step; `wait()` returns the tensor received from the previous rank."""

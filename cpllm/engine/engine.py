@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import random
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,11 +17,13 @@ from cpllm.engine.outputs import RequestOutput
 from cpllm.engine.request import Request, RequestStatus
 from cpllm.engine.sampler import Sampler, SamplingRow, make_generator, prompt_logprobs
 from cpllm.engine.sampling_params import SamplingParams
-from cpllm.engine.scheduler import Scheduler, SchedulerOutput
+from cpllm.engine.scheduler import Scheduler
 from cpllm.engine.sequence import RequestState, Sequence, finish_status
 from cpllm.model.tokenizer import Tokenizer
-from cpllm.worker.executor import Executor
-from cpllm.worker.runner import output_positions
+from cpllm.step import SchedulerOutput, output_positions
+
+if TYPE_CHECKING:  # the engine is handed its executor; only cpllm.launch imports both sides
+    from cpllm.worker.executor import Executor
 
 logger = logging.getLogger(__name__)
 

@@ -7,46 +7,11 @@ The scheduler owns every request's state; what it sends to the ranks is a
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 from cpllm.config import SchedulerConfig
 from cpllm.engine.kv_blocks import BlockPool, extend_hashes
 from cpllm.engine.request import Request, RequestStatus
-
-
-@dataclass(kw_only=True, frozen=True, slots=True)
-class ScheduledChunk:
-    """The tokens of one request computed in this step."""
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    """New tokens, at positions start_pos .. start_pos + len - 1."""
-    start_pos: int
-    """Tokens already in the KV cache (earlier chunks, prefix-cache hits)."""
-    block_table: tuple[int, ...]
-    """Virtual block ids covering positions [0, start_pos + len(token_ids))."""
-    sample: bool
-    """The chunk ends the known tokens: the driver samples the next one from its last position."""
-    prompt_logits: bool
-    """Return logits of every position in the chunk (prompt logprobs)."""
-
-    @property
-    def end_pos(self) -> int:
-        return self.start_pos + len(self.token_ids)
-
-
-@dataclass(kw_only=True, frozen=True, slots=True)
-class SchedulerOutput:
-    """One step for every rank of a replica."""
-
-    step_id: int
-    chunks: tuple[ScheduledChunk, ...] = ()
-    shutdown: bool = False
-    """Tells the workers to leave their loop."""
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
+from cpllm.step import ScheduledChunk, SchedulerOutput
 
 
 class Scheduler:

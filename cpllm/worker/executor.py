@@ -11,7 +11,7 @@ from cpllm.distributed.comm import broadcast_object
 from cpllm.distributed.groups import ParallelGroups
 from cpllm.distributed.launch import shutdown_distributed
 from cpllm.distributed.rank_processes import WorkerHandles
-from cpllm.engine.scheduler import SchedulerOutput
+from cpllm.step import SchedulerOutput
 from cpllm.worker.runner import ModelRunner
 from cpllm.worker.worker import device_for
 

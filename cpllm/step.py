@@ -1,0 +1,54 @@
+"""The step contract between the replica driver and every rank of its replica (torch-free).
+
+The driver's scheduler emits one `SchedulerOutput` per step; it is broadcast to
+every rank, which computes it SPMD; `output_positions` says which rows of each
+chunk come back to the driver as logits, so both sides agree on the order of
+the rows without sending it. Both the engine and the workers import this module,
+and nothing else of each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ScheduledChunk:
+    """The tokens of one request computed in this step."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    """New tokens, at positions start_pos .. start_pos + len - 1."""
+    start_pos: int
+    """Tokens already in the KV cache (earlier chunks, prefix-cache hits)."""
+    block_table: tuple[int, ...]
+    """Virtual block ids covering positions [0, start_pos + len(token_ids))."""
+    sample: bool
+    """The chunk ends the known tokens: the driver samples the next one from its last position."""
+    prompt_logits: bool
+    """Return logits of every position in the chunk (prompt logprobs)."""
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class SchedulerOutput:
+    """One step for every rank of a replica."""
+
+    step_id: int
+    chunks: tuple[ScheduledChunk, ...] = ()
+    shutdown: bool = False
+    """Tells the workers to leave their loop."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+def output_positions(chunk: ScheduledChunk) -> list[int]:
+    """New-token indices whose hidden state the driver needs: all of them for prompt logprobs, else the last."""
+    if chunk.prompt_logits:
+        return list(range(len(chunk.token_ids)))
+    return [len(chunk.token_ids) - 1] if chunk.sample else []
