@@ -29,7 +29,7 @@ from cpllm.context_parallel.metadata import build_step_batch
 from cpllm.context_parallel.sdpa import reference_attention
 from cpllm.distributed.groups import ParallelGroups
 from cpllm.distributed.launch import init_distributed, shutdown_distributed
-from cpllm.engine.scheduler import ScheduledChunk
+from cpllm.step import ScheduledChunk
 
 HQ = 4
 """Query heads per TP rank (TP ranks of a DCP group hold different query heads)."""
