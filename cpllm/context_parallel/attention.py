@@ -9,6 +9,10 @@ exactly by log-sum-exp:
   return to their owners to be merged.
 With one rank every collective is skipped and the same code is the plain paged
 attention of the single-rank engine.
+
+Partial outputs are merged and accumulated in float32 whatever the model dtype
+(DESIGN section 5): only the kernels' own outputs are in the model dtype, and
+the layer's result is converted to it once, at the end.
 """
 
 from __future__ import annotations
@@ -49,7 +53,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     return out[0].transpose(0, 1), lse[0].transpose(0, 1)
 
 
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype partial outputs are merged in: float32 for bf16/fp16/fp32 models (float64 stays float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _accumulate(out, lse, rows: slice, o_part, lse_part) -> None:
+    # out is a float32 accumulator: merge_two keeps the higher precision of its two inputs.
     out[rows], lse[rows] = merge_two(out[rows], lse[rows], o_part, lse_part)
 
 
@@ -62,7 +72,7 @@ class PagedCPAttention(torch.nn.Module):
 
     def forward(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata) -> torch.Tensor:
         # q [N, Hq, D]; k, v [N, Hkv, D]; k_pool, v_pool [num_slots, Hkv, D]
-        out = torch.zeros_like(q)
+        out = torch.zeros(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         if self.comm.strategy == "ring" and self.comm.pcp_size > 1 and meta.has_new:
             self._ring_new_tokens(q, k, v, k_pool, v_pool, meta, out, lse)
@@ -71,7 +81,7 @@ class PagedCPAttention(torch.nn.Module):
         if meta.has_context:
             o_ctx, lse_ctx = self._context(q, k_pool, v_pool, meta)
             out, lse = merge_two(out, lse, o_ctx, lse_ctx)
-        return out
+        return out.to(q.dtype)
 
     def _gathered_new_tokens(self, q, k, v, k_pool, v_pool, meta, out, lse) -> None:
         if meta.has_new:
@@ -140,7 +150,8 @@ class PagedCPAttention(torch.nn.Module):
             if piece % dcp_size not in by_dcp_rank:
                 # Every PCP rank holds the same single-token queries: attend once per DCP rank, copy for the rest.
                 by_dcp_rank[piece % dcp_size] = self._attend_single_tokens(q_all[rows], k_ctx, v_ctx, decode)
-            o_part[rows], lse_part[rows] = by_dcp_rank[piece % dcp_size]
+            o_piece, lse_piece = by_dcp_rank[piece % dcp_size]
+            o_part[rows], lse_part[rows] = o_piece.to(o_part.dtype), lse_piece  # index_put wants equal dtypes
 
     def _attend_single_tokens(self, q, k_ctx, v_ctx, decode):
         # q [B, Hq, D] -> out [B, Hq, D], lse [B, Hq]
@@ -159,7 +170,7 @@ class PagedCPAttention(torch.nn.Module):
         if comm.cp_size > 1 and dcp_size == 1 and not meta.has_new:
             return self._replicated_query_context(q, k_pool, v_pool, meta)
         q_all = all_gather(q, comm.cp_group)  # [cp_size * N, Hq, D]: piece c from cp rank c
-        o_part = torch.zeros_like(q_all)
+        o_part = torch.zeros(q_all.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
         lse_part = torch.full(q_all.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         if meta.decode is not None:
             self._decode_context(q_all, k_pool, v_pool, meta, o_part, lse_part, dcp_size)
@@ -179,14 +190,14 @@ class PagedCPAttention(torch.nn.Module):
         # Output and lse travel together in one float32 message: [C * N, Hq, D + 1].
         packed = all_to_all(torch.cat((o_part.float(), lse_part.unsqueeze(-1)), dim=-1), comm.cp_group)
         packed = packed.view(comm.cp_size, n, q.shape[1], q.shape[2] + 1)
-        return merge_attention_partials(packed[..., :-1].to(q.dtype), packed[..., -1])
+        return merge_attention_partials(packed[..., :-1], packed[..., -1])  # float32
 
     def _replicated_query_context(self, q, k_pool, v_pool, meta: AttentionMetadata):
         """A step of single tokens without DCP: every CP rank already holds every query, at the same rows, so each
         attends them to its own shard and the partials are all-gathered and merged (one collective, not two)."""
-        o_part = torch.zeros_like(q)
+        o_part = torch.zeros(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
         lse_part = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         self._decode_context(q, k_pool, v_pool, meta, o_part, lse_part, dcp_size=1, num_pieces=1)
         packed = all_gather(torch.cat((o_part.float(), lse_part.unsqueeze(-1)), dim=-1), self.comm.cp_group)
         packed = packed.view(self.comm.cp_size, *q.shape[:2], q.shape[2] + 1)  # [C, N, Hq, D + 1]
-        return merge_attention_partials(packed[..., :-1].to(q.dtype), packed[..., -1])
+        return merge_attention_partials(packed[..., :-1], packed[..., -1])  # float32

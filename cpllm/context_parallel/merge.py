@@ -9,6 +9,10 @@ If partial `r` attended to key set `K_r` and returned its normalised output
 (DESIGN section 5). Evaluated max-shifted in float32 so nothing overflows. An
 empty key set has `lse_r = -inf` and contributes nothing, whatever its `o_r`
 holds; a row where every partial is empty yields `o = 0`, `lse = -inf`.
+
+The result has the partials' dtype: callers that accumulate over several merges
+(PagedCPAttention) pass float32 accumulators, so a bf16/fp16 model rounds to its
+own dtype only once, at the end; `merge_two` returns the wider of its inputs' dtypes.
 """
 
 from __future__ import annotations
@@ -48,8 +52,10 @@ def merge_attention_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[to
 def merge_two(
     o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge two partials: o [..., H, D], lse [..., H]. Output dtype = o1's dtype."""
+    """Merge two partials: o [..., H, D], lse [..., H]. Output dtype: the wider of o1's and o2's
+    (a float32 accumulator merged with a bf16 partial stays float32)."""
+    dtype = torch.promote_types(o1.dtype, o2.dtype)
     out, lse = merge_attention_partials(
-        torch.stack([o1, o2.to(o1.dtype)]), torch.stack([lse1.float(), lse2.float()])
+        torch.stack([o1.to(dtype), o2.to(dtype)]), torch.stack([lse1.float(), lse2.float()])
     )
     return out, lse

@@ -3,11 +3,17 @@
 Built identically (up to the rank) on every rank from the same SchedulerOutput, so
 every rank of a CP group knows every other rank's batch layout and all of them
 issue the same collectives in the same order.
+
+The index tensors are built on the CPU (small Python-driven work) and then moved
+to the rank's device once per step by `to_device` (`build_step_batch(..., device=)`):
+every tensor field, however deeply nested, travels, in one copy per dtype.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any, Iterator, TypeVar
 
 import torch
 
@@ -83,6 +89,10 @@ class AttentionMetadata:
     decode: DecodeBatch | None
     """The single-token requests, attended to the context in one call (None when there are none)."""
 
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> "AttentionMetadata":
+        """A copy with every tensor on `device` (see `to_device`)."""
+        return to_device(self, device, non_blocking=non_blocking)
+
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class StepBatch:
@@ -95,6 +105,83 @@ class StepBatch:
     attention: AttentionMetadata
     output_rows: tuple[tuple[int, int], ...]
     """(pcp rank, row) of each hidden state the driver needs, in the order the driver expects."""
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> "StepBatch":
+        """A copy with the token ids, positions and every metadata tensor on `device` (see `to_device`)."""
+        return to_device(self, device, non_blocking=non_blocking)
+
+
+T = TypeVar("T")
+
+
+def iter_tensors(obj: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor reachable from `obj` through dataclass fields, tuples and lists, with its path."""
+    yield from _walk(obj, "")
+
+
+def _walk(obj: Any, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _walk(getattr(obj, f.name), f"{path}.{f.name}" if path else f.name)
+    elif isinstance(obj, (tuple, list)):
+        for i, item in enumerate(obj):
+            yield from _walk(item, f"{path}[{i}]")
+
+
+def to_device(obj: T, device: torch.device | str, *, non_blocking: bool = False) -> T:
+    """A copy of `obj` (metadata dataclasses, tuples, tensors) with every tensor on `device`.
+
+    The tensors not yet there travel together, one host-to-device copy per dtype
+    (from pinned memory, asynchronously, when `non_blocking` and the target is
+    CUDA); each comes back as a view of its dtype's buffer. Returns `obj` itself
+    when nothing needs to move.
+    """
+    device = torch.device(device)
+    tensors = [t for _, t in iter_tensors(obj)]
+    if all(_on(t, device) for t in tensors):
+        return obj
+    moved = iter(_move_all(tensors, device, non_blocking))
+    return _rebuild(obj, moved)
+
+
+def _on(tensor: torch.Tensor, device: torch.device) -> bool:
+    if tensor.device.type != device.type:
+        return False
+    return device.index is None or tensor.device.index == device.index
+
+
+def _move_all(tensors: list[torch.Tensor], device: torch.device, non_blocking: bool) -> list[torch.Tensor]:
+    out: list[torch.Tensor | None] = [t if _on(t, device) else None for t in tensors]
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if out[i] is None:
+            by_dtype.setdefault(t.dtype, []).append(i)
+    for dtype, indices in by_dtype.items():
+        flat = torch.cat([tensors[i].reshape(-1).cpu() for i in indices])
+        pin = non_blocking and device.type == "cuda" and torch.cuda.is_available()
+        buffer = (flat.pin_memory() if pin else flat).to(device, non_blocking=pin)
+        offset = 0
+        for i in indices:
+            n = tensors[i].numel()
+            out[i] = buffer[offset : offset + n].view(tensors[i].shape)
+            offset += n
+    return out  # type: ignore[return-value]
+
+
+def _rebuild(obj: Any, moved: Iterator[torch.Tensor]) -> Any:
+    # Visits exactly the tensors `_walk` yields, in the same order.
+    if isinstance(obj, torch.Tensor):
+        return next(moved)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: _rebuild(getattr(obj, f.name), moved) for f in dataclasses.fields(obj)}
+        return dataclasses.replace(obj, **changes)
+    if isinstance(obj, tuple):
+        return tuple(_rebuild(item, moved) for item in obj)
+    if isinstance(obj, list):
+        return [_rebuild(item, moved) for item in obj]
+    return obj
 
 
 def _rank_runs(num_new: int, pcp_size: int, row_offsets: list[int]) -> list[list[tuple[int, int, int]]]:
@@ -109,8 +196,11 @@ def _rank_runs(num_new: int, pcp_size: int, row_offsets: list[int]) -> list[list
     return runs
 
 
-def build_step_batch(chunks, layout: KVLayout, pcp_size: int, pcp_rank: int, output_plan) -> StepBatch:
-    """Lay out one step for this rank; `output_plan(chunk) -> new-token indices whose hidden state is needed`."""
+def build_step_batch(chunks, layout: KVLayout, pcp_size: int, pcp_rank: int, output_plan,
+                     device: torch.device | str | None = None, non_blocking: bool = False) -> StepBatch:
+    """Lay out one step for this rank; `output_plan(chunk) -> new-token indices whose hidden state is needed`.
+
+    With `device`, every tensor of the result (token ids, positions, all metadata) is on it."""
     row_offsets = [0] * pcp_size
     runs_per_chunk = [_rank_runs(len(c.token_ids), pcp_size, row_offsets) for c in chunks]
     num_rows = max(row_offsets) if chunks else 0
@@ -134,7 +224,8 @@ def build_step_batch(chunks, layout: KVLayout, pcp_size: int, pcp_rank: int, out
         has_new=any(r.num_new > 1 for r in requests),
         decode=_decode_batch(requests),
     )
-    return StepBatch(token_ids=token_ids, positions=positions, attention=attention, output_rows=tuple(output_rows))
+    batch = StepBatch(token_ids=token_ids, positions=positions, attention=attention, output_rows=tuple(output_rows))
+    return batch if device is None else to_device(batch, device, non_blocking=non_blocking)
 
 
 def _request_attention(chunk, runs, layout: KVLayout, pcp_rank: int, num_rows: int) -> RequestAttention:

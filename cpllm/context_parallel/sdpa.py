@@ -8,7 +8,12 @@ partial's log-sum-exp. Backends:
   crashes the process (SIGFPE) on an empty query or key dimension, so those
   cases never reach it.
 - CUDA: `aten._scaled_dot_product_efficient_attention` (masks, fp32, returns
-  lse) with K/V expanded for GQA; on any error, an fp32 matmul fallback.
+  lse) with K/V expanded for GQA. Whether it applies is decided up front by
+  PyTorch's own check (`torch.backends.cuda.can_use_efficient_attention`);
+  where it does not, the matmul path (which builds the whole score matrix) is
+  used deliberately and a WARNING naming the reason is logged once per reason.
+  An error raised by the kernel itself propagates: there is no silent fallback.
+- Other devices: the matmul path, with the same one-time WARNING.
 Fully masked rows are fixed up the same way on every path: out = 0, lse = -inf.
 
 Masks are additive floats broadcastable to [B, Hq, L, S] (0 keeps, -inf drops);
@@ -19,7 +24,23 @@ use `causal_offset_mask` instead.
 
 from __future__ import annotations
 
+import logging
+import warnings
+
 import torch
+
+logger = logging.getLogger(__name__)
+
+_warned: set[str] = set()
+"""Reasons already logged for using the matmul path instead of a fused kernel (each is logged once)."""
+
+
+def _warn_once(reason: str, example: str = "") -> None:
+    """One WARNING per distinct reason (not per call, nor per shape); `example` names the first inputs it hit."""
+    if reason not in _warned:
+        _warned.add(reason)
+        logger.warning("attention: %s%s; using the matmul path instead, which builds the whole [L, S] score "
+                       "matrix (slow and memory-hungry for long prompts). Logged once.", reason, example)
 
 
 def causal_offset_mask(
@@ -92,26 +113,41 @@ def _expand_kv(k: torch.Tensor, groups: int) -> torch.Tensor:
     return k if groups == 1 else k.repeat_interleave(groups, dim=1)
 
 
+def _efficient_unsupported(q, k, v, bias, causal: bool) -> str | None:
+    """None when the memory-efficient kernel applies to these inputs, else PyTorch's reason."""
+    params = torch.backends.cuda.SDPAParams(q, k, v, bias, 0.0, causal, False)
+    if torch.backends.cuda.can_use_efficient_attention(params, debug=False):
+        return None
+    with warnings.catch_warnings(record=True) as caught:  # debug=True says why, as warnings
+        warnings.simplefilter("always")
+        torch.backends.cuda.can_use_efficient_attention(params, debug=True)
+    why = "; ".join(str(w.message).strip() for w in caught) or "no reason given"
+    return (f"the CUDA memory-efficient attention kernel does not apply ({why}) to {q.dtype} inputs with "
+            f"head_dim={q.shape[-1]}, mask={bias is not None}, causal={causal}")
+
+
 def _cuda_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     groups = q.shape[1] // k.shape[1]
     k, v = _expand_kv(k, groups), _expand_kv(v, groups)
-    try:
-        bias = None
-        if mask is not None:
-            batch, heads, q_len, k_len = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-            # The kernel wants the bias rows 16-element aligned: pad, then slice a view.
-            padded = -(-k_len // 16) * 16
-            bias = torch.zeros(batch, heads, q_len, padded, dtype=q.dtype, device=q.device)
-            bias[..., :k_len] = mask.to(q.dtype).expand(batch, heads, q_len, k_len)
-            bias = bias[..., :k_len]
-        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, bias, True, 0.0, causal, scale=scale
-        )
-        return out, lse[..., : q.shape[2]].float()
-    except RuntimeError:
+    bias = None
+    if mask is not None:
+        batch, heads, q_len, k_len = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+        # The kernel wants the bias rows 16-element aligned: pad, then slice a view.
+        padded = -(-k_len // 16) * 16
+        bias = torch.zeros(batch, heads, q_len, padded, dtype=q.dtype, device=q.device)
+        bias[..., :k_len] = mask.to(q.dtype).expand(batch, heads, q_len, k_len)
+        bias = bias[..., :k_len]
+    reason = _efficient_unsupported(q, k, v, bias, causal)
+    if reason is not None:
+        _warn_once(reason, f" (first seen with q {tuple(q.shape)}, k {tuple(k.shape)})")
         return _math_attention(q, k, v, scale, mask, causal, torch.float32)
+    # A RuntimeError here is a real failure (or a gap in the check above): let it surface.
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias, True, 0.0, causal, scale=scale
+    )
+    return out, lse[..., : q.shape[2]].float()
 
 
 def _math_attention(
@@ -158,12 +194,16 @@ def attention_with_lse(
     k_len = k.shape[2]
     if k_len == 0 or q.numel() == 0:
         return _empty_result(q, k_len)
+    if mask is not None and mask.device != q.device:
+        raise ValueError(f"attention mask is on {mask.device} but q is on {q.device}: "
+                         "move the step's metadata to the rank's device (AttentionMetadata.to)")
     fmask = _float_mask(mask, q.dtype)
     if q.device.type == "cpu":
         out, lse = _cpu_attention(q, k, v, scale, fmask, causal)
     elif q.device.type == "cuda":
         out, lse = _cuda_attention(q, k, v, scale, fmask, causal)
     else:
+        _warn_once(f"no fused attention kernel with log-sum-exp for device type {q.device.type!r}")
         out, lse = _math_attention(q, k, v, scale, fmask, causal, torch.float32)
     out, lse = out.to(q.dtype), lse.float()
     empty = _fully_masked_rows(fmask, causal, (q.shape[0], q.shape[1], q.shape[2], k_len))

@@ -4,6 +4,8 @@ The replica drivers (global ranks with pcp = tp = 0) advance in lockstep ticks:
 the front broadcasts each replica's new requests and aborts over the DP group,
 every replica runs one step of its own scheduler, and the outputs are gathered
 back on the front. New requests go to the replica with the fewest unfinished ones.
+Every message here is a pickled object: they travel over `dp_cpu_group` (gloo),
+never over the DP group of the default backend (NCCL on GPUs).
 """
 
 from __future__ import annotations
@@ -49,14 +51,14 @@ def _step_and_gather(engine: LLMEngine, group, front: int) -> list[list[RequestO
 def serve_replica(engine: LLMEngine) -> None:
     """Loop of a replica driver other than the front: apply commands, step, send outputs, until shutdown."""
     groups = engine.executor.groups
-    front = dist.get_global_rank(groups.dp_group, 0)
+    front = dist.get_global_rank(groups.dp_cpu_group, 0)
     while True:
-        tick: Tick = broadcast_object(None, src=front, group=groups.dp_group)
+        tick: Tick = broadcast_object(None, src=front, group=groups.dp_cpu_group)
         if tick.shutdown:
             engine.shutdown()
             return
         _apply(engine, tick.commands[groups.dp_rank])
-        _step_and_gather(engine, groups.dp_group, front)
+        _step_and_gather(engine, groups.dp_cpu_group, front)
 
 
 class DataParallelFront:
@@ -104,9 +106,9 @@ class DataParallelFront:
     def step(self) -> list[RequestOutput]:
         tick = Tick(commands=self._pending)
         self._pending = [ReplicaCommands() for _ in range(self.num_replicas)]
-        broadcast_object(tick, src=self.groups.rank, group=self.groups.dp_group)
+        broadcast_object(tick, src=self.groups.rank, group=self.groups.dp_cpu_group)
         _apply(self.local, tick.commands[0])
-        outputs = [out for replica in _step_and_gather(self.local, self.groups.dp_group, self.groups.rank)
+        outputs = [out for replica in _step_and_gather(self.local, self.groups.dp_cpu_group, self.groups.rank)
                    for out in replica]
         for output in outputs:
             if output.finished and output.request_id in self._owner:
@@ -114,5 +116,5 @@ class DataParallelFront:
         return outputs
 
     def shutdown(self) -> None:
-        broadcast_object(Tick(commands=[], shutdown=True), src=self.groups.rank, group=self.groups.dp_group)
+        broadcast_object(Tick(commands=[], shutdown=True), src=self.groups.rank, group=self.groups.dp_cpu_group)
         self.local.shutdown()

@@ -70,10 +70,10 @@ class ModelRunner:
         """Run one step; returns logits [num_output_rows, vocab] on the replica driver, None elsewhere."""
         if not step.chunks:
             return None
+        # Every tensor of the step (token ids, positions, all attention metadata) on this rank's device.
         batch = build_step_batch(step.chunks, self.layout, self.groups.pcp_size, self.groups.pcp_rank,
-                                 output_positions)
-        hidden = self.model(batch.token_ids.to(self.device), batch.positions.to(self.device), self.kv_caches,
-                            batch.attention)
+                                 output_positions, device=self.device, non_blocking=True)
+        hidden = self.model(batch.token_ids, batch.positions, self.kv_caches, batch.attention)
         if not batch.output_rows:
             return None
         rows = self._gather_output_rows(hidden, batch)
