@@ -11,20 +11,13 @@ from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.context_parallel.metadata import StepBatch, build_step_batch
 from cpllm.distributed.comm import all_reduce
 from cpllm.distributed.groups import ParallelGroups
-from cpllm.engine.scheduler import ScheduledChunk, SchedulerOutput
 from cpllm.model.layers import TPShard
 from cpllm.model.llama import LlamaForCausalLM, local_kv_heads
 from cpllm.model.loader import open_weights
+from cpllm.step import SchedulerOutput, output_positions
 from cpllm.worker.kv_cache import allocate_kv_cache, bytes_per_block, kv_budget_bytes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def output_positions(chunk: ScheduledChunk) -> list[int]:
-    """New-token indices whose hidden state the driver needs: all of them for prompt logprobs, else the last."""
-    if chunk.prompt_logits:
-        return list(range(len(chunk.token_ids)))
-    return [len(chunk.token_ids) - 1] if chunk.sample else []
 
 
 class ModelRunner:
