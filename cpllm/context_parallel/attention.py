@@ -22,9 +22,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from cpllm.context_parallel.local_attention import accumulate as _accumulate
+from cpllm.context_parallel.local_attention import accumulator_dtype
+from cpllm.context_parallel.local_attention import attend as _attend
+from cpllm.context_parallel.local_attention import attend_single_tokens
 from cpllm.context_parallel.merge import merge_attention_partials, merge_two
 from cpllm.context_parallel.metadata import AttentionMetadata, RequestAttention
-from cpllm.context_parallel.sdpa import attention_with_lse
+from cpllm.context_parallel.pass_q import pass_q_attention
 from cpllm.distributed.comm import all_gather, all_to_all, ring_exchange
 
 
@@ -41,26 +45,8 @@ class CPComm:
     cp_size: int = 1
     cp_rank: int = 0
     strategy: str = "allgather"
-    """"allgather" or "ring": how new K/V crosses PCP ranks."""
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):
-    # q [L, Hq, D], k/v [S, Hkv, D] -> out [L, Hq, D], lse [L, Hq]
-    out, lse = attention_with_lse(
-        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-        scale=scale, causal=causal,
-    )
-    return out[0].transpose(0, 1), lse[0].transpose(0, 1)
-
-
-def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
-    """dtype partial outputs are merged in: float32 for bf16/fp16/fp32 models (float64 stays float64)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _accumulate(out, lse, rows: slice, o_part, lse_part) -> None:
-    # out is a float32 accumulator: merge_two keeps the higher precision of its two inputs.
-    out[rows], lse[rows] = merge_two(out[rows], lse[rows], o_part, lse_part)
+    """How prefill moves data over PCP when a step's metadata does not say: "allgather" or "ring" (new K/V
+    travel), "pass-q" (queries travel, pass_q.py)."""
 
 
 class PagedCPAttention(torch.nn.Module):
@@ -72,9 +58,16 @@ class PagedCPAttention(torch.nn.Module):
 
     def forward(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata) -> torch.Tensor:
         # q [N, Hq, D]; k, v [N, Hkv, D]; k_pool, v_pool [num_slots, Hkv, D]
+        strategy = meta.strategy if meta.strategy is not None else self.comm.strategy
+        if strategy == "pass-q" and self.comm.pcp_size > 1 and meta.has_new:
+            if meta.pass_q is None:
+                raise ValueError("strategy 'pass-q' needs the step's K/V store plan: build the metadata with "
+                                 "build_step_batch(..., strategy='pass-q')")
+            out, _ = pass_q_attention(self.comm, self.scale, q, k, v, k_pool, v_pool, meta)
+            return out.to(q.dtype)
         out = torch.zeros(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
-        if self.comm.strategy == "ring" and self.comm.pcp_size > 1 and meta.has_new:
+        if strategy == "ring" and self.comm.pcp_size > 1 and meta.has_new:
             self._ring_new_tokens(q, k, v, k_pool, v_pool, meta, out, lse)
         else:
             self._gathered_new_tokens(q, k, v, k_pool, v_pool, meta, out, lse)
@@ -149,19 +142,9 @@ class PagedCPAttention(torch.nn.Module):
             rows = decode.rows[piece // dcp_size] + piece * n  # [B]
             if piece % dcp_size not in by_dcp_rank:
                 # Every PCP rank holds the same single-token queries: attend once per DCP rank, copy for the rest.
-                by_dcp_rank[piece % dcp_size] = self._attend_single_tokens(q_all[rows], k_ctx, v_ctx, decode)
+                by_dcp_rank[piece % dcp_size] = attend_single_tokens(q_all[rows], k_ctx, v_ctx, decode, self.scale)
             o_piece, lse_piece = by_dcp_rank[piece % dcp_size]
             o_part[rows], lse_part[rows] = o_piece.to(o_part.dtype), lse_piece  # index_put wants equal dtypes
-
-    def _attend_single_tokens(self, q, k_ctx, v_ctx, decode):
-        # q [B, Hq, D] -> out [B, Hq, D], lse [B, Hq]
-        if decode.shared_keys:  # the B queries are the rows of one sequence over the union of keys
-            out, lse = attention_with_lse(q.transpose(0, 1).unsqueeze(0), k_ctx, v_ctx, scale=self.scale,
-                                          mask=decode.key_mask)  # [1, Hq, B, D], [1, Hq, B]
-            return out[0].transpose(0, 1), lse[0].transpose(0, 1)
-        out, lse = attention_with_lse(q.unsqueeze(2), k_ctx, v_ctx, scale=self.scale,
-                                      mask=decode.key_mask)  # [B, Hq, 1, D], [B, Hq, 1]
-        return out[:, :, 0], lse[:, :, 0]
 
     def _context(self, q, k_pool, v_pool, meta: AttentionMetadata):
         """Queries of the whole CP group against this rank's KV shard, merged back on their owners."""

@@ -116,3 +116,13 @@ def local_context_slots(seq_len: int, block_table: torch.Tensor, layout: KVLayou
     bs = layout.block_size
     block_ids = block_table.long()[torch.div(local, bs, rounding_mode="floor")]
     return block_ids * bs + local % bs
+
+
+def owned_slots(positions: torch.Tensor, block_table: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+    """Owner's pool slots of `positions` (all owned by `layout.cp_rank`; not checked). [len(positions)] long.
+
+    The local index does not depend on the rank, so this is `KVLayout.slot` vectorised for one request.
+    """
+    local = torch.div(positions, layout.cycle, rounding_mode="floor") * layout.interleave + positions % layout.interleave
+    bs = layout.block_size
+    return block_table.long()[torch.div(local, bs, rounding_mode="floor")] * bs + local % bs

@@ -19,6 +19,7 @@ import torch
 
 from cpllm.context_parallel.kv_layout import KVLayout, local_context_slots
 from cpllm.context_parallel.partition import rank_token_ranges
+from cpllm.context_parallel.pass_q_plan import PassQPlan, build_pass_q_plan
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -88,6 +89,11 @@ class AttentionMetadata:
     """Some request has more than one new token (same value on every rank)."""
     decode: DecodeBatch | None
     """The single-token requests, attended to the context in one call (None when there are none)."""
+    strategy: str | None = None
+    """How this step's prefill moves data over PCP ("allgather", "ring", "pass-q"), chosen per step by the
+    runner; None: the layer's configured strategy."""
+    pass_q: PassQPlan | None = None
+    """Where the new K/V are stored under pass-Q (only in pass-Q steps with a split prompt chunk)."""
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> "AttentionMetadata":
         """A copy with every tensor on `device` (see `to_device`)."""
@@ -197,10 +203,12 @@ def _rank_runs(num_new: int, pcp_size: int, row_offsets: list[int]) -> list[list
 
 
 def build_step_batch(chunks, layout: KVLayout, pcp_size: int, pcp_rank: int, output_plan,
-                     device: torch.device | str | None = None, non_blocking: bool = False) -> StepBatch:
+                     device: torch.device | str | None = None, non_blocking: bool = False,
+                     strategy: str | None = None) -> StepBatch:
     """Lay out one step for this rank; `output_plan(chunk) -> new-token indices whose hidden state is needed`.
 
-    With `device`, every tensor of the result (token ids, positions, all metadata) is on it."""
+    `strategy` is the step's prefill strategy (None: the layer's own); "pass-q" adds the plan of its K/V
+    stores. With `device`, every tensor of the result (token ids, positions, all metadata) is on it."""
     row_offsets = [0] * pcp_size
     runs_per_chunk = [_rank_runs(len(c.token_ids), pcp_size, row_offsets) for c in chunks]
     num_rows = max(row_offsets) if chunks else 0
@@ -215,14 +223,22 @@ def build_step_batch(chunks, layout: KVLayout, pcp_size: int, pcp_rank: int, out
         homes = _token_homes(runs)
         _plan_writes(chunk, homes, layout, num_rows, write_rows, write_slots)
         output_rows += [homes[i] for i in output_plan(chunk)]
+    has_new = any(r.num_new > 1 for r in requests)
+    pass_q = None
+    if strategy == "pass-q" and has_new and pcp_size > 1:
+        single_rows = [runs[pcp_rank][0][0] if r.num_new == 1 else None for r, runs in zip(requests, runs_per_chunk)]
+        pass_q = build_pass_q_plan(chunks, [r.new_kv_rows for r in requests], single_rows, layout, pcp_size,
+                                   pcp_rank, num_rows)
     attention = AttentionMetadata(
         num_rows=num_rows,
         requests=tuple(requests),
         write_rows=torch.tensor(write_rows, dtype=torch.long),
         write_slots=torch.tensor(write_slots, dtype=torch.long),
         has_context=any(r.context_len > 0 for r in requests),
-        has_new=any(r.num_new > 1 for r in requests),
+        has_new=has_new,
         decode=_decode_batch(requests),
+        strategy=strategy,
+        pass_q=pass_q,
     )
     batch = StepBatch(token_ids=token_ids, positions=positions, attention=attention, output_rows=tuple(output_rows))
     return batch if device is None else to_device(batch, device, non_blocking=non_blocking)

@@ -1,0 +1,38 @@
+"""The attention calls every prefill strategy makes on its own rank, and the float32 accumulation of partials."""
+
+from __future__ import annotations
+
+import torch
+
+from cpllm.context_parallel.merge import merge_two
+from cpllm.context_parallel.sdpa import attention_with_lse
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):
+    # q [L, Hq, D], k/v [S, Hkv, D] -> out [L, Hq, D], lse [L, Hq]
+    out, lse = attention_with_lse(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+        scale=scale, causal=causal,
+    )
+    return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+
+
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype partial outputs are merged in: float32 for bf16/fp16/fp32 models (float64 stays float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def accumulate(out, lse, rows, o_part, lse_part) -> None:
+    """Merge a partial into rows of a float32 accumulator (merge_two keeps the higher precision of its inputs)."""
+    out[rows], lse[rows] = merge_two(out[rows], lse[rows], o_part, lse_part)
+
+
+def attend_single_tokens(q, k_ctx, v_ctx, decode, scale: float):
+    # q [B, Hq, D] -> out [B, Hq, D], lse [B, Hq]
+    if decode.shared_keys:  # the B queries are the rows of one sequence over the union of keys
+        out, lse = attention_with_lse(q.transpose(0, 1).unsqueeze(0), k_ctx, v_ctx, scale=scale,
+                                      mask=decode.key_mask)  # [1, Hq, B, D], [1, Hq, B]
+        return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+    out, lse = attention_with_lse(q.unsqueeze(2), k_ctx, v_ctx, scale=scale,
+                                  mask=decode.key_mask)  # [B, Hq, 1, D], [B, Hq, 1]
+    return out[:, :, 0], lse[:, :, 0]

@@ -1,0 +1,171 @@
+"""Pass-Q: the queries travel around the CP ring, the K/V stay where they are.
+
+The pass-KV ring (`ring` strategy) moves every new token's K/V to every PCP
+rank. When a short chunk meets a long cached context (multi-turn, prefix hits),
+the keys a query needs are mostly cached and already sharded over the CP group,
+so moving the few queries is cheaper (Yang et al., arXiv 2411.01783, section 3).
+
+Per layer, on CP rank `r = (p, d)` (`p` its PCP rank, `d` its DCP rank):
+1. Store the new tokens it computed and owns (single tokens included, so they
+   are in the pool before they attend to their own context).
+2. For `C = cp_size` ring steps, hold the query block of CP rank
+   `s = r - step` (step 0: its own) while the next block is in flight, and
+   attend it to the keys it holds (a step without cached context rings over
+   the PCP group only: the other DCP ranks would have nothing to attend):
+   - its shard of every request's cached context (positions it owns `< P`);
+   - the new tokens it computed, only when `s` has the same DCP rank `d`: the
+     DCP ranks of one PCP rank hold the same new tokens (same KV heads), so
+     exactly one of them answers for them. A query run and a key run are
+     head-tail chunks of one request: the same chunk (square causal), keys
+     wholly before the queries (no mask) or wholly after (skipped).
+   The partial (out, lse) of block `s` accumulates in float32 in slot `s`.
+3. One all-to-all returns slot `s` to rank `s`, carrying as well the new K/V
+   rows each owner must store (`pass_q_plan.py`); every rank merges the `C`
+   partials of its own queries exactly (merge.py) and stores the rows it got.
+
+Single-token (decode) rows of a mixed step attend only to the cached context,
+themselves included, like in the other strategies: every PCP rank holds them,
+so their partial is computed once per DCP rank and copied for the others.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cpllm.context_parallel.local_attention import (
+    accumulate,
+    accumulator_dtype,
+    attend,
+    attend_single_tokens,
+)
+from cpllm.context_parallel.merge import merge_attention_partials
+from cpllm.context_parallel.metadata import AttentionMetadata, RequestAttention
+from cpllm.distributed.comm import all_to_all, ring_exchange
+
+
+def pass_q_attention(comm, scale: float, q, k, v, k_pool, v_pool, meta: AttentionMetadata):
+    """Attention of this rank's query rows over new tokens and cached context; (out, lse) in float32.
+
+    q [N, Hq, D]; k, v [N, Hkv, D]; k_pool, v_pool [num_slots, Hkv, D]; `meta.pass_q` is set."""
+    plan = meta.pass_q
+    ring = _Ring(comm, meta.has_context)
+    k_pool[plan.local_slots] = k[plan.local_rows]
+    v_pool[plan.local_slots] = v[plan.local_rows]
+    piece = _PieceAttention(comm, scale, k, v, k_pool, v_pool, meta)
+    o_part = torch.zeros((ring.size, *q.shape), dtype=accumulator_dtype(q.dtype), device=q.device)  # [R, N, Hq, D]
+    lse_part = torch.full((ring.size, *q.shape[:2]), float("-inf"), dtype=torch.float32, device=q.device)
+    block = q
+    for step in range(ring.size):
+        source = (ring.rank - step) % ring.size
+        transfer = ring_exchange(block, ring.group) if step < ring.size - 1 else None
+        piece(block, *ring.coords(source), o_part[source], lse_part[source])
+        if transfer is not None:
+            block = transfer.wait()
+    return _return_partials(ring, o_part, lse_part, k, v, k_pool, v_pool, plan)
+
+
+class _Ring:
+    """The ranks the queries visit: the CP group when some request reads cached context (it is sharded over
+    all PCP x DCP ranks), else only the PCP group (the DCP ranks of a PCP rank hold the same new tokens)."""
+
+    def __init__(self, comm, has_context: bool):
+        self.dcp = comm.cp_size // comm.pcp_size
+        self.my_dcp = comm.cp_rank % self.dcp
+        self.whole_cp = has_context or self.dcp == 1
+        if self.whole_cp:
+            self.group, self.size, self.rank = comm.cp_group, comm.cp_size, comm.cp_rank
+        else:
+            self.group, self.size, self.rank = comm.pcp_group, comm.pcp_size, comm.pcp_rank
+
+    def coords(self, index: int) -> tuple[int, int]:
+        """(PCP rank, DCP rank) of the ring member at group rank `index`."""
+        return (index // self.dcp, index % self.dcp) if self.whole_cp else (index, self.my_dcp)
+
+    def members(self, per_cp_rank: tuple[int, ...]) -> list[int]:
+        """A per-CP-rank list restricted to the ring's members, in group-rank order."""
+        if self.whole_cp:
+            return list(per_cp_rank)
+        return [per_cp_rank[p * self.dcp + self.my_dcp] for p in range(self.size)]
+
+
+class _PieceAttention:
+    """Attends one visiting query block (the rows of PCP rank `src_pcp`, heads of DCP rank `src_dcp`) to the
+    keys this rank holds; the cached context is read from the pools once per layer, not once per block."""
+
+    def __init__(self, comm, scale, k, v, k_pool, v_pool, meta: AttentionMetadata):
+        self.scale, self.k, self.v, self.meta = scale, k, v, meta
+        self.my_pcp = comm.pcp_rank
+        self.my_dcp = comm.cp_rank % (comm.cp_size // comm.pcp_size)
+        batched = set(meta.decode.requests) if meta.decode is not None else set()
+        self.contexts = [
+            (request, k_pool[request.context_slots], v_pool[request.context_slots])
+            for index, request in enumerate(meta.requests)
+            if index not in batched and request.context_len > 0 and request.context_slots.numel() > 0
+        ]
+        self.decode_ctx = None
+        if meta.decode is not None and meta.decode.max_local_context > 0:
+            slots = meta.decode.slots
+            self.decode_ctx = (k_pool[slots].transpose(1, 2), v_pool[slots].transpose(1, 2))  # [B, Hkv, L, D]
+        self._decode_by_dcp: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, q_block, src_pcp: int, src_dcp: int, out, lse) -> None:
+        # q_block [N, Hq, D]; out [N, Hq, D] and lse [N, Hq] are this block's float32 accumulators
+        for request, k_ctx, v_ctx in self.contexts:
+            start, end = request.pcp_rows[src_pcp]
+            if end > start:
+                accumulate(out, lse, slice(start, end), *attend(q_block[start:end], k_ctx, v_ctx, self.scale, False))
+        if src_dcp == self.my_dcp:
+            for request in self.meta.requests:
+                if request.num_new > 1:
+                    self._new_tokens(q_block, src_pcp, request, out, lse)
+        if self.decode_ctx is not None:
+            self._single_tokens(q_block, src_pcp, src_dcp, out, lse)
+
+    def _new_tokens(self, q_block, src_pcp: int, request: RequestAttention, out, lse) -> None:
+        for q_row, q_start, q_len in request.source_rank_rows[src_pcp]:
+            rows = slice(q_row, q_row + q_len)
+            for k_row, k_start, k_len in request.source_rank_rows[self.my_pcp]:
+                keys = slice(k_row, k_row + k_len)
+                if k_start == q_start:
+                    part = attend(q_block[rows], self.k[keys], self.v[keys], self.scale, causal=True)
+                elif k_start + k_len <= q_start:
+                    part = attend(q_block[rows], self.k[keys], self.v[keys], self.scale, causal=False)
+                else:
+                    continue  # keys after the queries
+                accumulate(out, lse, rows, *part)
+
+    def _single_tokens(self, q_block, src_pcp: int, src_dcp: int, out, lse) -> None:
+        decode = self.meta.decode
+        rows = decode.rows[src_pcp]  # [B]
+        if src_dcp not in self._decode_by_dcp:  # the same queries on every PCP rank: attend once per DCP rank
+            self._decode_by_dcp[src_dcp] = attend_single_tokens(q_block[rows], *self.decode_ctx, decode, self.scale)
+        o_piece, lse_piece = self._decode_by_dcp[src_dcp]
+        out[rows], lse[rows] = o_piece.to(out.dtype), lse_piece  # the only partial of these rows so far
+
+
+def _return_partials(ring: _Ring, o_part, lse_part, k, v, k_pool, v_pool, plan):
+    """One all-to-all: slot s of the partials (and the new K/V rows ring member s owns) go to member s."""
+    size_r, n, heads, dim = o_part.shape
+    kv_width = 2 * k.shape[1] * k.shape[2]
+    partial = torch.cat((o_part.float(), lse_part.unsqueeze(-1)), dim=-1).view(size_r, -1)  # [R, N * Hq * (D+1)]
+    send_counts, recv_counts = ring.members(plan.send_counts), ring.members(plan.recv_counts)
+    rows = plan.send_rows.split(send_counts)  # K/V go only to ring members (same DCP rank), in group order
+    pieces = []
+    for dest in range(size_r):
+        pieces.append(partial[dest])
+        if send_counts[dest]:
+            pieces.append(torch.stack((k[rows[dest]], v[rows[dest]]), dim=1).float().reshape(-1))  # [m, 2, Hkv, D]
+    size = partial.shape[1]
+    received = all_to_all(torch.cat(pieces), ring.group,
+                          input_split_sizes=[size + c * kv_width for c in send_counts],
+                          output_split_sizes=[size + c * kv_width for c in recv_counts])
+    partials, kv_rows = [], []
+    for part in received.split([size + c * kv_width for c in recv_counts]):
+        partials.append(part[:size])
+        kv_rows.append(part[size:])
+    if plan.recv_slots.numel():
+        kv = torch.cat(kv_rows).view(-1, 2, *k.shape[1:])  # [n_recv, 2, Hkv, D]
+        k_pool[plan.recv_slots] = kv[:, 0].to(k_pool.dtype)
+        v_pool[plan.recv_slots] = kv[:, 1].to(v_pool.dtype)
+    packed = torch.stack(partials).view(size_r, n, heads, dim + 1)
+    return merge_attention_partials(packed[..., :-1], packed[..., -1])  # float32
