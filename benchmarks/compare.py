@@ -59,9 +59,8 @@ def run_prefill(runners, config, lengths: list[int], threads: list[int]) -> list
             for runner in runners:
                 runner.set_threads(t)
                 seconds = runner.prefill_s(prompt)
-                # transformers computes logits at every position; the others at the last one only
-                logit_rows = length if runner.name == "transformers" else 1
-                flops = prefill_flops(config, length, logits_rows=logit_rows).total
+                # every system computes the LM head on the last position only (transformers as its generate does)
+                flops = prefill_flops(config, length, logits_rows=1).total
                 rows.append({"system": runner.name, "layout": f"{t} thread{'s' * (t > 1)}", "threads": t,
                              "prompt_tokens": length, "ttft_s": round(seconds, 4),
                              "tokens_per_s": round(length / seconds, 1), "gflops": round(flops / seconds / 1e9, 1)})

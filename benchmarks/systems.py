@@ -75,7 +75,9 @@ class TransformersRunner:
     def prefill_s(self, prompt: list[int]) -> float:
         ids = torch.tensor([prompt])
         start = time.perf_counter()
-        logits = self.model(input_ids=ids).logits  # logits for every position: what a plain forward does
+        # logits_to_keep=1: the LM head on the last position only, as transformers' own `generate` runs
+        # prefill (a plain forward would add the LM head over every prompt position, ~20% more work at 2K).
+        logits = self.model(input_ids=ids, logits_to_keep=1).logits
         logits[0, -1].argmax()
         return time.perf_counter() - start
 
