@@ -12,7 +12,12 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
-PREFILL_STRATEGIES = ("allgather", "ring")
+PREFILL_STRATEGIES = ("allgather", "ring", "pass-q", "auto")
+"""How prefill moves data over PCP: new K/V all-gathered or passed round the ring (pass-KV), queries passed
+round the ring (pass-Q), or chosen per step from the step's sizes (auto; see docs/context_parallel.md)."""
+KV_CACHE_LAYOUTS = ("sharded", "replicated")
+"""sharded: each token's K/V on one rank of the PCP x DCP group (most capacity); replicated: a full copy on
+every PCP rank, sharded over DCP only (decode needs no PCP collective, PCP ranks split the decode batch)."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -125,7 +130,9 @@ class ParallelConfig:
     cp_kv_cache_interleave_size: int = 1
     """Consecutive tokens stored on one CP rank before moving to the next."""
     cp_prefill_strategy: str = "allgather"
-    """How new K/V crosses PCP ranks in prefill: "allgather" or "ring"."""
+    """How prefill moves data over PCP ranks, one of PREFILL_STRATEGIES."""
+    cp_kv_cache_layout: str = "sharded"
+    """Where each token's K/V live, one of KV_CACHE_LAYOUTS."""
     distributed_timeout_s: float = 120.0
     """A collective that waits longer than this fails with an error naming the rank."""
 
@@ -149,6 +156,14 @@ class ParallelConfig:
             raise ValueError(
                 f"cp_prefill_strategy={self.cp_prefill_strategy!r}; choose one of {PREFILL_STRATEGIES}"
             )
+        if self.cp_kv_cache_layout not in KV_CACHE_LAYOUTS:
+            raise ValueError(f"cp_kv_cache_layout={self.cp_kv_cache_layout!r}; choose one of {KV_CACHE_LAYOUTS}")
+        if self.cp_kv_cache_layout == "replicated" and self.cp_prefill_strategy == "pass-q":
+            raise ValueError(
+                "cp_prefill_strategy='pass-q' with cp_kv_cache_layout='replicated': pass-Q keeps new K/V where they "
+                "were computed, but the replicated layout needs every new token's K/V on every PCP rank; use "
+                "'ring', 'allgather' or 'auto' (which picks 'ring' under this layout)"
+            )
         if not self.distributed_timeout_s > 0:
             raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
 
@@ -159,6 +174,13 @@ class ParallelConfig:
     @property
     def cp_size(self) -> int:
         return self.prefill_context_parallel_size * self.decode_context_parallel_size
+
+    @property
+    def kv_shard_size(self) -> int:
+        """Ranks one request's KV cache is divided over: PCP x DCP (sharded) or DCP (replicated)."""
+        if self.cp_kv_cache_layout == "replicated":
+            return self.decode_context_parallel_size
+        return self.cp_size
 
     def validate_for_model(self, model: ModelConfig) -> None:
         """Checks that need the model's shapes (DESIGN section 2), before any weight is cut."""

@@ -6,6 +6,8 @@ import argparse
 import re
 from typing import Any
 
+from cpllm.config import KV_CACHE_LAYOUTS, PREFILL_STRATEGIES
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
@@ -52,8 +54,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_option: bool 
                        help="consecutive tokens stored on one CP rank before the next")
     group.add_argument("--dcp-kv-cache-interleave-size", dest="cp_kv_cache_interleave_size", type=int,
                        action=_DeprecatedAlias, help=argparse.SUPPRESS)
-    group.add_argument("--cp-prefill-strategy", choices=["allgather", "ring"], default="allgather",
-                       help="how new K/V crosses PCP ranks in prefill")
+    group.add_argument("--cp-prefill-strategy", choices=list(PREFILL_STRATEGIES), default="allgather",
+                       help="how prefill moves data over PCP ranks: new K/V all-gathered or passed round the ring "
+                            "(pass-KV), queries passed round the ring (pass-q), or chosen per step (auto)")
+    group.add_argument("--cp-kv-cache-layout", choices=list(KV_CACHE_LAYOUTS), default="sharded",
+                       help="sharded: each token's K/V on one PCP x DCP rank (most capacity); replicated: a copy "
+                            "on every PCP rank, sharded over DCP (decode without PCP collectives)")
     group.add_argument("--distributed-timeout", type=float, default=120.0,
                        help="seconds before a stuck or dead rank fails the run")
     group.add_argument("--threads-per-rank", type=int, default=None, help="torch threads in each rank's process")
@@ -76,6 +82,13 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         data_parallel_size=args.data_parallel_size,
         cp_kv_cache_interleave_size=args.cp_kv_cache_interleave_size,
         cp_prefill_strategy=args.cp_prefill_strategy,
+        **_layout_kwargs(args),
         distributed_timeout=args.distributed_timeout,
         threads_per_rank=args.threads_per_rank,
     )
+
+
+def _layout_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    # Passed only when not the default, so that entry points predating the option keep working.
+    layout = getattr(args, "cp_kv_cache_layout", "sharded")
+    return {} if layout == "sharded" else {"cp_kv_cache_layout": layout}

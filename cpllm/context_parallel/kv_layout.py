@@ -123,6 +123,7 @@ def owned_slots(positions: torch.Tensor, block_table: torch.Tensor, layout: KVLa
 
     The local index does not depend on the rank, so this is `KVLayout.slot` vectorised for one request.
     """
-    local = torch.div(positions, layout.cycle, rounding_mode="floor") * layout.interleave + positions % layout.interleave
+    cycles = torch.div(positions, layout.cycle, rounding_mode="floor")
+    local = cycles * layout.interleave + positions % layout.interleave
     bs = layout.block_size
     return block_table.long()[torch.div(local, bs, rounding_mode="floor")] * bs + local % bs

@@ -14,6 +14,7 @@ from cpllm.distributed.groups import ParallelGroups
 from cpllm.model.layers import TPShard
 from cpllm.model.llama import LlamaForCausalLM, local_kv_heads
 from cpllm.model.loader import open_weights
+from cpllm.planner.runtime import StepStrategy, device_hardware, heuristic_inputs
 from cpllm.step import SchedulerOutput, output_positions
 from cpllm.worker.kv_cache import allocate_kv_cache, bytes_per_block, kv_budget_bytes
 
@@ -39,6 +40,9 @@ class ModelRunner:
             self.model = LlamaForCausalLM(config.model, tp, comm, self.dtype, config.scheduler.max_model_len)
         self.model.load_weights(open_weights(config.model_path))
         _, self.num_kv_heads = local_kv_heads(config.model, tp)
+        element_bytes = torch.empty((), dtype=self.dtype).element_size()
+        self.step_strategy = StepStrategy(config.parallel, heuristic_inputs(
+            config.parallel, config.model, element_bytes, device_hardware(device, torch.get_num_threads())))
         self.num_blocks = self._count_blocks()
         self.kv_caches = allocate_kv_cache(config.model.num_hidden_layers, self.num_blocks, config.cache.block_size,
                                            self.num_kv_heads, config.model.head_dim, self.dtype, device)
@@ -56,6 +60,11 @@ class ModelRunner:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
 
     @property
+    def strategy_counts(self) -> dict[str, int]:
+        """Prompt steps run with each prefill strategy since start (for a per-strategy metrics counter)."""
+        return dict(self.step_strategy.counts)
+
+    @property
     def is_driver(self) -> bool:
         return self.groups.is_replica_driver
 
@@ -63,9 +72,10 @@ class ModelRunner:
         """Run one step; returns logits [num_output_rows, vocab] on the replica driver, None elsewhere."""
         if not step.chunks:
             return None
+        strategy = self.step_strategy(step.step_id, step.chunks)  # the same choice on every rank
         # Every tensor of the step (token ids, positions, all attention metadata) on this rank's device.
         batch = build_step_batch(step.chunks, self.layout, self.groups.pcp_size, self.groups.pcp_rank,
-                                 output_positions, device=self.device, non_blocking=True)
+                                 output_positions, device=self.device, non_blocking=True, strategy=strategy)
         hidden = self.model(batch.token_ids, batch.positions, self.kv_caches, batch.attention)
         if not batch.output_rows:
             return None

@@ -1,0 +1,273 @@
+"""Predicted time of prefill and decode for a model, a device and a TP x PCP x DCP layout.
+
+Per layer and per rank (T new tokens, P cached, N = PCP, C = KV shard group, local heads Hq_l = Hq / TP and
+Hkv_l = max(1, Hkv / TP), head width D, element size e):
+
+- linear FLOPs  2 * W_layer * T / (TP * N)                     at the linear peak (FP8 when the weights are FP8)
+- attention     4 * D * Hq * (T * P + T (T + 1) / 2) / (TP * N) at the attention peak (head-tail chunks balance it)
+- TP            two all-reduces of (T / N) * hidden * e bytes: inside a node over NVLink, across nodes on 1/g of
+                the data per NIC (reduce-scatter, all-reduce across nodes, all-gather)
+- PCP, by strategy (a ring step hides behind the attention of the block in hand; what does not fit is exposed,
+                and collectives outside a ring block the layer):
+    allgather   all-gather of the new K/V, (N - 1) * (T / N) * 2 Hkv_l D e, blocking
+    ring        N - 1 ring steps of the new K/V block (T / N) * 2 Hkv_l D e over the new-token attention;
+                with P > 0 also cpllm's query gather and partial all-to-all for the cached part, blocking
+    pass-kv     the paper's pass-KV: K/V of (T + P) / N tokens per step round the ring, over all the attention
+    pass-q      R - 1 ring steps of the query block (T / N) * Hq_l D e (R = C with cached context, else N) over
+                the attention, then one blocking all-to-all of the float32 partials (R - 1)(T / N) Hq_l (D + 1) 4
+                plus the new K/V rows their owners store
+
+The compute terms divide by the device's `efficiency` (the one fitted factor); bandwidths and latencies are the
+spec's. Decode reads every local weight once per step and the local KV shard once per request, at memory
+bandwidth, plus the collectives' latency.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from cpllm.config import ModelConfig
+from cpllm.planner.hardware import HardwareSpec
+
+WEIGHT_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
+PARTIAL_BYTES = 4
+"""cpllm returns attention partials in float32 (DESIGN section 5)."""
+USABLE_MEMORY = 0.9
+"""Share of device memory for weights and KV (the rest: activations, workspace, fragmentation)."""
+STRATEGIES = ("allgather", "ring", "pass-kv", "pass-q")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Layout:
+    """Devices of one replica: world = TP x PCP, ranks laid out as arange(world).reshape(PCP, TP)."""
+
+    tp: int
+    """Tensor-parallel ranks (consecutive devices, so inside a node while TP <= devices per node)."""
+    pcp: int
+    """Prefill context-parallel ranks (stride TP)."""
+    dcp: int = 1
+    """Decode context-parallel ranks (inside the TP group)."""
+    kv_layout: str = "sharded"
+    """"sharded" (KV over PCP x DCP) or "replicated" (a copy per PCP rank, sharded over DCP)."""
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.pcp
+
+    @property
+    def kv_shards(self) -> int:
+        return self.dcp if self.kv_layout == "replicated" else self.pcp * self.dcp
+
+    def label(self) -> str:
+        suffix = "-repl" if self.kv_layout == "replicated" else ""
+        return f"{self.tp}x{self.pcp}x{self.dcp}{suffix}"
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Precision:
+    """Number formats of the run."""
+
+    weight_format: str = "bf16"
+    """"fp8", "bf16", "fp16" or "fp32": bytes per weight and which peak the linear layers run at."""
+    activation_bytes: int = 2
+    """Bytes per activation element (q, k, v, hidden states)."""
+    kv_bytes: int = 2
+    """Bytes per cached K or V element."""
+
+    def __post_init__(self) -> None:
+        if self.weight_format not in WEIGHT_BYTES:
+            raise ValueError(f"weight_format={self.weight_format!r}; choose one of {tuple(WEIGHT_BYTES)}")
+
+    @property
+    def weight_bytes(self) -> int:
+        return WEIGHT_BYTES[self.weight_format]
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class PrefillCost:
+    """Predicted prefill time of one step, whole model, and where it goes (seconds)."""
+
+    strategy: str
+    linear_s: float
+    attention_s: float
+    tp_comm_s: float
+    cp_exposed_s: float
+    """Ring transfers not hidden behind attention."""
+    cp_blocking_s: float
+    """Collectives outside the ring (all-gathers, all-to-alls)."""
+
+    @property
+    def total_s(self) -> float:
+        return self.linear_s + self.attention_s + self.tp_comm_s + self.cp_exposed_s + self.cp_blocking_s
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class MemoryCost:
+    """Per-device memory of a layout."""
+
+    weights_bytes: float
+    kv_bytes_per_token: float
+    """KV bytes one device stores per token it holds (all layers, its heads)."""
+    kv_capacity_tokens: int
+    """Tokens of one request the KV shard group can hold with the memory left after the weights."""
+    fits_weights: bool = field(default=True)
+
+
+class CostModel:
+    """Predictions for one model on one kind of device."""
+
+    def __init__(self, model: ModelConfig, hardware: HardwareSpec, precision: Precision | None = None):
+        self.model, self.hw = model, hardware
+        self.precision = precision if precision is not None else Precision()
+
+    # ---- work ---------------------------------------------------------------------------------------------
+
+    def linear_params_per_layer(self) -> int:
+        m = self.model
+        h, d = m.hidden_size, m.head_dim
+        return 2 * h * m.num_attention_heads * d + 2 * h * m.num_key_value_heads * d + 3 * h * m.intermediate_size
+
+    def linear_flops(self, tokens: float) -> float:
+        """All layers' projections and MLP for `tokens` rows (the LM head runs on one row: negligible)."""
+        return 2.0 * self.linear_params_per_layer() * tokens * self.model.num_hidden_layers
+
+    def attention_flops(self, new: float, cached: float) -> float:
+        """QK^T and PV of `new` queries over `cached` earlier keys plus themselves, causally, all layers."""
+        m = self.model
+        pairs = new * cached + new * (new + 1) / 2
+        return 4.0 * m.head_dim * m.num_attention_heads * pairs * m.num_hidden_layers
+
+    def local_heads(self, tp: int) -> tuple[int, int]:
+        """(query heads, KV heads) one TP rank holds; KV heads are replicated when fewer than TP."""
+        m = self.model
+        return m.num_attention_heads // tp, max(1, m.num_key_value_heads // tp)
+
+    # ---- links --------------------------------------------------------------------------------------------
+
+    def _crosses_nodes(self, group_size: int, stride: int) -> bool:
+        return group_size > 1 and group_size * stride > self.hw.devices_per_node
+
+    def p2p_time(self, nbytes: float, *, inter: bool) -> float:
+        hw = self.hw
+        return (nbytes / hw.inter_node_bw + hw.inter_node_latency_s if inter
+                else nbytes / hw.intra_node_bw + hw.intra_node_latency_s)
+
+    def all_reduce_time(self, nbytes: float, ranks: int) -> float:
+        """Ring all-reduce over consecutive devices: inside each node, then across nodes on 1/g of the data."""
+        if ranks <= 1:
+            return 0.0
+        hw = self.hw
+        g = min(ranks, hw.devices_per_node)
+        nodes = math.ceil(ranks / g)
+        t = 2 * (g - 1) / g * nbytes / hw.intra_node_bw + 2 * (g - 1) * hw.intra_node_latency_s
+        if nodes > 1:
+            t += 2 * (nodes - 1) / nodes * (nbytes / g) / hw.inter_node_bw + 2 * (nodes - 1) * hw.inter_node_latency_s
+        return t
+
+    def exchange_time(self, nbytes_per_peer: float, peers: int, *, inter: bool) -> float:
+        """An all-gather or all-to-all where each rank sends `nbytes_per_peer` to each of `peers` others."""
+        if peers <= 0:
+            return 0.0
+        return self.p2p_time(nbytes_per_peer * peers, inter=inter) + (peers - 1) * (
+            self.hw.inter_node_latency_s if inter else self.hw.intra_node_latency_s)
+
+    # ---- prefill ------------------------------------------------------------------------------------------
+
+    def prefill(self, layout: Layout, new: int, cached: int = 0, strategy: str = "ring") -> PrefillCost:
+        """Time of one prefill step of `new` tokens after `cached` ones, whole model."""
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy={strategy!r}; the cost model knows {STRATEGIES}")
+        m, hw, prec = self.model, self.hw, self.precision
+        layers, tp, n = m.num_hidden_layers, layout.tp, layout.pcp
+        ranks = tp * n
+        linear_rate = hw.linear_flops(prec.weight_format) * hw.efficiency
+        attention_rate = hw.attention_peak() * hw.efficiency
+        linear_s = self.linear_flops(new) / ranks / linear_rate
+        attention_s = self.attention_flops(new, cached) / ranks / attention_rate
+        rows = new / n  # tokens per PCP rank
+        tp_comm_s = 2 * layers * self.all_reduce_time(rows * m.hidden_size * prec.activation_bytes, tp)
+        exposed, blocking = 0.0, 0.0
+        if n > 1:
+            exposed, blocking = self._cp_per_layer(layout, new, cached, strategy, attention_s / layers)
+        return PrefillCost(strategy=strategy, linear_s=linear_s, attention_s=attention_s, tp_comm_s=tp_comm_s,
+                           cp_exposed_s=exposed * layers, cp_blocking_s=blocking * layers)
+
+    def _cp_per_layer(self, layout: Layout, new: int, cached: int, strategy: str,
+                      attention_layer_s: float) -> tuple[float, float]:
+        """(exposed ring time, blocking collective time) of one layer."""
+        m, prec = self.model, self.precision
+        n, tp = layout.pcp, layout.tp
+        cp = layout.pcp * layout.dcp
+        hq, hkv = self.local_heads(tp)
+        d, e = m.head_dim, prec.activation_bytes
+        rows = new / n
+        inter = self._crosses_nodes(n, tp)
+        kv_block = rows * 2 * hkv * d * e
+        q_block = rows * hq * d * e
+        partial = rows * hq * (d + 1) * PARTIAL_BYTES
+        new_share = self.attention_flops(new, 0) / max(self.attention_flops(new, cached), 1.0)
+        if strategy == "allgather":
+            blocking = self.exchange_time(kv_block, n - 1, inter=inter)
+            blocking += self._context_gather(cached, cp, q_block, partial, inter)
+            return 0.0, blocking
+        if strategy == "ring":
+            step_attention = attention_layer_s * new_share / n  # the new-token part of one block
+            exposed = (n - 1) * max(0.0, self.p2p_time(kv_block, inter=inter) - step_attention)
+            return exposed, self._context_gather(cached, cp, q_block, partial, inter)
+        if strategy == "pass-kv":
+            block = (new + cached) / n * 2 * hkv * d * e
+            exposed = (n - 1) * max(0.0, self.p2p_time(block, inter=inter) - attention_layer_s / n)
+            return exposed, 0.0
+        ring = cp if cached > 0 else n
+        exposed = (ring - 1) * max(0.0, self.p2p_time(q_block, inter=inter) - attention_layer_s / ring)
+        kv_to_owners = kv_block / cp * PARTIAL_BYTES / e  # per peer: the 1/C of my rows it owns, sent as float32
+        blocking = self.exchange_time(partial + kv_to_owners, ring - 1, inter=inter)
+        return exposed, blocking
+
+    def _context_gather(self, cached: int, cp: int, q_block: float, partial: float, inter: bool) -> float:
+        """cpllm's cached-context path of allgather and ring: gather queries over CP, return partials."""
+        if cached <= 0 or cp <= 1:
+            return 0.0
+        return self.exchange_time(q_block, cp - 1, inter=inter) + self.exchange_time(partial, cp - 1, inter=inter)
+
+    # ---- decode -------------------------------------------------------------------------------------------
+
+    def weight_bytes(self) -> float:
+        """All weights of the model (embedding and LM head included)."""
+        m = self.model
+        linear = self.linear_params_per_layer() * m.num_hidden_layers
+        embedding = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
+        return (linear + embedding) * self.precision.weight_bytes
+
+    def kv_bytes_per_token(self, tp: int) -> float:
+        """KV bytes per token on one device (its KV heads, all layers)."""
+        _, hkv = self.local_heads(tp)
+        return 2 * self.model.num_hidden_layers * hkv * self.model.head_dim * self.precision.kv_bytes
+
+    def decode_step(self, layout: Layout, context: int, batch: int = 1) -> float:
+        """Seconds of one decode step of `batch` requests of `context` tokens each (the time per output token)."""
+        m, hw = self.model, self.hw
+        tp, n = layout.tp, layout.pcp
+        hq, _ = self.local_heads(tp)
+        local_batch = math.ceil(batch / n) if layout.kv_layout == "replicated" else batch
+        weights = self.weight_bytes() / tp / hw.memory_bw
+        kv = local_batch * context / layout.kv_shards * self.kv_bytes_per_token(tp) / hw.memory_bw
+        hidden = local_batch * m.hidden_size * self.precision.activation_bytes
+        per_layer = 2 * self.all_reduce_time(hidden, tp)
+        shard_group = layout.kv_shards
+        if shard_group > 1:  # partials of every query over the KV shard group (one collective per layer)
+            inter = self._crosses_nodes(n, tp) and layout.kv_layout == "sharded"
+            per_layer += self.exchange_time(local_batch * hq * (m.head_dim + 1) * PARTIAL_BYTES, shard_group - 1,
+                                            inter=inter)
+        return weights + kv + per_layer * m.num_hidden_layers
+
+    # ---- memory -------------------------------------------------------------------------------------------
+
+    def memory(self, layout: Layout) -> MemoryCost:
+        weights = self.weight_bytes() / layout.tp
+        per_token = self.kv_bytes_per_token(layout.tp)
+        free = self.hw.memory_bytes * USABLE_MEMORY - weights
+        tokens = int(max(free, 0) // per_token) * layout.kv_shards
+        return MemoryCost(weights_bytes=weights, kv_bytes_per_token=per_token, kv_capacity_tokens=tokens,
+                          fits_weights=free > 0)
