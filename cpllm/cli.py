@@ -1,4 +1,4 @@
-"""`cpllm generate | serve | bench`."""
+"""`cpllm generate | serve | bench | plan`."""
 
 from __future__ import annotations
 
@@ -31,6 +31,12 @@ def _serve(args: argparse.Namespace) -> int:
     from cpllm.server.launcher import run_server
 
     return run_server(args)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from cpllm.planner.cli import run_plan
+
+    return run_plan(args)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -70,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
         bench = commands.add_parser("bench", help="prefill / decode / serve benchmarks")
         add_bench_parser(bench, add_engine_arguments)
         bench.set_defaults(handler=_bench)
+    from cpllm.planner.cli import add_plan_parser
+
+    planner = commands.add_parser("plan", help="predict TTFT, decode speed and memory of every layout of a cluster")
+    add_plan_parser(planner)
+    planner.set_defaults(handler=_plan)
     return parser
 
 
