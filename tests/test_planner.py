@@ -56,7 +56,7 @@ def test_table7_within_15_percent_with_one_factor_fitted_on_cp1():
     for (nodes, label), published in TABLE7.items():
         predictions, _ = plan(cost, nodes * 8, PlanRequest(context=TOKENS_128K))
         row = next(p for p in predictions if p.layout.label() == label)
-        assert row.strategy in ("-", "ring"), f"{label}: a fresh prompt should take the pass-KV ring, got {row.strategy}"
+        assert row.strategy in ("-", "ring"), f"{label}: a fresh prompt takes the pass-KV ring, not {row.strategy}"
         errors[label] = (row.ttft_s - published) / published
     assert abs(errors["8x1x1"]) < 1e-9  # the fitted point
     bad = {label: f"{e:+.1%}" for label, e in errors.items() if abs(e) > TOLERANCE}

@@ -47,6 +47,28 @@ class CPComm:
     strategy: str = "allgather"
     """How prefill moves data over PCP when a step's metadata does not say: "allgather" or "ring" (new K/V
     travel), "pass-q" (queries travel, pass_q.py)."""
+    dcp_group: dist.ProcessGroup | None = None
+    """Decode CP group (the TP ranks of this PCP rank sharing its KV heads), group rank = dcp rank."""
+    kv_cache_layout: str = "sharded"
+    """"sharded": the cached context is spread over the CP group; "replicated": every PCP rank holds all of it,
+    spread over the DCP group only, so context attention talks over the DCP group alone."""
+
+    @property
+    def dcp_size(self) -> int:
+        return self.cp_size // self.pcp_size
+
+    @property
+    def kv_group(self) -> dist.ProcessGroup | None:
+        """The ranks one request's cached context is divided over."""
+        return self.dcp_group if self.kv_cache_layout == "replicated" else self.cp_group
+
+    @property
+    def kv_size(self) -> int:
+        return self.dcp_size if self.kv_cache_layout == "replicated" else self.cp_size
+
+    def piece_pcp_rank(self, piece: int) -> int:
+        """PCP rank whose rows piece `piece` of a query gather over `kv_group` holds."""
+        return self.pcp_rank if self.kv_cache_layout == "replicated" else piece // self.dcp_size
 
 
 class PagedCPAttention(torch.nn.Module):
@@ -130,7 +152,7 @@ class PagedCPAttention(torch.nn.Module):
                 _accumulate(out, lse, rows, *part)
 
     def _decode_context(self, q_all, k_pool, v_pool, meta: AttentionMetadata, o_part, lse_part, dcp_size,
-                        num_pieces: int | None = None) -> None:
+                        num_pieces: int) -> None:
         """All single-token queries of every piece against this rank's shard, one padded call per piece."""
         decode, n = meta.decode, meta.num_rows
         if decode.max_local_context == 0:
@@ -138,8 +160,8 @@ class PagedCPAttention(torch.nn.Module):
         k_ctx = k_pool[decode.slots].transpose(1, 2)  # [B, Hkv, L, D], or [1, Hkv, U, D] with shared keys
         v_ctx = v_pool[decode.slots].transpose(1, 2)
         by_dcp_rank = {}
-        for piece in range(self.comm.cp_size if num_pieces is None else num_pieces):
-            rows = decode.rows[piece // dcp_size] + piece * n  # [B]
+        for piece in range(num_pieces):
+            rows = decode.rows[self.comm.piece_pcp_rank(piece)] + piece * n  # [B]
             if piece % dcp_size not in by_dcp_rank:
                 # Every PCP rank holds the same single-token queries: attend once per DCP rank, copy for the rest.
                 by_dcp_rank[piece % dcp_size] = attend_single_tokens(q_all[rows], k_ctx, v_ctx, decode, self.scale)
@@ -147,37 +169,41 @@ class PagedCPAttention(torch.nn.Module):
             o_part[rows], lse_part[rows] = o_piece.to(o_part.dtype), lse_piece  # index_put wants equal dtypes
 
     def _context(self, q, k_pool, v_pool, meta: AttentionMetadata):
-        """Queries of the whole CP group against this rank's KV shard, merged back on their owners."""
+        """Queries of the whole KV shard group against this rank's shard, merged back on their owners."""
         comm, n = self.comm, meta.num_rows
-        dcp_size = comm.cp_size // comm.pcp_size
-        if comm.cp_size > 1 and dcp_size == 1 and not meta.has_new:
+        dcp_size, pieces = comm.dcp_size, comm.kv_size
+        if pieces > 1 and dcp_size == 1 and not meta.has_new:
             return self._replicated_query_context(q, k_pool, v_pool, meta)
-        q_all = all_gather(q, comm.cp_group)  # [cp_size * N, Hq, D]: piece c from cp rank c
+        # [pieces * N, Hq, D]: piece c from group rank c (no call at all when this rank holds the whole context)
+        q_all = all_gather(q, comm.kv_group) if pieces > 1 else q
         o_part = torch.zeros(q_all.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
         lse_part = torch.full(q_all.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         if meta.decode is not None:
-            self._decode_context(q_all, k_pool, v_pool, meta, o_part, lse_part, dcp_size)
+            self._decode_context(q_all, k_pool, v_pool, meta, o_part, lse_part, dcp_size, pieces)
         batched = set(meta.decode.requests) if meta.decode is not None else set()
         for index, request in enumerate(meta.requests):
             if index in batched or request.context_len == 0 or request.context_slots.numel() == 0:
                 continue
+            if comm.kv_cache_layout == "replicated" and not request.local_chunks:
+                continue  # every piece holds this PCP rank's rows, and it holds none of this request
             k_ctx, v_ctx = k_pool[request.context_slots], v_pool[request.context_slots]
-            for piece in range(comm.cp_size):
-                start, end = request.pcp_rows[piece // dcp_size]
+            for piece in range(pieces):
+                start, end = request.pcp_rows[comm.piece_pcp_rank(piece)]
                 if end > start:
                     rows = slice(piece * n + start, piece * n + end)
                     o_part[rows], lse_part[rows] = _attend(q_all[rows], k_ctx, v_ctx, self.scale, causal=False)
-        if comm.cp_size == 1:
+        if pieces == 1:
             return o_part, lse_part
-        # Send piece c's partial back to cp rank c; receive every rank's partial of this rank's queries.
-        # Output and lse travel together in one float32 message: [C * N, Hq, D + 1].
-        packed = all_to_all(torch.cat((o_part.float(), lse_part.unsqueeze(-1)), dim=-1), comm.cp_group)
-        packed = packed.view(comm.cp_size, n, q.shape[1], q.shape[2] + 1)
+        # Send piece c's partial back to group rank c; receive every rank's partial of this rank's queries.
+        # Output and lse travel together in one float32 message: [pieces * N, Hq, D + 1].
+        packed = all_to_all(torch.cat((o_part.float(), lse_part.unsqueeze(-1)), dim=-1), comm.kv_group)
+        packed = packed.view(pieces, n, q.shape[1], q.shape[2] + 1)
         return merge_attention_partials(packed[..., :-1], packed[..., -1])  # float32
 
     def _replicated_query_context(self, q, k_pool, v_pool, meta: AttentionMetadata):
-        """A step of single tokens without DCP: every CP rank already holds every query, at the same rows, so each
-        attends them to its own shard and the partials are all-gathered and merged (one collective, not two)."""
+        """A step of single tokens without DCP, sharded layout: every CP rank already holds every query, at the same
+        rows, so each attends them to its own shard and the partials are all-gathered and merged (one collective,
+        not two)."""
         o_part = torch.zeros(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
         lse_part = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         self._decode_context(q, k_pool, v_pool, meta, o_part, lse_part, dcp_size=1, num_pieces=1)

@@ -20,6 +20,7 @@ import torch
 from cpllm.context_parallel.kv_layout import KVLayout, local_context_slots
 from cpllm.context_parallel.partition import rank_token_ranges
 from cpllm.context_parallel.pass_q_plan import PassQPlan, build_pass_q_plan
+from cpllm.context_parallel.replica_sync import ReplicaSync, build_replica_sync
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -111,6 +112,9 @@ class StepBatch:
     attention: AttentionMetadata
     output_rows: tuple[tuple[int, int], ...]
     """(pcp rank, row) of each hidden state the driver needs, in the order the driver expects."""
+    replica_sync: ReplicaSync | None = None
+    """Replicated KV layout, decode-only step: the single tokens' K/V to copy between PCP ranks after the forward
+    (each was computed, and stored, by one PCP rank only)."""
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> "StepBatch":
         """A copy with the token ids, positions and every metadata tensor on `device` (see `to_device`)."""
@@ -190,8 +194,18 @@ def _rebuild(obj: Any, moved: Iterator[torch.Tensor]) -> Any:
     return obj
 
 
-def _rank_runs(num_new: int, pcp_size: int, row_offsets: list[int]) -> list[list[tuple[int, int, int]]]:
-    """Per PCP rank, (row, new_start, length) runs of one request, advancing each rank's row offset."""
+def _rank_runs(num_new: int, pcp_size: int, row_offsets: list[int],
+               split_single: bool = False) -> list[list[tuple[int, int, int]]]:
+    """Per PCP rank, (row, new_start, length) runs of one request, advancing each rank's row offset.
+
+    With `split_single`, a single new token goes to one PCP rank only, the one with the fewest rows so far
+    (lowest rank on ties), so PCP ranks share the decode batch instead of each computing all of it."""
+    if split_single and num_new == 1:
+        home = min(range(pcp_size), key=lambda p: (row_offsets[p], p))
+        runs = [[] for _ in range(pcp_size)]
+        runs[home].append((row_offsets[home], 0, 1))
+        row_offsets[home] += 1
+        return runs
     runs = []
     for p in range(pcp_size):
         rank_runs = []
@@ -204,13 +218,18 @@ def _rank_runs(num_new: int, pcp_size: int, row_offsets: list[int]) -> list[list
 
 def build_step_batch(chunks, layout: KVLayout, pcp_size: int, pcp_rank: int, output_plan,
                      device: torch.device | str | None = None, non_blocking: bool = False,
-                     strategy: str | None = None) -> StepBatch:
+                     strategy: str | None = None, split_single_tokens: bool = False) -> StepBatch:
     """Lay out one step for this rank; `output_plan(chunk) -> new-token indices whose hidden state is needed`.
 
     `strategy` is the step's prefill strategy (None: the layer's own); "pass-q" adds the plan of its K/V
-    stores. With `device`, every tensor of the result (token ids, positions, all metadata) is on it."""
+    stores. `split_single_tokens` (replicated KV layout: every PCP rank holds every token's K/V) computes each
+    single-token chunk on one PCP rank instead of all. With `device`, every tensor of the result (token ids,
+    positions, all metadata) is on it."""
     row_offsets = [0] * pcp_size
-    runs_per_chunk = [_rank_runs(len(c.token_ids), pcp_size, row_offsets) for c in chunks]
+    runs_per_chunk = [_rank_runs(len(c.token_ids), pcp_size, row_offsets, split_single_tokens) for c in chunks]
+    has_new = any(len(c.token_ids) > 1 for c in chunks)
+    # Without a prompt chunk nothing is gathered: each rank stores what it holds, from its own rows.
+    local_writes = None if has_new else pcp_rank
     num_rows = max(row_offsets) if chunks else 0
     token_ids = torch.zeros(num_rows, dtype=torch.long)
     positions = torch.zeros(num_rows, dtype=torch.long)
@@ -221,9 +240,8 @@ def build_step_batch(chunks, layout: KVLayout, pcp_size: int, pcp_rank: int, out
             positions[row : row + length] = torch.arange(length) + chunk.start_pos + new_start
         requests.append(_request_attention(chunk, runs, layout, pcp_rank, num_rows))
         homes = _token_homes(runs)
-        _plan_writes(chunk, homes, layout, num_rows, write_rows, write_slots)
+        _plan_writes(chunk, homes, layout, num_rows, write_rows, write_slots, runs, local_writes)
         output_rows += [homes[i] for i in output_plan(chunk)]
-    has_new = any(r.num_new > 1 for r in requests)
     pass_q = None
     if strategy == "pass-q" and has_new and pcp_size > 1:
         single_rows = [runs[pcp_rank][0][0] if r.num_new == 1 else None for r, runs in zip(requests, runs_per_chunk)]
@@ -240,7 +258,11 @@ def build_step_batch(chunks, layout: KVLayout, pcp_size: int, pcp_rank: int, out
         strategy=strategy,
         pass_q=pass_q,
     )
-    batch = StepBatch(token_ids=token_ids, positions=positions, attention=attention, output_rows=tuple(output_rows))
+    replica_sync = None
+    if split_single_tokens and not has_new and pcp_size > 1:
+        replica_sync = build_replica_sync(chunks, runs_per_chunk, layout, pcp_size)
+    batch = StepBatch(token_ids=token_ids, positions=positions, attention=attention, output_rows=tuple(output_rows),
+                      replica_sync=replica_sync)
     return batch if device is None else to_device(batch, device, non_blocking=non_blocking)
 
 
@@ -277,16 +299,27 @@ def _token_homes(runs) -> dict[int, tuple[int, int]]:
     return homes
 
 
-def _plan_writes(chunk, homes, layout: KVLayout, num_rows: int, write_rows: list, write_slots: list) -> None:
-    """This rank stores exactly the new tokens it owns, reading them from the gathered buffer."""
+def _plan_writes(chunk, homes, layout: KVLayout, num_rows: int, write_rows: list, write_slots: list, runs,
+                 local_rank: int | None) -> None:
+    """This rank stores exactly the new tokens it owns, reading them from the gathered buffer, or, with
+    `local_rank` (a step without prompt chunks), from its own rows; a token it does not hold is then skipped
+    (under the replicated layout the rank that computed it sends it after the step: replica_sync.py)."""
+    local = None
+    if local_rank is not None:
+        local = {start + i: row + i for row, start, length in runs[local_rank] for i in range(length)}
     for pos in layout.owned_positions(chunk.start_pos, chunk.end_pos):
-        p, row = homes[pos - chunk.start_pos]
-        write_rows.append(p * num_rows + row)
+        if local is None:
+            p, row = homes[pos - chunk.start_pos]
+            write_rows.append(p * num_rows + row)
+        elif pos - chunk.start_pos in local:
+            write_rows.append(local[pos - chunk.start_pos])
+        else:
+            continue
         write_slots.append(layout.slot(pos, chunk.block_table))
 
 
 def _decode_batch(requests: list[RequestAttention]) -> DecodeBatch | None:
-    members = [i for i, r in enumerate(requests) if r.num_new == 1]
+    members = [i for i, r in enumerate(requests) if r.num_new == 1 and r.local_chunks]  # the ones held here
     if not members:
         return None
     lengths = [requests[i].context_slots.numel() for i in members]

@@ -9,6 +9,7 @@ from cpllm.config import EngineConfig
 from cpllm.context_parallel.attention import CPComm
 from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.context_parallel.metadata import StepBatch, build_step_batch
+from cpllm.context_parallel.replica_sync import sync_replicas
 from cpllm.distributed.comm import all_reduce
 from cpllm.distributed.groups import ParallelGroups
 from cpllm.model.layers import TPShard
@@ -28,12 +29,16 @@ class ModelRunner:
         self.config, self.groups, self.device = config, groups, device
         self.dtype = DTYPES[config.dtype]
         tp = TPShard(rank=groups.tp_rank, size=groups.tp_size, group=groups.tp_group)
+        self.replicated = config.parallel.cp_kv_cache_layout == "replicated"
         comm = CPComm(
             pcp_group=groups.pcp_group, pcp_size=groups.pcp_size, pcp_rank=groups.pcp_rank,
             cp_group=groups.cp_group, cp_size=groups.cp_size, cp_rank=groups.cp_rank,
-            strategy=config.parallel.cp_prefill_strategy,
+            strategy=config.parallel.cp_prefill_strategy, dcp_group=groups.dcp_group,
+            kv_cache_layout=config.parallel.cp_kv_cache_layout,
         )
-        self.layout = KVLayout(cp_size=groups.cp_size, cp_rank=groups.cp_rank,
+        # Replicated: every PCP rank keeps a whole copy, divided over the DCP group only.
+        self.layout = KVLayout(cp_size=config.parallel.kv_shard_size,
+                               cp_rank=groups.dcp_rank if self.replicated else groups.cp_rank,
                                interleave=config.parallel.cp_kv_cache_interleave_size,
                                block_size=config.cache.block_size)
         with torch.device(device):
@@ -75,8 +80,11 @@ class ModelRunner:
         strategy = self.step_strategy(step.step_id, step.chunks)  # the same choice on every rank
         # Every tensor of the step (token ids, positions, all attention metadata) on this rank's device.
         batch = build_step_batch(step.chunks, self.layout, self.groups.pcp_size, self.groups.pcp_rank,
-                                 output_positions, device=self.device, non_blocking=True, strategy=strategy)
+                                 output_positions, device=self.device, non_blocking=True, strategy=strategy,
+                                 split_single_tokens=self.replicated)
         hidden = self.model(batch.token_ids, batch.positions, self.kv_caches, batch.attention)
+        if batch.replica_sync is not None:  # decode K/V computed on one PCP rank reach the other copies
+            sync_replicas(self.kv_caches, batch.replica_sync, self.groups.pcp_group, self.groups.pcp_rank)
         if not batch.output_rows:
             return None
         rows = self._gather_output_rows(hidden, batch)
