@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--served-model-name", default=None)
+    from cpllm.server.options import add_serve_arguments  # the server's own flags live with the server
+
+    add_serve_arguments(serve)
     serve.set_defaults(handler=_serve)
 
     try:

@@ -16,7 +16,7 @@ from tiny_models import save_tiny_hf_model
 
 from cpllm.engine.llm import LLM
 from cpllm.engine.sampling_params import SamplingParams
-from cpllm.server.app import MAX_BODY_BYTES
+from cpllm.server.options import ServeOptions
 from cpllm.server.process import ServerProcess
 
 ENGINE_FLAGS = ["--kv-cache-memory-bytes", "4MiB", "--max-model-len", "256", "--block-size", "4"]
@@ -152,7 +152,7 @@ def test_bad_json_and_empty_body_are_400(http):
 
 
 def test_oversized_body_is_413(http):
-    body = json.dumps({"model": NAME, "prompt": "a" * (MAX_BODY_BYTES + 10), "max_tokens": 2}).encode()
+    body = json.dumps({"model": NAME, "prompt": "a" * (ServeOptions().body_limit(256) + 10), "max_tokens": 2}).encode()
     try:
         response = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
     except httpx.HTTPError as exc:  # the server may close the connection before reading the whole upload

@@ -20,6 +20,7 @@ from cpllm.engine.sampling_params import SamplingParams
 from cpllm.engine.scheduler import Scheduler
 from cpllm.engine.sequence import RequestState, Sequence, finish_status
 from cpllm.model.tokenizer import Tokenizer
+from cpllm.structured.manager import StructuredOutputManager
 from cpllm.step import SchedulerOutput, output_positions
 
 if TYPE_CHECKING:  # the engine is handed its executor; only cpllm.launch imports both sides
@@ -34,8 +35,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer, executor: Executor):
         self.config, self.tokenizer = config, tokenizer
         self.executor = executor
-        # A virtual block spans the ranks one request's KV is divided over (PCP x DCP, or DCP when replicated).
-        self.tokens_per_block = config.cache.block_size * config.parallel.kv_shard_size
+        cp_size = config.parallel.cp_size
+        self.tokens_per_block = config.cache.block_size * cp_size
         num_blocks = self.executor.num_blocks
         self.kv_capacity_tokens = num_blocks * self.tokens_per_block
         self.max_model_len = min(config.scheduler.max_model_len, self.kv_capacity_tokens)
@@ -48,31 +49,23 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduler_config, self.pool, self.tokens_per_block)
         self.sampler = Sampler()
         self.eos_token_ids = tuple(config.model.eos_token_ids) or tuple(tokenizer.eos_token_ids)
+        self.structured = StructuredOutputManager(tokenizer, config.model.vocab_size, self.eos_token_ids)
         self._seed_stream = random.Random(config.seed)
         self._states: dict[str, RequestState] = {}
         self._sequences: dict[str, tuple[RequestState, Sequence]] = {}
 
     def _log_layout(self, num_blocks: int) -> None:
-        p = self.config.parallel
+        p, groups = self.config.parallel, self.executor.groups
         logger.info(
-            "layout: world=%d dp=%d pcp=%d tp=%d dcp=%d cp_size=%d interleave=%d prefill_strategy=%s "
-            "kv_cache_layout=%s",
+            "layout: world=%d dp=%d pcp=%d tp=%d dcp=%d cp_size=%d interleave=%d prefill_strategy=%s",
             p.world_size, p.data_parallel_size, p.prefill_context_parallel_size, p.tensor_parallel_size,
             p.decode_context_parallel_size, p.cp_size, p.cp_kv_cache_interleave_size, p.cp_prefill_strategy,
-            p.cp_kv_cache_layout,
         )
         logger.info(
-            "KV cache: %d blocks x %d tokens per rank (%.1f MiB per rank); the %s layout divides each request over "
-            "%d ranks, so the replica holds %d tokens",
-            num_blocks, self.config.cache.block_size, self.executor.runner.kv_bytes / 2**20, p.cp_kv_cache_layout,
-            p.kv_shard_size, self.kv_capacity_tokens,
+            "KV cache: %d blocks x %d tokens per rank (%.1f MiB per rank); the CP group of %d ranks holds %d tokens",
+            num_blocks, self.config.cache.block_size, self.executor.runner.kv_bytes / 2**20, groups.cp_size,
+            self.kv_capacity_tokens,
         )
-        if p.prefill_context_parallel_size > 1:
-            per_rank = num_blocks * self.config.cache.block_size
-            logger.info("KV capacity by layout with these blocks: sharded %d tokens (over PCP x DCP = %d ranks), "
-                        "replicated %d tokens (a copy per PCP rank, over DCP = %d ranks)",
-                        per_rank * p.cp_size, p.cp_size, per_rank * p.decode_context_parallel_size,
-                        p.decode_context_parallel_size)
 
     # ---- requests -------------------------------------------------------------------------------------
 
@@ -97,6 +90,7 @@ class LLMEngine:
                            logprobs=[] if params.logprobs is not None else None)
             state.sequences.append(seq)
             self._sequences[child_id] = (state, seq)
+            self.structured.add(child_id, params.structured_outputs)
         self._states[request_id] = state
         for seq in state.sequences:
             self.scheduler.add_request(seq.request)
@@ -112,6 +106,10 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        bad = [t for t in params.logit_bias or {} if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        self.structured.check(params.structured_outputs)  # compiles (cached); an invalid grammar is refused here
         needed = len(prompt_token_ids) + (params.max_tokens or 1)
         if needed > self.max_model_len:
             raise ValueError(
@@ -127,6 +125,7 @@ class LLMEngine:
             return
         for seq in state.sequences:
             self._sequences.pop(seq.request.request_id, None)
+            self.structured.remove(seq.request.request_id)
             if not seq.finished:
                 self.scheduler.finish(seq.request, RequestStatus.FINISHED_ABORTED)
                 seq.detokenizer.finish()
@@ -169,6 +168,7 @@ class LLMEngine:
         self._states.pop(state.request_id, None)
         for seq in state.sequences:
             self._sequences.pop(seq.request.request_id, None)
+            self.structured.remove(seq.request.request_id)
 
     def _process_logits(self, step: SchedulerOutput, logits: torch.Tensor | None) -> list[RequestState]:
         row, rows, to_sample, touched = 0, [], [], {}
@@ -188,7 +188,8 @@ class LLMEngine:
                             eos_token_ids=self.eos_token_ids)
                 for _, seq in to_sample
             ]
-            sampled = self.sampler(logits[rows], sample_rows)
+            bitmask = self.structured.bitmask([seq.request.request_id for _, seq in to_sample])
+            sampled = self.sampler(logits[rows], sample_rows, bitmask)
             for (state, seq), token in zip(to_sample, sampled):
                 self._append_token(state, seq, token)
                 touched[state.request_id] = state
@@ -212,6 +213,8 @@ class LLMEngine:
         if seq.logprobs is not None:
             seq.logprobs.append(token.logprobs)
         status = finish_status(seq, token.token_id, self.eos_token_ids, self.max_model_len)
+        if self.structured.accept(request.request_id, token.token_id) and status is None:
+            status = RequestStatus.FINISHED_STOPPED  # the grammar is complete: nothing more may follow
         if status is not None:
             self.scheduler.finish(request, status)
             seq.detokenizer.finish()

@@ -1,9 +1,11 @@
 """Turns the driver's logits into tokens (and logprobs), one row per running sequence.
 
-Order of operations, as in vLLM v1: logprobs from the raw logits; then
-min_tokens masking, penalties; greedy rows take the argmax here; random rows go
-on through temperature, top-k, top-p, min-p and draw from their own generator,
-so a seeded request samples the same tokens whatever else is in the batch.
+Order of operations, as in vLLM v1: the grammar bitmask of structured outputs
+first (so logprobs describe the constrained distribution, as vLLM's do), then
+logprobs; then min_tokens masking, penalties, logit_bias; greedy rows take the
+argmax here; random rows go on through temperature, top-k, top-p, min-p and draw
+from their own generator, so a seeded request samples the same tokens whatever
+else is in the batch.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 from cpllm.engine.outputs import Logprob
 from cpllm.engine.sampling_params import SamplingParams
+from cpllm.structured.bitmask import apply_bitmask_
 
 
 @dataclass(slots=True)
@@ -48,13 +51,18 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
 class Sampler:
     """Stateless: all per-request state arrives in the rows."""
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
-        # logits: [num_rows, vocab] raw model logits
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 bitmask: torch.Tensor | None = None) -> list[SampledToken]:
+        # logits: [num_rows, vocab] raw model logits; bitmask: [num_rows, ceil(vocab/32)] int32 of allowed
+        # tokens (structured outputs), or None when no row is constrained
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows"
             )
         logits = logits.float()
+        if bitmask is not None:
+            logits = logits.clone()  # the caller's tensor stays as the model produced it
+            apply_bitmask_(logits, bitmask)
         processed = _process_logits(logits, rows)
         token_ids = _choose_tokens(processed, rows)
         logprobs = _sampled_logprobs(logits, rows, token_ids)
@@ -78,19 +86,34 @@ def _sampled_logprobs(
 
 
 def _needs_processing(row: SamplingRow) -> bool:
-    return row.params.has_penalties or bool(_masked_stop_ids(row))
+    return row.params.has_penalties or bool(row.params.logit_bias) or bool(_masked_stop_ids(row))
 
 
 def _process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """min_tokens masking and penalties, applied to a copy only when some row needs them."""
+    """min_tokens masking, penalties and logit_bias, applied to a copy only when some row needs them."""
     todo = [i for i, r in enumerate(rows) if _needs_processing(r)]
     if not todo:
         return logits
-    logits = logits.clone()
+    out = logits.clone()
     for i in todo:
-        _mask_stop_ids(logits[i], rows[i])
-        apply_penalties(logits[i], rows[i].params, rows[i].prompt_token_ids, rows[i].output_token_ids)
-    return logits
+        _mask_stop_ids(out[i], rows[i])
+        apply_penalties(out[i], rows[i].params, rows[i].prompt_token_ids, rows[i].output_token_ids)
+        apply_logit_bias(out[i], rows[i].params.logit_bias)
+        if not torch.isfinite(out[i]).any():
+            # min_tokens masked the only tokens a grammar allows (or a bias of -100 meets a mask):
+            # the grammar wins, so there is always a token to draw.
+            out[i] = logits[i]
+    return out
+
+
+def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, float] | None) -> None:
+    """logits[token] += bias for each entry, in place (ids outside the logits are refused earlier)."""
+    # logits: [vocab]
+    if not logit_bias:
+        return
+    ids = torch.tensor(list(logit_bias), dtype=torch.long, device=logits.device)
+    biases = torch.tensor(list(logit_bias.values()), dtype=logits.dtype, device=logits.device)
+    logits.index_add_(0, ids, biases)
 
 
 def _masked_stop_ids(row: SamplingRow) -> list[int]:

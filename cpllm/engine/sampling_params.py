@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cpllm.structured.params import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 """Largest number of top alternatives a request may ask for, per position."""
+
+MAX_LOGIT_BIAS = 100.0
+"""Largest |bias| logit_bias may add to a token (OpenAI's range is [-100, 100])."""
 
 GREEDY_EPS = 1e-5
 """Temperatures below this sample greedily (dividing by them would overflow)."""
@@ -60,12 +65,20 @@ class SamplingParams:
     """Leave special tokens out of the detokenized text."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string at the end of the output text."""
+    logit_bias: dict[int, float] | None = None
+    """Added to the logits of these token ids before sampling (after penalties); values in [-100, 100]."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (enforced by a token mask)."""
+    guided_decoding: StructuredOutputsParams | None = None
+    """vLLM's older name of structured_outputs; moved there at init (give one of the two)."""
 
     def __post_init__(self) -> None:
         self._validate_counts()
         self._validate_distribution()
         self._validate_penalties()
         self._normalise_stops()
+        self._validate_logit_bias()
+        self._merge_guided_decoding()
 
     def _validate_counts(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -116,6 +129,29 @@ class SamplingParams:
             if not _is_int(t) or t < 0:
                 raise ValueError(f"stop_token_ids must be ints >= 0, got {t!r}")
         self.stop_token_ids = ids
+
+    def _validate_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+        for token, bias in self.logit_bias.items():
+            if not _is_int(token) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
+            if not _is_number(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r} for {token}"
+                )
+
+    def _merge_guided_decoding(self) -> None:
+        for name in ("structured_outputs", "guided_decoding"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, StructuredOutputsParams):
+                raise ValueError(f"{name} must be a StructuredOutputsParams, got {type(value).__name__}")
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None and self.structured_outputs != self.guided_decoding:
+                raise ValueError("structured_outputs and guided_decoding differ; give only structured_outputs")
+            self.structured_outputs = self.guided_decoding
 
     @property
     def greedy(self) -> bool:

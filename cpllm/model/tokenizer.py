@@ -46,8 +46,13 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return list(self.hf_tokenizer.convert_ids_to_tokens(list(ids)))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages`, rendered by the model's jinja chat template."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text for `messages`, rendered by the model's jinja chat template.
+
+        `tools` (OpenAI's function definitions) reach the template as its `tools` variable; templates that do
+        not use it ignore them.
+        """
         if not self.chat_template:
             raise ValueError(
                 "this model has no chat template; send a plain prompt instead of chat messages"
@@ -57,6 +62,7 @@ class Tokenizer:
             chat_template=self.chat_template,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
+            tools=tools,
         )
 
 

@@ -13,29 +13,34 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cpllm.server.admission import Admission
 from cpllm.server.async_engine import AsyncEngine, EngineDeadError
 from cpllm.server.errors import APIError, bad_request, from_validation_error
 from cpllm.server.formatting import TokenTexts
 from cpllm.server.metrics import ServerMetrics
+from cpllm.server.options import ServeOptions
 from cpllm.server.protocol import ChatCompletionRequest, CompletionRequest
-from cpllm.server.requests import ServerContext
+from cpllm.server.requests import EventStream, ServerContext
 from cpllm.server.serving_chat import create_chat_completion
 from cpllm.server.serving_completion import create_completion
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 16 * 2**20
-"""Largest request body accepted; larger ones get 413 before they are read in full."""
-
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+              options: ServeOptions | None = None) -> FastAPI:
     """The app; its lifespan starts the engine thread and, on shutdown, stops it and the worker ranks."""
+    options = options or ServeOptions()
     metrics = engine.metrics or ServerMetrics(model_name)
     engine.metrics = metrics
-    ctx = ServerContext(engine=engine, model_name=model_name, texts=TokenTexts(engine.tokenizer))
+    max_body_bytes = options.body_limit(engine.max_model_len)
+    admission = Admission(engine.running_slots, options.max_queued_requests, options.retry_after_s)
+    ctx = ServerContext(engine=engine, model_name=model_name, texts=TokenTexts(engine.tokenizer), options=options,
+                        admission=admission)
+    logger.info("limits: request body %d bytes, n <= %d, %d sequences in flight (%d running + %d queued)",
+                max_body_bytes, options.max_n, admission.limit, engine.running_slots, options.max_queued_requests)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -71,7 +76,7 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
     def respond(result):
         if isinstance(result, dict):
             return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream", headers=_SSE_HEADERS)
+        return _EventResponse(result)
 
     @app.get("/health")
     async def health() -> Response:
@@ -137,6 +142,20 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def unexpected(_request: Request, exc: Exception):
         logger.exception("unhandled error")
         return APIError(500, f"internal error: {exc!r}").response()
+
+
+class _EventResponse(StreamingResponse):
+    """Server-sent events whose request is closed even when the client leaves before the first event."""
+
+    def __init__(self, events: EventStream):
+        super().__init__(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+        self._events = events
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose(status=499)  # no-op when the stream ended by itself
 
 
 class _HTTPMetrics:

@@ -15,11 +15,13 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 from cpllm.engine.engine import LLMEngine
 from cpllm.engine.outputs import RequestOutput
 from cpllm.engine.sampling_params import SamplingParams
 from cpllm.server.metrics import ServerMetrics
+from cpllm.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,9 @@ class AsyncEngine:
         self.engine = engine
         self.metrics = metrics
         self.max_model_len = engine.max_model_len
+        parallel = engine.config.parallel
+        self.running_slots = engine.config.scheduler.max_num_seqs * parallel.data_parallel_size
+        """Sequences the engine runs at once (max_num_seqs on each DP replica)."""
         self.tokenizer = engine.tokenizer
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}  # touched by the engine thread only
@@ -101,6 +106,11 @@ class AsyncEngine:
             self.abort(request_id)
             raise
         return RequestStream(self, request_id, outputs)
+
+    async def compile_constraint(self, params: StructuredOutputsParams) -> None:
+        """Compiles a structured-output grammar on a worker thread (ValueError if invalid), so the engine thread
+        finds it in the cache instead of stalling every stream while it compiles."""
+        await asyncio.to_thread(self.engine.structured.check, params)
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; aborting an unknown or finished request does nothing."""
@@ -238,6 +248,11 @@ class RequestStream:
         self._engine = engine
         self._outputs = outputs
         self._closed = False
+        self._on_close: list[Callable[[], None]] = []
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Calls `callback` once, when the stream closes (finished, failed or abandoned)."""
+        self._on_close.append(callback)
 
     @property
     def finished(self) -> bool:
@@ -271,3 +286,5 @@ class RequestStream:
             self._engine.abort(self.request_id)
         if self.last is not None and self._engine.metrics is not None:
             self._engine.metrics.observe_finished(self.last)
+        for callback in self._on_close:
+            callback()

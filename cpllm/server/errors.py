@@ -12,6 +12,7 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     413: "invalid_request_error",
+    429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable",
 }
@@ -20,12 +21,14 @@ _TYPES = {
 class APIError(Exception):
     """Any failure a route turns into an OpenAI-shaped error response."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = dict(headers or {})
 
     @property
     def type(self) -> str:
@@ -35,8 +38,8 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        headers = {**self.headers, **({"WWW-Authenticate": "Bearer"} if self.status == 401 else {})}
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

@@ -12,15 +12,20 @@ from cpllm.engine.sampling_params import SamplingParams
 from cpllm.model.tokenizer import Tokenizer
 from cpllm.server.errors import bad_request, param_of
 from cpllm.server.protocol import SamplingFields
+from cpllm.structured.params import StructuredOutputsParams
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) | {"prompt", "max_completion_tokens"}
+DEFAULT_MAX_N = 16
+"""Largest n when the caller gives no limit (the server passes --max-n)."""
 LOGPROB_FLOOR = -9999.0
 """JSON has no -inf; a token the model cannot produce gets this logprob instead."""
 
 
 def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None, max_tokens_param: str = "max_tokens") -> SamplingParams:
+                    prompt_logprobs: int | None = None, max_tokens_param: str = "max_tokens",
+                    structured: StructuredOutputsParams | None = None, max_n: int = DEFAULT_MAX_N) -> SamplingParams:
     """The request's SamplingParams; a bad value becomes a 400 that names the field."""
+    _check_n(req, max_n)
     given = {
         "n": req.n, "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "stop": req.stop,
         "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty, "top_k": req.top_k,
@@ -31,7 +36,8 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: in
             **{k: v for k, v in given.items() if v is not None},
             max_tokens=max_tokens, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
             skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=_logit_bias(req),
+            structured_outputs=structured,
         )
     except ValueError as exc:
         message = str(exc)
@@ -41,10 +47,33 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: in
         raise bad_request(message, param) from exc
 
 
+def _check_n(req: SamplingFields, max_n: int) -> None:
+    if isinstance(req.n, int) and req.n > max_n:
+        raise bad_request(f"n={req.n} exceeds this server's limit of {max_n} choices per request (--max-n)", "n")
+    if req.best_of is not None and req.best_of != req.n:
+        # Silently returning n of best_of samples unranked would be wrong; ranking them is not implemented.
+        raise bad_request(f"best_of={req.best_of} is not supported: it must be left out or equal n={req.n}",
+                          "best_of")
+
+
+def _logit_bias(req: SamplingFields) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    if not req.logit_bias:
+        return None
+    out = {}
+    for key, bias in req.logit_bias.items():
+        if not key.strip().isdigit():
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        out[int(key)] = bias
+    return out
+
+
 def engine_error(exc: ValueError, max_tokens_param: str = "max_tokens"):
     """A ValueError of LLMEngine.add_request (prompt too long, bad token id) as a 400."""
     message = str(exc)
     param = param_of(message, SAMPLING_FIELDS)
+    if message.startswith("invalid ") and " constraint: " in message:  # the grammar engine refused it
+        param = "response_format"
     if "max_model_len" in message:
         param = "max_tokens" if "max_tokens=" in message else "prompt"
         if param == "max_tokens":

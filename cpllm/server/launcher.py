@@ -14,6 +14,7 @@ from cpllm.engine_args import engine_kwargs
 from cpllm.server.app import build_app
 from cpllm.server.async_engine import AsyncEngine
 from cpllm.server.metrics import ServerMetrics
+from cpllm.server.options import serve_options
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +46,15 @@ def served_model_name(args: argparse.Namespace, model_path: str) -> str:
 
 
 def run_server(args: argparse.Namespace) -> int:
+    try:
+        options = serve_options(args)  # a bad flag fails here, before the model loads
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
     llm = LLM(args.model_path or args.model, **engine_kwargs(args))  # other ranks never return from here
     name = served_model_name(args, llm.engine.config.model_path)
     engine = AsyncEngine(llm.engine, ServerMetrics(name))
-    app = build_app(engine, model_name=name, api_key=args.api_key)
+    app = build_app(engine, model_name=name, api_key=args.api_key, options=options)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("listening on %s: reachable from other machines%s", args.host,
                        "" if args.api_key else " without an API key")

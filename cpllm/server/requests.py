@@ -10,9 +10,12 @@ from collections.abc import AsyncIterator
 
 from cpllm.engine.outputs import RequestOutput
 from cpllm.engine.sampling_params import SamplingParams
+from cpllm.server.admission import Admission
 from cpllm.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from cpllm.server.errors import APIError
+from cpllm.server.errors import APIError, bad_request
 from cpllm.server.formatting import TokenTexts, engine_error, sse
+from cpllm.server.options import ServeOptions
+from cpllm.server.structured_fields import Constraint
 
 logger = logging.getLogger("cpllm.server.requests")
 
@@ -27,6 +30,10 @@ class ServerContext:
     """The name clients pass as `model`."""
     texts: TokenTexts
     """Token id -> text, for logprobs."""
+    options: ServeOptions
+    """Limits and tool-calling settings."""
+    admission: Admission
+    """The bound on sequences in flight."""
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
@@ -39,13 +46,16 @@ class Prompt:
 
 async def start(ctx: ServerContext, base_id: str, prompts: list[Prompt], params: SamplingParams,
                 arrival_time: float, max_tokens_param: str = "max_tokens") -> list[RequestStream]:
-    """Adds every prompt to the engine; if one is refused, the others are aborted and a 400 is raised."""
+    """Adds every prompt to the engine; if one is refused, the others are aborted and a 400 is raised.
+    429 when the server's queue cannot take the request's sequences (they are released when the streams close)."""
+    ticket = ctx.admission.admit(len(prompts) * params.n)
     streams: list[RequestStream] = []
     try:
         for i, prompt in enumerate(prompts):
             request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             streams.append(await ctx.engine.add_request(request_id, prompt.token_ids, params, prompt=prompt.text,
                                                         arrival_time=arrival_time))
+            streams[-1].on_close(ticket.release)
     except ValueError as exc:
         close(base_id, streams, log=False)
         raise engine_error(exc, max_tokens_param) from exc
@@ -55,7 +65,20 @@ async def start(ctx: ServerContext, base_id: str, prompts: list[Prompt], params:
     except BaseException:
         close(base_id, streams, log=False)
         raise
+    finally:
+        if len(streams) < len(prompts):  # refused part-way: nothing of this request stays in flight
+            ticket.release()
     return streams
+
+
+async def compile_constraint(ctx: ServerContext, constraint: Constraint | None) -> None:
+    """Checks (and caches) the grammar off the event loop; an invalid one is a 400 naming its field."""
+    if constraint is None:
+        return
+    try:
+        await ctx.engine.compile_constraint(constraint.params)
+    except ValueError as exc:
+        raise bad_request(f"{constraint.param}: {exc}", constraint.param) from exc
 
 
 async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -90,23 +113,45 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
             task.cancel()
 
 
-async def sse_events(request_id: str, streams: list[RequestStream], chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Relay a streamed response's events; a failure after the status line is reported in-band, the request is
-    closed however the stream ends (client gone included), and `[DONE]` ends a stream that ran out."""
-    status = 200
-    try:
-        async for chunk in chunks:
-            yield chunk
-    except APIError as exc:
-        status = exc.status
-        yield sse(exc.body())
-    except Exception as exc:  # noqa: BLE001 - the status line is gone; report in-band
-        status = 500
-        yield sse(APIError(500, f"generation failed: {exc}").body())
-    finally:
-        await chunks.aclose()
-        close(request_id, streams, status=status)
-    yield sse("[DONE]")
+class EventStream:
+    """A streamed response's server-sent events. A failure after the status line is reported in-band, `[DONE]` ends
+    a stream that ran out, and the request is closed exactly once however the response ends: finished, failed, the
+    client gone mid-stream, or gone before the first event was even asked for (`aclose()` covers that case)."""
+
+    def __init__(self, request_id: str, streams: list[RequestStream], chunks: AsyncIterator[str]):
+        self._request_id = request_id
+        self._streams = streams
+        self._chunks = chunks
+        self._closed = False
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[str]:
+        status = 200
+        try:
+            async for chunk in self._chunks:
+                yield chunk
+        except APIError as exc:
+            status = exc.status
+            yield sse(exc.body())
+        except Exception as exc:  # noqa: BLE001 - the status line is gone; report in-band
+            status = 500
+            yield sse(APIError(500, f"generation failed: {exc}").body())
+        finally:
+            await self.aclose(status)
+        yield sse("[DONE]")
+
+    async def aclose(self, status: int = 200) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self._chunks.aclose()
+        close(self._request_id, self._streams, status=status)
+
+
+def sse_events(request_id: str, streams: list[RequestStream], chunks: AsyncIterator[str]) -> EventStream:
+    return EventStream(request_id, streams, chunks)
 
 
 async def results(streams: list[RequestStream]) -> list[RequestOutput]:

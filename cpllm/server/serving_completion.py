@@ -13,6 +13,7 @@ from cpllm.server.errors import bad_request
 from cpllm.server.formatting import ChoiceCursor, completion_logprobs, sampling_params, sse, usage
 from cpllm.server.protocol import CompletionRequest
 from cpllm.server.requests import Prompt, ServerContext
+from cpllm.server.structured_fields import request_constraint
 
 
 def _prompts(ctx: ServerContext, req: CompletionRequest) -> list[Prompt]:
@@ -27,10 +28,13 @@ def _prompts(ctx: ServerContext, req: CompletionRequest) -> list[Prompt]:
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, arrival_time: float):
     """A response dict, or an async iterator of server-sent events when req.stream."""
+    constraint = request_constraint(req)
     prompts = _prompts(ctx, req)
     echo_logprobs = req.echo and req.logprobs is not None
     params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
-                             prompt_logprobs=req.logprobs if echo_logprobs else None)
+                             prompt_logprobs=req.logprobs if echo_logprobs else None, max_n=ctx.options.max_n,
+                             structured=constraint.params if constraint else None)
+    await requests.compile_constraint(ctx, constraint)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await requests.start(ctx, request_id, prompts, params, arrival_time)
     head = {"id": request_id, "created": int(time.time()), "model": ctx.model_name}
