@@ -4,9 +4,12 @@ For each layer, a rank's queries see two disjoint key sets whose results merge
 exactly by log-sum-exp:
 - the new tokens of this step (prefill chunks), held across PCP ranks and
   brought together by all-gather or by passing K/V around the PCP ring;
-- the cached context, sharded over the CP group: queries are gathered over the
-  CP group, every rank attends them to its own shard, and the partial outputs
-  return to their owners to be merged.
+- the cached context, sharded over the CP group (over the DCP group alone under
+  the replicated KV layout): queries are gathered over that group, every rank
+  attends them to its own shard, and the partial outputs return to their owners
+  to be merged.
+The pass-Q strategy (pass_q.py) instead moves the queries round the ring for
+both key sets, and the step's metadata says which strategy a step uses.
 With one rank every collective is skipped and the same code is the plain paged
 attention of the single-rank engine.
 
