@@ -18,6 +18,7 @@ from cpllm.server.async_engine import AsyncEngine, EngineDeadError
 from cpllm.server.errors import APIError, bad_request, from_validation_error
 from cpllm.server.formatting import TokenTexts
 from cpllm.server.metrics import ServerMetrics
+from cpllm.server.openapi import install_openapi
 from cpllm.server.options import ServeOptions
 from cpllm.server.protocol import ChatCompletionRequest, CompletionRequest
 from cpllm.server.requests import EventStream, ServerContext
@@ -105,6 +106,7 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
         arrival = time.monotonic()
         return respond(await create_chat_completion(ctx, await parse(request, ChatCompletionRequest), arrival))
 
+    install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest})
     return app
 
 

@@ -68,7 +68,12 @@ class GrammarCompiler:
         return template.deep_copy()
 
     def _compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
-        text = grammar_text(params)
+        try:
+            text = grammar_text(params)
+        except ValueError:
+            raise
+        except Exception as exc:  # the converters raise assorted types; every one means "this input is bad"
+            raise ValueError(f"invalid {params.kind} constraint: {exc}") from exc
         matcher = llguidance.LLMatcher(self.ll_tokenizer, text, log_level=0)
         if matcher.is_error():
             raise ValueError(f"invalid {params.kind} constraint: {_first_lines(matcher.get_error())}")
