@@ -1,4 +1,5 @@
-"""`cpllm bench prefill | decode | serve | memory | comm | ceiling`: measure, print a table, write JSON, plot."""
+"""`cpllm bench prefill | chunk | decode | serve | memory | comm | ceiling`: measure, print a table, write JSON,
+plot."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 from cpllm.bench.common import Layout, machine_info, parse_int_list, parse_layout, parse_str_list, threads_for
 from cpllm.bench.report import print_table, write_json
 
-STRATEGIES = ("allgather", "ring")
+from cpllm.config import PREFILL_STRATEGIES as STRATEGIES
 
 
 def _add_output_options(parser: argparse.ArgumentParser, *, plot: bool = True) -> None:
@@ -40,6 +41,15 @@ def add_bench_parser(parser: argparse.ArgumentParser, add_engine_arguments: Call
     prefill.add_argument("--ceiling", action=argparse.BooleanOptionalAction, default=True,
                          help="measure the fp32 matmul ceiling and report the achieved fraction")
     _add_output_options(prefill)
+
+    chunk = commands.add_parser("chunk", help="TTFT of a short chunk on a cached context, per layout and strategy")
+    _capture_engine_actions(chunk, add_engine_arguments)
+    chunk.add_argument("--context", type=int, default=8000, help="cached context tokens")
+    chunk.add_argument("--chunk", type=int, default=256, help="new tokens on top of it")
+    chunk.add_argument("--layouts", default=None, help="TPxPCPxDCP[@threads], comma-separated")
+    chunk.add_argument("--strategies", default="ring,pass-q,auto", help="PCP prefill strategies to compare")
+    chunk.add_argument("--repeats", type=int, default=3, help="chunks timed per layout (fastest and median)")
+    _add_output_options(chunk, plot=False)
 
     decode = commands.add_parser("decode", help="steady decode tokens/s per batch size and context length")
     _capture_engine_actions(decode, add_engine_arguments)
@@ -83,7 +93,7 @@ def add_bench_parser(parser: argparse.ArgumentParser, add_engine_arguments: Call
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    handlers = {"prefill": _prefill, "decode": _decode, "serve": _serve, "memory": _memory, "comm": _comm,
+    handlers = {"prefill": _prefill, "chunk": _chunk, "decode": _decode, "serve": _serve, "memory": _memory, "comm": _comm,
                 "ceiling": _ceiling}
     import os
 
@@ -168,6 +178,26 @@ def _prefill(args: argparse.Namespace) -> dict[str, Any]:
 
         plot_prefill(rows, args.plot)
     return payload
+
+
+def _chunk(args: argparse.Namespace) -> dict[str, Any]:
+    from cpllm.bench.chunk import run_chunk_bench
+    from cpllm.bench.prefill import layout_runs
+
+    layouts = _layouts(args)
+    strategies = parse_str_list(args.strategies, "--strategies", STRATEGIES)
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    progress = _Progress(len(layout_runs(layouts, strategies)) * args.repeats, "chunk")
+    try:
+        results = run_chunk_bench(args.model, context=args.context, chunk=args.chunk, layouts=layouts,
+                                  strategies=strategies, threads_per_rank=args.threads_per_rank,
+                                  repeats=args.repeats, engine_options=_engine_options(args), progress=progress)
+    finally:
+        progress.close()
+    rows = [r.row() for r in results]
+    print_table(f"TTFT of {args.chunk} new tokens on {args.context} cached (best and median of the repeats)", rows)
+    return {"results": rows}
 
 
 def _decode(args: argparse.Namespace) -> dict[str, Any]:
