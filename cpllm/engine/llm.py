@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from cpllm.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from cpllm.config import DEFAULT_QUANTIZATION, CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from cpllm.engine.outputs import RequestOutput
 from cpllm.engine.sampling_params import SamplingParams
 from cpllm.launch import create_engine
@@ -21,6 +22,7 @@ def build_engine_config(
     model: str | None = None,
     *,
     dtype: str = "float32",
+    quantization: str = DEFAULT_QUANTIZATION,
     block_size: int = 16,
     max_model_len: int | None = None,
     max_num_batched_tokens: int | None = None,
@@ -34,6 +36,7 @@ def build_engine_config(
     data_parallel_size: int = 1,
     cp_kv_cache_interleave_size: int = 1,
     cp_prefill_strategy: str = "allgather",
+    cp_kv_cache_layout: str = "sharded",
     distributed_timeout: float = 120.0,
 ) -> EngineConfig:
     """Validate every engine option together, before any process starts."""
@@ -45,9 +48,11 @@ def build_engine_config(
         data_parallel_size=data_parallel_size,
         cp_kv_cache_interleave_size=cp_kv_cache_interleave_size,
         cp_prefill_strategy=cp_prefill_strategy,
+        cp_kv_cache_layout=cp_kv_cache_layout,
         distributed_timeout_s=distributed_timeout,
     )
-    model_config = open_weights(path).config
+    # quantization lives in ModelConfig (as in vLLM): every rank builds its model from that config alone
+    model_config = dataclasses.replace(open_weights(path).config, quantization=quantization)
     max_len = model_config.max_position_embeddings if max_model_len is None else max_model_len
     return EngineConfig(
         model_path=path,

@@ -2,9 +2,11 @@
 
 Three things differ from a Hugging Face checkpoint:
 - names: `blk.N.attn_q.weight` instead of `model.layers.N.self_attn.q_proj.weight`;
-- storage: tensors may be block-quantized (Q8_0, Q4_1, K-quants, ...); they
-  are dequantized on read, and a row slice dequantizes only its rows, since a
-  quantization block never crosses a row;
+- storage: tensors may be block-quantized (Q8_0, Q4_1, K-quants, ...); `get`
+  dequantizes them, and a row slice dequantizes only its rows, since a
+  quantization block never crosses a row; `get_int4_groups` / `get_int8_groups`
+  hand Q4_0 / Q4_1 / Q4_K / Q8_0 blocks out as codes and scales instead
+  (cpllm/model/quant_gguf.py);
 - Llama q/k rows: llama.cpp's converter reorders the rows of each head from
   "first half, second half" (HF's rotate-half rotary) to interleaved pairs
   (its own rotary). Reading undoes that so the rows match HF again. Qwen2 is
@@ -23,8 +25,17 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.gguf_reader import ReaderTensor
 from gguf.quants import dequantize
 
-from cpllm.config import ModelConfig
+from cpllm.config import QUANT_GROUP, ModelConfig
 from cpllm.model.loader import resolve_slice
+from cpllm.model.quant_gguf import (
+    INT4_GGUF_TYPES,
+    INT8_GGUF_TYPES,
+    block_bytes,
+    block_values,
+    decode_int4_blocks,
+    decode_int8_blocks,
+)
+from cpllm.model.quant_groups import Int4Groups, Int8Groups
 
 _Q = GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = frozenset(
@@ -180,6 +191,9 @@ class GGUFSource:
         """Storage type of a tensor (for logging and tests)."""
         return self._lookup(name).tensor_type
 
+    def storage_type(self, name: str) -> str:
+        return self._lookup(name).tensor_type.name
+
     def _lookup(self, name: str) -> ReaderTensor:
         if name not in self._tensors:
             raise KeyError(f"tensor {name!r} is not in {self.path!r}")
@@ -193,6 +207,50 @@ class GGUFSource:
         cfg = self.config
         heads = cfg.num_attention_heads if match.group(1) == "q" else cfg.num_key_value_heads
         return llama_rope_row_order(rows, heads)
+
+    def get_int4_groups(
+        self, name: str, *, dim: int | None = None, start: int = 0, end: int | None = None
+    ) -> Int4Groups:
+        raw, kind, (lo, hi) = self._group_blocks(name, dim, start, end, INT4_GGUF_TYPES)
+        codes, d, m = decode_int4_blocks(raw, kind)
+        groups = Int4Groups(codes=torch.from_numpy(codes), d=torch.from_numpy(d), m=torch.from_numpy(m))
+        return groups.columns(lo, hi) if (lo, hi) != (0, codes.shape[1]) else groups
+
+    def get_int8_groups(
+        self, name: str, *, dim: int | None = None, start: int = 0, end: int | None = None
+    ) -> Int8Groups:
+        raw, kind, (lo, hi) = self._group_blocks(name, dim, start, end, INT8_GGUF_TYPES)
+        codes, d = decode_int8_blocks(raw, kind)
+        groups = Int8Groups(codes=torch.from_numpy(codes), d=torch.from_numpy(d))
+        return groups.columns(lo, hi) if (lo, hi) != (0, codes.shape[1]) else groups
+
+    def _group_blocks(
+        self, name: str, dim: int | None, start: int, end: int | None, kinds: tuple[str, ...]
+    ) -> tuple[np.ndarray, str, tuple[int, int]]:
+        """The stored blocks of a row or column slice, in HF row order: (raw [rows, bytes], type, the requested
+        columns relative to the first block read). A column slice must fall on 32-column boundaries."""
+        tensor = self._lookup(name)
+        kind = tensor.tensor_type.name
+        shape = tuple(reversed(tensor.shape.tolist()))  # HF order: (out, in)
+        if kind not in kinds or len(shape) != 2:
+            raise ValueError(f"{name} is stored as {kind} with shape {shape}; these groups come only from 2-D "
+                             f"{', '.join(kinds)} tensors")
+        span = resolve_slice(name, shape, dim, start, end)
+        order = self._row_order(name, shape[0])  # whole rows of blocks, so reordering them is free
+        rows = np.arange(shape[0]) if order is None else order
+        lo, hi = 0, shape[1]
+        if span is not None and span[0] == 0:
+            rows = rows[span[1] : span[2]]
+        elif span is not None:
+            lo, hi = span[1], span[2]
+            if lo % QUANT_GROUP or hi % QUANT_GROUP:
+                raise ValueError(f"{name}: columns [{lo}:{hi}) do not fall on {QUANT_GROUP}-column group boundaries")
+        # read only the blocks that cover columns [lo, hi) (a Q4_K block spans 256 columns)
+        per_block, size = block_values(kind), block_bytes(kind)
+        first, last = lo // per_block, -(-hi // per_block)
+        raw = np.asarray(tensor.data[rows, first * size : last * size])
+        base = first * per_block
+        return raw, kind, (lo - base, hi - base)
 
     def get(
         self,

@@ -6,6 +6,8 @@ which hides context parallelism from the model.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
@@ -22,7 +24,10 @@ from cpllm.model.layers import (
     VocabParallelEmbedding,
 )
 from cpllm.model.loader import WeightSource
+from cpllm.model.quant_report import summary_lines
 from cpllm.model.rope import RotaryEmbedding
+
+logger = logging.getLogger(__name__)
 
 
 def local_kv_heads(config: ModelConfig, tp: TPShard) -> tuple[int, int]:
@@ -47,9 +52,10 @@ class LlamaAttention(torch.nn.Module):
             ],
             bias=config.attention_bias,
             dtype=dtype,
+            quantization=config.quantization,
         )
         self.o_proj = RowParallelLinear(
-            f"{prefix}.o_proj", config.num_attention_heads * d, config.hidden_size, tp, dtype
+            f"{prefix}.o_proj", config.num_attention_heads * d, config.hidden_size, tp, dtype, config.quantization
         )
         self.attn = PagedCPAttention(comm, scale=d**-0.5)
         self.head_dim = d
@@ -79,8 +85,10 @@ class LlamaMLP(torch.nn.Module):
             ],
             bias=False,
             dtype=dtype,
+            quantization=config.quantization,
         )
-        self.down_proj = RowParallelLinear(f"{prefix}.down_proj", config.intermediate_size, config.hidden_size, tp, dtype)
+        self.down_proj = RowParallelLinear(f"{prefix}.down_proj", config.intermediate_size, config.hidden_size, tp,
+                                           dtype, config.quantization)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.shard, dim=-1)
@@ -111,20 +119,23 @@ class LlamaForCausalLM(torch.nn.Module):
         super().__init__()
         self.config = config
         h = config.hidden_size
-        self.embed_tokens = VocabParallelEmbedding("model.embed_tokens.weight", config.vocab_size, h, tp, dtype)
+        self.embed_tokens = VocabParallelEmbedding("model.embed_tokens.weight", config.vocab_size, h, tp, dtype,
+                                                   config.quantization)
         self.layers = torch.nn.ModuleList(
             LlamaDecoderLayer(config, i, tp, comm, dtype) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm("model.norm.weight", h, config.rms_norm_eps, dtype)
         tied = self.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(tied, "lm_head.weight", config.vocab_size, h, tp, dtype)
+        self.lm_head = ParallelLMHead(tied, "lm_head.weight", config.vocab_size, h, tp, dtype, config.quantization)
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, max_positions)
 
     def load_weights(self, source: WeightSource) -> None:
-        for module in self.modules():
+        for module in list(self.modules()):  # loading swaps in quantized submodules
             if hasattr(module, "load") and module is not self and module is not self.lm_head:
                 module.load(source)
         self.lm_head.load(source)  # last: a tied head copies the loaded embedding
+        for line in summary_lines(self, self.config.quantization):
+            logger.info("%s", line)
 
     @torch.inference_mode()
     def forward(self, token_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:

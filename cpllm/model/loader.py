@@ -14,17 +14,23 @@ Face layout, so the model code never knows which file format it came from:
 
 `get(name, dim=, start=, end=)` returns only a slice along one dimension, so a
 tensor-parallel rank reads its shard without holding every shard at once.
+`storage_type(name)` says how a tensor is stored, and `get_int4_groups` /
+`get_int8_groups` hand out a GGUF file's Q4 / Q8_0 blocks as codes and scales, so
+they run as stored (cpllm/model/quant_plan.py decides which weights do).
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from cpllm.config import ModelConfig
+
+if TYPE_CHECKING:
+    from cpllm.model.quant_groups import Int4Groups, Int8Groups
 
 
 @runtime_checkable
@@ -51,6 +57,24 @@ class WeightSource(Protocol):
 
     def has(self, name: str) -> bool:
         """Whether `name` is one of `names()`."""
+        ...
+
+    def storage_type(self, name: str) -> str:
+        """How the tensor is stored: a GGUF type name ("Q4_1", "Q8_0", "F32", ...) or a safetensors dtype
+        name, which uses the same spelling for floats ("F32", "F16", "BF16")."""
+        ...
+
+    def get_int4_groups(
+        self, name: str, *, dim: int | None = None, start: int = 0, end: int | None = None
+    ) -> "Int4Groups":
+        """A 4-bit stored weight (GGUF Q4_0 / Q4_1 / Q4_K) in HF layout as codes and per-32 scales, without
+        dequantizing; a column slice must fall on 32-column boundaries. Other storage raises ValueError."""
+        ...
+
+    def get_int8_groups(
+        self, name: str, *, dim: int | None = None, start: int = 0, end: int | None = None
+    ) -> "Int8Groups":
+        """As get_int4_groups, for a weight stored as GGUF Q8_0."""
         ...
 
 

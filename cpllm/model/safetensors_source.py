@@ -85,6 +85,17 @@ class SafetensorsSource:
             self._handles[file] = safe_open(file, framework="pt")
         return self._handles[file]
 
+    def storage_type(self, name: str) -> str:
+        return self._handle(name).get_slice(name).get_dtype()
+
+    def get_int4_groups(self, name: str, *, dim: int | None = None, start: int = 0, end: int | None = None):
+        raise ValueError(f"{name} is stored as {self.storage_type(name)} in {self.path!r}; safetensors weights "
+                         "hold no quantized blocks (quantize them at load with quantization='int4')")
+
+    def get_int8_groups(self, name: str, *, dim: int | None = None, start: int = 0, end: int | None = None):
+        raise ValueError(f"{name} is stored as {self.storage_type(name)} in {self.path!r}; safetensors weights "
+                         "hold no quantized blocks (quantize them at load with quantization='int8')")
+
     def get(
         self,
         name: str,

@@ -1,0 +1,82 @@
+"""Linear layers over 4-bit and 8-bit groups, on aten's int4 CPU kernel; int8 rows for a token embedding.
+
+The kernel (`_weight_int4pack_mm_for_cpu`) is fast only with bfloat16 activations (float32 ones take a scalar
+path, ~10x slower, DESIGN section 8), so the input is cast to bfloat16 and the result back to the model's dtype.
+It keeps each group's scale and zero in bfloat16 and returns bfloat16: one rounding of each output (relative
+2^-9) on top of the weight format. Its packing wants output rows in multiples of 16; other counts are padded with
+zero rows here and cut off the result.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from cpllm.config import QUANT_GROUP
+from cpllm.model.quant_groups import Int4Groups, Int8Groups
+
+KERNEL_DTYPE = torch.bfloat16
+ROW_MULTIPLE = 16
+"""The CPU int4 packing refuses other output row counts."""
+
+
+class Int4Linear(torch.nn.Module):
+    """y = x W^T with W [out, in] in 4-bit groups: w = (q - 8) scale + zero per 32 inputs.
+
+    With `repeat_input=2` the groups hold an int8 weight as two 4-bit halves side by side (Int8Groups), and the
+    input is fed twice.
+    """
+
+    def __init__(self, groups: Int4Groups, repeat_input: int = 1):
+        super().__init__()
+        rows, cols = groups.shape
+        if cols % (QUANT_GROUP * repeat_input) != 0:
+            raise ValueError(f"a weight of {cols // repeat_input} input columns: the kernel needs a multiple of "
+                             f"{QUANT_GROUP}")
+        self.in_features, self.out_features, self.repeat_input = cols // repeat_input, rows, repeat_input
+        pad = -rows % ROW_MULTIPLE
+        codes, d, m = (F.pad(t, (0, 0, 0, pad)) for t in (groups.codes, groups.d, groups.m))  # zero rows give 0
+        # the CPU packing wants the codes as int32 [out, in]; its inner-k-tiles argument is unused on CPU
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
+        # w = d q + m = (q - 8) d + (m + 8 d): scale d, zero m + 8 d, laid out [in / 32, out, 2]
+        scales_and_zeros = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1)
+        self.register_buffer("packed", packed)  # uint8 [padded out, in / 2]
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(KERNEL_DTYPE).contiguous())
+
+    @classmethod
+    def from_int8(cls, groups: Int8Groups) -> "Int4Linear":
+        """An 8-bit grouped weight, exactly (up to the bfloat16 scale), as two 4-bit halves."""
+        return cls(groups.as_int4_halves(), repeat_input=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [N, in] -> [N, out] in x.dtype
+        xk = x.to(KERNEL_DTYPE)
+        xk = xk.repeat(1, self.repeat_input) if self.repeat_input > 1 else xk.contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xk, self.packed, QUANT_GROUP, self.scales_and_zeros)
+        return y[:, : self.out_features].to(x.dtype)
+
+
+class Int8Rows(torch.nn.Module):
+    """Rows of an int8 grouped weight (a Q8_0 token embedding), looked up exactly: d q in float32."""
+
+    def __init__(self, groups: Int8Groups):
+        super().__init__()
+        self.register_buffer("codes", groups.codes.contiguous())  # int8 [rows, cols]
+        self.register_buffer("d", groups.d.float().contiguous())  # [rows, cols / 32]
+
+    def forward(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # ids [N] -> [N, cols]
+        codes = F.embedding(ids, self.codes).float()  # [N, cols]
+        d = F.embedding(ids, self.d).repeat_interleave(QUANT_GROUP, dim=1)
+        return (codes * d).to(dtype)
+
+
+class FloatLinear(torch.nn.Module):
+    """y = x W with W stored [in, out] (the layout the float path uses): a float piece of a mixed packed linear."""
+
+    def __init__(self, weight_in_out: torch.Tensor):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight_in_out, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
