@@ -189,6 +189,9 @@ def _sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
     # Draw on the generator's device so the stream depends on the seed alone.
     logits = logits.to(gen.device)
     probs = restricted_probs(logits, row.params)
+    if not torch.isfinite(probs).all() or not probs.sum() > 0:
+        # Nothing left to draw from (every token masked): take the best logit rather than fail the whole step.
+        return int(logits.argmax().item())
     return int(torch.multinomial(probs, 1, generator=gen).item())
 
 
@@ -197,7 +200,9 @@ def restricted_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
 
     logits: [vocab] -> [vocab]
     """
-    logits = logits / params.temperature
+    # A tiny temperature or repetition penalty can push a logit past the float range; +inf would make the
+    # softmax NaN, so it is clamped to the largest finite value (the token stays the most likely one).
+    logits = torch.nan_to_num(logits / params.temperature, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
     top_k = params.top_k_or_none
     if top_k is not None and top_k < logits.shape[0]:
         kth = torch.topk(logits, top_k).values[-1]

@@ -16,11 +16,17 @@ from cpllm.structured.params import StructuredOutputsParams
 logger = logging.getLogger(__name__)
 
 
+def _bit(index: int) -> int:
+    """Bit `index` of an int32 word, as a signed value (bit 31 is the sign bit)."""
+    return (1 << index) - (1 << 32) if index == 31 else 1 << index
+
+
 class StructuredOutputManager:
     """One per engine (driver only). Sequences without a constraint cost nothing here."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...] = ()):
         self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
+        self._eos_token_ids = tuple(eos_token_ids or tokenizer.eos_token_ids)
         self._matchers: dict[str, llguidance.LLMatcher] = {}
 
     def check(self, params: StructuredOutputsParams | None) -> None:
@@ -43,6 +49,11 @@ class StructuredOutputManager:
         mask = allocate_bitmask(len(seq_ids), self.compiler.vocab_size)
         for i, matcher in rows:
             llguidance.torch.fill_next_token_bitmask(matcher, mask, i)
+            if matcher.is_error() or not mask[i].any():
+                # The grammar allows nothing more (it failed): only EOS, so the sequence ends cleanly.
+                mask[i] = 0
+                for eos in self._eos_token_ids:
+                    mask[i, eos // 32] |= _bit(eos % 32)
         return mask
 
     def accept(self, seq_id: str, token_id: int) -> bool:
