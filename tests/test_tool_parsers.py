@@ -113,3 +113,43 @@ def test_required_schema_accepts_exactly_calls_of_the_tools():
     assert finish_reason(out, "stop") == "tool_calls" and finish_reason(out, "length") == "length"
     cut = plan.extract('[{"name": "get_weather", "param')
     assert cut.tool_calls == [] and finish_reason(cut, "length") == "length"
+
+
+def _stream_deltas(plan, texts: list[str], finish: str = "stop") -> list[tuple[dict, str | None]]:
+    """The deltas a stream sends as a choice's text grows through `texts` (the last one finished)."""
+    from cpllm.engine.outputs import CompletionOutput
+    from cpllm.engine.sampling_params import SamplingParams
+    from cpllm.server.chat_stream import _delta, _ToolCursor
+
+    cursor, params, out = _ToolCursor(), SamplingParams(), []
+    for i, text in enumerate(texts):
+        last = i == len(texts) - 1
+        c = CompletionOutput(index=0, text=text, token_ids=[], finish_reason=finish if last else None)
+        delta, reason = _delta(plan, params, c, cursor, last)
+        if delta or last:
+            out.append((delta, reason))
+    return out
+
+
+def test_auto_stream_sends_content_then_whole_calls():
+    plan = plan_tools(_request(tools=TOOLS), ServeOptions(enable_auto_tool_choice=True, tool_call_parser="hermes"))
+    steps = [HERMES_WITH_PREAMBLE[:k] for k in (5, 12, 22, 30, 60)] + [HERMES_WITH_PREAMBLE]
+    deltas = _stream_deltas(plan, steps)
+    content = "".join(d.get("content", "") for d, _ in deltas)
+    assert content == "Let me look that up.\n"  # the call's text never leaks into content
+    calls = [c for d, _ in deltas for c in d.get("tool_calls", [])]
+    assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        (0, "get_time", {"tz": "UTC"})]
+    assert deltas[-1][1] == "tool_calls"
+    plain = _stream_deltas(plan, ["Hel", "Hello <to", "Hello <tool? no"])
+    assert "".join(d.get("content", "") for d, _ in plain) == "Hello <tool? no" and plain[-1][1] == "stop"
+
+
+def test_named_stream_sends_arguments_as_they_grow():
+    plan = plan_tools(_request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+                      ServeOptions())
+    deltas = _stream_deltas(plan, ['{"ci', '{"city": "Pa', '{"city": "Paris"}'])
+    first = deltas[0][0]["tool_calls"][0]
+    assert first["id"].startswith("call_") and first["function"]["name"] == "get_weather"
+    arguments = "".join(d["tool_calls"][0]["function"]["arguments"] for d, _ in deltas if d)
+    assert json.loads(arguments) == {"city": "Paris"} and deltas[-1][1] == "tool_calls"
