@@ -35,7 +35,8 @@ def load_runners(model: str, max_tokens: int, max_batch: int, decode_tokens: int
     notes = []
     runners = []
     if "cpllm" not in skip:
-        runners.append(CpllmRunner(model, max_tokens, max_batch, decode_tokens))
+        runners.append(CpllmRunner(model, max_tokens, max_batch, decode_tokens, quantization="none"))
+        runners.append(CpllmRunner(model, max_tokens, max_batch, decode_tokens, quantization="auto"))
     if "transformers" not in skip:
         runners.append(TransformersRunner(model))
     if "llama.cpp" in skip:

@@ -21,21 +21,25 @@ from cpllm.bench.prefill import time_prefill
 
 
 class CpllmRunner:
-    """cpllm on one rank, in this process (torch threads set per measurement).
+    """cpllm on one rank, in this process (torch threads set per measurement), with one weight format:
+    `none` (fp32 dequantized: the same weights transformers runs) or `auto` (the GGUF's Q4 blocks as stored: the
+    weights llama.cpp runs).
 
     Two engines: prefill runs on one without prefix caching (the same prompt measured at another
     thread count must be computed again, not found in the cache); decode runs on one with it, so a
     batch sharing a long prompt costs one prefill.
     """
 
-    name = "cpllm"
-
-    def __init__(self, model_path: str, max_tokens: int, max_batch: int, decode_tokens: int):
+    def __init__(self, model_path: str, max_tokens: int, max_batch: int, decode_tokens: int,
+                 quantization: str = "none"):
+        self.name = "cpllm" if quantization == "none" else f"cpllm ({quantization})"
         self.prefill_llm, _ = build_llm(model_path, Layout(tp=1, pcp=1, dcp=1), strategy=None, threads_per_rank=1,
-                                        context_tokens=max_tokens, batch_tokens=max(max_tokens, 8192))
+                                        context_tokens=max_tokens, batch_tokens=max(max_tokens, 8192),
+                                        engine_options={"quantization": quantization})
         self.decode_llm, _ = build_llm(model_path, Layout(tp=1, pcp=1, dcp=1), strategy=None, threads_per_rank=1,
                                        context_tokens=decode_tokens * max_batch, batch_tokens=8192,
-                                       engine_options={"max_model_len": decode_tokens, "max_num_seqs": max_batch},
+                                       engine_options={"max_model_len": decode_tokens, "max_num_seqs": max_batch,
+                                                       "quantization": quantization},
                                        prefix_caching=True)
         self._ids = 0
 

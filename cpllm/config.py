@@ -22,10 +22,9 @@ QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
 """How weights run (vLLM's `quantization`): auto = a GGUF file's Q4_0 / Q4_1 / Q4_K / Q8_0 tensors as stored, the
 rest dequantized; none = everything dequantized to `dtype`; int8 / int4 = float weights also quantized at load
 (cpllm/model/quant_plan.py has the table)."""
-DEFAULT_QUANTIZATION = "none"
-"""The default of `quantization` everywhere (LLM, the CLI, ModelConfig). Issue 10 wants "auto"; it stays "none"
-until the tests that compare a quantized GGUF file against transformers (test_engine_vs_hf's GGUF test,
-test_smollm2's transformers test) ask for "none" explicitly, since they check the exact path."""
+DEFAULT_QUANTIZATION = "auto"
+"""The default of `quantization` everywhere (LLM, the CLI, ModelConfig): a GGUF file's quantized tensors run as
+stored; a floating-point checkpoint is unaffected. Comparisons with transformers ask for "none" (the exact path)."""
 QUANT_GROUP = 32
 """Input columns per scale in the int4 and int8 formats (a GGUF Q4_0 / Q4_1 / Q8_0 block, a Q4_K sub-block): a
 quantized weight's input width on each rank, TP splits included, must be a multiple of it."""

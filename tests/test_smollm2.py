@@ -17,7 +17,9 @@ except FileNotFoundError:
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 CHAT = [{"role": "user", "content": "Write a short poem about the sea."}]
-OPTIONS = dict(max_model_len=4096, kv_cache_memory_bytes=160 << 20, threads_per_rank=1, distributed_timeout=120)
+# quantization="none": fp32 weights, compared with transformers token for token (test_quantization.py covers "auto")
+OPTIONS = dict(max_model_len=4096, kv_cache_memory_bytes=160 << 20, threads_per_rank=1, distributed_timeout=120,
+               quantization="none")
 
 
 def long_prompt_ids(llm: LLM, min_tokens: int = 2048) -> list[int]:
