@@ -24,6 +24,11 @@ LOGPROB_ATOL = 1e-4
 SHARED_PREFIX = 24
 """Tokens the prefix-sharing prompt has in common with the 37-token prompt."""
 LONG_PROMPT = 37
+MODEL_SEED = 1
+"""Seed of the tiny models the layout modules share."""
+MODELS = {"kv2": {}, "kv1": {"num_key_value_heads": 1}}
+"""Default tiny Llama (4 heads, 2 KV heads) and one KV head, which DCP=2 with TP=2 needs."""
+KV_HEADS = {"kv2": 2, "kv1": 1}
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,9 @@ import pytest
 
 from cpllm import LLM
 from parallel_helpers import (
+    KV_HEADS,
+    MODEL_SEED,
+    MODELS,
     BLOCK_SIZE,
     MAX_MODEL_LEN,
     MAX_NUM_BATCHED_TOKENS,
@@ -33,9 +36,6 @@ from parallel_helpers import (
 )
 from tiny_models import save_tiny_hf_model
 
-SEED = 1
-MODELS = {"kv2": {}, "kv1": {"num_key_value_heads": 1}}
-KV_HEADS = {"kv2": 2, "kv1": 1}
 GROUP_TOKENS = 96
 """KV tokens per CP group: the workload (about 125 tokens with 8 generated each) must preempt."""
 REFERENCE_MAX_TOKENS = 16
@@ -84,7 +84,7 @@ class Launches:
 
     def folder(self, model: str) -> str:
         if model not in self._folders:
-            self._folders[model] = save_tiny_hf_model(str(self._tmp.mktemp(model)), "llama", seed=SEED,
+            self._folders[model] = save_tiny_hf_model(str(self._tmp.mktemp(model)), "llama", seed=MODEL_SEED,
                                                       **MODELS[model])
         return self._folders[model]
 

@@ -17,6 +17,9 @@ import pytest
 
 from cpllm import LLM
 from parallel_helpers import (
+    KV_HEADS,
+    MODEL_SEED,
+    MODELS,
     BLOCK_SIZE,
     MAX_MODEL_LEN,
     MAX_NUM_BATCHED_TOKENS,
@@ -35,10 +38,6 @@ from parallel_helpers import (
 from reference import hf_greedy
 from tiny_models import make_tiny_hf_model, save_tiny_hf_model
 
-SEED = 1
-MODELS = {"kv2": {}, "kv1": {"num_key_value_heads": 1}}
-"""Default tiny Llama (4 heads, 2 KV heads) and one KV head, which DCP=2 with TP=2 needs."""
-KV_HEADS = {"kv2": 2, "kv1": 1}
 GROUP_TOKENS = 120
 """Tokens the KV pool of each layout's CP group holds: small enough to force preemption."""
 REFERENCE_MAX_TOKENS = 32
@@ -100,7 +99,7 @@ class Launches:
     def folder(self, model: str) -> str:
         if model not in self._folders:
             path = str(self._tmp.mktemp(model))
-            self._folders[model] = save_tiny_hf_model(path, "llama", seed=SEED, **MODELS[model])
+            self._folders[model] = save_tiny_hf_model(path, "llama", seed=MODEL_SEED, **MODELS[model])
         return self._folders[model]
 
     def reference(self, model: str) -> dict:
@@ -219,7 +218,7 @@ def test_prompt_longer_than_one_rank_holds(launches):
     assert max_abs_diff(sampled_logprobs(ring), sampled_logprobs(allgather)) <= 1e-4
     assert max_abs_diff(prompt_logprob_values(ring), prompt_logprob_values(allgather)) <= 1e-4
 
-    hf_tokens, hf_logprobs, hf_prompt_logprobs = hf_greedy(make_tiny_hf_model("llama", seed=SEED, **MODELS["kv2"]),
+    hf_tokens, hf_logprobs, hf_prompt_logprobs = hf_greedy(make_tiny_hf_model("llama", seed=MODEL_SEED, **MODELS["kv2"]),
                                                            long_prompt(), LONG_MAX_TOKENS)
     assert tokens == hf_tokens
     assert max_abs_diff(sampled_logprobs(allgather), hf_logprobs) <= 1e-4
