@@ -236,10 +236,10 @@ class _LoggedTransfer:
         return self._transfer.wait()
 
 
-def ring_events(groups: ParallelGroups, seed: int) -> tuple[list, dict]:
-    """A ring step of fresh prompts with ring_exchange and _attend instrumented: the event order and the result."""
+def logged_ring(module, attend_name: str, run) -> tuple[list, dict]:
+    """Run `run()` with `module.ring_exchange` and `module.<attend_name>` logging post / wait / attend events."""
     events: list = []
-    real_exchange, real_attend = attention_module.ring_exchange, attention_module._attend
+    real_exchange, real_attend = module.ring_exchange, getattr(module, attend_name)
 
     def exchange(tensor, group, **kwargs):
         step = sum(1 for e in events if e[0] == "post")
@@ -250,12 +250,19 @@ def ring_events(groups: ParallelGroups, seed: int) -> tuple[list, dict]:
         events.append(("attend",))
         return real_attend(*args, **kwargs)
 
-    attention_module.ring_exchange, attention_module._attend = exchange, attend
+    module.ring_exchange = exchange
+    setattr(module, attend_name, attend)
     try:
-        result = run_case(groups, "ring", 1, "ring_order", seed)
+        result = run()
     finally:
-        attention_module.ring_exchange, attention_module._attend = real_exchange, real_attend
+        module.ring_exchange = real_exchange
+        setattr(module, attend_name, real_attend)
     return events, result
+
+
+def ring_events(groups: ParallelGroups, seed: int) -> tuple[list, dict]:
+    """A ring step of fresh prompts with ring_exchange and _attend instrumented: the event order and the result."""
+    return logged_ring(attention_module, "_attend", lambda: run_case(groups, "ring", 1, "ring_order", seed))
 
 
 def case_keys() -> list[tuple[str, int, str]]:

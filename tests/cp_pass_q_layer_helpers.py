@@ -32,35 +32,9 @@ def run_pass_q_case(groups: ParallelGroups, interleave: int, name: str, seed: in
         helpers.build_step_batch = original
 
 
-class _LoggedTransfer:
-    def __init__(self, transfer, step: int, events: list):
-        self._transfer, self._step, self._events = transfer, step, events
-
-    def wait(self):
-        self._events.append(("wait", self._step))
-        return self._transfer.wait()
-
-
 def ring_events(groups: ParallelGroups, seed: int) -> tuple[list, dict]:
     """A pass-Q step of fresh prompts with the query ring and the attention calls logged, and its result."""
-    events: list = []
-    real_exchange, real_attend = pass_q_module.ring_exchange, pass_q_module.attend
-
-    def exchange(tensor, group, **kwargs):
-        step = sum(1 for e in events if e[0] == "post")
-        events.append(("post", step))
-        return _LoggedTransfer(real_exchange(tensor, group, **kwargs), step, events)
-
-    def attend(*args, **kwargs):
-        events.append(("attend",))
-        return real_attend(*args, **kwargs)
-
-    pass_q_module.ring_exchange, pass_q_module.attend = exchange, attend
-    try:
-        result = run_pass_q_case(groups, 1, "ring_order", seed)
-    finally:
-        pass_q_module.ring_exchange, pass_q_module.attend = real_exchange, real_attend
-    return events, result
+    return helpers.logged_ring(pass_q_module, "attend", lambda: run_pass_q_case(groups, 1, "ring_order", seed))
 
 
 def run_world(rank: int, world: int, port: int, pcp: int, dcp: int) -> dict:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from cpllm import LLM, SamplingParams
 from reference import as_float
+from tiny_models import save_tiny_hf_model
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 256
@@ -169,3 +170,40 @@ def assert_same_greedy(got, want, *, what: str, prompt_logprobs: bool, atol: flo
         assert diff <= atol, f"{what}: prompt logprobs differ by {diff:.3g}"
     else:
         assert got.prompt_logprobs is None, f"{what}: prompt logprobs returned without being asked for"
+
+
+class LaunchCache:
+    """Module-wide cache of tiny model folders, single-rank references and one launch per layout.
+
+    A module subclasses it with its own `_launch(layout)` (and usually `reference(model)`); a launch that
+    failed is not retried: later tests that need it see its error again.
+    """
+
+    def __init__(self, tmp_path_factory):
+        self._tmp = tmp_path_factory
+        self._folders: dict[str, str] = {}
+        self._references: dict[str, dict] = {}
+        self._runs: dict = {}
+
+    def folder(self, model: str) -> str:
+        """A saved tiny Llama of MODELS[model] (built once per module)."""
+        if model not in self._folders:
+            path = str(self._tmp.mktemp(model))
+            self._folders[model] = save_tiny_hf_model(path, "llama", seed=MODEL_SEED, **MODELS[model])
+        return self._folders[model]
+
+    def run(self, layout: Layout):
+        """The layout's results, launching it on first use."""
+        if layout not in self._runs:
+            try:
+                self._runs[layout] = self._launch(layout)
+            except Exception as error:
+                self._runs[layout] = error
+                raise
+        result = self._runs[layout]
+        if isinstance(result, BaseException):
+            raise RuntimeError(f"{layout.label()} failed in an earlier test: {result}") from result
+        return result
+
+    def _launch(self, layout: Layout):
+        raise NotImplementedError

@@ -31,16 +31,8 @@ def reports():
         layer_test.helpers = original
 
 
-def _world(reports, pcp, dcp) -> dict:
-    got = reports[(pcp, dcp)]
-    if isinstance(got, str):
-        pytest.fail(f"world PCP={pcp} DCP={dcp}: {got}")
-    assert sorted(got) == list(range(pcp * dcp))
-    return got
-
-
-def _world_id(world):
-    return f"pcp{world[0]}-dcp{world[1]}"
+_world = layer_test._world
+_world_id = layer_test._world_id
 
 
 @pytest.mark.timeout(300)

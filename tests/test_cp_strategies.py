@@ -19,9 +19,8 @@ import pytest
 
 from cpllm import LLM
 from parallel_helpers import (
+    LaunchCache,
     KV_HEADS,
-    MODEL_SEED,
-    MODELS,
     BLOCK_SIZE,
     MAX_MODEL_LEN,
     MAX_NUM_BATCHED_TOKENS,
@@ -34,7 +33,6 @@ from parallel_helpers import (
     reference_prompts,
     workload_prompts,
 )
-from tiny_models import save_tiny_hf_model
 
 GROUP_TOKENS = 96
 """KV tokens per CP group: the workload (about 125 tokens with 8 generated each) must preempt."""
@@ -75,19 +73,7 @@ class Run:
     """The auto layout only: {"long": (output, counts), "follow_up": (output, counts)}."""
 
 
-class Launches:
-    def __init__(self, tmp_path_factory):
-        self._tmp = tmp_path_factory
-        self._folders: dict[str, str] = {}
-        self._references: dict[str, dict] = {}
-        self._runs: dict = {}
-
-    def folder(self, model: str) -> str:
-        if model not in self._folders:
-            self._folders[model] = save_tiny_hf_model(str(self._tmp.mktemp(model)), "llama", seed=MODEL_SEED,
-                                                      **MODELS[model])
-        return self._folders[model]
-
+class Launches(LaunchCache):
     def reference(self, model: str) -> dict:
         if model not in self._references:
             options = dict(COMMON, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
@@ -97,18 +83,6 @@ class Launches:
                 params = greedy_params(REFERENCE_MAX_TOKENS, prompt_logprobs=True)
                 self._references[model] = generate_counted(llm, prompts, params, "ref")
         return self._references[model]
-
-    def run(self, layout: Layout) -> Run:
-        if layout not in self._runs:
-            try:
-                self._runs[layout] = self._launch(layout)
-            except Exception as error:
-                self._runs[layout] = error
-                raise
-        result = self._runs[layout]
-        if isinstance(result, BaseException):
-            raise RuntimeError(f"{layout.label()} failed in an earlier test: {result}") from result
-        return result
 
     def _launch(self, layout: Layout) -> Run:
         model = LAYOUTS[layout]

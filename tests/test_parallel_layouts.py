@@ -17,6 +17,7 @@ import pytest
 
 from cpllm import LLM
 from parallel_helpers import (
+    LaunchCache,
     KV_HEADS,
     MODEL_SEED,
     MODELS,
@@ -36,7 +37,7 @@ from parallel_helpers import (
     workload_prompts,
 )
 from reference import hf_greedy
-from tiny_models import make_tiny_hf_model, save_tiny_hf_model
+from tiny_models import make_tiny_hf_model
 
 GROUP_TOKENS = 120
 """Tokens the KV pool of each layout's CP group holds: small enough to force preemption."""
@@ -87,20 +88,8 @@ def long_prompt() -> list[int]:
     return random_prompt(LONG_PROMPT_LEN, seed=LONG_PROMPT_LEN)
 
 
-class Launches:
+class Launches(LaunchCache):
     """Module-wide cache of model folders, reference runs and layout runs."""
-
-    def __init__(self, tmp_path_factory):
-        self._tmp = tmp_path_factory
-        self._folders: dict[str, str] = {}
-        self._references: dict[str, dict] = {}
-        self._runs: dict[Layout, LayoutRun | BaseException] = {}
-
-    def folder(self, model: str) -> str:
-        if model not in self._folders:
-            path = str(self._tmp.mktemp(model))
-            self._folders[model] = save_tiny_hf_model(path, "llama", seed=MODEL_SEED, **MODELS[model])
-        return self._folders[model]
 
     def reference(self, model: str) -> dict:
         """The single-rank engine on every prompt of the suite, same budget and block size, a roomy KV pool."""
@@ -110,19 +99,6 @@ class Launches:
                 params = greedy_params(REFERENCE_MAX_TOKENS, prompt_logprobs=True)
                 self._references[model] = generate_counted(llm, reference_prompts(), params, "ref")
         return self._references[model]
-
-    def run(self, layout: Layout) -> LayoutRun:
-        """The layout's results; a launch that failed is not retried (its error is raised again)."""
-        if layout not in self._runs:
-            try:
-                self._runs[layout] = self._launch(layout)
-            except Exception as error:
-                self._runs[layout] = error
-                raise
-        result = self._runs[layout]
-        if isinstance(result, BaseException):
-            raise RuntimeError(f"{layout.label()} failed in an earlier test: {result}") from result
-        return result
 
     def successful_runs(self) -> dict[Layout, LayoutRun]:
         """Every layout that ran to the end (launching the ones not run yet); failures are reported by their tests."""
