@@ -230,7 +230,8 @@ def test_sigterm_finishes_in_flight_requests_and_exits_zero(model_folder):
 
 def _greedy_answers(proc: ServerProcess) -> list[str]:
     client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="x", timeout=120, max_retries=0)
-    prompts = ["the cat sat on the mat " * 6, "hello world", "The world is"]
+    # The last prompt extends the first: a prefix-cache hit, so a short chunk on a cached context.
+    prompts = ["the cat sat on the mat " * 6, "hello world", "The world is", "the cat sat on the mat " * 6 + "and"]
     texts = [client.completions.create(model=client.models.list().data[0].id, prompt=p, max_tokens=12,
                                        temperature=0, extra_body={"ignore_eos": True}).choices[0].text
              for p in prompts]
@@ -240,15 +241,29 @@ def _greedy_answers(proc: ServerProcess) -> list[str]:
     return texts
 
 
+def _strategy_counts(proc: ServerProcess) -> dict[str, float]:
+    text = httpx.get(f"{proc.url}/metrics", timeout=10).text
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith("cpllm_cp_prefill_strategy_steps_total{"):
+            strategy = line.split('strategy="')[1].split('"')[0]
+            counts[strategy] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
 def test_pcp2_server_answers_like_pcp1(model_folder):
     single = ServerProcess([model_folder, *ENGINE_FLAGS])
     try:
         expected = _greedy_answers(single.wait_ready())
     finally:
         single.close()
-    pcp = ServerProcess([model_folder, *ENGINE_FLAGS, "-pcp", "2", "--threads-per-rank", "1"])
+    pcp = ServerProcess([model_folder, *ENGINE_FLAGS, "-pcp", "2", "--threads-per-rank", "1",
+                         "--cp-prefill-strategy", "auto"])
     try:
         assert _greedy_answers(pcp.wait_ready(timeout_s=180)) == expected
+        # auto's choices are exported: fresh prompts on the ring, the prefix hit's short chunk on pass-Q.
+        counts = _strategy_counts(pcp)
+        assert counts["ring"] >= 3 and counts["pass-q"] >= 1 and counts["allgather"] == 0, counts
         assert pcp.stop(timeout_s=60) == 0
     finally:
         pcp.close()

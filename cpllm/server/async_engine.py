@@ -74,6 +74,7 @@ class AsyncEngine:
         """Why the step loop died, or None while it is healthy."""
         groups = engine.executor.groups
         self._ranks = groups.layout.replica_group(groups.rank)
+        self._pcp = parallel.prefill_context_parallel_size
 
     # ---- event-loop side ------------------------------------------------------------------------------
 
@@ -227,6 +228,8 @@ class AsyncEngine:
         if self.metrics is not None:
             self.metrics.set_engine_state(self.engine.num_running, self.engine.num_waiting,
                                           self.engine.pool.usage(), self._ranks)
+            if self._pcp > 1:  # without PCP no step chooses a strategy
+                self.metrics.set_strategy_counts(self.engine.executor.runner.strategy_counts)
 
 
 def _raise_if_error(item) -> None:

@@ -38,6 +38,12 @@ class ServerMetrics:
                              ["model_name"], registry=r).labels(**labels)
         self.kv_usage = Gauge("cpllm_kv_cache_usage_perc", "Fraction of KV cache blocks in use, per rank",
                               ["model_name", "rank"], registry=r)
+        self.prefill_strategy = Counter(
+            "cpllm_cp_prefill_strategy_steps", "Prompt steps of the driver's replica by the context-parallel prefill "
+            "strategy they ran (with -pcp > 1; --cp-prefill-strategy auto picks per step)",
+            ["model_name", "strategy"], registry=r)
+        self._strategy_seen: dict[str, int] = {}
+        """Totals already exported: the runner keeps running totals, a Counter only goes up by increments."""
 
     def set_engine_state(self, running: int, waiting: int, kv_usage: float, ranks: list[int]) -> None:
         """Called by the engine thread after every step (block ids are shared, so one value for all ranks)."""
@@ -45,6 +51,15 @@ class ServerMetrics:
         self.waiting.set(waiting)
         for rank in ranks:
             self.kv_usage.labels(model_name=self._labels["model_name"], rank=str(rank)).set(kv_usage)
+
+    def set_strategy_counts(self, counts: dict[str, int]) -> None:
+        """The runner's prompt steps per strategy since start (every strategy appears, at 0 until it runs)."""
+        for strategy, total in counts.items():
+            child = self.prefill_strategy.labels(model_name=self._labels["model_name"], strategy=strategy)
+            seen = self._strategy_seen.get(strategy, 0)
+            if total > seen:
+                child.inc(total - seen)
+            self._strategy_seen[strategy] = total
 
     def observe_finished(self, output: RequestOutput) -> None:
         """Token counts and latencies of a request that finished (or was aborted)."""
