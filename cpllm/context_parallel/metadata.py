@@ -95,6 +95,9 @@ class AttentionMetadata:
     runner; None: the layer's configured strategy."""
     pass_q: PassQPlan | None = None
     """Where the new K/V are stored under pass-Q (only in pass-Q steps with a split prompt chunk)."""
+    rows_same_over_pcp: bool = False
+    """Every PCP rank holds the same rows in the same order (one PCP rank, or a step of single tokens that are
+    not split over PCP): MoE layers then skip gathering tokens over PCP (cpllm/model/moe.py)."""
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> "AttentionMetadata":
         """A copy with every tensor on `device` (see `to_device`)."""
@@ -257,6 +260,7 @@ def build_step_batch(chunks, layout: KVLayout, pcp_size: int, pcp_rank: int, out
         decode=_decode_batch(requests),
         strategy=strategy,
         pass_q=pass_q,
+        rows_same_over_pcp=pcp_size == 1 or not (has_new or split_single_tokens),
     )
     replica_sync = None
     if split_single_tokens and not has_new and pcp_size > 1:
