@@ -10,7 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+from cpllm.config_moe import MOE_ARCHITECTURES, MoEConfig, check_moe_placement
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           *MOE_ARCHITECTURES)
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+"""Families that RMS-normalise every query and key head (over head_dim) before rotary."""
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 PREFILL_STRATEGIES = ("allgather", "ring", "pass-q", "auto")
 """How prefill moves data over PCP: new K/V all-gathered or passed round the ring (pass-KV), queries passed
@@ -68,6 +73,10 @@ class ModelConfig:
     """Beginning-of-sequence token id."""
     eos_token_ids: tuple[int, ...] = ()
     """Token ids that end generation."""
+    qk_norm: bool = False
+    """Per-head RMSNorm of queries and keys before rotary (Qwen3)."""
+    moe: MoEConfig | None = None
+    """The sparse MLP of a mixture-of-experts model (None: dense)."""
     quantization: str = DEFAULT_QUANTIZATION
     """How the weights run, one of QUANTIZATION_CHOICES. Kept here, as vLLM does, because every rank builds its
     model from this config alone; checks that need the parallel layout are in EngineConfig."""
@@ -85,6 +94,8 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
+        if self.qk_norm and self.attention_bias:
+            raise ValueError(f"{self.architecture} with attention_bias=True (an o_proj bias) is not supported")
         if self.sliding_window is not None:
             raise ValueError(
                 f"sliding-window attention (sliding_window={self.sliding_window}) is not "
@@ -123,7 +134,10 @@ class ModelConfig:
             rope_scaling=cfg.get("rope_scaling"),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", archs[0] == "Qwen2ForCausalLM"),
+            attention_bias=cfg.get("qkv_bias", True) if archs[0] == "Qwen2MoeForCausalLM"
+            else cfg.get("attention_bias", archs[0] == "Qwen2ForCausalLM"),
+            qk_norm=archs[0] in QK_NORM_ARCHITECTURES,
+            moe=MoEConfig.from_hf_config(cfg),
             sliding_window=sliding,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -150,6 +164,8 @@ class ParallelConfig:
     """Where each token's K/V live, one of KV_CACHE_LAYOUTS."""
     distributed_timeout_s: float = 120.0
     """A collective that waits longer than this fails with an error naming the rank."""
+    enable_expert_parallel: bool = False
+    """MoE models: whole experts split over the TP x PCP ranks instead of every expert's rows (expert-TP)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -210,11 +226,15 @@ class ParallelConfig:
                 f"tensor_parallel_size={tp} is not a multiple of num_key_value_heads={kv_heads} "
                 "(KV heads are replicated when there are fewer than TP of them)"
             )
-        if model.intermediate_size % tp != 0:
+        dense_mlp = model.moe is None or not all(map(model.moe.is_sparse, range(model.num_hidden_layers)))
+        if dense_mlp and model.intermediate_size % tp != 0:
             raise ValueError(
                 f"intermediate_size={model.intermediate_size} is not divisible by tensor_parallel_size={tp}"
             )
         _check_dcp_placement(tp, dcp, kv_heads)
+        if model.moe is not None:
+            check_moe_placement(model.moe, tp=tp, pcp=self.prefill_context_parallel_size,
+                                expert_parallel=self.enable_expert_parallel)
 
 
 def kv_heads_of_tp_rank(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
