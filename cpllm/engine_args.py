@@ -64,6 +64,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_option: bool 
     group.add_argument("--cp-kv-cache-layout", choices=list(KV_CACHE_LAYOUTS), default="sharded",
                        help="sharded: each token's K/V on one PCP x DCP rank (most capacity); replicated: a copy "
                             "on every PCP rank, sharded over DCP (decode without PCP collectives)")
+    group.add_argument("--enable-expert-parallel", action="store_true",
+                       help="MoE models: split whole experts over the TP x PCP ranks instead of every expert's "
+                            "intermediate rows (expert-TP, the default)")
     group.add_argument("--distributed-timeout", type=float, default=120.0,
                        help="seconds before a stuck or dead rank fails the run")
     group.add_argument("--threads-per-rank", type=int, default=None, help="torch threads in each rank's process")
@@ -89,5 +92,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         cp_prefill_strategy=args.cp_prefill_strategy,
         cp_kv_cache_layout=args.cp_kv_cache_layout,
         distributed_timeout=args.distributed_timeout,
+        enable_expert_parallel=args.enable_expert_parallel,
         threads_per_rank=args.threads_per_rank,
     )

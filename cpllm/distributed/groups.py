@@ -156,6 +156,9 @@ class ParallelGroups:
     """All ranks of this replica on gloo, for control messages (step broadcasts)."""
     world_cpu_group: dist.ProcessGroup | None
     """All ranks on gloo, for control messages across replicas."""
+    moe_group: dist.ProcessGroup | None = None
+    """The replica's ranks (flattened TP x PCP) on the default backend: the MoE layers' group (DESIGN section 9).
+    On gloo it is the replica group itself."""
 
     # Coordinates and sizes, derived from the layout so they can never disagree with it.
     @property
@@ -260,6 +263,11 @@ class ParallelGroups:
                 if rank in members:
                     mine[kind] = group
         world_cpu = maker.make(list(range(world)), "gloo")
+        moe = None
+        for members in layout.all_groups("replica"):
+            group = maker.make(members, None)  # tensor collectives: the default backend
+            if rank in members:
+                moe = group
         dp_cpu = None  # the same group as dp_group when the default backend is gloo (the maker reuses it)
         for members in layout.all_groups("dp"):
             group = maker.make(members, "gloo")
@@ -277,6 +285,7 @@ class ParallelGroups:
             dp_cpu_group=dp_cpu,
             replica_group=mine["replica"],
             world_cpu_group=world_cpu,
+            moe_group=moe,
         )
 
 

@@ -38,6 +38,7 @@ def build_engine_config(
     cp_prefill_strategy: str = "allgather",
     cp_kv_cache_layout: str = "sharded",
     distributed_timeout: float = 120.0,
+    enable_expert_parallel: bool = False,
 ) -> EngineConfig:
     """Validate every engine option together, before any process starts."""
     path = model or default_model_path()
@@ -50,6 +51,7 @@ def build_engine_config(
         cp_prefill_strategy=cp_prefill_strategy,
         cp_kv_cache_layout=cp_kv_cache_layout,
         distributed_timeout_s=distributed_timeout,
+        enable_expert_parallel=enable_expert_parallel,
     )
     # quantization lives in ModelConfig (as in vLLM): every rank builds its model from that config alone
     model_config = dataclasses.replace(open_weights(path).config, quantization=quantization)

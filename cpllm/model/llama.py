@@ -24,6 +24,9 @@ from cpllm.model.layers import (
     VocabParallelEmbedding,
 )
 from cpllm.model.loader import WeightSource
+from cpllm.model.moe import SparseMoEBlock
+from cpllm.model.moe_log import moe_summary_lines
+from cpllm.model.moe_placement import MoEShard
 from cpllm.model.quant_report import summary_lines
 from cpllm.model.rope import RotaryEmbedding
 
@@ -59,13 +62,20 @@ class LlamaAttention(torch.nn.Module):
         )
         self.attn = PagedCPAttention(comm, scale=d**-0.5)
         self.head_dim = d
+        self.q_norm = self.k_norm = None  # Qwen3: RMSNorm over each head's width before rotary
+        if config.qk_norm:
+            self.q_norm = RMSNorm(f"{prefix}.q_norm.weight", d, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(f"{prefix}.k_norm.weight", d, config.rms_norm_eps, dtype)
 
     def forward(self, positions, hidden, rope: RotaryEmbedding, kv_cache, meta: AttentionMetadata):
         n, d = hidden.shape[0], self.head_dim
         qkv = self.qkv_proj(hidden)  # [N, (Hq + 2 Hkv) * D]
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
-        q = rope(positions, q.view(n, self.num_heads, d))  # [N, Hq, D]
-        k = rope(positions, k.view(n, self.num_kv_heads, d))  # [N, Hkv, D]
+        q, k = q.view(n, self.num_heads, d), k.view(n, self.num_kv_heads, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rope(positions, q)  # [N, Hq, D]
+        k = rope(positions, k)  # [N, Hkv, D]
         v = v.reshape(n, self.num_kv_heads, d)
         out = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta)  # [N, Hq, D]
         return self.o_proj(out.reshape(n, self.num_heads * d))
@@ -90,13 +100,14 @@ class LlamaMLP(torch.nn.Module):
         self.down_proj = RowParallelLinear(f"{prefix}.down_proj", config.intermediate_size, config.hidden_size, tp,
                                            dtype, config.quantization)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.shard, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(torch.nn.Module):
-    def __init__(self, config: ModelConfig, index: int, tp: TPShard, comm: CPComm, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, index: int, tp: TPShard, comm: CPComm, dtype: torch.dtype,
+                 moe: MoEShard | None = None):
         super().__init__()
         prefix = f"model.layers.{index}"
         eps = config.rms_norm_eps
@@ -105,24 +116,30 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = RMSNorm(
             f"{prefix}.post_attention_layernorm.weight", config.hidden_size, eps, dtype
         )
-        self.mlp = LlamaMLP(config, f"{prefix}.mlp", tp, dtype)
+        if config.moe is not None and config.moe.is_sparse(index):
+            shard = moe or MoEShard(tp=tp)
+            self.mlp = SparseMoEBlock(config, f"{prefix}.{config.moe.expert_prefix}", shard, dtype)
+        else:
+            self.mlp = LlamaMLP(config, f"{prefix}.mlp", tp, dtype)
 
     def forward(self, positions, hidden, rope, kv_cache, meta):
         hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rope, kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden), meta)
 
 
 class LlamaForCausalLM(torch.nn.Module):
     """Decoder stack; `forward` returns final hidden states, `logits` applies the LM head to chosen rows."""
 
-    def __init__(self, config: ModelConfig, tp: TPShard, comm: CPComm, dtype: torch.dtype, max_positions: int):
+    def __init__(self, config: ModelConfig, tp: TPShard, comm: CPComm, dtype: torch.dtype, max_positions: int,
+                 moe: MoEShard | None = None):
+        """`moe`: this rank's place in the MoE group (MoE models; None = this TP group alone)."""
         super().__init__()
         self.config = config
         h = config.hidden_size
         self.embed_tokens = VocabParallelEmbedding("model.embed_tokens.weight", config.vocab_size, h, tp, dtype,
                                                    config.quantization)
         self.layers = torch.nn.ModuleList(
-            LlamaDecoderLayer(config, i, tp, comm, dtype) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, tp, comm, dtype, moe) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm("model.norm.weight", h, config.rms_norm_eps, dtype)
         tied = self.embed_tokens if config.tie_word_embeddings else None
@@ -134,7 +151,7 @@ class LlamaForCausalLM(torch.nn.Module):
             if hasattr(module, "load") and module is not self and module is not self.lm_head:
                 module.load(source)
         self.lm_head.load(source)  # last: a tied head copies the loaded embedding
-        for line in summary_lines(self, self.config.quantization):
+        for line in summary_lines(self, self.config.quantization) + moe_summary_lines(self):
             logger.info("%s", line)
 
     @torch.inference_mode()

@@ -15,7 +15,8 @@ from cpllm.distributed.groups import ParallelGroups
 from cpllm.model.layers import TPShard
 from cpllm.model.llama import LlamaForCausalLM, local_kv_heads
 from cpllm.model.loader import open_weights
-from cpllm.planner.runtime import StepStrategy, device_hardware, heuristic_inputs
+from cpllm.model.moe_placement import MoEShard
+from cpllm.planner.runtime import StepStrategy, device_hardware, engine_cost
 from cpllm.step import SchedulerOutput, output_positions
 from cpllm.worker.kv_cache import allocate_kv_cache, bytes_per_block, kv_budget_bytes
 
@@ -41,12 +42,14 @@ class ModelRunner:
                                cp_rank=groups.dcp_rank if self.replicated else groups.cp_rank,
                                interleave=config.parallel.cp_kv_cache_interleave_size,
                                block_size=config.cache.block_size)
+        moe = MoEShard(tp=tp, pcp_rank=groups.pcp_rank, pcp_size=groups.pcp_size, pcp_group=groups.pcp_group,
+                       group=groups.moe_group, expert_parallel=config.parallel.enable_expert_parallel)
         with torch.device(device):
-            self.model = LlamaForCausalLM(config.model, tp, comm, self.dtype, config.scheduler.max_model_len)
+            self.model = LlamaForCausalLM(config.model, tp, comm, self.dtype, config.scheduler.max_model_len, moe)
         self.model.load_weights(open_weights(config.model_path))
         _, self.num_kv_heads = local_kv_heads(config.model, tp)
         element_bytes = torch.empty((), dtype=self.dtype).element_size()
-        self.step_strategy = StepStrategy(config.parallel, heuristic_inputs(
+        self.step_strategy = StepStrategy(config.parallel, engine_cost(
             config.parallel, config.model, element_bytes, device_hardware(device, torch.get_num_threads())))
         self.num_blocks = self._count_blocks()
         self.kv_caches = allocate_kv_cache(config.model.num_hidden_layers, self.num_blocks, config.cache.block_size,
