@@ -48,7 +48,7 @@ LAYOUTS = {  # layout -> model
     AUTO: "kv2",
 }
 LONG = 90
-"""Fresh prompt of the auto check (P = 0 takes the ring: T / (T + P) = 1 >= 2 N_KV / N_H); it becomes the long
+"""Fresh prompt of the auto check (P = 0: pass-Q would add its all-to-all, so the ring); it becomes the long
 cached context of the follow-up."""
 FOLLOW_UP_NEW = 6
 ROOMY_BUDGET = 128

@@ -8,8 +8,10 @@ FP8 weights on 8 x H100 nodes:
   point alone; every other point is a prediction and must be within 15%.
 - Table 4, partial prefill on CP4 with 128,000 tokens in all, by KV cache miss rate T / (T + P): pass-Q is faster
   at 1% (898.7 vs 1,023.4 ms) and 2.5%, the two are even at 5%, pass-KV is faster at 10% (2,080.7 vs 2,205.3 ms)
-  and for a full prefill (the paper's choice for it). `auto` must pick the faster one on each of those rows; the
-  cost model's own times must order the 1%, 10% and 100% rows the same way.
+  and for a full prefill (the paper's choice for it). The paper's rule must pick the faster one on each of those
+  rows; the cost model's own times (of the paper's pass-KV) must order the 1%, 10% and 100% rows the same way.
+`auto` itself compares the cost model's times of cpllm's two strategies (strategy.py); its picks on the paper's
+cluster and on this CPU are checked too.
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from cpllm.cli import main
 from cpllm.planner.cost_model import CostModel, Layout, Precision
 from cpllm.planner.hardware import builtin_hardware
 from cpllm.planner.models import load_model_shape
 from cpllm.planner.plan import PlanRequest, auto_strategy, fit_efficiency, plan, valid_layouts
-from cpllm.planner.strategy import HeuristicInputs, StepSizes, choose
+from cpllm.planner.paper_rule import HeuristicInputs, paper_choice
+from cpllm.planner.strategy import StepSizes, choose
 
 TOKENS_128K = 128 * 1024
 TABLE7 = {  # (nodes, layout label) -> published TTFT, seconds
@@ -66,30 +70,69 @@ def test_table7_within_15_percent_with_one_factor_fitted_on_cp1():
 def test_table4_crossover_on_the_right_side():
     cost = paper_cost(fitted_efficiency())
     cp4 = Layout(tp=8, pcp=4)
-    picks = {}
-    for miss, faster in TABLE4_FASTER.items():
+    hq, hkv = cost.local_heads(cp4.tp)
+    rule = HeuristicInputs(pcp=4, flops=cost.hw.peak_flops, bandwidth=cost.hw.inter_node_bw, kv_heads=hkv,
+                           query_heads=hq, element_bytes=2)
+    for miss, faster in TABLE4_FASTER.items():  # the paper's closed form, with peak figures
         new = round(TABLE4_TOTAL * miss)
-        request = PlanRequest(context=TABLE4_TOTAL, prefix_hit=1 - new / TABLE4_TOTAL)
-        assert request.new == new
-        picks[miss] = auto_strategy(cost, cp4, request)
-        assert picks[miss] == ("pass-q" if faster == "pass-q" else "ring"), (miss, picks)
-    for miss in (0.01, 0.10, 1.0):
+        pick = paper_choice(StepSizes(new=new, cached=TABLE4_TOTAL - new), rule)
+        assert pick == ("pass-q" if faster == "pass-q" else "ring"), (miss, pick)
+    for miss in (0.01, 0.10, 1.0):  # the cost model's own times, for the paper's pass-KV
         new = round(TABLE4_TOTAL * miss)
-        pass_kv = cost.prefill(cp4, new, TABLE4_TOTAL - new, "pass-kv").total_s
-        pass_q = cost.prefill(cp4, new, TABLE4_TOTAL - new, "pass-q").total_s
-        predicted = "pass-q" if pass_q < pass_kv else "pass-kv"
-        assert predicted == TABLE4_FASTER[miss], f"miss rate {miss}: pass-KV {pass_kv:.3f} s, pass-Q {pass_q:.3f} s"
+        picked = choose(cost, cp4, StepSizes(new=new, cached=TABLE4_TOTAL - new), ("pass-kv", "pass-q"))
+        assert picked.strategy == TABLE4_FASTER[miss], f"miss rate {miss}: {picked.predicted_s}"
+
+
+def test_auto_on_cpllms_strategies_for_the_papers_cluster():
+    """cpllm's ring serves a cached context with a blocking query gather: with any cached context on four nodes
+    pass-Q is predicted faster; a fresh prompt takes the ring."""
+    cost, cp4 = paper_cost(fitted_efficiency()), Layout(tp=8, pcp=4)
+    for miss in (0.01, 0.10, 0.5):
+        assert auto_strategy(cost, cp4, PlanRequest(context=TABLE4_TOTAL, prefix_hit=1 - miss)) == "pass-q", miss
+    assert auto_strategy(cost, cp4, PlanRequest(context=TABLE4_TOTAL)) == "ring"
+
+
+def cpu_engine_cost(model: str, pcp: int = 2):
+    """What the engine's `auto` consults on this CPU with one thread per rank (fp32)."""
+    from cpllm.config import ParallelConfig
+    from cpllm.planner.runtime import device_hardware, engine_cost
+
+    parallel = ParallelConfig(prefill_context_parallel_size=pcp, cp_prefill_strategy="auto")
+    return engine_cost(parallel, load_model_shape(model), 4, device_hardware(torch.device("cpu"), threads=1))
+
+
+@pytest.mark.parametrize("new, cached, expected", [
+    (256, 4096, "pass-q"),  # measured: ring 1.33 s, pass-Q 1.18 s (the paper's rule picks the ring here)
+    (256, 8192, "pass-q"),
+    (64, 4096, "pass-q"),
+    (4096, 0, "ring"),
+    (8192, 0, "ring"),
+    (90, 0, "ring"),
+])
+def test_auto_picks_by_the_cost_model_on_this_cpu(new, cached, expected):
+    engine = cpu_engine_cost("smollm2-135m")
+    choice = choose(engine.cost, engine.layout, StepSizes(new=new, cached=cached))
+    assert choice.strategy == expected, choice.predicted_s
+
+
+def test_papers_rule_would_pick_the_ring_for_a_short_chunk_here():
+    """Why `auto` does not use the closed form: on this CPU it sends 256 new tokens on 4,096 cached round the
+    ring (T is above its overlap threshold), which cpllm runs slower than pass-Q."""
+    hw = cpu_engine_cost("smollm2-135m").cost.hw
+    rule = HeuristicInputs(pcp=2, flops=hw.attention_peak(), bandwidth=hw.intra_node_bw, kv_heads=3, query_heads=9,
+                           element_bytes=4)
+    assert paper_choice(StepSizes(new=256, cached=4096), rule) == "ring"
 
 
 def test_heuristic_thresholds_follow_the_formula():
     inputs = HeuristicInputs(pcp=4, flops=989.4e12, bandwidth=50e9, kv_heads=1, query_heads=16, element_bytes=2)
     assert inputs.overlap_threshold == pytest.approx(4 * 989.4e12 * 1 * 2 / (2 * 16 * 50e9))
     assert inputs.miss_rate_threshold == pytest.approx(2 * 1 / 16)
-    assert choose(StepSizes(new=100, cached=0), inputs) == "ring"  # a fresh prompt: the K/V message is smaller
-    assert choose(StepSizes(new=100, cached=100_000), inputs) == "pass-q"
-    assert choose(StepSizes(new=10_000, cached=1_000_000), inputs) == "ring"  # long enough to hide the ring
+    assert paper_choice(StepSizes(new=100, cached=0), inputs) == "ring"  # a fresh prompt: the K/V message is smaller
+    assert paper_choice(StepSizes(new=100, cached=100_000), inputs) == "pass-q"
+    assert paper_choice(StepSizes(new=10_000, cached=1_000_000), inputs) == "ring"  # long enough to hide the ring
     with pytest.raises(ValueError, match="T=0"):
-        choose(StepSizes(new=0, cached=5), inputs)
+        paper_choice(StepSizes(new=0, cached=5), inputs)
 
 
 def test_attention_flops_match_the_benchmarks_formula():

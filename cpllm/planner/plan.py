@@ -2,8 +2,8 @@
 capacity and memory per device, and the one to use.
 
 The prefill strategy of each PCP layout is the one `--cp-prefill-strategy auto` would pick for the request
-(strategy.py, with the device's published peak and link bandwidth); its TTFT is the cost model's for cpllm's
-implementation of that strategy. The recommendation: among layouts whose weights and the request's KV fit, those
+(strategy.py: the faster of cpllm's ring and pass-Q by this same cost model); its TTFT is the cost model's for
+cpllm's implementation of that strategy. The recommendation: among layouts whose weights and the request's KV fit, those
 meeting the TTFT objective (all of them without one), the fastest decode when an objective is given, else the
 fastest TTFT.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from cpllm.config import ModelConfig, ParallelConfig, valid_dcp_sizes
 from cpllm.planner.cost_model import CostModel, Layout
-from cpllm.planner.strategy import HeuristicInputs, StepSizes, choose
+from cpllm.planner.strategy import StepSizes, choose
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -91,18 +91,13 @@ def valid_layouts(model: ModelConfig, devices: int) -> list[Layout]:
 
 
 def auto_strategy(cost: CostModel, layout: Layout, request: PlanRequest) -> str:
-    """What `--cp-prefill-strategy auto` runs for this request on this layout."""
+    """What `--cp-prefill-strategy auto` runs for this request on this layout (the engine's own decision,
+    strategy.choose, on this cost model)."""
     if layout.pcp == 1:
         return "-"
     if layout.kv_layout == "replicated":
         return "ring"
-    hw = cost.hw
-    hq, hkv = cost.local_heads(layout.tp)
-    crosses = layout.pcp * layout.tp > hw.devices_per_node
-    inputs = HeuristicInputs(pcp=layout.pcp, flops=hw.attention_peak(),
-                             bandwidth=hw.inter_node_bw if crosses else hw.intra_node_bw,
-                             kv_heads=hkv, query_heads=hq, element_bytes=cost.precision.activation_bytes)
-    return choose(StepSizes(new=request.new, cached=request.cached), inputs)
+    return choose(cost, layout, StepSizes(new=request.new, cached=request.cached)).strategy
 
 
 def predict(cost: CostModel, layout: Layout, request: PlanRequest) -> LayoutPrediction:

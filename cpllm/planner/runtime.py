@@ -1,16 +1,18 @@
-"""The engine's side of `--cp-prefill-strategy auto`: the heuristic's constants for this rank's device, and the
+"""The engine's side of `--cp-prefill-strategy auto`: the cost model of this rank's device and layout, and the
 per-step choice (strategy.py) with a count of how often each strategy ran."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from cpllm.config import ModelConfig, ParallelConfig
+from cpllm.planner.cost_model import CostModel, Layout, Precision
 from cpllm.planner.hardware import HardwareSpec, builtin_hardware
-from cpllm.planner.strategy import PASS_KV, HeuristicInputs, choose, step_sizes
+from cpllm.planner.strategy import PASS_KV, choose, step_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -30,31 +32,38 @@ def device_hardware(device: torch.device, threads: int) -> HardwareSpec:
     return dataclasses.replace(cpu, peak_flops=cpu.peak_flops * max(threads, 1))
 
 
-def heuristic_inputs(parallel: ParallelConfig, model: ModelConfig, element_bytes: int,
-                     hardware: HardwareSpec) -> HeuristicInputs:
-    tp, pcp = parallel.tensor_parallel_size, parallel.prefill_context_parallel_size
-    crosses = pcp * tp > hardware.devices_per_node
-    return HeuristicInputs(
-        pcp=pcp, flops=hardware.attention_peak(),
-        bandwidth=hardware.inter_node_bw if crosses else hardware.intra_node_bw,
-        kv_heads=max(1, model.num_key_value_heads // tp), query_heads=model.num_attention_heads // tp,
-        element_bytes=element_bytes,
-    )
+@dataclass(kw_only=True, frozen=True, slots=True)
+class EngineCost:
+    """The cost model `auto` consults and the engine's layout in its terms."""
+
+    cost: CostModel
+    layout: Layout
+
+
+def engine_cost(parallel: ParallelConfig, model: ModelConfig, element_bytes: int,
+                hardware: HardwareSpec) -> EngineCost:
+    """Only the strategies' communication and overlap differ between candidates, so the weight format (it
+    scales the linear layers, the same under every strategy) does not move the choice."""
+    precision = Precision(weight_format="fp32" if element_bytes == 4 else "bf16",
+                          activation_bytes=element_bytes, kv_bytes=element_bytes)
+    layout = Layout(tp=parallel.tensor_parallel_size, pcp=parallel.prefill_context_parallel_size,
+                    dcp=parallel.decode_context_parallel_size, kv_layout=parallel.cp_kv_cache_layout)
+    return EngineCost(cost=CostModel(model, hardware, precision), layout=layout)
 
 
 class StepStrategy:
-    """Which prefill strategy each step runs; `counts` says how many prompt steps ran with each (the engine's
-    metrics read it)."""
+    """Which prefill strategy each step runs; `counts` says how many prompt steps ran with each (the server's
+    metrics export it)."""
 
-    def __init__(self, parallel: ParallelConfig, inputs: HeuristicInputs):
+    def __init__(self, parallel: ParallelConfig, engine: EngineCost):
         self.configured = parallel.cp_prefill_strategy
         self.replicated = parallel.cp_kv_cache_layout == "replicated"
-        self.inputs = inputs
+        self.engine = engine
         self.counts: dict[str, int] = {name: 0 for name in COUNTED_STRATEGIES}
 
     def __call__(self, step_id: int, chunks) -> str | None:
         """The step's strategy, or None when it has no prompt chunk or there is no PCP (nothing to choose)."""
-        if self.inputs.pcp == 1:
+        if self.engine.layout.pcp == 1:
             return None
         sizes = step_sizes(chunks)
         if sizes.new == 0:
@@ -64,10 +73,9 @@ class StepStrategy:
         elif self.replicated:
             strategy = PASS_KV  # every PCP rank stores every new token: the K/V must travel anyway
         else:
-            strategy = choose(sizes, self.inputs)
+            choice = choose(self.engine.cost, self.engine.layout, sizes)
+            strategy = choice.strategy
+            logger.debug("step %d: T=%d P=%d predicted %s -> %s", step_id, sizes.new, sizes.cached,
+                         " ".join(f"{k}={v * 1e3:.2f}ms" for k, v in choice.predicted_s.items()), strategy)
         self.counts[strategy] += 1
-        if self.configured == "auto":
-            logger.debug("step %d: T=%d P=%d (T/(T+P)=%.3f; pass-KV from T>=%.0f or %.3f) -> %s", step_id,
-                         sizes.new, sizes.cached, sizes.new / (sizes.new + sizes.cached),
-                         self.inputs.overlap_threshold, self.inputs.miss_rate_threshold, strategy)
         return strategy

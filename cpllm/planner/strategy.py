@@ -1,27 +1,34 @@
-"""`--cp-prefill-strategy auto`: pass-KV (the ring) or pass-Q, chosen per step from the step's sizes.
+"""`--cp-prefill-strategy auto`: the ring (pass-KV) or pass-Q, whichever the cost model predicts is faster.
 
-The rule of Yang et al. (arXiv 2411.01783, Algorithm 1), with T the new tokens of the step's prompt chunks,
-P their cached tokens, N the PCP ranks, C one rank's attention FLOP/s, BW its bandwidth to the next PCP rank,
-e the bytes per element and N_KV, N_H the KV and query heads one rank holds:
+The decision is the one `cpllm plan` makes for a request (plan.py), from the same CostModel: per step, the
+predicted prefill time of the step's prompt chunks under each strategy cpllm runs, and the smaller wins (the
+ring on a tie). What differs between the two is only their communication and how much of it the attention of
+the block in hand hides (cost_model.py):
 
-    pass-KV  if  T >= N * C * N_KV * e / (2 * N_H * BW)     (a K/V block arrives before its attention ends)
-             or  T / (T + P) >= 2 * N_KV / N_H               (the K/V message is no larger than the queries')
-    pass-Q   otherwise
+- ring: the new K/V go round the PCP ring behind the new-token attention; a cached context is served by a
+  blocking query gather over the CP group and a blocking all-to-all of the partials;
+- pass-Q: the queries go round the ring behind all of the attention (cached part included); one blocking
+  all-to-all returns the partials and brings the new K/V to their owners.
 
-Derivation (docs/context_parallel.md): a pass-KV ring step moves the K/V of (T + P) / N tokens,
-2 N_KV D e (T + P) / N bytes, while its attention does 4 D N_H (T / N)(T + P) / N FLOPs; the transfer hides when
-bytes / BW <= FLOPs / C, i.e. the first line. A pass-Q step moves T / N queries, N_H D e T / N bytes; pass-KV's
-message is the smaller when 2 N_KV (T + P) <= N_H T, the second line. The decision is a pure function of the
-step, so every rank makes the same one without talking. Steps without a prompt chunk (decodes only) and
-layouts without PCP need no choice.
+So a fresh long prompt takes the ring (pass-Q would add the all-to-all and gain nothing), and a short chunk on a
+long cached context takes pass-Q (the ring would add the query gather, which nothing hides). The paper's closed
+form (paper_rule.py) models the paper's pass-KV, which rings the cached K/V too; cpllm's ring does not, so the
+rule picks the ring for chunks cpllm runs faster with pass-Q (256 new tokens on 4,096 cached on this machine).
+
+The choice is a pure function of the step and the configuration, so every rank makes the same one without
+talking. Steps without a prompt chunk (decodes only) and layouts without PCP need no choice.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cpllm.planner.cost_model import CostModel, Layout
+
 PASS_KV = "ring"
 PASS_Q = "pass-q"
+ENGINE_CHOICES = (PASS_KV, PASS_Q)
+"""What `auto` chooses between: the strategies cpllm runs (the cost model's names for them)."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -35,46 +42,31 @@ class StepSizes:
 
 
 def step_sizes(chunks) -> StepSizes:
-    """Sizes of a step's prompt chunks (single-token chunks are decodes: they never travel round a ring)."""
+    """Sizes of a step's prompt chunks (single-token chunks are decodes: they never travel round a ring).
+
+    Several chunks are summed into one (T, P): the prediction then counts their attention as one request's,
+    a little more than the sum of theirs, which moves both strategies alike.
+    """
     prompt = [c for c in chunks if len(c.token_ids) > 1]
     return StepSizes(new=sum(len(c.token_ids) for c in prompt), cached=sum(c.start_pos for c in prompt))
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
-class HeuristicInputs:
-    """The constants of the rule for one layout on one kind of device."""
+class StrategyChoice:
+    """The pick and the predictions it came from."""
 
-    pcp: int
-    """N: ranks of the ring."""
-    flops: float
-    """C: attention FLOP/s of one rank."""
-    bandwidth: float
-    """BW: bytes/s from one rank to the next PCP rank."""
-    kv_heads: int
-    """N_KV held by one rank."""
-    query_heads: int
-    """N_H held by one rank."""
-    element_bytes: int
-    """e: bytes per K, V or Q element."""
-
-    @property
-    def overlap_threshold(self) -> float:
-        """Smallest T whose pass-KV ring hides behind attention."""
-        return self.pcp * self.flops * self.kv_heads * self.element_bytes / (
-            2 * self.query_heads * self.bandwidth)
-
-    @property
-    def miss_rate_threshold(self) -> float:
-        """Smallest T / (T + P) at which the K/V message is no larger than the queries'."""
-        return 2 * self.kv_heads / self.query_heads
+    strategy: str
+    predicted_s: dict[str, float]
+    """Predicted prefill seconds of the step (whole model) per candidate."""
 
 
-def choose(sizes: StepSizes, inputs: HeuristicInputs) -> str:
-    """"ring" (pass-KV) or "pass-q" for a step with prompt chunks."""
+def choose(cost: CostModel, layout: Layout, sizes: StepSizes,
+           candidates: tuple[str, ...] = ENGINE_CHOICES) -> StrategyChoice:
+    """The candidate with the smallest predicted prefill time (the first one on a tie)."""
     if sizes.new <= 0:
         raise ValueError(f"no prompt tokens in the step (T={sizes.new}): nothing to choose")
-    if sizes.new >= inputs.overlap_threshold:
-        return PASS_KV
-    if sizes.new / (sizes.new + sizes.cached) >= inputs.miss_rate_threshold:
-        return PASS_KV
-    return PASS_Q
+    if layout.pcp <= 1:
+        raise ValueError(f"PCP={layout.pcp}: without context parallelism there is no strategy to choose")
+    predicted = {name: cost.prefill(layout, sizes.new, sizes.cached, name).total_s for name in candidates}
+    best = min(candidates, key=lambda name: predicted[name])  # min keeps the first of equal ones
+    return StrategyChoice(strategy=best, predicted_s=predicted)
