@@ -26,6 +26,7 @@ from gguf.gguf_reader import ReaderTensor
 from gguf.quants import dequantize
 
 from cpllm.config import QUANT_GROUP, ModelConfig
+from cpllm.model.gguf_moe import gguf_moe_config, hf_architecture, moe_hf_names
 from cpllm.model.loader import resolve_slice
 from cpllm.model.quant_gguf import (
     INT4_GGUF_TYPES,
@@ -119,16 +120,19 @@ def _check_rope_scaling(reader: GGUFReader, arch: str, names: set[str]) -> None:
 def gguf_model_config(reader: GGUFReader, tensor_shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
     """ModelConfig from GGUF metadata; `tensor_shapes` (GGUF names, HF order) supply vocab and tying."""
     arch = _meta(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
+    meta = lambda key, default: _meta(reader, key, default)  # noqa: E731
+    hf_arch = hf_architecture(arch, meta) or GGUF_ARCHITECTURES.get(arch)
+    if hf_arch is None:
         raise ValueError(
-            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(GGUF_ARCHITECTURES))}"
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(GGUF_ARCHITECTURES))}, "
+            "qwen3, qwen3moe, qwen2moe (and llama with expert_count: Mixtral)"
         )
     _check_rope_scaling(reader, arch, set(tensor_shapes))
     hidden = int(_meta(reader, f"{arch}.embedding_length"))
     heads = int(_meta(reader, f"{arch}.attention.head_count"))
     bos = _meta(reader, "tokenizer.ggml.bos_token_id")
     return ModelConfig(
-        architecture=GGUF_ARCHITECTURES[arch],
+        architecture=hf_arch,
         # the embedding's rows are what the weights are shaped by; the token list may be shorter
         vocab_size=tensor_shapes["token_embd.weight"][0],
         hidden_size=hidden,
@@ -144,6 +148,8 @@ def gguf_model_config(reader: GGUFReader, tensor_shapes: dict[str, tuple[int, ..
         attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensor_shapes,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=_eos_ids(reader),
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_shapes,
+        moe=gguf_moe_config(arch, meta, set(tensor_shapes), int(_meta(reader, f"{arch}.block_count"))),
     )
 
 
@@ -172,14 +178,18 @@ class GGUFSource:
         self._tensors: dict[str, ReaderTensor] = {}
         for tensor in self._reader.tensors:
             name = hf_name(tensor.name)
-            if name is None:
+            # MoE / Qwen3 names; a stacked expert tensor gives one view per expert ([out, in] slice of the stack)
+            names = [(name, None)] if name is not None else moe_hf_names(tensor.name, self.config.moe)
+            if not names:
                 raise ValueError(f"GGUF tensor {tensor.name!r} has no Hugging Face Llama counterpart")
             if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
                 raise ValueError(
                     f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, which cannot be "
                     f"dequantized; supported: {', '.join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))}"
                 )
-            self._tensors[name] = tensor
+            for name, expert in names:
+                self._tensors[name] = tensor if expert is None else tensor._replace(
+                    data=tensor.data[expert], shape=tensor.shape[:2])
 
     def names(self) -> list[str]:
         return sorted(self._tensors)
