@@ -1,4 +1,4 @@
-"""`cpllm bench prefill | chunk | decode | serve | memory | comm | ceiling`: measure, print a table, write JSON,
+"""`cpllm bench prefill | chunk | plan | decode | serve | memory | comm | ceiling`: measure, print a table, write JSON,
 plot."""
 
 from __future__ import annotations
@@ -51,6 +51,13 @@ def add_bench_parser(parser: argparse.ArgumentParser, add_engine_arguments: Call
     chunk.add_argument("--repeats", type=int, default=3, help="chunks timed per layout (fastest and median)")
     _add_output_options(chunk, plot=False)
 
+    planner = commands.add_parser("plan", help="cpllm plan --calibrate's TTFT against measured PCP=1 and PCP=2 "
+                                  "prefills (one thread per rank, auto strategy), and PCP=2's parallel efficiency")
+    _capture_engine_actions(planner, add_engine_arguments)
+    planner.add_argument("--lengths", default="4096,8000", help="prompt lengths, comma-separated")
+    planner.add_argument("--repeats", type=int, default=3, help="calibrations and runs per point")
+    _add_output_options(planner, plot=False)
+
     decode = commands.add_parser("decode", help="steady decode tokens/s per batch size and context length")
     _capture_engine_actions(decode, add_engine_arguments)
     decode.add_argument("--batch-sizes", default="1,16")
@@ -94,7 +101,7 @@ def add_bench_parser(parser: argparse.ArgumentParser, add_engine_arguments: Call
 
 def run_bench(args: argparse.Namespace) -> int:
     handlers = {"prefill": _prefill, "chunk": _chunk, "decode": _decode, "serve": _serve, "memory": _memory, "comm": _comm,
-                "ceiling": _ceiling}
+                "ceiling": _ceiling, "plan": _plan}
     import os
 
     load_at_start = [round(x, 2) for x in os.getloadavg()]
@@ -198,6 +205,23 @@ def _chunk(args: argparse.Namespace) -> dict[str, Any]:
     rows = [r.row() for r in results]
     print_table(f"TTFT of {args.chunk} new tokens on {args.context} cached (best and median of the repeats)", rows)
     return {"results": rows}
+
+
+def _plan(args: argparse.Namespace) -> dict[str, Any]:
+    from cpllm.bench.plan_check import LAYOUTS, run_plan_check
+
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    progress = _Progress(len(LAYOUTS) * args.repeats, "plan")
+    try:
+        payload = run_plan_check(args.model, lengths=parse_int_list(args.lengths, "--lengths"), repeats=args.repeats,
+                                 engine_options=_engine_options(args), progress=progress)
+    finally:
+        progress.close()
+    print_table("cpllm plan --calibrate vs measured TTFT (fastest repeat of each)", payload["points"])
+    print_table("PCP=2 parallel efficiency: TTFT(1 rank) / (2 x TTFT(PCP=2)), one thread per rank",
+                payload["efficiency"])
+    return payload
 
 
 def _decode(args: argparse.Namespace) -> dict[str, Any]:
