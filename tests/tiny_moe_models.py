@@ -116,9 +116,10 @@ def _gguf_name(hf_name: str) -> str:
     return gguf_tensor_name(hf_name)
 
 
-def save_tiny_moe_gguf(path: str, folder: str, family: str) -> None:
-    """Write the saved folder's weights (F32) as a llama.cpp-style GGUF with stacked expert tensors."""
-    config = tiny_moe_config(family)
+def save_tiny_moe_gguf(path: str, folder: str, family: str, **overrides: Any) -> None:
+    """Write the saved folder's weights (F32) as a llama.cpp-style GGUF with stacked expert tensors; `overrides`
+    are the ones the folder's model was built with."""
+    config = tiny_moe_config(family, **overrides)
     state = hf_state_dict(folder)
     writer = gguf.GGUFWriter(path, GGUF_ARCH[family])
     _add_metadata(writer, config, tiny_vocab())
