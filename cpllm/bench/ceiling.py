@@ -32,13 +32,26 @@ class PrefillFlops:
         return self.linear + self.attention + self.lm_head
 
 
-def linear_params_per_layer(config: Any) -> int:
-    """Weights of one decoder layer's matmuls (norms and biases are negligible)."""
+def linear_params_per_layer(config: Any) -> float:
+    """Weights of one decoder layer's matmuls that a token passes through (norms and biases are negligible);
+    for a MoE model, its top-k experts and the shared expert, averaged over sparse and dense layers."""
     h, d = config.hidden_size, config.head_dim
     q_and_o = 2 * h * config.num_attention_heads * d
     k_and_v = 2 * h * config.num_key_value_heads * d
-    mlp = 3 * h * config.intermediate_size
+    mlp = 3 * h * mlp_width_per_token(config)
     return q_and_o + k_and_v + mlp
+
+
+def mlp_width_per_token(config: Any) -> float:
+    """Gated-MLP rows one token multiplies per layer: intermediate_size (dense), or top-k experts' rows plus the
+    shared expert's in sparse layers, averaged over the layers."""
+    moe = getattr(config, "moe", None)
+    if moe is None:
+        return config.intermediate_size
+    layers = config.num_hidden_layers
+    sparse = sum(moe.is_sparse(i) for i in range(layers))
+    routed = moe.top_k * moe.intermediate_size + moe.shared_expert_intermediate_size
+    return (sparse * routed + (layers - sparse) * config.intermediate_size) / layers
 
 
 def weight_bytes_per_decode_step(config: Any, dtype_bytes: int = 4) -> int:
