@@ -12,6 +12,7 @@ The same runs give the PCP=2 parallel efficiency, TTFT(1 rank) / (2 x TTFT(PCP=2
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -57,8 +58,8 @@ def run_plan_check(model: str | None, *, lengths: list[int], repeats: int,
                    progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     from cpllm.planner.calibrate import calibrate as calibrate_machine
 
-    calibrate = calibrate or (lambda: calibrate_machine(threads_per_rank=1))
     config = model_config_of(model)
+    calibrate = calibrate or (lambda: calibrate_machine(threads_per_rank=1, model=config))
     measured: dict[tuple[int, int], list[float]] = {}
     predicted: dict[tuple[int, int], list[float]] = {}
     strategies: dict[int, str] = {}
@@ -79,7 +80,7 @@ def run_plan_check(model: str | None, *, lengths: list[int], repeats: int,
                 progress(f"repeat {repeat + 1}: {layout.label()}")
     return {"points": _points(measured, predicted, strategies), "auto_ran_pcp2": ran,
             "efficiency": _efficiency(measured, lengths),
-            "calibrations": [_spec_row(hw) for hw in specs]}
+            "calibrations": [_spec_row(hw) for hw in specs], "specs": [dataclasses.asdict(hw) for hw in specs]}
 
 
 def _points(measured, predicted, strategies) -> list[dict[str, Any]]:
@@ -112,5 +113,5 @@ def _efficiency(measured, lengths: list[int]) -> list[dict[str, Any]]:
 def _spec_row(hw: HardwareSpec) -> dict[str, Any]:
     return {"matmul_gflops": round(hw.peak_flops / 1e9, 1),
             "attention_gflops": round((hw.attention_flops or hw.peak_flops) / 1e9, 1),
-            "p2p_mb_s": round(hw.intra_node_bw / 1e6, 1), "p2p_latency_us": round(hw.intra_node_latency_s * 1e6, 1),
+            "busy_node_fraction": round(hw.busy_node_fraction, 3), "p2p_mb_s": round(hw.intra_node_bw / 1e6, 1), "p2p_latency_us": round(hw.intra_node_latency_s * 1e6, 1),
             "memory_gb_s": round(hw.memory_bw / 1e9, 2)}

@@ -1,8 +1,13 @@
 """`cpllm plan --calibrate`: this machine's figures, measured, as a HardwareSpec (one device = one rank).
 
-- peak_flops: best float32 matmul rate at the rank's thread count (bench.ceiling.matmul_gflops);
-- attention_flops: the CPU flash-attention kernel (with log-sum-exp, as cpllm calls it) on a causal
-  2048-token, 9-query-head / 3-KV-head block of width 64 (SmolLM2's heads);
+- peak_flops: with a model, the rate of one layer's projections as cpllm runs them (`x @ W`, W stored
+  [in, out], q|k|v and gate|up packed) on 1,024 rows, at the rank's thread count; without one, the best square
+  float32 matmul (bench.ceiling.matmul_gflops). A 2048-square matmul runs faster than SmolLM2's thin layers, and
+  the prediction is only as good as the rate of the shapes it multiplies.
+- attention_flops: the CPU flash-attention kernel (with log-sum-exp, as cpllm calls it) on a causal 2048-token
+  block with the model's heads (SmolLM2's 9 query / 3 KV heads of 64 without a model);
+- busy_node_fraction: the projections' rate in two processes computing at once (this machine's cores share
+  memory bandwidth and clocks), over the rate alone; it applies to layouts of more than one device;
 - memory_bw: matrix-vector streaming rate (bench.ceiling.matvec_gbps);
 - intra/inter-node bandwidth and latency: gloo point-to-point between two processes on this machine, the
   transfer the pass-KV and pass-Q rings make (8 MiB messages for bandwidth, 4-byte ones for latency);
@@ -13,84 +18,88 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
 from cpllm.bench.ceiling import matmul_gflops, matvec_gbps
+from cpllm.config import ModelConfig
 from cpllm.context_parallel.sdpa import attention_with_lse
 from cpllm.planner.hardware import HardwareSpec
 
-BANDWIDTH_BYTES = 8 * 2**20
 REPEATS = 5
+LINEAR_ROWS = 1024
 
 
-def attention_gflops(threads: int, *, tokens: int = 2048, heads: int = 9, kv_heads: int = 3, dim: int = 64) -> float:
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Shapes:
+    """What calibration multiplies: one layer's projections and its attention heads (picklable for the
+    processes that measure the busy rate)."""
+
+    weights: tuple[tuple[int, int], ...]
+    """[in, out] of each projection of one layer."""
+    heads: int = 9
+    kv_heads: int = 3
+    head_dim: int = 64
+
+    @classmethod
+    def of(cls, model: ModelConfig | None) -> "Shapes | None":
+        if model is None:
+            return None
+        h, d = model.hidden_size, model.head_dim
+        hq, hkv = model.num_attention_heads, model.num_key_value_heads
+        return cls(weights=((h, (hq + 2 * hkv) * d), (hq * d, h), (h, 2 * model.intermediate_size),
+                            (model.intermediate_size, h)), heads=hq, kv_heads=hkv, head_dim=d)
+
+
+def _best(fn, repeats: int = REPEATS) -> float:
+    fn()  # warm-up: thread pool, page faults
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def linear_gflops(threads: int, shapes: Shapes | None) -> float:
+    """GFLOP/s of one layer's projections on LINEAR_ROWS rows (a square matmul without shapes)."""
+    if shapes is None:
+        return matmul_gflops(threads)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        pairs = [(torch.randn(LINEAR_ROWS, k), torch.randn(k, n)) for k, n in shapes.weights]
+        seconds = _best(lambda: [x @ w for x, w in pairs])
+    finally:
+        torch.set_num_threads(saved)
+    return sum(2.0 * LINEAR_ROWS * k * n for k, n in shapes.weights) / seconds / 1e9
+
+
+def attention_gflops(threads: int, shapes: Shapes | None = None, *, tokens: int = 2048) -> float:
+    heads, kv_heads, dim = (shapes.heads, shapes.kv_heads, shapes.head_dim) if shapes else (9, 3, 64)
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         q = torch.randn(1, heads, tokens, dim)
         k, v = torch.randn(1, kv_heads, tokens, dim), torch.randn(1, kv_heads, tokens, dim)
-        attention_with_lse(q, k, v, scale=dim**-0.5, causal=True)  # warm-up
-        best = float("inf")
-        for _ in range(REPEATS):
-            start = time.perf_counter()
-            attention_with_lse(q, k, v, scale=dim**-0.5, causal=True)
-            best = min(best, time.perf_counter() - start)
+        seconds = _best(lambda: attention_with_lse(q, k, v, scale=dim**-0.5, causal=True))
     finally:
         torch.set_num_threads(saved)
-    return 4.0 * dim * heads * tokens * (tokens + 1) / 2 / best / 1e9
+    return 4.0 * dim * heads * tokens * (tokens + 1) / 2 / seconds / 1e9
 
 
-def _p2p_rank(rank: int, port: int, results) -> None:
-    import torch.distributed as dist
+def calibrate(threads_per_rank: int = 1, model: ModelConfig | None = None) -> HardwareSpec:
+    from cpllm.planner.calibrate_pair import pair_figures
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        out = {}
-        for name, nbytes in (("latency", 4), ("bandwidth", BANDWIDTH_BYTES)):
-            send, recv = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
-            best = float("inf")
-            for _ in range(REPEATS + 1):
-                dist.barrier()
-                start = time.perf_counter()
-                ops = [dist.P2POp(dist.isend, send, 1 - rank), dist.P2POp(dist.irecv, recv, 1 - rank)]
-                for work in dist.batch_isend_irecv(ops):
-                    work.wait()
-                best = min(best, time.perf_counter() - start)
-            out[name] = best
-        if rank == 0:
-            results.put(out)
-    finally:
-        dist.destroy_process_group()
-
-
-def p2p_figures() -> tuple[float, float]:
-    """(bytes/s, latency s) of gloo point-to-point between two processes of this machine."""
-    import torch.multiprocessing as mp
-
-    from cpllm.distributed.launch import find_free_port
-
-    ctx = mp.get_context("spawn")
-    results, port = ctx.Queue(), find_free_port()
-    procs = [ctx.Process(target=_p2p_rank, args=(rank, port, results), daemon=True) for rank in range(2)]
-    for proc in procs:
-        proc.start()
-    try:
-        out = results.get(timeout=120)
-    finally:
-        for proc in procs:
-            proc.join(30)
-    latency = out["latency"]
-    return BANDWIDTH_BYTES / max(out["bandwidth"] - latency, 1e-9), latency
-
-
-def calibrate(threads_per_rank: int = 1) -> HardwareSpec:
-    bandwidth, latency = p2p_figures()
+    shapes = Shapes.of(model)
+    bandwidth, latency, busy = pair_figures(threads_per_rank, shapes)
+    alone = linear_gflops(threads_per_rank, shapes)
     cores = os.cpu_count() or 1
     return HardwareSpec(
-        name=f"calibrated-{threads_per_rank}t", peak_flops=matmul_gflops(threads_per_rank) * 1e9,
-        attention_flops=attention_gflops(threads_per_rank) * 1e9, memory_bytes=_memory_bytes(),
+        name=f"calibrated-{threads_per_rank}t", peak_flops=alone * 1e9,
+        attention_flops=attention_gflops(threads_per_rank, shapes) * 1e9,
+        busy_node_fraction=min(1.0, busy / alone), memory_bytes=_memory_bytes(),
         memory_bw=matvec_gbps(threads_per_rank) * 1e9, intra_node_bw=bandwidth, inter_node_bw=bandwidth,
         devices_per_node=max(1, cores // threads_per_rank), intra_node_latency_s=latency,
         inter_node_latency_s=latency,

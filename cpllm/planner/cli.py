@@ -40,7 +40,8 @@ def add_plan_parser(parser: argparse.ArgumentParser) -> None:
     hardware.add_argument("--gpu", choices=sorted(BUILTIN), help="published figures of a built-in device")
     hardware.add_argument("--hardware", help="a JSON spec (HardwareSpec fields; \"base\" names a built-in)")
     hardware.add_argument("--calibrate", action="store_true",
-                          help="measure this machine (matmul and attention rates, memory and gloo bandwidth)")
+                          help="measure this machine (the model's projection and attention rates alone and with every "
+                          "core busy, memory and gloo bandwidth)")
     parser.add_argument("--nodes", type=int, default=1, help="nodes of the cluster")
     parser.add_argument("--devices-per-node", type=int, default=None, help="override the spec's devices per node")
     parser.add_argument("--context", type=parse_tokens, required=True, help="tokens per request, e.g. 128k")
@@ -59,10 +60,11 @@ def add_plan_parser(parser: argparse.ArgumentParser) -> None:
 def run_plan(args: argparse.Namespace) -> int:
     import dataclasses
 
+    model = load_model_shape(args.model)
     if args.calibrate:
         from cpllm.planner.calibrate import calibrate
 
-        hw = calibrate(threads_per_rank=args.threads_per_rank)
+        hw = calibrate(threads_per_rank=args.threads_per_rank, model=model)
         if args.save_hardware:
             save_hardware(hw, args.save_hardware)
     elif args.hardware:
@@ -77,7 +79,6 @@ def run_plan(args: argparse.Namespace) -> int:
     weights = args.weights or ("fp32" if on_cpu else "bf16")
     element = 4 if on_cpu else 2
     precision = Precision(weight_format=weights, activation_bytes=element, kv_bytes=element)
-    model = load_model_shape(args.model)
     cost = CostModel(model, hw, precision)
     request = PlanRequest(context=args.context, prefix_hit=args.prefix_hit, ttft_slo_s=args.ttft_slo,
                           batch=args.batch)

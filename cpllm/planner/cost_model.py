@@ -17,8 +17,9 @@ Hkv_l = max(1, Hkv / TP), head width D, element size e):
                 the attention, then one blocking all-to-all of the float32 partials (R - 1)(T / N) Hq_l (D + 1) 4
                 plus the new K/V rows their owners store
 
-The compute terms divide by the device's `efficiency` (the one fitted factor); bandwidths and latencies are the
-spec's. Decode reads every local weight once per step and the local KV shard once per request, at memory
+The compute terms divide by the device's `efficiency` (the one fitted factor) and, on layouts of more than one
+device, by its `busy_node_fraction` (measured on CPUs, 1 on GPUs); bandwidths and latencies are the spec's.
+Decode reads every local weight once per step and the local KV shard once per request, at memory
 bandwidth, plus the collectives' latency.
 """
 
@@ -181,8 +182,9 @@ class CostModel:
         m, hw, prec = self.model, self.hw, self.precision
         layers, tp, n = m.num_hidden_layers, layout.tp, layout.pcp
         ranks = tp * n
-        linear_rate = hw.linear_flops(prec.weight_format) * hw.efficiency
-        attention_rate = hw.attention_peak() * hw.efficiency
+        busy = hw.busy_node_fraction if ranks > 1 else 1.0  # other devices of the node compute too
+        linear_rate = hw.linear_flops(prec.weight_format) * hw.efficiency * busy
+        attention_rate = hw.attention_peak() * hw.efficiency * busy
         linear_s = self.linear_flops(new) / ranks / linear_rate
         attention_s = self.attention_flops(new, cached) / ranks / attention_rate
         rows = new / n  # tokens per PCP rank

@@ -40,6 +40,10 @@ class HardwareSpec:
     """Fixed cost of one inter-node message."""
     efficiency: float = 1.0
     """Fraction of peak compute reached by real kernels (the one factor a user may fit; 1 = peak)."""
+    busy_node_fraction: float = 1.0
+    """Share of its compute rate a device keeps while the other devices of its node compute too (CPU cores
+    share memory bandwidth and clocks; measured by calibration, 1 for GPUs). Applies to layouts of more than
+    one device."""
 
     def __post_init__(self) -> None:
         for name in ("peak_flops", "memory_bytes", "memory_bw", "intra_node_bw", "inter_node_bw"):
@@ -50,6 +54,9 @@ class HardwareSpec:
                              f"got {self.devices_per_node!r}")
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"hardware {self.name!r}: efficiency must be in (0, 1], got {self.efficiency!r}")
+        if not 0 < self.busy_node_fraction <= 1:
+            raise ValueError(f"hardware {self.name!r}: busy_node_fraction must be in (0, 1], "
+                             f"got {self.busy_node_fraction!r}")
 
     def with_efficiency(self, efficiency: float) -> "HardwareSpec":
         return dataclasses.replace(self, efficiency=efficiency)

@@ -1,0 +1,82 @@
+"""The calibration steps that need two processes of this machine: gloo point-to-point bandwidth and latency,
+and the projections' rate while both processes compute at once."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+BANDWIDTH_BYTES = 8 * 2**20
+REPEATS = 5
+
+
+def _p2p(rank: int) -> dict[str, float]:
+    import torch.distributed as dist
+
+    out = {}
+    for name, nbytes in (("latency", 4), ("bandwidth", BANDWIDTH_BYTES)):
+        send, recv = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+        best = float("inf")
+        for _ in range(REPEATS + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            ops = [dist.P2POp(dist.isend, send, 1 - rank), dist.P2POp(dist.irecv, recv, 1 - rank)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            best = min(best, time.perf_counter() - start)
+        out[name] = best
+    return out
+
+
+def _pair_rank(rank: int, port: int, threads: int, shapes, results) -> None:
+    import torch.distributed as dist
+
+    from cpllm.planner.calibrate import linear_gflops
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        out = _p2p(rank)
+        dist.barrier()  # both start computing together
+        out["busy_gflops"] = linear_gflops(threads, shapes)
+        results.put((rank, out))
+    finally:
+        dist.destroy_process_group()
+
+
+def pair_figures(threads: int, shapes) -> tuple[float, float, float]:
+    """(point-to-point bytes/s, latency s, projections' GFLOP/s per process with both busy)."""
+    import torch.multiprocessing as mp
+
+    from cpllm.distributed.launch import find_free_port
+
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), find_free_port()
+    procs = [ctx.Process(target=_pair_rank, args=(rank, port, threads, shapes, results), daemon=True)
+             for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    try:
+        outs = dict(_collect(results, procs, timeout_s=180))
+    finally:
+        for proc in procs:
+            proc.join(30)
+    latency = outs[0]["latency"]
+    busy = min(out["busy_gflops"] for out in outs.values())  # the slower rank sets a PCP step's pace
+    return BANDWIDTH_BYTES / max(outs[0]["bandwidth"] - latency, 1e-9), latency, busy
+
+
+def _collect(results, procs, timeout_s: float) -> list:
+    """One result per process; a process that dies first is an error at once, not a timeout."""
+    import queue
+
+    deadline, got = time.monotonic() + timeout_s, []
+    while len(got) < len(procs):
+        try:
+            got.append(results.get(timeout=0.5))
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"calibration processes failed (exit codes {[p.exitcode for p in procs]})")
+    return got
