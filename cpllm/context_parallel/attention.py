@@ -28,7 +28,7 @@ import torch.distributed as dist
 from cpllm.context_parallel.local_attention import accumulate as _accumulate
 from cpllm.context_parallel.local_attention import accumulator_dtype
 from cpllm.context_parallel.local_attention import attend as _attend
-from cpllm.context_parallel.local_attention import attend_single_tokens
+from cpllm.context_parallel.local_attention import attend_pooled_single_tokens, attend_single_tokens, gather_context
 from cpllm.context_parallel.merge import merge_attention_partials, merge_two
 from cpllm.context_parallel.metadata import AttentionMetadata, RequestAttention
 from cpllm.context_parallel.pass_q import pass_q_attention
@@ -83,6 +83,8 @@ class PagedCPAttention(torch.nn.Module):
 
     def forward(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata) -> torch.Tensor:
         # q [N, Hq, D]; k, v [N, Hkv, D]; k_pool, v_pool [num_slots, Hkv, D]
+        if not meta.has_new and meta.decode is not None and self.comm.kv_size == 1:
+            return self._one_shard_decode(q, k, v, k_pool, v_pool, meta)
         strategy = meta.strategy if meta.strategy is not None else self.comm.strategy
         if strategy == "pass-q" and self.comm.pcp_size > 1 and meta.has_new:
             if meta.pass_q is None:
@@ -100,6 +102,22 @@ class PagedCPAttention(torch.nn.Module):
             o_ctx, lse_ctx = self._context(q, k_pool, v_pool, meta)
             out, lse = merge_two(out, lse, o_ctx, lse_ctx)
         return out.to(q.dtype)
+
+    def _one_shard_decode(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata) -> torch.Tensor:
+        """A step of single tokens whose whole context sits in this rank's pools (one rank, or TP alone): store the
+        new K/V, then one attention call over the context read out of the pools with index_select (several times
+        faster than advanced indexing here). The general path computes the same numbers: its merge with the empty
+        new-token partial multiplies by exactly 1."""
+        decode = meta.decode
+        k_pool.index_copy_(0, meta.write_slots, k.index_select(0, meta.write_rows))
+        v_pool.index_copy_(0, meta.write_slots, v.index_select(0, meta.write_rows))
+        rows = decode.rows[self.comm.pcp_rank]  # [B]
+        whole = rows.numel() == meta.num_rows  # rows run 0..N-1 in order: every row is a decode row here
+        o, _ = attend_pooled_single_tokens(q if whole else q.index_select(0, rows), k_pool, v_pool, decode, self.scale)
+        if whole:
+            return o
+        out = torch.zeros_like(q)  # padding rows (a PCP rank holding fewer single tokens) stay 0
+        return out.index_copy_(0, rows, o)
 
     def _gathered_new_tokens(self, q, k, v, k_pool, v_pool, meta, out, lse) -> None:
         if meta.has_new:
@@ -160,8 +178,8 @@ class PagedCPAttention(torch.nn.Module):
         decode, n = meta.decode, meta.num_rows
         if decode.max_local_context == 0:
             return  # this rank's shard is empty for every one of them: their partials stay (0, -inf)
-        k_ctx = k_pool[decode.slots].transpose(1, 2)  # [B, Hkv, L, D], or [1, Hkv, U, D] with shared keys
-        v_ctx = v_pool[decode.slots].transpose(1, 2)
+        k_ctx = gather_context(k_pool, decode.slots)  # [B, Hkv, L, D], or [1, Hkv, U, D] with shared keys
+        v_ctx = gather_context(v_pool, decode.slots)
         by_dcp_rank = {}
         for piece in range(num_pieces):
             rows = decode.rows[self.comm.piece_pcp_rank(piece)] + piece * n  # [B]
@@ -189,7 +207,8 @@ class PagedCPAttention(torch.nn.Module):
                 continue
             if comm.kv_cache_layout == "replicated" and not request.local_chunks:
                 continue  # every piece holds this PCP rank's rows, and it holds none of this request
-            k_ctx, v_ctx = k_pool[request.context_slots], v_pool[request.context_slots]
+            k_ctx = k_pool.index_select(0, request.context_slots)  # [S, Hkv, D]
+            v_ctx = v_pool.index_select(0, request.context_slots)
             for piece in range(pieces):
                 start, end = request.pcp_rows[comm.piece_pcp_rank(piece)]
                 if end > start:

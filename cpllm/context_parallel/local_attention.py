@@ -27,12 +27,25 @@ def accumulate(out, lse, rows, o_part, lse_part) -> None:
     out[rows], lse[rows] = merge_two(out[rows], lse[rows], o_part, lse_part)
 
 
-def attend_single_tokens(q, k_ctx, v_ctx, decode, scale: float):
+def attend_single_tokens(q, k_ctx, v_ctx, decode, scale: float, every_row_sees_a_key: bool = False):
     # q [B, Hq, D] -> out [B, Hq, D], lse [B, Hq]
     if decode.shared_keys:  # the B queries are the rows of one sequence over the union of keys
         out, lse = attention_with_lse(q.transpose(0, 1).unsqueeze(0), k_ctx, v_ctx, scale=scale,
-                                      mask=decode.key_mask)  # [1, Hq, B, D], [1, Hq, B]
+                                      mask=decode.key_mask,
+                                      every_row_sees_a_key=every_row_sees_a_key)  # [1, Hq, B, D], [1, Hq, B]
         return out[0].transpose(0, 1), lse[0].transpose(0, 1)
-    out, lse = attention_with_lse(q.unsqueeze(2), k_ctx, v_ctx, scale=scale,
-                                  mask=decode.key_mask)  # [B, Hq, 1, D], [B, Hq, 1]
+    out, lse = attention_with_lse(q.unsqueeze(2), k_ctx, v_ctx, scale=scale, mask=decode.key_mask,
+                                  every_row_sees_a_key=every_row_sees_a_key)  # [B, Hq, 1, D], [B, Hq, 1]
     return out[:, :, 0], lse[:, :, 0]
+
+
+def gather_context(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    # pool [num_slots, Hkv, D], slots [B, L] -> [B, Hkv, L, D] (a transposed view of one index_select copy)
+    rows = pool.index_select(0, slots.reshape(-1))  # far cheaper than pool[slots] on CPU
+    return rows.view(*slots.shape, *pool.shape[1:]).transpose(1, 2)
+
+
+def attend_pooled_single_tokens(q, k_pool, v_pool, decode, scale: float):
+    """Single-token queries against their whole context in these pools: each query sees at least itself."""
+    k_ctx, v_ctx = gather_context(k_pool, decode.slots), gather_context(v_pool, decode.slots)
+    return attend_single_tokens(q, k_ctx, v_ctx, decode, scale, every_row_sees_a_key=True)

@@ -182,8 +182,12 @@ def attention_with_lse(
     scale: float,
     mask: torch.Tensor | None = None,
     causal: bool = False,
+    every_row_sees_a_key: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention and its log-sum-exp.
+
+    `every_row_sees_a_key`: the caller knows no query row is fully masked (a decode token sees itself), so the
+    scan of the mask for such rows, and its host sync, are skipped.
 
     q: [B, Hq, L, D]; k, v: [B, Hkv, S, D] with Hq a multiple of Hkv.
     mask: additive float (or bool keep-mask) broadcastable to [B, Hq, L, S].
@@ -206,6 +210,8 @@ def attention_with_lse(
         _warn_once(f"no fused attention kernel with log-sum-exp for device type {q.device.type!r}")
         out, lse = _math_attention(q, k, v, scale, fmask, causal, torch.float32)
     out, lse = out.to(q.dtype), lse.float()
+    if every_row_sees_a_key:
+        return out, lse
     empty = _fully_masked_rows(fmask, causal, (q.shape[0], q.shape[1], q.shape[2], k_len))
     if empty is not None:
         lse = lse.masked_fill(empty, float("-inf"))

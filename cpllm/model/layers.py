@@ -244,6 +244,9 @@ class RMSNorm(torch.nn.Module):
         self.weight.copy_(source.get(self.name, dtype=self.weight.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # one fused kernel instead of seven ops; in float32 the same formula as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)

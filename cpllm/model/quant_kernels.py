@@ -53,7 +53,9 @@ class Int4Linear(torch.nn.Module):
         xk = x.to(KERNEL_DTYPE)
         xk = xk.repeat(1, self.repeat_input) if self.repeat_input > 1 else xk.contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xk, self.packed, QUANT_GROUP, self.scales_and_zeros)
-        return y[:, : self.out_features].to(x.dtype)
+        if y.shape[1] != self.out_features:  # padded rows
+            y = y[:, : self.out_features]
+        return y.to(x.dtype)
 
 
 class Int8Rows(torch.nn.Module):

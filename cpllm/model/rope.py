@@ -38,10 +38,24 @@ class RotaryEmbedding(torch.nn.Module):
         # [max_positions, head_dim // 2]
         self.register_buffer("cos", freqs.cos().float(), persistent=False)
         self.register_buffer("sin", freqs.sin().float(), persistent=False)
+        self._step: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+        """(positions, dtype, cos, sin) of the last call: every layer of a step passes the same positions tensor,
+        so the tables are looked up once per step instead of twice per layer."""
+
+    def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # -> cos [N, 1, D] = (cos, cos), sin [N, 1, D] = (-sin, sin), for x * cos + swap_halves(x) * sin
+        step = self._step
+        if step is not None and step[0] is positions and step[1] == dtype:
+            return step[2], step[3]
+        cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)  # [N, 1, D / 2]
+        sin = self.sin.index_select(0, positions).unsqueeze(1).to(dtype)
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        self._step = (positions, dtype, cos, sin)
+        return cos, sin
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # positions [num_tokens]; x [num_tokens, num_heads, head_dim]
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [num_tokens, 1, head_dim // 2]
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        # (x1 cos - x2 sin, x2 cos + x1 sin), rounded as transformers rounds it (negating sin is exact)
+        cos, sin = self._tables(positions, x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return x * cos + torch.cat((x2, x1), dim=-1) * sin
