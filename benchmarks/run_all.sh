@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Regenerate every result under benchmarks/results/ and docs/benchmarks.md (with its plots).
 #   benchmarks/run_all.sh            # everything (about an hour on 2 cores)
-#   benchmarks/run_all.sh prefill    # one step: ceiling prefill comm memory decode tp compare serve report
+#   benchmarks/run_all.sh prefill    # one step: ceiling prefill comm memory decode tp compare serve chunk
+#                                    #   decode_layouts plan breakdown report
 # Threads are always explicit: more busy threads than cores make torch's OpenMP spin-waits ruinous.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,7 +10,7 @@ R=benchmarks/results
 IMG=docs/img
 mkdir -p "$R" "$IMG"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(ceiling prefill comm memory decode tp compare serve report)
+[ ${#steps[@]} -eq 0 ] && steps=(ceiling prefill comm memory decode tp compare serve chunk decode_layouts plan breakdown report)
 bench() { python -m cpllm --log-level WARNING bench "$@"; }
 
 for step in "${steps[@]}"; do
@@ -29,6 +30,15 @@ for step in "${steps[@]}"; do
                --decode-contexts 128,2048 --decode-batches 1,16 --decode-threads 2 --out "$R/compare.json" ;;
     serve) bench serve --threads-per-rank 2 --num-requests 32 --concurrency 8 --prompt-tokens 256 \
              --output-tokens 64 --json "$R/serve.json" --plot "$IMG/serve.png" ;;
+    # issue 12: fp32 weights (--quantization none), the format the planner's figures are for
+    chunk) bench chunk --context 8000 --chunk 256 --layouts 1x1x1@2,1x2x1@1 --strategies ring,pass-q,auto \
+             --repeats 5 --quantization none --json "$R/chunk_pcp.json" ;;
+    decode_layouts) for kv in sharded replicated; do
+        bench decode --layouts 1x1x1@2,1x2x1@1 --batch-sizes 1,16 --context-lengths 2048 --shared-prefix \
+          --steps 32 --cp-kv-cache-layout "$kv" --json "$R/decode_pcp_$kv.json"; done ;;
+    plan) bench plan --lengths 4096,8000 --repeats 3 --quantization none --json "$R/plan_check.json" ;;
+    breakdown) python benchmarks/profile_prefill.py --lengths 4096,8000 --repeats 2 \
+                 --json "$R/prefill_breakdown.json" ;;
     report) python benchmarks/make_report.py --results "$R" --out docs/benchmarks.md --images "$IMG" ;;
     *) echo "unknown step: $step" >&2; exit 2 ;;
   esac

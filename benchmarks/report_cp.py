@@ -1,0 +1,133 @@
+"""The sections of docs/benchmarks.md on context-parallel strategies, layouts and the planner (issue 12).
+
+(a) a short chunk on a cached context per strategy, (b) decode under PCP=2 in both KV layouts, (c) the planner's
+predictions against the published and the measured points (a plot), (d) PCP=2 prefill efficiency and where the
+rest goes. Every figure comes from benchmarks/results/*.json or from the cost model; nothing is typed in.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from report_sections import Results, _missing, md_table
+
+
+def chunk_section(results: Results, images: str, rel: str) -> list[str]:
+    lines = ["## (a) A short chunk on a cached context: ring vs pass-Q vs auto", "",
+             "`cpllm bench chunk`: the context is prefilled once and stays in the prefix cache; each repeat sends it "
+             "again with fresh new tokens, so only the chunk is computed. `ran` is what the engine's step counter "
+             "says each strategy ran (auto's choices); `vs_ring` compares medians with the ring on the same layout.",
+             ""]
+    data = results.get("chunk_pcp")
+    if not data:
+        return lines + _missing("chunk")
+    ring = {r["layout"]: r["ttft_median_s"] for r in data["results"] if r["strategy"] == "ring"}
+    rows = [{**r, "vs_ring": round(r["ttft_median_s"] / ring[r["layout"]], 3) if r["layout"] in ring else None}
+            for r in data["results"]]
+    return lines + md_table(rows)
+
+
+def decode_layouts_section(results: Results, images: str, rel: str) -> list[str]:
+    lines = ["## (b) Decode under PCP=2: sharded vs replicated KV layout", "",
+             "`cpllm bench decode --shared-prefix`, once per `--cp-kv-cache-layout`, each run with the single-rank "
+             "engine on the same total threads (2) next to PCP=2 with one thread per rank. `vs_1rank` = tokens/s "
+             "over the single-rank run of the same file, batch and context (the target: >= 1 for `replicated`).", ""]
+    rows = []
+    for kv_layout in ("sharded", "replicated"):
+        data = results.get(f"decode_pcp_{kv_layout}")
+        if not data:
+            continue
+        single = {(r["batch_size"], r["context_tokens"]): r["tokens_per_s"] for r in data["results"]
+                  if r["layout"].startswith("1x1x1")}
+        for r in data["results"]:
+            if r["layout"].startswith("1x1x1") and kv_layout == "replicated":
+                continue  # shown once, from the sharded run's file
+            rows.append({"layout": r["layout"], "kv_layout": "-" if r["layout"].startswith("1x1x1") else kv_layout,
+                         "batch": r["batch_size"], "context": r["context_tokens"], "tokens_per_s": r["tokens_per_s"],
+                         "vs_1rank": round(r["tokens_per_s"] / single[(r["batch_size"], r["context_tokens"])], 3)})
+    return lines + (md_table(rows) if rows else _missing("decode_layouts"))
+
+
+def planner_section(results: Results, images: str, rel: str) -> list[str]:
+    from cpllm.planner.paper_check import table7_predictions
+
+    paper = table7_predictions()
+    lines = ["## (c) `cpllm plan`: predicted against published and measured TTFT", "",
+             "Published: the paper's Table 7 (Llama 3 405B, FP8, 128K tokens, H100 nodes), predicted from the "
+             "H100's published figures with one efficiency factor fitted on CP1 "
+             f"({paper[0]['efficiency']}). Measured: `cpllm bench plan` on this machine, SmolLM2 fp32, one thread "
+             "per rank, predicted from `--calibrate` figures measured before each repeat (fastest repeat on both "
+             "sides). tests/test_planner.py and tests/test_plan_calibrated.py assert every error below is within "
+             "15%.", "", "Published points:", ""] + md_table(paper)
+    data = results.get("plan_check")
+    measured = data["points"] if data else []
+    if data:
+        lines += ["", "This machine (`auto` ran: " + ", ".join(f"{k} {v}" for k, v in data["auto_ran_pcp2"].items())
+                  + " prompt steps on PCP=2):", ""]
+        lines += md_table(measured, ["layout", "strategy", "prompt_tokens", "measured_s", "predicted_s", "error",
+                                     "measured_median_s", "predicted_median_s"])
+        lines += ["", "Calibrations (one per repeat):", ""] + md_table(data["calibrations"])
+    else:
+        lines += [""] + _missing("plan")
+    _plot_planner(paper, measured, os.path.join(images, "plan_vs_measured.png"))
+    return lines + ["", f"![plan vs published and measured]({rel}/plan_vs_measured.png)"]
+
+
+def _plot_planner(paper: list[dict], measured: list[dict], path: str) -> None:
+    from cpllm.bench.plot import _save, plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 5.6))
+    points = [(r["published_s"], r["predicted_s"], r["name"], "C0") for r in paper]
+    points += [(r["measured_s"], r["predicted_s"], f"{r['layout'].split('@')[0]} {r['prompt_tokens']}", "C1")
+               for r in measured]
+    for x, y, name, color in points:
+        ax.scatter([x], [y], color=color, zorder=3)
+        ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    values = [v for x, y, _, _ in points for v in (x, y)]
+    low, high = min(values) / 1.5, max(values) * 1.5
+    line = [low, high]
+    ax.plot(line, line, "k-", lw=0.8, label="predicted = actual", zorder=2)
+    ax.fill_between(line, [v * 0.85 for v in line], [v * 1.15 for v in line], color="0.85", label="±15%", zorder=1)
+    ax.scatter([], [], color="C0", label="paper, H100 nodes (published)")
+    ax.scatter([], [], color="C1", label="this machine, SmolLM2 (measured)")
+    ax.set(xscale="log", yscale="log", xlim=line, ylim=line, xlabel="published / measured TTFT (s)",
+           ylabel="cpllm plan's predicted TTFT (s)", title="cpllm plan vs reality")
+    ax.legend(fontsize=8, loc="upper left")
+    _save(fig, path)
+
+
+def efficiency_section(results: Results, images: str, rel: str) -> list[str]:
+    lines = ["## (d) PCP=2 prefill parallel efficiency", "",
+             "Efficiency = TTFT(1 rank, 1 thread) / (2 x TTFT(PCP=2, 1 thread per rank)), fresh prompts, "
+             "`--cp-prefill-strategy auto` (the runs of (c)); target >= 0.95.", ""]
+    data = results.get("plan_check")
+    lines += md_table(data["efficiency"]) if data else _missing("plan")
+    breakdown = results.get("prefill_breakdown")
+    lines += ["", "Where the rest goes: `benchmarks/profile_prefill.py` profiles rank 0 (torch.profiler, self CPU "
+              "time per operator) of a one-rank and a PCP=2 prefill. Each row is PCP=2 rank 0's time in the "
+              "category minus half the one-rank time in it, as a share of the PCP=2 profile's wall time: the "
+              "efficiency points it costs (a negative share: PCP=2 spends less than half). Pad rows and attention "
+              "imbalance are counted from the head-tail partition.", ""]
+    return lines + (_breakdown_rows(breakdown["results"]) if breakdown else _missing("breakdown"))
+
+
+def _breakdown_rows(results: list[dict[str, Any]]) -> list[str]:
+    single = {r["prompt_tokens"]: r for r in results if r["layout"].startswith("1x1x1")}
+    rows = []
+    for r in results:
+        one = single.get(r["prompt_tokens"])
+        if r["layout"].startswith("1x1x1") or one is None:
+            continue
+        mine, base, wall = r["rank0_profile_s"], one["rank0_profile_s"], r["rank0_profile_s"]["wall"]
+        part = r["partition"]
+        row: dict[str, Any] = {"tokens": r["prompt_tokens"], "ttft_1rank_s": one["ttft_s"], "ttft_pcp2_s": r["ttft_s"],
+                               "efficiency": round(one["ttft_s"] / (2 * r["ttft_s"]), 3),
+                               "pad_rows": part["pad_rows"], "attention_imbalance": part["attention_imbalance"]}
+        for category in ("linear", "attention kernel", "other ops", "collectives", "untracked (python, scheduling)"):
+            row[category] = round((mine.get(category, 0.0) - base.get(category, 0.0) / 2) / wall, 3)
+        rows.append(row)
+    return md_table(rows)
+
+
+CP_SECTIONS = [chunk_section, decode_layouts_section, planner_section, efficiency_section]
