@@ -29,6 +29,7 @@ from cpllm.context_parallel.local_attention import accumulate as _accumulate
 from cpllm.context_parallel.local_attention import accumulator_dtype
 from cpllm.context_parallel.local_attention import attend as _attend
 from cpllm.context_parallel.local_attention import attend_pooled_single_tokens, attend_single_tokens, gather_context
+from cpllm.context_parallel.local_attention import key_runs
 from cpllm.context_parallel.merge import merge_attention_partials, merge_two
 from cpllm.context_parallel.metadata import AttentionMetadata, RequestAttention
 from cpllm.context_parallel.pass_q import pass_q_attention
@@ -162,15 +163,8 @@ class PagedCPAttention(torch.nn.Module):
     def _ring_pair(self, q, block, source: int, request: RequestAttention, out, lse) -> None:
         for chunk in request.local_chunks:
             rows = slice(chunk.row, chunk.row + chunk.length)
-            for key_row, key_start, key_len in request.source_rank_rows[source]:
-                keys = slice(key_row, key_row + key_len)
-                if key_start == chunk.new_start:
-                    part = _attend(q[rows], block[0][keys], block[1][keys], self.scale, causal=True)
-                elif key_start + key_len <= chunk.new_start:
-                    part = _attend(q[rows], block[0][keys], block[1][keys], self.scale, causal=False)
-                else:
-                    continue  # keys after the queries
-                _accumulate(out, lse, rows, *part)
+            for keys, causal in key_runs(request.source_rank_rows[source], chunk.new_start):
+                _accumulate(out, lse, rows, *_attend(q[rows], block[0][keys], block[1][keys], self.scale, causal))
 
     def _decode_context(self, q_all, k_pool, v_pool, meta: AttentionMetadata, o_part, lse_part, dcp_size,
                         num_pieces: int) -> None:

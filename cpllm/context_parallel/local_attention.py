@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from cpllm.context_parallel.merge import merge_two
 from cpllm.context_parallel.sdpa import attention_with_lse
 
 
@@ -23,8 +22,23 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def accumulate(out, lse, rows, o_part, lse_part) -> None:
-    """Merge a partial into rows of a float32 accumulator (merge_two keeps the higher precision of its inputs)."""
-    out[rows], lse[rows] = merge_two(out[rows], lse[rows], o_part, lse_part)
+    """Merge a partial into rows of a float32 accumulator, in place (DESIGN section 5 for two partials).
+
+    The accumulator rows may be empty (out 0, lse -inf: their weight is exp(-inf) = 0). Prefill merges several
+    partials per query run and layer, so this avoids merge_two's stacked copies: about four passes over the
+    [rows, Hq, D] outputs instead of fifteen (PCP=2 prefill efficiency, docs/benchmarks.md (d)).
+    """
+    # out [N, Hq, D] float32, lse [N, Hq] float32; o_part [L, Hq, D], lse_part [L, Hq] for out[rows]
+    held = lse[rows]
+    new = torch.logaddexp(held, lse_part.float())  # [L, Hq]; -inf only where both are empty
+    shift = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
+    w_held = torch.exp(held - shift).unsqueeze(-1)  # [L, Hq, 1]
+    w_part = torch.exp(lse_part.float() - shift).unsqueeze(-1)
+    if isinstance(rows, slice):  # a view: update in place
+        out[rows].mul_(w_held).add_(o_part * w_part)
+    else:
+        out[rows] = out[rows] * w_held + o_part * w_part
+    lse[rows] = new
 
 
 def attend_single_tokens(q, k_ctx, v_ctx, decode, scale: float, every_row_sees_a_key: bool = False):
@@ -49,3 +63,21 @@ def attend_pooled_single_tokens(q, k_pool, v_pool, decode, scale: float):
     """Single-token queries against their whole context in these pools: each query sees at least itself."""
     k_ctx, v_ctx = gather_context(k_pool, decode.slots), gather_context(v_pool, decode.slots)
     return attend_single_tokens(q, k_ctx, v_ctx, decode, scale, every_row_sees_a_key=True)
+
+
+def key_runs(source_rows, query_start: int) -> list[tuple[slice, bool]]:
+    """The attention calls of a query run starting at new-token index `query_start` against one source's key
+    runs [(row in the block, first new-token index, length)]: the run itself square-causal, runs wholly before it
+    unmasked (adjacent ones in the block joined into one call: one kernel call and one merge fewer), runs after
+    it skipped."""
+    calls: list[tuple[slice, bool]] = []
+    for key_row, key_start, key_len in source_rows:
+        if key_start == query_start:
+            calls.append((slice(key_row, key_row + key_len), True))
+        elif key_start + key_len <= query_start:
+            last = calls[-1] if calls else None
+            if last is not None and not last[1] and last[0].stop == key_row:
+                calls[-1] = (slice(last[0].start, key_row + key_len), False)
+            else:
+                calls.append((slice(key_row, key_row + key_len), False))
+    return calls

@@ -37,6 +37,7 @@ from cpllm.context_parallel.local_attention import (
     accumulator_dtype,
     attend,
     attend_single_tokens,
+    key_runs,
 )
 from cpllm.context_parallel.merge import merge_attention_partials
 from cpllm.context_parallel.metadata import AttentionMetadata, RequestAttention
@@ -124,15 +125,8 @@ class _PieceAttention:
     def _new_tokens(self, q_block, src_pcp: int, request: RequestAttention, out, lse) -> None:
         for q_row, q_start, q_len in request.source_rank_rows[src_pcp]:
             rows = slice(q_row, q_row + q_len)
-            for k_row, k_start, k_len in request.source_rank_rows[self.my_pcp]:
-                keys = slice(k_row, k_row + k_len)
-                if k_start == q_start:
-                    part = attend(q_block[rows], self.k[keys], self.v[keys], self.scale, causal=True)
-                elif k_start + k_len <= q_start:
-                    part = attend(q_block[rows], self.k[keys], self.v[keys], self.scale, causal=False)
-                else:
-                    continue  # keys after the queries
-                accumulate(out, lse, rows, *part)
+            for keys, causal in key_runs(request.source_rank_rows[self.my_pcp], q_start):
+                accumulate(out, lse, rows, *attend(q_block[rows], self.k[keys], self.v[keys], self.scale, causal))
 
     def _single_tokens(self, q_block, src_pcp: int, src_dcp: int, out, lse) -> None:
         decode = self.meta.decode
