@@ -25,6 +25,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the tiny tokenizer
 
+from cpllm.bench.ceiling import prefill_flops  # noqa: E402
 from cpllm.bench.common import Layout, machine_info, random_prompt  # noqa: E402
 from cpllm.bench.engines import build_llm  # noqa: E402
 from cpllm.bench.prefill import time_prefill  # noqa: E402
@@ -78,7 +79,8 @@ def time_transformers(model, prompt: list[int]) -> float:
 
 
 def prefill_vs_transformers(folder: str, args) -> dict:
-    """Single rank, same threads: cpllm's TTFT and transformers' prefill forward, alternating."""
+    """Single rank, same threads: cpllm's TTFT and transformers' prefill forward, alternating; transformers runs
+    its default experts implementation and its eager per-expert loop, switched on the same loaded model."""
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
@@ -87,24 +89,36 @@ def prefill_vs_transformers(folder: str, args) -> dict:
                        threads_per_rank=args.threads, context_tokens=args.prefill_tokens + 64,
                        batch_tokens=args.prefill_tokens + 64, engine_options=dict(quantization="none"))
     vocab, experts_impl = hf.config.vocab_size, hf.config._experts_implementation  # transformers' default choice
-    times: dict[str, list[float]] = {"cpllm": [], "transformers": []}
+    default, eager = f"transformers ({experts_impl})", "transformers (eager)"
+    times: dict[str, list[float]] = {"cpllm": [], default: [], eager: []}
     try:
         time_prefill(llm, random_prompt(64, vocab, seed=-1))
         time_transformers(hf, random_prompt(64, vocab, seed=-1))
         for repeat in range(args.repeats):
             prompt = random_prompt(args.prefill_tokens, vocab, seed=repeat)
-            times["transformers"].append(time_transformers(hf, prompt))
+            for name, impl in ((default, experts_impl), (eager, "eager")):
+                hf.set_experts_implementation(impl)
+                times[name].append(time_transformers(hf, prompt))
             times["cpllm"].append(time_prefill(llm, prompt))
             print(f"repeat {repeat}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()), flush=True)
     finally:
         llm.shutdown()
         del hf
     best = {k: min(v) for k, v in times.items()}
+    flops = prefill_flops(open_weights(folder).config, args.prefill_tokens).total
     rows = [{"system": k, "threads": args.threads, "prompt_tokens": args.prefill_tokens, "ttft_s": round(t, 3),
-             "tokens_per_s": round(args.prefill_tokens / t, 1), "all_s": [round(x, 3) for x in times[k]]}
+             "tokens_per_s": round(args.prefill_tokens / t, 1), "gflops": round(flops / t / 1e9, 1),
+             "cpllm_speedup": round(t / best["cpllm"], 2), "all_s": [round(x, 3) for x in times[k]]}
             for k, t in best.items()]
-    return {"rows": rows, "speedup": round(best["transformers"] / best["cpllm"], 2),
-            "transformers_experts_implementation": experts_impl}
+    return {"rows": rows, "speedup_vs_default": round(best[default] / best["cpllm"], 2),
+            "speedup_vs_eager": round(best[eager] / best["cpllm"], 2), "matmul_ceiling_gflops": matmul_ceiling(args)}
+
+
+def matmul_ceiling(args) -> float:
+    """This machine's fp32 matmul rate at the bench's threads, measured now (the load of the moment included)."""
+    from cpllm.bench.ceiling import matmul_gflops
+
+    return round(matmul_gflops(threads=args.threads), 1)
 
 
 def dense_loop(experts: LocalExperts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

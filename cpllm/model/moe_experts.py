@@ -61,7 +61,7 @@ class LocalExperts(torch.nn.Module):
         for e, count in enumerate(counts):
             if count:
                 gate, up = (xs[start : start + count] @ self.gate_up[e]).split(rows, dim=-1)
-                ys[start : start + count] = (F.silu(gate) * up) @ self.down[e]
+                torch.mm(F.silu(gate) * up, self.down[e], out=ys[start : start + count])  # rows: contiguous
                 start += count
         ys *= weights.flatten()[pairs].to(x.dtype).unsqueeze(1)
         return out.index_add_(0, tokens, ys)
