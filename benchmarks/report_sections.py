@@ -276,6 +276,42 @@ def bounds_section(results: Results, images: str, rel: str) -> list[str]:
     ]
 
 
+def moe_section(results: Results, images: str, rel: str) -> list[str]:
+    lines = ["## Mixture of experts", "",
+             "`benchmarks/moe_bench.py`: a random-weight Qwen3-MoE-shaped model saved as a Hugging Face folder "
+             "(one tensor per expert), float32, prompts of random token ids. Every measurement alternates the "
+             "systems inside each repeat and keeps the best repeat; the ratios are the result, the absolute "
+             "times depend on the load other users put on this 2-core machine.", ""]
+    data = results.get("moe")
+    if not data:
+        return lines + _missing("moe")
+    m = data["model"]
+    lines += [f"Model: {m['layers']} layers, hidden {m['hidden']}, {m['experts']} experts of {m['expert_size']} "
+              f"rows, top-{m['top_k']}, 16 query / 4 KV heads of 64.", ""]
+    grouped = data.get("grouped_vs_dense_loop")
+    if grouped:
+        lines += ["### Grouped experts vs the dense loop", "",
+                  f"One layer's experts on {grouped['tokens']} tokens, {grouped['threads']} thread: the grouped "
+                  f"forward (tokens sorted by expert, one matmul pair per active expert) takes "
+                  f"{grouped['grouped_s']} s, running every expert on every token and masking takes "
+                  f"{grouped['dense_loop_s']} s: **{grouped['speedup']}x**.", ""]
+    prefill = data.get("prefill_vs_transformers")
+    if prefill:
+        lines += ["### Prefill, single rank, vs transformers", "",
+                  "Same weights, same threads; transformers runs a plain forward with `logits_to_keep=1` (what "
+                  "`generate` computes for the prompt), first with its default experts implementation, then with "
+                  "its eager per-expert loop on the same loaded model. `cpllm_speedup` = that row's time / cpllm's. "
+                  f"The fp32 matmul ceiling measured right after was {prefill['matmul_ceiling_gflops']} GFLOP/s.",
+                  ""] + md_table(prefill["rows"]) + [""]
+    pcp = data.get("pcp")
+    if pcp:
+        lines += [f"### PCP=2 vs PCP=1, {pcp['prompt_tokens']}-token prompt", "",
+                  "Time to first token, expert-TP (PCP=2: each rank holds half of every expert's rows), allgather "
+                  f"strategy. PCP=2 over PCP=1 with one thread per rank: **{pcp['pcp2_vs_pcp1_same_threads_per_rank']}x**; "
+                  f"over PCP=1 with the same two threads in one rank: **{pcp['pcp2_vs_pcp1_same_total_threads']}x**.",
+                  ""] + md_table(pcp["rows"])
+    return lines
+
 SECTIONS = [usage_section, machine_section, targets_section, bounds_section, ceiling_section, prefill_pcp_section,
-            compare_section, decode_section, tensor_parallel_section, memory_section, comm_section, serve_section,
-            commands_section]
+            compare_section, decode_section, tensor_parallel_section, moe_section, memory_section, comm_section,
+            serve_section, commands_section]
