@@ -113,5 +113,7 @@ def _efficiency(measured, lengths: list[int]) -> list[dict[str, Any]]:
 def _spec_row(hw: HardwareSpec) -> dict[str, Any]:
     return {"matmul_gflops": round(hw.peak_flops / 1e9, 1),
             "attention_gflops": round((hw.attention_flops or hw.peak_flops) / 1e9, 1),
+            "attention_row_overhead": round(hw.attention_row_overhead, 1),
+            "elementwise_gb_s": round((hw.elementwise_bw or 0) / 1e9, 2),
             "busy_node_fraction": round(hw.busy_node_fraction, 3), "p2p_mb_s": round(hw.intra_node_bw / 1e6, 1), "p2p_latency_us": round(hw.intra_node_latency_s * 1e6, 1),
             "memory_gb_s": round(hw.memory_bw / 1e9, 2)}

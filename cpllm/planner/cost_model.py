@@ -93,6 +93,9 @@ class PrefillCost:
     linear_s: float
     attention_s: float
     tp_comm_s: float
+    elementwise_s: float = 0.0
+    """Norms, rope, activation, residual adds and layout copies at the spec's elementwise bandwidth (0 when the
+    spec does not model them)."""
     cp_exposed_s: float
     """Ring transfers not hidden behind attention."""
     cp_blocking_s: float
@@ -100,7 +103,8 @@ class PrefillCost:
 
     @property
     def total_s(self) -> float:
-        return self.linear_s + self.attention_s + self.tp_comm_s + self.cp_exposed_s + self.cp_blocking_s
+        return (self.linear_s + self.attention_s + self.elementwise_s + self.tp_comm_s + self.cp_exposed_s
+                + self.cp_blocking_s)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -133,11 +137,22 @@ class CostModel:
         """All layers' projections and MLP for `tokens` rows (the LM head runs on one row: negligible)."""
         return 2.0 * self.linear_params_per_layer() * tokens * self.model.num_hidden_layers
 
-    def attention_flops(self, new: float, cached: float) -> float:
-        """QK^T and PV of `new` queries over `cached` earlier keys plus themselves, causally, all layers."""
+    def attention_flops(self, new: float, cached: float, row_overhead: float = 0.0) -> float:
+        """QK^T and PV of `new` queries over `cached` earlier keys plus themselves, causally, all layers; with
+        `row_overhead` the work the kernel does on the causal diagonal's blocks beyond the pairs it keeps."""
         m = self.model
-        pairs = new * cached + new * (new + 1) / 2
+        pairs = new * cached + new * (new + 1) / 2 + new * row_overhead
         return 4.0 * m.head_dim * m.num_attention_heads * pairs * m.num_hidden_layers
+
+    def elementwise_bytes_per_token(self, tp: int = 1) -> float:
+        """Bytes one token moves per layer outside the matmuls and the attention kernel: two norms and two
+        residual adds over the hidden state, rope on q and k, q/k/v and the output copied to and from the
+        kernel's head-major layout, the gated activation (with its temporary), and the K/V store."""
+        m = self.model
+        hq, hkv = self.local_heads(tp)
+        d, h, inter = m.head_dim, m.hidden_size, m.intermediate_size / tp
+        elements = 10 * h + 2 * (hq + hkv) * d + 2 * (hq + 2 * hkv) * d + 2 * hq * d + 5 * inter + 4 * hkv * d
+        return elements * self.precision.activation_bytes
 
     def local_heads(self, tp: int) -> tuple[int, int]:
         """(query heads, KV heads) one TP rank holds; KV heads are replicated when fewer than TP."""
@@ -186,13 +201,17 @@ class CostModel:
         linear_rate = hw.linear_flops(prec.weight_format) * hw.efficiency * busy
         attention_rate = hw.attention_peak() * hw.efficiency * busy
         linear_s = self.linear_flops(new) / ranks / linear_rate
-        attention_s = self.attention_flops(new, cached) / ranks / attention_rate
+        attention_s = self.attention_flops(new, cached, hw.attention_row_overhead) / ranks / attention_rate
+        elementwise_s = 0.0
+        if hw.elementwise_bw is not None:
+            elementwise_s = layers * new / ranks * self.elementwise_bytes_per_token(tp) / (hw.elementwise_bw * busy)
         rows = new / n  # tokens per PCP rank
         tp_comm_s = 2 * layers * self.all_reduce_time(rows * m.hidden_size * prec.activation_bytes, tp)
         exposed, blocking = 0.0, 0.0
         if n > 1:
             exposed, blocking = self._cp_per_layer(layout, new, cached, strategy, attention_s / layers)
-        return PrefillCost(strategy=strategy, linear_s=linear_s, attention_s=attention_s, tp_comm_s=tp_comm_s,
+        return PrefillCost(strategy=strategy, linear_s=linear_s, attention_s=attention_s, elementwise_s=elementwise_s,
+                           tp_comm_s=tp_comm_s,
                            cp_exposed_s=exposed * layers, cp_blocking_s=blocking * layers)
 
     def _cp_per_layer(self, layout: Layout, new: int, cached: int, strategy: str,

@@ -40,6 +40,12 @@ class HardwareSpec:
     """Fixed cost of one inter-node message."""
     efficiency: float = 1.0
     """Fraction of peak compute reached by real kernels (the one factor a user may fit; 1 = peak)."""
+    attention_row_overhead: float = 0.0
+    """Extra key positions of work per query row of a causal attention call (the kernel works in blocks, and the
+    diagonal's blocks are computed whole), measured by calibration; 0: none."""
+    elementwise_bw: float | None = None
+    """Bytes/s a layer's elementwise ops (norms, rope, activation, residual adds, layout copies) reach, measured by
+    calibration; None: not modelled (fused into the matmul kernels' shadow on GPUs)."""
     busy_node_fraction: float = 1.0
     """Share of its compute rate a device keeps while the other devices of its node compute too (CPU cores
     share memory bandwidth and clocks; measured by calibration, 1 for GPUs). Applies to layouts of more than
