@@ -89,5 +89,5 @@ def describe_placement(moe: MoEConfig, *, tp: int, pcp: int, expert_parallel: bo
     if expert_parallel:
         return (f"experts: expert parallel over TP x PCP = {group} ranks, {moe.num_experts // group} of "
                 f"{moe.num_experts} whole experts per rank")
-    return (f"experts: expert-TP over TP x PCP = {group} ranks, every one of {moe.num_experts} experts holds "
-            f"{moe.intermediate_size // group} of its {moe.intermediate_size} intermediate rows per rank")
+    return (f"experts: expert-TP over TP x PCP = {group} ranks, each rank holding {moe.intermediate_size // group} "
+            f"of the {moe.intermediate_size} intermediate rows of every one of the {moe.num_experts} experts")

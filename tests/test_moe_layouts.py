@@ -11,6 +11,7 @@ TP=2. The dense Qwen3 differs from Llama only inside each head (q/k norms), so i
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import pytest
@@ -184,13 +185,19 @@ def _rank_models(folder: str, tp: int, pcp: int, ep: bool) -> list[LlamaForCausa
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("ep", [False, True], ids=["expert-tp", "ep"])
-def test_expert_bytes_per_rank_and_placement(launches, ep):
+def test_expert_bytes_per_rank_and_placement(launches, ep, caplog):
     """Each of the TP x PCP ranks holds 1/(TP*PCP) of the single rank's expert bytes, and together they hold
-    every expert weight exactly once (rows under expert-TP, whole experts under EP)."""
+    every expert weight exactly once (rows under expert-TP, whole experts under EP); the start-up log says so."""
     folder = launches.folder("qwen3_moe")
     (single,) = _rank_models(folder, 1, 1, ep)
-    ranks = _rank_models(folder, 2, 2, ep)
+    with caplog.at_level(logging.INFO, logger="cpllm.model.llama"):
+        ranks = _rank_models(folder, 2, 2, ep)
     assert [expert_bytes(m) for m in ranks] == [expert_bytes(single) // 4] * 4
+    placed = ("expert parallel over TP x PCP = 4 ranks, 2 of 8 whole experts per rank" if ep else
+              "expert-TP over TP x PCP = 4 ranks, each rank holding 8 of the 32 intermediate rows")
+    assert placed in caplog.text
+    mib = f"{expert_bytes(single) / 4 / 2**20:.2f} MiB"
+    assert f"expert weight bytes on this rank (MoE group rank 3 of 4): {mib}" in caplog.text
     for layer, whole in enumerate(moe_blocks(single)):
         parts = [moe_blocks(m)[layer].experts for m in ranks]
         if ep:  # experts [2m, 2m+2) on rank m
