@@ -116,9 +116,10 @@ def _gguf_name(hf_name: str) -> str:
     return gguf_tensor_name(hf_name)
 
 
-def save_tiny_moe_gguf(path: str, folder: str, family: str, **overrides: Any) -> None:
-    """Write the saved folder's weights (F32) as a llama.cpp-style GGUF with stacked expert tensors; `overrides`
-    are the ones the folder's model was built with."""
+def save_tiny_moe_gguf(path: str, folder: str, family: str, *, stacked: bool = True, **overrides: Any) -> None:
+    """Write the saved folder's weights (F32) as a llama.cpp-style GGUF with stacked expert tensors (or, with
+    `stacked=False`, one `blk.N.ffn_gate.E.weight` per expert as older Mixtral files do); `overrides` are the ones
+    the folder's model was built with."""
     config = tiny_moe_config(family, **overrides)
     state = hf_state_dict(folder)
     writer = gguf.GGUFWriter(path, GGUF_ARCH[family])
@@ -132,14 +133,17 @@ def save_tiny_moe_gguf(path: str, folder: str, family: str, **overrides: Any) ->
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if family == "qwen2_moe":
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
-    stacked: dict[str, dict[int, np.ndarray]] = {}
+    experts_of: dict[str, dict[int, np.ndarray]] = {}
     for name, tensor in state.items():
         weight = tensor.to(torch.float32).numpy()
         parts = name.split(".")
         if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
             i = parts.index("experts")
             gname = f"blk.{parts[2]}.{_EXPERT_GGUF[parts[i + 2]]}.weight"
-            stacked.setdefault(gname, {})[int(parts[i + 1])] = weight
+            if stacked:
+                experts_of.setdefault(gname, {})[int(parts[i + 1])] = weight
+            else:
+                writer.add_tensor(gname.replace("_exps.", f".{parts[i + 1]}."), weight)
             continue
         heads = {"self_attn.q_proj.weight": config.num_attention_heads,
                  "self_attn.k_proj.weight": config.num_key_value_heads}
@@ -148,7 +152,7 @@ def save_tiny_moe_gguf(path: str, folder: str, family: str, **overrides: Any) ->
             weight = llama_cpp_permute(weight, heads[key])
         writer.add_tensor("output.weight" if name == "lm_head.weight" else _gguf_name(name)
                           if name.startswith("model.layers.") else gguf_tensor_name(name), weight)
-    for gname, per_expert in stacked.items():
+    for gname, per_expert in experts_of.items():
         writer.add_tensor(gname, np.stack([per_expert[e] for e in sorted(per_expert)]))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

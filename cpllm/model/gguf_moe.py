@@ -30,6 +30,8 @@ _QWEN_NAMES = {"ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 _STACKED = {"ffn_gate_exps.weight": 0, "ffn_up_exps.weight": 1, "ffn_down_exps.weight": 2}
 """Stacked expert tensor -> index into MoEConfig.expert_weight_names (gate, up, down)."""
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+_PER_EXPERT_RE = re.compile(r"ffn_(gate|up|down)\.(\d+)\.weight")
+"""Older Mixtral files: one tensor per expert, `blk.N.ffn_gate.E.weight`."""
 
 
 def hf_architecture(arch: str, meta: Callable[[str, Any], Any]) -> str | None:
@@ -73,4 +75,8 @@ def moe_hf_names(gguf_name: str, moe: MoEConfig | None) -> list[tuple[str, int |
     if rest in _STACKED:
         proj = moe.expert_weight_names[_STACKED[rest]]
         return [(f"{layer}.{moe.expert_prefix}.experts.{e}.{proj}.weight", e) for e in range(moe.num_experts)]
+    single = _PER_EXPERT_RE.fullmatch(rest)
+    if single is not None:
+        proj = moe.expert_weight_names[("gate", "up", "down").index(single.group(1))]
+        return [(f"{layer}.{moe.expert_prefix}.experts.{single.group(2)}.{proj}.weight", None)]
     return []

@@ -50,7 +50,8 @@ class SharedExpert(torch.nn.Module):
         self.gate = torch.nn.Parameter(torch.empty(config.hidden_size, 1, dtype=dtype), requires_grad=False)
 
     def load(self, source: WeightSource) -> None:
-        self.gate.copy_(source.get(self.gate_name, dtype=self.gate.dtype).t())
+        # HF [1, hidden]; a GGUF file may store it as [hidden]
+        self.gate.copy_(source.get(self.gate_name, dtype=self.gate.dtype).reshape(-1, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [N, hidden] -> this TP rank's partial [N, hidden]
