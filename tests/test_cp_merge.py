@@ -101,6 +101,25 @@ def test_merge_two_matches_stack():
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+def test_accumulate_in_place_matches_merge_two():
+    """The prefill accumulator: rows start empty (0, -inf), take partials in place, and equal merge_two's result;
+    a slice updates the view, an index tensor writes back."""
+    from cpllm.context_parallel.local_attention import accumulate
+
+    g = torch.Generator().manual_seed(3)
+    parts = [(torch.randn(4, 3, 8, generator=g), torch.randn(4, 3, generator=g) * 5) for _ in range(3)]
+    for rows in (slice(2, 6), torch.tensor([5, 1, 7, 3])):
+        out, lse = torch.zeros(8, 3, 8), torch.full((8, 3), float("-inf"))
+        want_o, want_l = torch.zeros(4, 3, 8), torch.full((4, 3), float("-inf"))
+        for o_part, l_part in parts:
+            accumulate(out, lse, rows, o_part, l_part)
+            want_o, want_l = merge_two(want_o, want_l, o_part, l_part)
+        assert torch.allclose(out[rows], want_o, atol=1e-5) and torch.allclose(lse[rows], want_l, atol=1e-5)
+        untouched = torch.ones(8, dtype=torch.bool)
+        untouched[rows] = False
+        assert (out[untouched] == 0).all() and torch.isneginf(lse[untouched]).all()
+
+
 def test_merge_bf16_inputs():
     q, k, v = qkv(k_len=20, dtype=torch.bfloat16, seed=3)
     subsets = [list(range(0, 20, 3)), list(range(1, 20, 3)), list(range(2, 20, 3))]
