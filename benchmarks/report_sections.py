@@ -300,17 +300,19 @@ def moe_section(results: Results, images: str, rel: str) -> list[str]:
         lines += ["### Prefill, single rank, vs transformers", "",
                   "Same weights, same threads; transformers runs a plain forward with `logits_to_keep=1` (what "
                   "`generate` computes for the prompt), first with its default experts implementation, then with "
-                  "its eager per-expert loop on the same loaded model. `cpllm_speedup` = that row's time / cpllm's. "
+                  "its eager per-expert loop on the same loaded model, the three in rotating order. "
+                  "`cpllm_speedup_best` / `_median` = that row's fastest / median time over cpllm's. "
                   f"The fp32 matmul ceiling measured right after was {prefill['matmul_ceiling_gflops']} GFLOP/s.",
                   ""] + md_table(prefill["rows"]) + [""]
     pcp = data.get("pcp")
     if pcp:
         lines += [f"### PCP=2 vs PCP=1, {pcp['prompt_tokens']}-token prompt", "",
                   "Time to first token, expert-TP (PCP=2: each rank holds half of every expert's rows), allgather "
-                  f"strategy. PCP=2 over PCP=1 with one thread per rank: **{pcp['pcp2_vs_pcp1_same_threads_per_rank']}x**; "
-                  f"over PCP=1 with the same two threads in one rank: **{pcp['pcp2_vs_pcp1_same_total_threads']}x**.",
-                  ""] + md_table(pcp["rows"])
+                  "strategy. PCP=2 over PCP=1 with one thread per rank: "
+                  f"**{pcp['pcp2_vs_pcp1_same_threads_per_rank']}x**; over PCP=1 with the same two threads in one "
+                  f"rank: **{pcp['pcp2_vs_pcp1_same_total_threads']}x**.", ""] + md_table(pcp["rows"])
     return lines
+
 
 SECTIONS = [usage_section, machine_section, targets_section, bounds_section, ceiling_section, prefill_pcp_section,
             compare_section, decode_section, tensor_parallel_section, moe_section, memory_section, comm_section,
