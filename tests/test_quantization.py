@@ -36,6 +36,7 @@ from cpllm.model.loader import open_weights
 from cpllm.model.quant_gguf import decode_int4_blocks
 from cpllm.model.quant_groups import Int4Groups, quantize_int4, quantize_int8
 from cpllm.model.quant_kernels import Int4Linear
+from cpllm.model.quant_lm_head import REFINED, RefinedInt8Head
 from cpllm.model.quant_plan import embedding_plan, lm_head_plan, plan_packed, wanted_plan
 
 FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K"}
@@ -128,6 +129,20 @@ def test_kernel_matches_dequantized_gguf_weights(mixed_gguf):
             output_error = relative(Int4Linear(groups)(x), x @ weight.t())
         print(f"{name} ({source.storage_type(name)}): weight {weight_error:.2e}, output {output_error:.2e}")
         assert weight_error <= 3e-3 and output_error <= 6e-3, name
+
+
+def test_refined_head_top_logits_are_float32():
+    """The int8 LM head: its best REFINED logits per row are the float32 head's (same stored rows), so greedy
+    picks agree; the others carry only the kernel's bfloat16 rounding."""
+    generator = torch.Generator().manual_seed(4)
+    groups = quantize_int8(torch.randn(300, 64, generator=generator))
+    x = torch.randn(6, 64, generator=generator)
+    want = x @ groups.dequantize().t()  # the float32 head over the same values
+    got = RefinedInt8Head(groups)(x)
+    top = want.topk(REFINED // 2, dim=-1).indices
+    assert torch.allclose(got.gather(-1, top), want.gather(-1, top), rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.argmax(-1), want.argmax(-1)) and got.dtype == torch.float32
+    assert relative(got, want) <= 6e-3
 
 
 # --- quantizing float weights at load ---------------------------------------------------------
@@ -295,7 +310,8 @@ def test_plan_table():
     assert wanted_plan("int8", "Q4_0").format == "int4"  # stored blocks always run as stored
     assert wanted_plan("auto", "Q4_0", cpu=False).format == "float"
     assert embedding_plan("auto", "Q8_0").format == "int8" and embedding_plan("none", "Q8_0").format == "float"
-    assert embedding_plan("int4", "F32").format == "float" and lm_head_plan("auto", "Q8_0").format == "float"
+    assert embedding_plan("int4", "F32").format == "float" and lm_head_plan("auto", "Q8_0").format == "int8"
+    assert lm_head_plan("int4", "Q8_0").format == "float" and lm_head_plan("auto", "Q8_0", cpu=False).format == "float"
     # a Q4_K q|k with a Q6_K v (llama.cpp's Q4_K_M): two pieces, not all dequantized
     plans, runs = plan_packed("auto", ["Q4_K", "Q4_K", "Q6_K"], 256)
     assert [p.format for p in plans] == ["int4", "int4", "float"] and runs == [("int4", [0, 1]), ("float", [2])]
@@ -319,5 +335,5 @@ def test_smollm2_auto_still_answers_paris(caplog):
             output = llm.chat([{"role": "user", "content": "What is the capital of France?"}], greedy)[0]
     assert "Paris" in output.outputs[0].text
     assert "mlp.down_proj: int4 (stored Q4_1, run as stored) x30" in caplog.text
-    assert "lm_head: float (stored Q8_0, kept in the model dtype" in caplog.text
+    assert "lm_head: int8 (stored Q8_0, run as stored; the best logits of each row recomputed" in caplog.text
     assert "embed_tokens: int8 (stored Q8_0, rows looked up as stored) x1" in caplog.text

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from cpllm.distributed.comm import all_gather, all_reduce
 from cpllm.model.loader import WeightSource
 from cpllm.model.quant_kernels import FloatLinear, Int4Linear, Int8Rows
+from cpllm.model.quant_lm_head import RefinedInt8Head
 from cpllm.model.quant_load import quantized_linear
 from cpllm.model.quant_plan import WeightPlan, embedding_plan, fit_kernel, lm_head_plan, plan_packed, wanted_plan
 
@@ -207,23 +208,30 @@ class ParallelLMHead(torch.nn.Module):
         self.padded_rows = -(-vocab_size // tp.size)
         # [hidden, vocab shard]: a transposed copy even when tied, for the faster x @ W (see ColumnParallelLinear)
         self.weight = torch.nn.Parameter(torch.empty(hidden, self.end - self.start, dtype=dtype), requires_grad=False)
+        self.kernel: RefinedInt8Head | None = None
+        """The stored int8 rows in the int4 kernel, best logits refined in float32, when the plan is int8;
+        `weight` is then None."""
         self.plans: list[tuple[str, WeightPlan]] = []
         """(tensor name, plan), for the start-up log."""
 
     def load(self, source: WeightSource) -> None:
         """Load after the embedding: a tied head copies its (already loaded) weight."""
         name = self.tied.name if self.tied is not None else self.name
-        plan = NOT_QUANTIZED if self.quantization == "none" else lm_head_plan(self.quantization,
-                                                                                  source.storage_type(name))
+        plan = NOT_QUANTIZED if self.quantization == "none" else lm_head_plan(
+            self.quantization, source.storage_type(name), cpu=self.weight.device.type == "cpu")
         self.plans = [(self.name, plan)]
-        if self.tied is not None and self.tied.weight is not None:
+        if plan.format == "int8":
+            shared = self.tied.int8_rows if self.tied is not None else None  # the same rows: one copy
+            groups = source.get_int8_groups(name, dim=0, start=self.start, end=self.end)
+            self.kernel, self.weight = RefinedInt8Head(groups, shared), None
+        elif self.tied is not None and self.tied.weight is not None:
             self.weight.copy_(self.tied.weight.t())
         else:  # untied, or tied to an embedding that keeps its int8 rows
             self.weight.copy_(source.get(name, dim=0, start=self.start, end=self.end, dtype=self.weight.dtype).t())
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden [num_rows, hidden] -> logits [num_rows, vocab] in float32 on every TP rank
-        logits = (hidden @ self.weight).float()
+        logits = (hidden @ self.weight).float() if self.kernel is None else self.kernel(hidden)
         if self.tp.size == 1:
             return logits
         pad = self.padded_rows - logits.shape[-1]

@@ -20,7 +20,10 @@ The token embedding is a lookup, not a matmul: a Q8_0 one keeps its int8 rows un
 bfloat16, which rounds logits of magnitude 16-32 to steps of 1/8. Measured on SmolLM2's first answer token to
 "What is the capital of France?": the top two logits, 0.08 apart in float32, came out tied, and greedy decoding
 took the other branch. Kept in float32 the SmolLM2 head costs 4.5 ms per token against 3.2 in the kernel at
-1 thread, 5.3 against 1.7 at 2 (best of 30 on a shared machine): the price of exact logits.
+1 thread, 5.3 against 1.7 at 2 (best of 30 on a shared machine). So under `auto` a head stored as Q8_0 runs in
+the kernel and the best 16 logits of each row are then recomputed in float32 from the stored rows
+(cpllm/model/quant_lm_head.py): the float head's greedy choices at the kernel's price. Any other head, and
+every head under int8 / int4, stays float.
 """
 
 from __future__ import annotations
@@ -72,10 +75,13 @@ def embedding_plan(mode: str, stored: str) -> WeightPlan:
     return WeightPlan("float", "quantization=none" if mode == "none" else f"stored {stored}")
 
 
-def lm_head_plan(mode: str, stored: str) -> WeightPlan:
-    """The LM head: always float (see the module: bfloat16 logits tie)."""
+def lm_head_plan(mode: str, stored: str, *, cpu: bool = True) -> WeightPlan:
+    """The LM head: int8 with its best logits refined in float32 for a Q8_0 head under auto, else float (see the
+    module: bfloat16 logits alone tie)."""
     if mode == "none":
         return WeightPlan("float", "quantization=none")
+    if mode == "auto" and cpu and stored in INT8_STORAGE:
+        return WeightPlan("int8", f"stored {stored}, run as stored; the best logits of each row recomputed in float32")
     return WeightPlan("float", f"stored {stored}, kept in the model dtype (bfloat16 kernel output would round logits)")
 
 

@@ -1,0 +1,129 @@
+"""How far each approximate weight format is from the float32 one (`none`): greedy agreement and log-likelihood.
+
+    python benchmarks/quality.py --out benchmarks/results/quality.json
+
+For each format (cpllm `auto`, and llama.cpp on the same GGUF file when llama-cpp-python is installed):
+- greedy agreement with cpllm `none` over PROMPTS (the same prompt token ids, MAX_TOKENS greedy tokens each):
+  how many completions are identical, and the mean share of each completion before its first differing token;
+- the mean per-token log-likelihood of TEXT, and its mean difference from `none`'s (per token, same ids).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from systems import llama_cpp_available  # noqa: E402
+
+from cpllm.bench.common import machine_info  # noqa: E402
+from cpllm.bench.report import print_table, write_json  # noqa: E402
+from cpllm.engine.llm import LLM  # noqa: E402
+from cpllm.engine.sampling_params import SamplingParams  # noqa: E402
+from cpllm.model.default_model import default_model_path  # noqa: E402
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "List three prime numbers greater than 20.",
+    "Translate 'good morning' into Spanish and German.",
+    "Give me a short recipe for pancakes.",
+    "What does a compiler do?",
+    "Summarize the plot of Romeo and Juliet in one sentence.",
+]
+MAX_TOKENS = 48
+TEXT = (
+    "The river rose slowly through the night, and by morning the lower fields were under water. The farmers "
+    "gathered on the bridge to watch, talking quietly about the harvest they had hoped to bring in that week. "
+    "Some of them had seen floods before and knew the water would fall again within a few days; others, younger, "
+    "worried about the seed they had stored in the barns near the bank. By noon the rain had stopped, the clouds "
+    "broke apart, and the sun came out over a landscape that looked, for a while, like a great silver lake."
+)
+
+
+def chat_ids(llm: LLM, prompt: str) -> list[int]:
+    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+def cpllm_results(model: str, quantization: str, threads: int) -> dict:
+    with LLM(model, quantization=quantization, max_model_len=1024, kv_cache_memory_bytes=64 << 20,
+             threads_per_rank=threads) as llm:
+        prompts = [chat_ids(llm, p) for p in PROMPTS]
+        greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+        scored = llm.generate([TEXT], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    ids = scored.prompt_token_ids
+    logprobs = [scored.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]
+    return {"prompts": prompts, "completions": [list(o.outputs[0].token_ids) for o in outs], "text_ids": ids,
+            "logprobs": logprobs}
+
+
+def llama_cpp_results(model: str, prompts: list[list[int]], text_ids: list[int], threads: int) -> dict:
+    import numpy as np
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=model, n_ctx=1024, n_threads=threads, n_threads_batch=threads, logits_all=True,
+                verbose=False)
+    completions = []
+    for prompt in prompts:
+        llm.reset()
+        llm.eval(prompt)
+        tokens = []
+        for _ in range(MAX_TOKENS):
+            tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            llm.eval([tokens[-1]])
+        completions.append(tokens)
+    llm.reset()
+    llm.eval(text_ids)
+    scores = np.asarray(llm.scores[: len(text_ids)], dtype=np.float64)  # [n, vocab]
+    top = scores.max(axis=1, keepdims=True)
+    log_z = (top + np.log(np.exp(scores - top).sum(axis=1, keepdims=True)))[:, 0]
+    logprobs = [float(scores[i - 1, text_ids[i]] - log_z[i - 1]) for i in range(1, len(text_ids))]
+    return {"completions": completions, "logprobs": logprobs}
+
+
+def compare(name: str, result: dict, reference: dict) -> dict:
+    same, shares = 0, []
+    for got, want in zip(result["completions"], reference["completions"]):
+        prefix = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        same += got == want
+        shares.append(prefix / len(want))
+    diffs = [a - b for a, b in zip(result["logprobs"], reference["logprobs"])]
+    return {"system": name, "prompts": len(shares), "identical_completions": same,
+            "agreement": round(sum(shares) / len(shares), 3),
+            "mean_logprob": round(sum(result["logprobs"]) / len(result["logprobs"]), 4),
+            "mean_logprob_diff": round(sum(diffs) / len(diffs), 4),
+            "mean_abs_logprob_diff": round(sum(abs(d) for d in diffs) / len(diffs), 4),
+            "perplexity": round(math.exp(-sum(result["logprobs"]) / len(result["logprobs"])), 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--formats", default="auto", help="cpllm formats compared with none, comma-separated")
+    parser.add_argument("--out", default="benchmarks/results/quality.json")
+    args = parser.parse_args()
+    model = args.model or default_model_path()
+    reference = cpllm_results(model, "none", args.threads)
+    rows, notes = [compare("cpllm (none)", reference, reference)], []
+    for fmt in [f for f in args.formats.split(",") if f]:
+        rows.append(compare(f"cpllm ({fmt})", cpllm_results(model, fmt, args.threads), reference))
+    if llama_cpp_available():
+        rows.append(compare("llama.cpp", llama_cpp_results(model, reference["prompts"], reference["text_ids"],
+                                                           args.threads), reference))
+    else:
+        notes.append("llama.cpp skipped: llama-cpp-python is not installed (pip install llama-cpp-python==0.3.36)")
+    print_table("quality against cpllm none (float32)", rows)
+    write_json(args.out, {"command": "quality", "argv": sys.argv[1:], "machine": machine_info(), "notes": notes,
+                          "model": os.path.basename(model), "max_tokens": MAX_TOKENS, "text_tokens":
+                          len(reference["text_ids"]), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
