@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as QType
+from gguf.quants import dequantize, quantize
 
 from cpllm import LLM
 from cpllm.config import ParallelConfig
@@ -167,6 +169,22 @@ def test_gguf_stacked_experts_match_hf_folder(launches, family, stacked, tmp_pat
     for name, output in outputs.items():
         assert_same_greedy(output, launches.reference(family)[name], what=f"{family} gguf {name}",
                            prompt_logprobs=True)
+
+
+def test_gguf_quantized_expert_stack_reads_each_expert(launches, tmp_path):
+    """A Q8_0 expert stack: each expert's view dequantizes to that expert's quantized weights, slices included."""
+    path = str(tmp_path / "q8.gguf")
+    folder = launches.folder("qwen3_moe")
+    save_tiny_moe_gguf(path, folder, "qwen3_moe", expert_type=QType.Q8_0, **OVERRIDES["qwen3_moe"])
+    stored, hf = open_weights(path), open_weights(folder)
+    columns = {"model.layers.0.mlp.experts.5.down_proj.weight": (16, 32),  # [hidden 64, expert width 32]
+               "model.layers.0.mlp.experts.2.gate_proj.weight": (32, 64)}  # [32, 64]
+    for name, (lo, hi) in columns.items():
+        assert stored.storage_type(name) == "Q8_0"
+        want = torch.from_numpy(dequantize(quantize(hf.get(name).numpy(), QType.Q8_0), QType.Q8_0))
+        assert torch.equal(stored.get(name), want)
+        assert torch.equal(stored.get(name, dim=0, start=8, end=16), want[8:16])
+        assert torch.equal(stored.get(name, dim=1, start=lo, end=hi), want[:, lo:hi])
 
 
 def _rank_models(folder: str, tp: int, pcp: int, ep: bool) -> list[LlamaForCausalLM]:

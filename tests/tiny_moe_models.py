@@ -21,6 +21,7 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
+from gguf.quants import quantize
 
 from tiny_models import QK_SCALE, _add_metadata, gguf_tensor_name, llama_cpp_permute, tiny_hf_tokenizer, tiny_vocab
 
@@ -116,10 +117,11 @@ def _gguf_name(hf_name: str) -> str:
     return gguf_tensor_name(hf_name)
 
 
-def save_tiny_moe_gguf(path: str, folder: str, family: str, *, stacked: bool = True, **overrides: Any) -> None:
+def save_tiny_moe_gguf(path: str, folder: str, family: str, *, stacked: bool = True,
+                       expert_type: gguf.GGMLQuantizationType | None = None, **overrides: Any) -> None:
     """Write the saved folder's weights (F32) as a llama.cpp-style GGUF with stacked expert tensors (or, with
-    `stacked=False`, one `blk.N.ffn_gate.E.weight` per expert as older Mixtral files do); `overrides` are the ones
-    the folder's model was built with."""
+    `stacked=False`, one `blk.N.ffn_gate.E.weight` per expert as older Mixtral files do), the stacks quantized to
+    `expert_type` when given; `overrides` are the ones the folder's model was built with."""
     config = tiny_moe_config(family, **overrides)
     state = hf_state_dict(folder)
     writer = gguf.GGUFWriter(path, GGUF_ARCH[family])
@@ -153,7 +155,11 @@ def save_tiny_moe_gguf(path: str, folder: str, family: str, *, stacked: bool = T
         writer.add_tensor("output.weight" if name == "lm_head.weight" else _gguf_name(name)
                           if name.startswith("model.layers.") else gguf_tensor_name(name), weight)
     for gname, per_expert in experts_of.items():
-        writer.add_tensor(gname, np.stack([per_expert[e] for e in sorted(per_expert)]))
+        stack = np.stack([per_expert[e] for e in sorted(per_expert)])
+        if expert_type is None:
+            writer.add_tensor(gname, stack)
+        else:  # blocks run along the last (input) axis, so each expert's rows quantize on their own
+            writer.add_tensor(gname, quantize(stack, expert_type), raw_dtype=expert_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
