@@ -158,7 +158,7 @@ class ParallelConfig:
     """DP: independent engine replicas, each with its own scheduler and KV cache."""
     cp_kv_cache_interleave_size: int = 1
     """Consecutive tokens stored on one CP rank before moving to the next."""
-    cp_prefill_strategy: str = "allgather"
+    cp_prefill_strategy: str = "auto"
     """How prefill moves data over PCP ranks, one of PREFILL_STRATEGIES."""
     cp_kv_cache_layout: str = "sharded"
     """Where each token's K/V live, one of KV_CACHE_LAYOUTS."""

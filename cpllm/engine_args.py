@@ -58,9 +58,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_option: bool 
                        help="consecutive tokens stored on one CP rank before the next")
     group.add_argument("--dcp-kv-cache-interleave-size", dest="cp_kv_cache_interleave_size", type=int,
                        action=_DeprecatedAlias, help=argparse.SUPPRESS)
-    group.add_argument("--cp-prefill-strategy", choices=list(PREFILL_STRATEGIES), default="allgather",
+    group.add_argument("--cp-prefill-strategy", choices=list(PREFILL_STRATEGIES), default="auto",
                        help="how prefill moves data over PCP ranks: new K/V all-gathered or passed round the ring "
-                            "(pass-KV), queries passed round the ring (pass-q), or chosen per step (auto)")
+                            "(pass-KV), queries passed round the ring (pass-q), or chosen per step by the cost "
+                            "model (auto, the default)")
     group.add_argument("--cp-kv-cache-layout", choices=list(KV_CACHE_LAYOUTS), default="sharded",
                        help="sharded: each token's K/V on one PCP x DCP rank (most capacity); replicated: a copy "
                             "on every PCP rank, sharded over DCP (decode without PCP collectives)")

@@ -35,7 +35,7 @@ def build_engine_config(
     decode_context_parallel_size: int = 1,
     data_parallel_size: int = 1,
     cp_kv_cache_interleave_size: int = 1,
-    cp_prefill_strategy: str = "allgather",
+    cp_prefill_strategy: str = "auto",
     cp_kv_cache_layout: str = "sharded",
     distributed_timeout: float = 120.0,
     enable_expert_parallel: bool = False,
