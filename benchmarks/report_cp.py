@@ -13,8 +13,33 @@ from typing import Any
 from report_sections import Results, _missing, md_table
 
 
+def cp_targets_section(results: Results, images: str, rel: str) -> list[str]:
+    """The issue's targets for (b), (c) and (d), computed from the same files as the sections below."""
+    rows: list[dict[str, Any]] = []
+    plan = results.get("plan_check")
+    if plan:
+        for row in plan["efficiency"]:
+            rows.append({"target": f"PCP=2 prefill efficiency, auto, {row['prompt_tokens']} tokens (d)",
+                         "goal": ">= 0.95", "measured": f"{row['efficiency']} (median {row['efficiency_median']})"})
+        worst = max(plan["points"], key=lambda r: abs(r["error"]))
+        rows.append({"target": "plan --calibrate vs measured TTFT, PCP 1 and 2, 4K and 8K (c)", "goal": "within 15%",
+                     "measured": f"worst {worst['error']:+.1%} ({worst['layout']}, {worst['prompt_tokens']})"})
+    replicated = results.get("decode_pcp_replicated")
+    if replicated:
+        single = {(r["batch_size"], r["context_tokens"]): r["tokens_per_s"] for r in replicated["results"]
+                  if r["layout"].startswith("1x1x1")}
+        for r in replicated["results"]:
+            if not r["layout"].startswith("1x1x1"):
+                ratio = r["tokens_per_s"] / single[(r["batch_size"], r["context_tokens"])]
+                rows.append({"target": f"replicated PCP=2 decode / 1 rank same threads, batch {r['batch_size']} (b)",
+                             "goal": ">= 1", "measured": f"{ratio:.2f}"})
+    lines = ["## Context-parallel strategies, layouts and the planner (issue 12)", "",
+             "Targets, computed from the results of the sections (a)-(d) below.", ""]
+    return lines + (md_table(rows) if rows else _missing("plan"))
+
+
 def chunk_section(results: Results, images: str, rel: str) -> list[str]:
-    lines = ["## (a) A short chunk on a cached context: ring vs pass-Q vs auto", "",
+    lines = ["### (a) A short chunk on a cached context: ring vs pass-Q vs auto", "",
              "`cpllm bench chunk`: the context is prefilled once and stays in the prefix cache; each repeat sends it "
              "again with fresh new tokens, so only the chunk is computed. `ran` is what the engine's step counter "
              "says each strategy ran (auto's choices); `vs_ring` compares medians with the ring on the same layout.",
@@ -29,7 +54,7 @@ def chunk_section(results: Results, images: str, rel: str) -> list[str]:
 
 
 def decode_layouts_section(results: Results, images: str, rel: str) -> list[str]:
-    lines = ["## (b) Decode under PCP=2: sharded vs replicated KV layout", "",
+    lines = ["### (b) Decode under PCP=2: sharded vs replicated KV layout", "",
              "`cpllm bench decode --shared-prefix`, once per `--cp-kv-cache-layout`, each run with the single-rank "
              "engine on the same total threads (2) next to PCP=2 with one thread per rank. `vs_1rank` = tokens/s "
              "over the single-rank run of the same file, batch and context (the target: >= 1 for `replicated`).", ""]
@@ -53,7 +78,7 @@ def planner_section(results: Results, images: str, rel: str) -> list[str]:
     from cpllm.planner.paper_check import table7_predictions
 
     paper = table7_predictions()
-    lines = ["## (c) `cpllm plan`: predicted against published and measured TTFT", "",
+    lines = ["### (c) `cpllm plan`: predicted against published and measured TTFT", "",
              "Published: the paper's Table 7 (Llama 3 405B, FP8, 128K tokens, H100 nodes), predicted from the "
              "H100's published figures with one efficiency factor fitted on CP1 "
              f"({paper[0]['efficiency']}). Measured: `cpllm bench plan` on this machine, SmolLM2 fp32, one thread "
@@ -98,7 +123,7 @@ def _plot_planner(paper: list[dict], measured: list[dict], path: str) -> None:
 
 
 def efficiency_section(results: Results, images: str, rel: str) -> list[str]:
-    lines = ["## (d) PCP=2 prefill parallel efficiency", "",
+    lines = ["### (d) PCP=2 prefill parallel efficiency", "",
              "Efficiency = TTFT(1 rank, 1 thread) / (2 x TTFT(PCP=2, 1 thread per rank)), fresh prompts, "
              "`--cp-prefill-strategy auto` (the runs of (c)); target >= 0.95.", ""]
     data = results.get("plan_check")
@@ -130,4 +155,4 @@ def _breakdown_rows(results: list[dict[str, Any]]) -> list[str]:
     return md_table(rows)
 
 
-CP_SECTIONS = [chunk_section, decode_layouts_section, planner_section, efficiency_section]
+CP_SECTIONS = [cp_targets_section, chunk_section, decode_layouts_section, planner_section, efficiency_section]
