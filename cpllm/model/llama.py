@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral without sliding window, Qwen2, SmolLM2) in one implementation.
+"""The Llama family (Llama 2/3, Mistral without sliding window, Qwen2, SmolLM2, Qwen3) in one implementation,
+also the decoder of the MoE families (Qwen3-MoE, Qwen2-MoE, Mixtral), whose sparse MLPs are cpllm/model/moe.py.
 
 Every rank builds only its TP shard; attention goes through PagedCPAttention,
 which hides context parallelism from the model.
