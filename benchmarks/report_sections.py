@@ -267,10 +267,14 @@ def bounds_section(results: Results, images: str, rel: str) -> list[str]:
         "long context, by reading every request's fp32 KV each step. Decode queries of a step share one attention "
         "call per layer; when they share a prefix through the prefix cache, the shared keys are read once (queries "
         "become rows of one block over the union of their slots), which is what the shared-prefix runs measure.",
-        "- **PCP=2 prefill efficiency**: the collectives are about 1% of the prefill (see the communication "
-        "section); the remaining gap to 1.0 is the pad rows of the head-tail partition, the merge of the two "
-        "attention pieces per chunk, and whatever else runs on the two cores (each rank owns one core, so any "
-        "other process stalls one rank and the other waits for it at the next collective).",
+        "- **PCP=2 prefill efficiency** (issue 12 (d) below): the profile there splits what PCP=2's rank 0 "
+        "spends beyond half the one-rank time by operator class. The largest software cost was the log-sum-exp "
+        "merge of each attention piece into its run (several per layer per rank, each stacking copies of the "
+        "outputs); pieces now merge in place, about ten times cheaper, and adjacent key runs of a ring block share "
+        "one kernel call. Pad rows and attention imbalance are zero at these sizes (the head-tail split is exact). "
+        "What remains is mostly the matmuls and attention running slower while both cores compute (the calibrated "
+        "`busy_node_fraction` in (c): the cores share memory bandwidth and clocks) and a rank waiting at the ring "
+        "for the other, which any other process on the machine makes worse.",
         "- **Prefill vs transformers at 8K**: attention dominates at long prompts and both use the same CPU "
         "flash-attention kernel, so the gain from skipping the LM head over every prompt position shrinks.",
     ]
