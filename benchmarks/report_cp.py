@@ -12,6 +12,9 @@ from typing import Any
 
 from report_sections import Results, _missing, md_table
 
+SAME_THREADS = "1x1x1@2"
+"""The single-rank run with PCP=2's total threads, the reference of (b)."""
+
 
 def cp_targets_section(results: Results, images: str, rel: str) -> list[str]:
     """The issue's targets for (b), (c) and (d), computed from the same files as the sections below."""
@@ -27,7 +30,7 @@ def cp_targets_section(results: Results, images: str, rel: str) -> list[str]:
     replicated = results.get("decode_pcp_replicated")
     if replicated:
         single = {(r["batch_size"], r["context_tokens"]): r["tokens_per_s"] for r in replicated["results"]
-                  if r["layout"].startswith("1x1x1")}
+                  if r["layout"] == SAME_THREADS}
         for r in replicated["results"]:
             if not r["layout"].startswith("1x1x1"):
                 ratio = r["tokens_per_s"] / single[(r["batch_size"], r["context_tokens"])]
@@ -50,28 +53,39 @@ def chunk_section(results: Results, images: str, rel: str) -> list[str]:
     ring = {r["layout"]: r["ttft_median_s"] for r in data["results"] if r["strategy"] == "ring"}
     rows = [{**r, "vs_ring": round(r["ttft_median_s"] / ring[r["layout"]], 3) if r["layout"] in ring else None}
             for r in data["results"]]
-    return lines + md_table(rows)
+    return lines + md_table(rows) + ["", f"Load average at the start and end: {_loads(data)}."]
 
 
 def decode_layouts_section(results: Results, images: str, rel: str) -> list[str]:
     lines = ["### (b) Decode under PCP=2: sharded vs replicated KV layout", "",
              "`cpllm bench decode --shared-prefix`, once per `--cp-kv-cache-layout`, each run with the single-rank "
-             "engine on the same total threads (2) next to PCP=2 with one thread per rank. `vs_1rank` = tokens/s "
-             "over the single-rank run of the same file, batch and context (the target: >= 1 for `replicated`).", ""]
-    rows = []
+             "engine on the same total threads (`1x1x1@2`, and on one thread) next to PCP=2 with one thread per rank. "
+             "`vs_1rank` = tokens/s over the `1x1x1@2` run of the same file, batch and context (the target: >= 1 "
+             "for `replicated`). Two threads in one process suffer most when other processes share the cores "
+             "(OpenMP threads wait for each other), so the load averages are printed below the table.", ""]
+    rows, loads = [], []
     for kv_layout in ("sharded", "replicated"):
         data = results.get(f"decode_pcp_{kv_layout}")
         if not data:
             continue
         single = {(r["batch_size"], r["context_tokens"]): r["tokens_per_s"] for r in data["results"]
-                  if r["layout"].startswith("1x1x1")}
+                  if r["layout"] == SAME_THREADS}
+        loads.append(f"{kv_layout}: {_loads(data)}")
         for r in data["results"]:
             if r["layout"].startswith("1x1x1") and kv_layout == "replicated":
                 continue  # shown once, from the sharded run's file
             rows.append({"layout": r["layout"], "kv_layout": "-" if r["layout"].startswith("1x1x1") else kv_layout,
                          "batch": r["batch_size"], "context": r["context_tokens"], "tokens_per_s": r["tokens_per_s"],
                          "vs_1rank": round(r["tokens_per_s"] / single[(r["batch_size"], r["context_tokens"])], 3)})
-    return lines + (md_table(rows) if rows else _missing("decode_layouts"))
+    if not rows:
+        return lines + _missing("decode_layouts")
+    return lines + md_table(rows) + ["", "Load average (1, 5, 15 min) at the start and end of each run, "
+                                     "from the JSON: " + "; ".join(loads) + "."]
+
+
+def _loads(data: dict[str, Any]) -> str:
+    machine = data.get("machine", {})
+    return f"{machine.get('load_average_start')} -> {machine.get('load_average_end')}"
 
 
 def planner_section(results: Results, images: str, rel: str) -> list[str]:
@@ -93,6 +107,7 @@ def planner_section(results: Results, images: str, rel: str) -> list[str]:
         lines += md_table(measured, ["layout", "strategy", "prompt_tokens", "measured_s", "predicted_s", "error",
                                      "measured_median_s", "predicted_median_s"])
         lines += ["", "Calibrations (one per repeat):", ""] + md_table(data["calibrations"])
+        lines += ["", f"Load average at the start and end: {_loads(data)}."]
     else:
         lines += [""] + _missing("plan")
     _plot_planner(paper, measured, os.path.join(images, "plan_vs_measured.png"))
@@ -134,7 +149,10 @@ def efficiency_section(results: Results, images: str, rel: str) -> list[str]:
               "category minus half the one-rank time in it, as a share of the PCP=2 profile's wall time: the "
               "efficiency points it costs (a negative share: PCP=2 spends less than half). Pad rows and attention "
               "imbalance are counted from the head-tail partition.", ""]
-    return lines + (_breakdown_rows(breakdown["results"]) if breakdown else _missing("breakdown"))
+    if not breakdown:
+        return lines + _missing("breakdown")
+    return lines + _breakdown_rows(breakdown["results"]) + ["", f"Load average at the start: "
+                                                             f"{breakdown['machine'].get('load_average_start')}."]
 
 
 def _breakdown_rows(results: list[dict[str, Any]]) -> list[str]:

@@ -34,7 +34,7 @@ for step in "${steps[@]}"; do
     chunk) bench chunk --context 8000 --chunk 256 --layouts 1x1x1@2,1x2x1@1 --strategies ring,pass-q,auto \
              --repeats 5 --quantization none --json "$R/chunk_pcp.json" ;;
     decode_layouts) for kv in sharded replicated; do
-        bench decode --layouts 1x1x1@2,1x2x1@1 --batch-sizes 1,16 --context-lengths 2048 --shared-prefix \
+        bench decode --layouts 1x1x1@1,1x1x1@2,1x2x1@1 --batch-sizes 1,16 --context-lengths 2048 --shared-prefix \
           --steps 32 --cp-kv-cache-layout "$kv" --json "$R/decode_pcp_$kv.json"; done ;;
     # issue 11: random Qwen3-MoE-shaped model (16 layers, hidden 1024, 64 experts of 256, top-8), saved once
     moe) python benchmarks/moe_bench.py --threads 1 --prefill-tokens 1024 --pcp-tokens 4096 --repeats 2 \
