@@ -1,7 +1,7 @@
 """The routed experts one rank holds, run grouped by expert: only the tokens routed to an expert meet its weights.
 
-Token-expert pairs are sorted by expert, each held expert multiplies its contiguous run of tokens (one matmul
-for gate|up, one for down), and the weighted results are added back to their tokens with index_add. The output is
+Token-expert pairs are sorted by expert; each held expert gathers its run of tokens, multiplies them (one matmul
+for gate|up, one for down), and adds the weighted results back to their tokens with index_add. The output is
 this rank's partial sum; the MoE block (moe.py) sums the partials over the MoE group.
 """
 
@@ -55,13 +55,15 @@ class LocalExperts(torch.nn.Module):
         experts = local[pairs]
         tokens = pairs // k
         counts = torch.bincount(experts, minlength=self.held.num_experts).tolist()
-        xs = x[tokens]  # [S, hidden]
-        ys = torch.empty_like(xs)
+        scale = weights.flatten()[pairs].to(x.dtype).unsqueeze(1)  # [S, 1] routing weight of each pair
         rows, start = self.held.rows, 0
+        # One expert's tokens at a time: buffers of one expert's size are reused by the allocator, where gathering
+        # all S pairs at once allocates (and page-faults) S x hidden floats twice per layer.
         for e, count in enumerate(counts):
             if count:
-                gate, up = (xs[start : start + count] @ self.gate_up[e]).split(rows, dim=-1)
-                torch.mm(F.silu(gate) * up, self.down[e], out=ys[start : start + count])  # rows: contiguous
+                mine = tokens[start : start + count]
+                gate, up = (x.index_select(0, mine) @ self.gate_up[e]).split(rows, dim=-1)
+                y = (F.silu(gate) * up) @ self.down[e]  # [count, hidden]
+                out.index_add_(0, mine, y.mul_(scale[start : start + count]))
                 start += count
-        ys *= weights.flatten()[pairs].to(x.dtype).unsqueeze(1)
-        return out.index_add_(0, tokens, ys)
+        return out
