@@ -96,8 +96,9 @@ def planner_section(results: Results, images: str, rel: str) -> list[str]:
              "Published: the paper's Table 7 (Llama 3 405B, FP8, 128K tokens, H100 nodes), predicted from the "
              "H100's published figures with one efficiency factor fitted on CP1 "
              f"({paper[0]['efficiency']}). Measured: `cpllm bench plan` on this machine, SmolLM2 fp32, one thread "
-             "per rank, predicted from `--calibrate` figures measured before each repeat (fastest repeat on both "
-             "sides). tests/test_planner.py and tests/test_plan_calibrated.py assert every error below is within "
+             "per rank; each repeat's `--calibrate` figures, measured right before it, predict that repeat, and "
+             "`error` is the median of the per-repeat errors (`measured_s`, `predicted_s`: medians). "
+             "tests/test_planner.py and tests/test_plan_calibrated.py assert every error below is within "
              "15%.", "", "Published points:", ""] + md_table(paper)
     data = results.get("plan_check")
     measured = data["points"] if data else []
@@ -105,7 +106,7 @@ def planner_section(results: Results, images: str, rel: str) -> list[str]:
         lines += ["", "This machine (`auto` ran: " + ", ".join(f"{k} {v}" for k, v in data["auto_ran_pcp2"].items())
                   + " prompt steps on PCP=2):", ""]
         lines += md_table(measured, ["layout", "strategy", "prompt_tokens", "measured_s", "predicted_s", "error",
-                                     "measured_median_s", "predicted_median_s"])
+                                     "measured_best_s", "predicted_best_s"])
         lines += ["", "Calibrations (one per repeat):", ""] + md_table(data["calibrations"])
         lines += ["", f"Load average at the start and end: {_loads(data)}."]
     else:

@@ -3,9 +3,11 @@
 Each repeat calibrates the machine (planner/calibrate.py: matmul and attention rates of one thread, gloo
 point-to-point), then times a fresh prompt of every length on one rank with one thread and on PCP=2 with one
 thread per rank and `--cp-prefill-strategy auto`, recording the strategies auto ran. Repeats loop outermost, so
-load drifts hit every point alike. The prediction of a point is the cost model's for the layout and the strategy
-auto picks, with the repeat's calibrated figures; both sides are reported as the fastest repeat (other load only
-adds time, to the calibration's rates as to the prefills) and as medians, with the per-repeat errors.
+load drifts hit every point alike. Each repeat's calibration predicts that repeat's prefills (the cost model's
+time for the layout and the strategy auto picks); a point's error is the median of its per-repeat errors, and
+both sides are also reported as medians and fastest repeats. Calibrating right before measuring, with median
+rates, lets the comparison hold on a machine whose load is steady; it cannot hold through a load that changes
+within a repeat.
 
 The same runs give the PCP=2 parallel efficiency, TTFT(1 rank) / (2 x TTFT(PCP=2)).
 """
@@ -87,14 +89,13 @@ def _points(measured, predicted, strategies) -> list[dict[str, Any]]:
     rows = []
     for (pcp, length), times in sorted(measured.items()):
         preds = predicted[(pcp, length)]
-        best_measured, best_predicted = min(times), min(preds)
+        errors = [(p - m) / m for p, m in zip(preds, times)]
         rows.append({
             "layout": f"1x{pcp}x1@1", "strategy": strategies[pcp], "prompt_tokens": length,
-            "measured_s": round(best_measured, 4), "predicted_s": round(best_predicted, 4),
-            "error": round((best_predicted - best_measured) / best_measured, 4),
-            "measured_median_s": round(statistics.median(times), 4),
-            "predicted_median_s": round(statistics.median(preds), 4),
-            "errors_per_repeat": [round((p - m) / m, 4) for p, m in zip(preds, times)],
+            "measured_s": round(statistics.median(times), 4), "predicted_s": round(statistics.median(preds), 4),
+            "error": round(statistics.median(errors), 4),
+            "measured_best_s": round(min(times), 4), "predicted_best_s": round(min(preds), 4),
+            "errors_per_repeat": [round(e, 4) for e in errors],
             "measured_all_s": [round(t, 4) for t in times],
         })
     return rows

@@ -15,11 +15,15 @@
 - intra/inter-node bandwidth and latency: gloo point-to-point between two processes on this machine, the
   transfer the pass-KV and pass-Q rings make (8 MiB messages for bandwidth, 4-byte ones for latency);
 - devices_per_node: the cores divided by the threads per rank.
+
+Rates are medians of repeated runs, not the fastest: on a machine shared with other work the median is what a
+long prefill gets, the fastest run only a quiet moment.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -58,14 +62,16 @@ class Shapes:
                    intermediate=model.intermediate_size)
 
 
-def _best(fn, repeats: int = REPEATS) -> float:
+def _typical(fn, repeats: int = REPEATS) -> float:
+    """The median time of `repeats` runs: the rate this machine gives now, as a prefill of many such operations
+    will see it (the fastest run would report a quiet moment of a busy machine)."""
     fn()  # warm-up: thread pool, page faults
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def linear_gflops(threads: int, shapes: Shapes | None) -> float:
@@ -76,7 +82,7 @@ def linear_gflops(threads: int, shapes: Shapes | None) -> float:
     torch.set_num_threads(threads)
     try:
         pairs = [(torch.randn(LINEAR_ROWS, k), torch.randn(k, n)) for k, n in shapes.weights]
-        seconds = _best(lambda: [x @ w for x, w in pairs])
+        seconds = _typical(lambda: [x @ w for x, w in pairs])
     finally:
         torch.set_num_threads(saved)
     return sum(2.0 * LINEAR_ROWS * k * n for k, n in shapes.weights) / seconds / 1e9
@@ -85,7 +91,7 @@ def linear_gflops(threads: int, shapes: Shapes | None) -> float:
 def _attention_seconds(tokens: int, heads: int, kv_heads: int, dim: int) -> float:
     q = torch.randn(1, heads, tokens, dim)
     k, v = torch.randn(1, kv_heads, tokens, dim), torch.randn(1, kv_heads, tokens, dim)
-    return _best(lambda: attention_with_lse(q, k, v, scale=dim**-0.5, causal=True), repeats=3)
+    return _typical(lambda: attention_with_lse(q, k, v, scale=dim**-0.5, causal=True), repeats=3)
 
 
 def attention_figures(threads: int, shapes: Shapes | None = None, *, sizes: tuple[int, int] = (1024, 4096)
@@ -134,7 +140,7 @@ def elementwise_gbps(threads: int, shapes: Shapes | None, *, rows: int = 1024) -
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        seconds = _best(layer_ops)
+        seconds = _typical(layer_ops)
     finally:
         torch.set_num_threads(saved)
     fp32 = Precision(weight_format="fp32", activation_bytes=4, kv_bytes=4)
