@@ -4,7 +4,9 @@ Per layer and per rank (T new tokens, P cached, N = PCP, C = KV shard group, loc
 Hkv_l = max(1, Hkv / TP), head width D, element size e):
 
 - linear FLOPs  2 * W_layer * T / (TP * N)                     at the linear peak (FP8 when the weights are FP8)
-- attention     4 * D * Hq * (T * P + T (T + 1) / 2) / (TP * N) at the attention peak (head-tail chunks balance it)
+- attention     4 * D * Hq * (T * P + T (T + 1) / 2 + T * o) / (TP * N) at the attention peak (head-tail chunks
+                balance it; o = the spec's attention_row_overhead, the diagonal blocks' extra work, 0 on GPUs)
+- elementwise   (T / (TP * N)) * elementwise_bytes_per_token at the spec's elementwise_bw (when it has one)
 - TP            two all-reduces of (T / N) * hidden * e bytes: inside a node over NVLink, across nodes on 1/g of
                 the data per NIC (reduce-scatter, all-reduce across nodes, all-gather)
 - PCP, by strategy (a ring step hides behind the attention of the block in hand; what does not fit is exposed,
