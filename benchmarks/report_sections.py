@@ -289,9 +289,10 @@ def moe_section(results: Results, images: str, rel: str) -> list[str]:
     data = results.get("moe")
     if not data:
         return lines + _missing("moe")
-    m = data["model"]
+    m, load = data["model"], data["machine"].get("load_average")
     lines += [f"Model: {m['layers']} layers, hidden {m['hidden']}, {m['experts']} experts of {m['expert_size']} "
-              f"rows, top-{m['top_k']}, 16 query / 4 KV heads of 64.", ""]
+              f"rows, top-{m['top_k']}, 16 query / 4 KV heads of 64. Load average when the run started "
+              f"(1/5/15 min, {data['machine'].get('cores')} cores): {load}.", ""]
     grouped = data.get("grouped_vs_dense_loop")
     if grouped:
         lines += ["### Grouped experts vs the dense loop", "",
@@ -306,7 +307,9 @@ def moe_section(results: Results, images: str, rel: str) -> list[str]:
                   "`generate` computes for the prompt), first with its default experts implementation, then with "
                   "its eager per-expert loop on the same loaded model, the three in rotating order. "
                   "`cpllm_speedup_best` / `_median` = that row's fastest / median time over cpllm's. "
-                  f"The fp32 matmul ceiling measured right after was {prefill['matmul_ceiling_gflops']} GFLOP/s.",
+                  f"The fp32 matmul ceiling measured right after was {prefill['matmul_ceiling_gflops']} GFLOP/s "
+                  "(the load of that moment included: the fastest repeats can exceed it). Both engines run the same "
+                  "matmuls at about the ceiling, so only the overheads around them can differ.",
                   ""] + md_table(prefill["rows"]) + [""]
     pcp = data.get("pcp")
     if pcp:
@@ -314,7 +317,9 @@ def moe_section(results: Results, images: str, rel: str) -> list[str]:
                   "Time to first token, expert-TP (PCP=2: each rank holds half of every expert's rows), allgather "
                   "strategy. PCP=2 over PCP=1 with one thread per rank: "
                   f"**{pcp['pcp2_vs_pcp1_same_threads_per_rank']}x**; over PCP=1 with the same two threads in one "
-                  f"rank: **{pcp['pcp2_vs_pcp1_same_total_threads']}x**.", ""] + md_table(pcp["rows"])
+                  f"rank: **{pcp['pcp2_vs_pcp1_same_total_threads']}x**. PCP=2 gains only when both ranks get a "
+                  "core; with the other users' load on this machine's two cores they seldom do (and two threads in "
+                  "one process then spin-wait, hence the slow 1x1x1@2 row).", ""] + md_table(pcp["rows"])
     return lines
 
 
