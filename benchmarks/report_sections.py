@@ -318,8 +318,8 @@ def moe_section(results: Results, images: str, rel: str) -> list[str]:
                   "strategy. PCP=2 over PCP=1 with one thread per rank: "
                   f"**{pcp['pcp2_vs_pcp1_same_threads_per_rank']}x**; over PCP=1 with the same two threads in one "
                   f"rank: **{pcp['pcp2_vs_pcp1_same_total_threads']}x**. PCP=2 gains only when both ranks get a "
-                  "core; with the other users' load on this machine's two cores they seldom do (and two threads in "
-                  "one process then spin-wait, hence the slow 1x1x1@2 row).", ""] + md_table(pcp["rows"])
+                  "core; with other users' load on this machine's two cores they seldom do, and two threads of one "
+                  "process then also lose time waiting for each other.", ""] + md_table(pcp["rows"])
     return lines
 
 
