@@ -2,9 +2,9 @@
 
 1. Recorded, at the issue's sizes: `benchmarks/results/plan_check.json` holds `cpllm bench plan`'s measured TTFT
    of fresh 4,096- and 8,000-token prompts on one rank and on PCP=2 (one thread per rank, `auto`), and the
-   calibration made before each repeat. Today's cost model, given those calibrations, must predict every point
-   within 15% (the fastest repeat against the fastest calibration's prediction: other load only adds time, to
-   the calibration's rates as to the prefills). A change to the model that breaks the claim fails here at no cost.
+   calibration made before each repeat. Today's cost model, given each repeat's calibration, predicts that
+   repeat's prefills; the median error of every point must be within 15%. A change to the model that breaks the
+   claim fails here at no cost.
 2. Live, smaller: calibrate now, then time three 1,024-token prefills on one rank, then three on PCP=2; the
    median error of each layout must be within 15%. Timing on a machine shared with other work says
    nothing about the model, so the test measures the CPU time other processes took meanwhile and skips (saying
@@ -42,8 +42,9 @@ def test_recorded_4k_and_8k_prefills_are_predicted_within_15_percent():
     checked = {}
     for point in recorded["points"]:
         pcp, tokens = int(point["layout"].split("x")[1]), point["prompt_tokens"]
-        predicted = min(predict(config, hw, pcp, tokens)[1] for hw in specs)
-        checked[(pcp, tokens)] = (predicted - point["measured_s"]) / point["measured_s"]
+        errors = [(predict(config, hw, pcp, tokens)[1] - measured) / measured  # each repeat's calibration
+                  for hw, measured in zip(specs, point["measured_all_s"], strict=True)]
+        checked[(pcp, tokens)] = statistics.median(errors)
     assert {(1, 4096), (2, 4096), (1, 8000), (2, 8000)} <= set(checked), sorted(checked)
     bad = {k: f"{e:+.1%}" for k, e in checked.items() if abs(e) > TOLERANCE}
     assert not bad, f"predictions off by more than {TOLERANCE:.0%}: {bad}"
