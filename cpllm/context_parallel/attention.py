@@ -172,8 +172,8 @@ class PagedCPAttention(torch.nn.Module):
         decode, n = meta.decode, meta.num_rows
         if decode.max_local_context == 0:
             return  # this rank's shard is empty for every one of them: their partials stay (0, -inf)
-        k_ctx = gather_context(k_pool, decode.slots)  # [B, Hkv, L, D], or [1, Hkv, U, D] with shared keys
-        v_ctx = gather_context(v_pool, decode.slots)
+        k_ctx = gather_context(k_pool, decode)  # [B, Hkv, L, D], or [1, Hkv, U, D] with shared keys
+        v_ctx = gather_context(v_pool, decode)
         by_dcp_rank = {}
         for piece in range(num_pieces):
             rows = decode.rows[self.comm.piece_pcp_rank(piece)] + piece * n  # [B]

@@ -53,15 +53,19 @@ def attend_single_tokens(q, k_ctx, v_ctx, decode, scale: float, every_row_sees_a
     return out[:, :, 0], lse[:, :, 0]
 
 
-def gather_context(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    # pool [num_slots, Hkv, D], slots [B, L] -> [B, Hkv, L, D] (a transposed view of one index_select copy)
+def gather_context(pool: torch.Tensor, decode) -> torch.Tensor:
+    # pool [num_slots, Hkv, D] -> the context of decode.slots [B, L] as [B, Hkv, L, D]
+    if decode.window is not None:  # consecutive slots: a view of the pool, nothing copied
+        first, count = decode.window
+        return pool.narrow(0, first, count).unsqueeze(0).transpose(1, 2)
+    slots = decode.slots
     rows = pool.index_select(0, slots.reshape(-1))  # far cheaper than pool[slots] on CPU
     return rows.view(*slots.shape, *pool.shape[1:]).transpose(1, 2)
 
 
 def attend_pooled_single_tokens(q, k_pool, v_pool, decode, scale: float):
     """Single-token queries against their whole context in these pools: each query sees at least itself."""
-    k_ctx, v_ctx = gather_context(k_pool, decode.slots), gather_context(v_pool, decode.slots)
+    k_ctx, v_ctx = gather_context(k_pool, decode), gather_context(v_pool, decode)
     return attend_single_tokens(q, k_ctx, v_ctx, decode, scale, every_row_sees_a_key=True)
 
 

@@ -71,6 +71,9 @@ class DecodeBatch:
     shared_keys: bool = False
     """slots is [1, U], the union of their slots, and key_mask [1, 1, B, U] says which keys each query sees:
     chosen when requests share most of their context (a common prefix), so each shared key is read once."""
+    window: tuple[int, int] | None = None
+    """(first slot, count) when slots is [1, count] and those slots are consecutive in the pool: attention then
+    reads a view of the pools instead of a gathered copy (one request, or shared keys, in adjacent blocks)."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -339,7 +342,17 @@ def _decode_batch(requests: list[RequestAttention]) -> DecodeBatch | None:
         valid = torch.arange(width) < torch.tensor(lengths).unsqueeze(1)  # [B, width]
         key_mask = torch.zeros(len(members), 1, 1, width).masked_fill(~valid[:, None, None, :], float("-inf"))
     return DecodeBatch(requests=tuple(members), slots=slots, key_mask=key_mask, rows=_rows(requests, members),
-                       max_local_context=max(lengths))
+                       max_local_context=max(lengths), window=_window(slots) if lengths[0] else None)
+
+
+def _window(slots: torch.Tensor) -> tuple[int, int] | None:
+    """(first, count) when slots [1, count] are first, first + 1, ... (blocks allocated one after another)."""
+    if slots.shape[0] != 1 or slots.shape[1] == 0:
+        return None
+    first, count = int(slots[0, 0]), slots.shape[1]
+    if int(slots[0, -1]) - first != count - 1 or not bool((slots[0, 1:] - slots[0, :-1] == 1).all()):
+        return None
+    return first, count
 
 
 def _rows(requests: list[RequestAttention], members: list[int]) -> torch.Tensor:
@@ -352,5 +365,6 @@ def _shared_key_batch(requests, members, union: torch.Tensor, lengths: list[int]
     for b, i in enumerate(members):
         visible[b, torch.searchsorted(union, requests[i].context_slots)] = True
     key_mask = torch.zeros(1, 1, len(members), union.numel()).masked_fill(~visible[None, None], float("-inf"))
-    return DecodeBatch(requests=tuple(members), slots=union.unsqueeze(0), key_mask=key_mask,
-                       rows=_rows(requests, members), max_local_context=max(lengths), shared_keys=True)
+    slots = union.unsqueeze(0)
+    return DecodeBatch(requests=tuple(members), slots=slots, key_mask=key_mask, rows=_rows(requests, members),
+                       max_local_context=max(lengths), shared_keys=True, window=_window(slots))
