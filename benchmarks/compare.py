@@ -69,7 +69,12 @@ def run_prefill(runners, config, lengths: list[int], threads: list[int]) -> list
     return rows
 
 
-def run_decode(runners, config, contexts: list[int], batches: list[int], threads: int, steps: int) -> list[dict]:
+def run_decode(runners, config, contexts: list[int], batches: list[int], threads: list[int],
+               steps: int) -> list[dict]:
+    return [row for t in threads for row in _decode_at(runners, config, contexts, batches, t, steps)]
+
+
+def _decode_at(runners, config, contexts: list[int], batches: list[int], threads: int, steps: int) -> list[dict]:
     rows = []
     for runner in runners:
         runner.set_threads(threads)
@@ -95,7 +100,7 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2", help="total CPU threads per system, comma-separated")
     parser.add_argument("--decode-contexts", default="128,2048")
     parser.add_argument("--decode-batches", default="1,16")
-    parser.add_argument("--decode-threads", type=int, default=2)
+    parser.add_argument("--decode-threads", default="2", help="total CPU threads for decode, comma-separated")
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--skip", default="", help="systems to leave out, comma-separated")
     parser.add_argument("--out", default="benchmarks/results/compare.json")
@@ -107,16 +112,17 @@ def main() -> None:
     threads = parse_int_list(args.threads, "--threads")
     contexts = parse_int_list(args.decode_contexts, "--decode-contexts")
     batches = parse_int_list(args.decode_batches, "--decode-batches")
+    decode_threads = parse_int_list(args.decode_threads, "--decode-threads")
     decode_tokens = max(contexts) + args.decode_steps + 80  # time_decode's max_tokens is steps + 64
     max_tokens = min(max(max(lengths), decode_tokens) + 16, config.max_position_embeddings)
     machine = machine_info()
-    ceilings = measure_ceilings(sorted(set(threads) | {args.decode_threads}))
+    ceilings = measure_ceilings(sorted(set(threads) | set(decode_threads)))
     _log(f"ceilings {ceilings}")
     runners, notes = load_runners(model, max_tokens, max(batches), decode_tokens,
                                   {s for s in args.skip.split(",") if s})
     try:
         prefill = run_prefill(runners, config, lengths, threads)
-        decode = run_decode(runners, config, contexts, batches, args.decode_threads, args.decode_steps)
+        decode = run_decode(runners, config, contexts, batches, decode_threads, args.decode_steps)
     finally:
         for runner in runners:
             runner.close()

@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from report_cp import CP_SECTIONS  # noqa: E402
 from report_sections import SECTIONS  # noqa: E402
+from report_single_rank import SINGLE_RANK_SECTIONS  # noqa: E402
 
 
 def load_results(folder: str) -> dict[str, dict[str, Any]]:
@@ -37,7 +38,8 @@ def build_page(results: dict[str, dict[str, Any]], images: str, out_dir: str) ->
              "(regenerate everything with `benchmarks/run_all.sh`; one step with `benchmarks/run_all.sh STEP`). "
              "Numbers are not edited by hand.", ""]
     rel_images = os.path.relpath(images, out_dir)
-    for section in [*SECTIONS[:-1], *CP_SECTIONS, SECTIONS[-1]]:  # the list of commands stays last
+    # the list of commands stays last
+    for section in [*SECTIONS[:-1], *SINGLE_RANK_SECTIONS, *CP_SECTIONS, SECTIONS[-1]]:
         parts += section(results, images, rel_images)
         parts.append("")
     return "\n".join(parts).rstrip() + "\n"

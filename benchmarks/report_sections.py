@@ -176,9 +176,10 @@ def prefill_pcp_section(results: Results, images: str, rel: str) -> list[str]:
 def compare_section(results: Results, images: str, rel: str) -> list[str]:
     lines = ["## cpllm vs transformers vs llama.cpp", "",
              "`benchmarks/compare.py`: the same prompts through each system in one process, interleaved, with the "
-             "same thread count. cpllm and transformers run fp32 weights dequantized from the GGUF file; llama.cpp "
-             "runs its Q4_1 weights directly. transformers computes logits at every prompt position (a plain "
-             "forward); its GFLOP/s counts that LM-head work too.", ""]
+             "same thread count. `cpllm` (`--quantization none`) and transformers run fp32 weights dequantized from "
+             "the GGUF file; `cpllm (auto)` and llama.cpp run its Q4_1 blocks as stored. Every system computes "
+             "prefill logits for the last position only (transformers with `logits_to_keep=1`, as its `generate` "
+             "does).", ""]
     data = results.get("compare")
     if not data:
         return lines + _missing("compare")

@@ -1,0 +1,109 @@
+"""Sections of docs/benchmarks.md on one rank's speed (issue 10): its targets, the decode-step profile before and
+after, and the quality of the approximate weight formats. Each is a function of the loaded results."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from report_sections import Results, _missing, _model_config, md_table
+
+
+def _ratio_rows(target: str, goal: str, pairs: list[tuple[str, float, float]]) -> list[dict[str, Any]]:
+    if not pairs:
+        return [{"target": target, "goal": goal, "measured": "not measured"}]
+    return [{"target": target, "goal": goal,
+             "measured": ", ".join(f"{label}: {a / b:.2f}" for label, a, b in pairs)}]
+
+
+def _decode_pairs(decode: dict, system: str, other: str, batch: int, other_batch: int = 1):
+    return [(f"{t}t/ctx {c}", row["tokens_per_s"], decode[(other, t, other_batch, c)]["tokens_per_s"])
+            for (s, t, b, c), row in sorted(decode.items())
+            if s == system and b == batch and (other, t, other_batch, c) in decode]
+
+
+def _bound_pairs(compare: dict, decode: dict) -> list[tuple[str, float, float]]:
+    config = _model_config()
+    if config is None:
+        return []
+    from cpllm.bench.ceiling import weight_bytes_per_decode_step
+
+    pairs = []
+    for (s, t, b, c), row in sorted(decode.items()):
+        ceiling = compare.get("ceilings", {}).get(str(t))
+        if s == "cpllm" and b == 1 and ceiling:
+            bound = ceiling["matvec_gbps"] * 1e9 / weight_bytes_per_decode_step(config)
+            pairs.append((f"{t}t/ctx {c} (bound {bound:.1f} tok/s)", row["tokens_per_s"], bound))
+    return pairs
+
+
+def single_rank_targets_section(results: Results, images: str, rel: str) -> list[str]:
+    lines = ["## One rank: targets (issue 10)", "",
+             "Ratios from `compare.json` (every system measured in one run, interleaved, same threads). `cpllm` is "
+             "`--quantization none` (fp32, the weights transformers runs), `cpllm (auto)` the GGUF's Q4_1 blocks as "
+             "stored (the weights llama.cpp runs). Labels: total threads / context tokens (decode) or prompt "
+             "tokens (prefill). Nothing here is asserted by tests.", ""]
+    compare = results.get("compare")
+    if not compare:
+        return lines + _missing("compare")
+    decode = {(r["system"], r["threads"], r["batch_size"], r["context_tokens"]): r for r in compare["decode"]}
+    prefill = {(r["system"], r["threads"], r["prompt_tokens"]): r for r in compare["prefill"]}
+    rows = _ratio_rows("auto batch-1 decode / llama.cpp, same file and threads", ">= 1.0",
+                       _decode_pairs(decode, "cpllm (auto)", "llama.cpp", 1))
+    rows += _ratio_rows("none batch-1 decode / transformers", ">= 1.3",
+                        _decode_pairs(decode, "cpllm", "transformers", 1))
+    rows += _ratio_rows("none prefill / transformers (logits of the last position only, as its generate)",
+                        ">= 1.0", [(f"{t}t/{n}", row["tokens_per_s"], prefill[("transformers", t, n)]["tokens_per_s"])
+                                   for (s, t, n), row in sorted(prefill.items())
+                                   if s == "cpllm" and ("transformers", t, n) in prefill])
+    rows += _ratio_rows("none batch-1 decode / fp32 weight-streaming bound (`bench ceiling` matvec rate)", ">= 0.8",
+                        _bound_pairs(compare, decode))
+    for system in ("cpllm", "cpllm (auto)"):
+        rows += _ratio_rows(f"{system}: 16-request aggregate decode / transformers batch-1 decode", ">= 4",
+                            _decode_pairs(decode, system, "transformers", 16, 1))
+    rows.append({"target": "decode under PCP=2 and DCP=2 (1 thread per rank) / one rank with 2 threads",
+                 "goal": ">= 1.0", "measured": "not measured in this run"})
+    return lines + md_table(rows)
+
+
+def decode_profile_section(results: Results, images: str, rel: str) -> list[str]:
+    lines = ["## One rank: where a decode step goes, before and after", ""]
+    data = results.get("decode_profile")
+    if not data:
+        return lines + _missing("") + ["(`python benchmarks/profile_before_after.py --before REV`)"]
+    w = data["workload"]
+    lines += [f"`benchmarks/profile_before_after.py`: `{data['before']}` against `{data['after']}`, alternating "
+              f"processes in one run; SmolLM2, quantization={w['quantization']}, batch {w['batch']}, context "
+              f"{w['context']}, {w['threads']} threads, {w['steps']} steps under torch.profiler (self CPU time per "
+              "step; the profiler adds its own overhead). Step time measured without the profiler: median of each "
+              "run, and the best round.", ""]
+    summary = [{"": side, "step_ms (median per run)": ", ".join(str(x) for x in data[side]["step_ms"]),
+                "best_step_ms": data[side]["best_step_ms"], "aten calls/step": data[side]["aten_calls_per_step"]}
+               for side in ("before", "after")]
+    lines += md_table(summary) + [""]
+    before = {r["op"]: r for r in data["before"]["ops"]}
+    after = {r["op"]: r for r in data["after"]["ops"]}
+    ops = list(dict.fromkeys([*before, *after]))
+    rows = [{"op": op,
+             "before ms/step": before[op]["self_ms_per_step"] if op in before else "",
+             "before calls": before[op]["calls_per_step"] if op in before else "",
+             "after ms/step": after[op]["self_ms_per_step"] if op in after else "",
+             "after calls": after[op]["calls_per_step"] if op in after else ""} for op in ops]
+    return lines + md_table(rows) + ["", "(an empty cell: not among that side's top operators)"]
+
+
+def quality_section(results: Results, images: str, rel: str) -> list[str]:
+    lines = ["## Quality of the approximate formats", ""]
+    data = results.get("quality")
+    if not data:
+        return lines + _missing("") + ["(`python benchmarks/quality.py`)"]
+    lines += [f"`benchmarks/quality.py`: {data['rows'][0]['prompts']} chat prompts, {data['max_tokens']} greedy "
+              "tokens each (EOS ignored), compared with cpllm `none` (fp32) token by token: `identical_completions`, "
+              "and `agreement`, the mean share of each completion before its first differing token. Then the "
+              f"log-likelihood of a fixed {data['text_tokens']}-token English text: mean per-token log-probability, "
+              "its mean (signed and absolute) difference from `none` on the same token ids, and perplexity.", ""]
+    for note in data.get("notes", []):
+        lines += [f"> {note}", ""]
+    return lines + md_table(data["rows"])
+
+
+SINGLE_RANK_SECTIONS = [single_rank_targets_section, decode_profile_section, quality_section]
