@@ -35,7 +35,7 @@ for step in "${steps[@]}"; do
     serve) bench serve --threads-per-rank 2 --num-requests 32 --concurrency 8 --prompt-tokens 256 \
              --output-tokens 64 --json "$R/serve.json" --plot "$IMG/serve.png" ;;
     # issue 12: fp32 weights (--quantization none), the format the planner's figures are for
-    chunk) bench chunk --context 8000 --chunk 256 --layouts 1x1x1@2,1x2x1@1 --strategies ring,pass-q,auto \
+    chunk) bench chunk --context 7900 --chunk 256 --layouts 1x1x1@2,1x2x1@1 --strategies ring,pass-q,auto \
              --repeats 5 --quantization none --json "$R/chunk_pcp.json" ;;
     decode_layouts) for kv in sharded replicated; do
         bench decode --layouts 1x1x1@1,1x1x1@2,1x2x1@1 --batch-sizes 1,16 --context-lengths 2048 --shared-prefix \
