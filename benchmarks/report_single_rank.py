@@ -80,6 +80,10 @@ def decode_profile_section(results: Results, images: str, rel: str) -> list[str]
                 "best_step_ms": data[side]["best_step_ms"], "aten calls/step": data[side]["aten_calls_per_step"]}
                for side in ("before", "after")]
     lines += md_table(summary) + [""]
+    spread = max(max(data[s]["step_ms"]) / min(data[s]["step_ms"]) for s in ("before", "after"))
+    if spread > 1.25:  # the same code measured twice disagrees: the load moved under the run
+        lines += [f"> Runs of the same side differ by up to {spread:.1f}x here: the machine's load changed during "
+                  "this run, so its times compare poorly; the call counts do not depend on load.", ""]
     before = {r["op"]: r for r in data["before"]["ops"]}
     after = {r["op"]: r for r in data["after"]["ops"]}
     ops = list(dict.fromkeys([*before, *after]))
