@@ -62,7 +62,7 @@ def main() -> None:
         sides[side] = {"step_ms": [r["step_ms"] for r in found], "best_step_ms": best["best_step_ms"],
                        "aten_calls_per_step": best["aten_calls_per_step"], "ops": best["ops"]}
     payload = {"command": "profile_before_after", "argv": sys.argv[1:], "machine": runs["after"][0]["machine"],
-               "before": args.before, "after": f"{head.stdout.strip()} + working tree",
+               "before_rev": args.before, "after_rev": f"{head.stdout.strip()} + working tree",
                "workload": {k: getattr(args, k) for k in ("quantization", "batch", "context", "threads", "steps")},
                **sides}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -70,8 +70,10 @@ def decode_profile_section(results: Results, images: str, rel: str) -> list[str]
     data = results.get("decode_profile")
     if not data:
         return lines + _missing("") + ["(`python benchmarks/profile_before_after.py --before REV`)"]
-    w = data["workload"]
-    lines += [f"`benchmarks/profile_before_after.py`: `{data['before']}` against `{data['after']}`, alternating "
+    w, argv = data["workload"], data.get("argv", [])
+    before = data.get("before_rev") or (argv[argv.index("--before") + 1] if "--before" in argv else "?")
+    after = data.get("after_rev", "the working tree")
+    lines += [f"`benchmarks/profile_before_after.py`: `{before}` against `{after}`, alternating "
               f"processes in one run; SmolLM2, quantization={w['quantization']}, batch {w['batch']}, context "
               f"{w['context']}, {w['threads']} threads, {w['steps']} steps under torch.profiler (self CPU time per "
               "step; the profiler adds its own overhead). Step time measured without the profiler: median of each "
