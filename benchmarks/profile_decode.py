@@ -17,9 +17,8 @@ import time
 
 import torch
 
-from cpllm.bench.common import machine_info, random_prompt
+from cpllm.bench.common import Layout, machine_info, random_prompt
 from cpllm.bench.engines import build_llm, model_config_of
-from cpllm.bench.common import Layout
 from cpllm.engine.sampling_params import SamplingParams
 
 
@@ -100,14 +99,16 @@ def main() -> None:
     finally:
         llm.shutdown()
     print(f"quantization={args.quantization} batch={args.batch} context={args.context} threads={args.threads}: "
-          f"{1000 * step_s:.2f} ms/step (best {1000 * best_s:.2f}), {args.batch / step_s:.1f} tok/s, {calls:.0f} aten calls/step")
+          f"{1000 * step_s:.2f} ms/step (best {1000 * best_s:.2f}), {args.batch / step_s:.1f} tok/s, "
+          f"{calls:.0f} aten calls/step")
     for row in table:
         print(f"  {row['op']:<48} {row['calls_per_step']:>8} calls {row['self_ms_per_step']:>8.3f} ms "
               f"{100 * row['share']:5.1f}%")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"argv": sys.argv[1:], "machine": machine_info(), "step_ms": round(1000 * step_s, 3), "best_step_ms": round(1000 * best_s, 3),
-                       "aten_calls_per_step": round(calls), "ops": table}, f, indent=2)
+            json.dump({"argv": sys.argv[1:], "machine": machine_info(), "step_ms": round(1000 * step_s, 3),
+                       "best_step_ms": round(1000 * best_s, 3), "aten_calls_per_step": round(calls), "ops": table},
+                      f, indent=2)
 
 
 if __name__ == "__main__":
