@@ -45,7 +45,9 @@ def chunk_section(results: Results, images: str, rel: str) -> list[str]:
     lines = ["### (a) A short chunk on a cached context: ring vs pass-Q vs auto", "",
              "`cpllm bench chunk`: the context is prefilled once and stays in the prefix cache; each repeat sends it "
              "again with fresh new tokens, so only the chunk is computed. `ran` is what the engine's step counter "
-             "says each strategy ran (auto's choices); `vs_ring` compares medians with the ring on the same layout.",
+             "says each strategy ran (auto's choices); `vs_ring` compares medians with the ring on the same layout. "
+             "Each strategy runs in its own engine, one after the other: `auto` runs the kernels of the strategy in "
+             "`ran`, so a gap between it and that strategy's row is the machine's load changing in between.",
              ""]
     data = results.get("chunk_pcp")
     if not data:
