@@ -7,9 +7,10 @@ expert) with the tests' tiny byte-level tokenizer (prompts are random token ids;
 embedding and LM head, which the last-row-only prefill barely touches).
 
 Measurements alternate between the systems inside each repeat and keep the best repeat (on a shared machine
-other load only ever adds time); the report gives ratios.
+other load only ever adds time); the report gives ratios, by wall time and by CPU time (one thread: the CPU time
+is what an idle core would take, and other users' load moves it much less).
 
-    python benchmarks/moe_bench.py --threads 1 --prefill-tokens 1024 --pcp-tokens 4096 --repeats 2
+    python benchmarks/moe_bench.py --threads 1 --prefill-tokens 1024,4096 --pcp-tokens 4096 --repeats 2
 """
 
 from __future__ import annotations
@@ -71,6 +72,14 @@ def build_folder(args) -> str:
     return folder
 
 
+def timed(run, prompt: list[int]) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of one prefill. At one thread the CPU time is what the run would
+    take on an idle core: on this shared machine it varies far less than the wall time."""
+    cpu = time.process_time()
+    wall = run(prompt)
+    return wall, time.process_time() - cpu
+
+
 def time_transformers(model, prompt: list[int]) -> float:
     ids = torch.tensor([prompt])
     start = time.perf_counter()
@@ -80,47 +89,62 @@ def time_transformers(model, prompt: list[int]) -> float:
 
 
 def prefill_vs_transformers(folder: str, args) -> dict:
-    """Single rank, same threads: cpllm's TTFT and transformers' prefill forward, alternating; transformers runs
-    its default experts implementation and its eager per-expert loop, switched on the same loaded model."""
+    """Single rank, same threads: cpllm's TTFT and transformers' prefill forward, alternating, at each prompt
+    length; transformers runs its default experts implementation and (up to --eager-max-tokens) its eager
+    per-expert loop, switched on the same loaded model."""
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
+    lengths = [int(n) for n in str(args.prefill_tokens).split(",")]
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     llm, _ = build_llm(folder, Layout(tp=1, pcp=1, dcp=1, threads_per_rank=args.threads), strategy=None,
-                       threads_per_rank=args.threads, context_tokens=args.prefill_tokens + 64,
-                       batch_tokens=args.prefill_tokens + 64, engine_options=dict(quantization="none"))
+                       threads_per_rank=args.threads, context_tokens=max(lengths) + 64,
+                       batch_tokens=max(lengths) + 64, engine_options=dict(quantization="none"))
     vocab, experts_impl = hf.config.vocab_size, hf.config._experts_implementation  # transformers' default choice
     default, eager = f"transformers ({experts_impl})", "transformers (eager)"
-    times: dict[str, list[float]] = {"cpllm": [], default: [], eager: []}
+
+    def with_experts(impl: str):
+        def run(prompt: list[int]) -> float:
+            hf.set_experts_implementation(impl)
+            return time_transformers(hf, prompt)
+        return run
+
+    runs = {"cpllm": lambda p: time_prefill(llm, p), default: with_experts(experts_impl), eager: with_experts("eager")}
+    rows = []
     try:
         time_prefill(llm, random_prompt(64, vocab, seed=-1))
         time_transformers(hf, random_prompt(64, vocab, seed=-1))
-        def with_experts(impl: str):
-            def run(prompt: list[int]) -> float:
-                hf.set_experts_implementation(impl)
-                return time_transformers(hf, prompt)
-            return run
-
-        runs = {"cpllm": lambda p: time_prefill(llm, p), default: with_experts(experts_impl),
-                eager: with_experts("eager")}
-        order = list(runs)
-        for repeat in range(args.repeats):
-            prompt = random_prompt(args.prefill_tokens, vocab, seed=repeat)
-            for name in order[repeat % 3:] + order[: repeat % 3]:  # rotate, so no system always runs first
-                times[name].append(runs[name](prompt))
-            print(f"repeat {repeat}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()), flush=True)
+        for n in lengths:
+            names = [k for k in runs if k != eager or n <= args.eager_max_tokens]
+            rows += measure_length(runs, names, n, vocab, args)
     finally:
         llm.shutdown()
-        del hf
-    best = {k: min(v) for k, v in times.items()}
-    median = {k: statistics.median(v) for k, v in times.items()}
-    flops = prefill_flops(open_weights(folder).config, args.prefill_tokens).total
-    rows = [{"system": k, "threads": args.threads, "prompt_tokens": args.prefill_tokens, "ttft_s": round(t, 3),
-             "ttft_median_s": round(median[k], 3), "tokens_per_s": round(args.prefill_tokens / t, 1),
-             "gflops": round(flops / t / 1e9, 1), "cpllm_speedup_best": round(t / best["cpllm"], 2),
-             "cpllm_speedup_median": round(median[k] / median["cpllm"], 2), "all_s": [round(x, 3) for x in times[k]]}
-            for k, t in best.items()]
     return {"rows": rows, "matmul_ceiling_gflops": matmul_ceiling(args)}
+
+
+def measure_length(runs: dict, names: list[str], n: int, vocab: int, args) -> list[dict]:
+    """Rows for one prompt length: the systems in rotating order per repeat (no system always runs first)."""
+    wall: dict[str, list[float]] = {k: [] for k in names}
+    cpu: dict[str, list[float]] = {k: [] for k in names}
+    for repeat in range(args.repeats):
+        prompt = random_prompt(n, vocab, seed=repeat)
+        for name in names[repeat % len(names):] + names[: repeat % len(names)]:
+            w, c = timed(runs[name], prompt)
+            wall[name].append(w)
+            cpu[name].append(c)
+        print(f"{n} tokens, repeat {repeat}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in wall.items()), flush=True)
+    best = {k: min(v) for k, v in wall.items()}
+    median = {k: statistics.median(v) for k, v in wall.items()}
+    cpu_best = {k: min(v) for k, v in cpu.items()}
+    flops = prefill_flops(open_weights(args.folder).config, n).total
+    return [{"system": k, "threads": args.threads, "prompt_tokens": n, "ttft_s": round(t, 3),
+             "ttft_median_s": round(median[k], 3), "cpu_s": round(cpu_best[k], 3),
+             "tokens_per_s": round(n / t, 1), "gflops": round(flops / t / 1e9, 1),
+             "cpllm_speedup_best": round(t / best["cpllm"], 2),
+             "cpllm_speedup_median": round(median[k] / median["cpllm"], 2),
+             "cpllm_speedup_cpu": round(cpu_best[k] / cpu_best["cpllm"], 2),
+             "all_s": [round(x, 3) for x in wall[k]]}
+            for k, t in best.items()]
 
 
 def matmul_ceiling(args) -> float:
@@ -142,7 +166,7 @@ def dense_loop(experts: LocalExperts, x: torch.Tensor, weights: torch.Tensor, id
 
 
 def grouped_vs_dense(folder: str, args) -> dict:
-    """One layer's experts on `prefill_tokens` hidden states: the grouped forward vs the dense loop."""
+    """One layer's experts on the first prefill length's hidden states: the grouped forward vs the dense loop."""
     torch.set_num_threads(args.threads)
     source = open_weights(folder)
     moe, hidden = source.config.moe, source.config.hidden_size
@@ -153,7 +177,8 @@ def grouped_vs_dense(folder: str, args) -> dict:
     experts.load(source)
     router = Router(f"{prefix}.gate.weight", hidden, moe.num_experts, moe.top_k, moe.norm_topk_prob)
     router.load(source)
-    x = torch.randn(args.prefill_tokens, hidden, generator=torch.Generator().manual_seed(0))
+    tokens = int(str(args.prefill_tokens).split(",")[0])
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         weights, ids = router(x)
         assert torch.allclose(experts(x, weights, ids), dense_loop(experts, x, weights, ids), atol=1e-5)
@@ -164,7 +189,7 @@ def grouped_vs_dense(folder: str, args) -> dict:
                 fn(x, weights, ids)
                 times[name].append(time.perf_counter() - start)
     best = {k: min(v) for k, v in times.items()}
-    return {"tokens": args.prefill_tokens, "threads": args.threads,
+    return {"tokens": tokens, "threads": args.threads,
             "grouped_s": round(best["grouped"], 4), "dense_loop_s": round(best["dense_loop"], 4),
             "speedup": round(best["dense_loop"] / best["grouped"], 2)}
 
@@ -203,7 +228,9 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--expert-size", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--prefill-tokens", type=int, default=1024)
+    parser.add_argument("--prefill-tokens", default="1024,4096", help="prompt lengths vs transformers, comma-separated")
+    parser.add_argument("--eager-max-tokens", type=int, default=1024,
+                        help="longest prompt transformers' eager experts loop also runs (it is the slow baseline)")
     parser.add_argument("--pcp-tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--pcp-repeats", type=int, default=1)
@@ -211,7 +238,7 @@ def main() -> None:
     parser.add_argument("--cache", default="/tmp/cpllm-moe-bench")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "moe.json"))
     args = parser.parse_args()
-    folder = build_folder(args)
+    folder = args.folder = build_folder(args)
     result = {"machine": machine_info(), "model": {k: getattr(args, k) for k in
                                                    ("layers", "hidden", "experts", "top_k", "expert_size")}}
     if "grouped" not in args.skip:

@@ -281,6 +281,21 @@ def bounds_section(results: Results, images: str, rel: str) -> list[str]:
     ]
 
 
+def moe_profile_lines(data: dict[str, Any] | None) -> list[str]:
+    """benchmarks/profile_moe.py's table: seconds per category of one prefill, one column per system x length."""
+    if not data:
+        return []
+    runs = data["profiles"]
+    categories = list(dict.fromkeys(c for table in runs.values() for c in table))
+    rows = [{"category": c, **{run: table.get(c, 0.0) for run, table in runs.items()}} for c in categories]
+    load = data["machine"].get("load_average")
+    return ["Where the time goes (`benchmarks/profile_moe.py`: torch.profiler, one profiled prefill per cell, "
+            "seconds of operator self time charged to the module it ran in; `wall` is the whole call, "
+            "`untracked` what no operator accounts for: Python between operators and, for cpllm, the engine's "
+            f"scheduling). Load average at the start: {load}; under load every cell stretches alike.", ""
+            ] + md_table(rows, ["category", *runs]) + [""]
+
+
 def moe_section(results: Results, images: str, rel: str) -> list[str]:
     lines = ["## Mixture of experts", "",
              "`benchmarks/moe_bench.py`: a random-weight Qwen3-MoE-shaped model saved as a Hugging Face folder "
@@ -306,12 +321,20 @@ def moe_section(results: Results, images: str, rel: str) -> list[str]:
         lines += ["### Prefill, single rank, vs transformers", "",
                   "Same weights, same threads; transformers runs a plain forward with `logits_to_keep=1` (what "
                   "`generate` computes for the prompt), first with its default experts implementation, then with "
-                  "its eager per-expert loop on the same loaded model, the three in rotating order. "
-                  "`cpllm_speedup_best` / `_median` = that row's fastest / median time over cpllm's. "
+                  "its eager per-expert loop on the same loaded model, the systems in rotating order; cpllm's "
+                  "time is its whole TTFT (engine included), its LM head runs on the last row only. Each row is "
+                  "one workload: `prompt_tokens` tokens, `threads` threads. "
+                  "`cpllm_speedup_best` / `_median` = that row's fastest / median time over cpllm's; "
+                  "`cpllm_speedup_cpu` the same with each run's CPU time (`cpu_s`, the fastest run's), which other "
+                  "users' load moves much less than the wall time (one thread: it is what an idle core takes). "
                   f"The fp32 matmul ceiling measured right after was {prefill['matmul_ceiling_gflops']} GFLOP/s "
                   "(the load of that moment included: the fastest repeats can exceed it). Both engines run the same "
-                  "matmuls at about the ceiling, so only the overheads around them can differ.",
-                  ""] + md_table(prefill["rows"]) + [""]
+                  "matmuls (and the same CPU flash-attention kernel) at about the ceiling, so only the overheads "
+                  "around them can differ: the profile below shows where. transformers' eager loop is the same "
+                  "algorithm as cpllm's experts (gather an expert's tokens, two matmuls, scatter-add), so it lands "
+                  "within a few percent of cpllm; its default grouped_mm path pays for sorting and copying every "
+                  "token-expert pair and for extra elementwise passes.",
+                  ""] + md_table(prefill["rows"]) + [""] + moe_profile_lines(results.get("moe_profile"))
     pcp = data.get("pcp")
     if pcp:
         lines += [f"### PCP=2 vs PCP=1, {pcp['prompt_tokens']}-token prompt", "",

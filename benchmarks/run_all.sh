@@ -41,8 +41,9 @@ for step in "${steps[@]}"; do
         bench decode --layouts 1x1x1@1,1x1x1@2,1x2x1@1 --batch-sizes 1,16 --context-lengths 2048 --shared-prefix \
           --steps 32 --cp-kv-cache-layout "$kv" --json "$R/decode_pcp_$kv.json"; done ;;
     # issue 11: random Qwen3-MoE-shaped model (16 layers, hidden 1024, 64 experts of 256, top-8), saved once
-    moe) python benchmarks/moe_bench.py --threads 1 --prefill-tokens 1024 --pcp-tokens 4096 --repeats 2 \
-           --pcp-repeats 2 --out "$R/moe.json" ;;
+    moe) python benchmarks/moe_bench.py --threads 1 --prefill-tokens 1024,4096 --pcp-tokens 4096 --repeats 2 \
+           --pcp-repeats 2 --out "$R/moe.json"
+         python benchmarks/profile_moe.py --tokens 1024,4096 --json "$R/moe_profile.json" ;;
     plan) bench plan --lengths 4096,8000 --repeats 3 --quantization none --json "$R/plan_check.json" ;;
     breakdown) python benchmarks/profile_prefill.py --lengths 4096,8000 --repeats 2 \
                  --json "$R/prefill_breakdown.json" ;;

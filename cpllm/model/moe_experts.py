@@ -62,8 +62,10 @@ class LocalExperts(torch.nn.Module):
         for e, count in enumerate(counts):
             if count:
                 mine = tokens[start : start + count]
-                gate, up = (x.index_select(0, mine) @ self.gate_up[e]).split(rows, dim=-1)
-                y = (F.silu(gate) * up) @ self.down[e]  # [count, hidden]
+                h = x.index_select(0, mine) @ self.gate_up[e]  # [count, 2 * rows] = gate | up
+                # silu(gate) * up written over gate: no new [count, rows] buffers (same values, same rounding)
+                act = F.silu(h[:, :rows], inplace=True).mul_(h[:, rows:])
+                y = act @ self.down[e]  # [count, hidden]
                 out.index_add_(0, mine, y.mul_(scale[start : start + count]))
                 start += count
         return out
