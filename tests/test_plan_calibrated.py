@@ -9,7 +9,8 @@
    median error of each layout must be within 15%. Timing on a machine shared with other work says
    nothing about the model, so the test measures the CPU time other processes took meanwhile and skips (saying
    so) when they took more than QUIET_CORES of a core, already after the calibration when the machine is busy
-   then (about 8 s); where it runs alone it asserts (about 25 s).
+   then (about 8 s); where it runs alone it asserts (about 25 s). It is a timing check, so it runs only when
+   asked (CPLLM_TIMING_TESTS=1): the suite asserts behaviour, and a CI machine's speed is not the model's.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class ForeignLoad:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.skipif(os.environ.get("CPLLM_TIMING_TESTS") != "1", reason="timing check: set CPLLM_TIMING_TESTS=1")
 def test_live_1k_prefills_are_predicted_within_15_percent():
     try:
         from cpllm.model.default_model import default_model_path
