@@ -183,6 +183,12 @@ def make_tiny_hf_model(architecture: str = "llama", *, seed: int = 0, **override
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_hf_config(architecture, **overrides), dtype=torch.float32)
+    return randomize_weights(model, seed)
+
+
+def randomize_weights(model, seed: int, extra: Callable[[str, torch.Tensor, torch.Generator], None] | None = None):
+    """Randomize norms and biases, sharpen attention (q/k x QK_SCALE), then let `extra` set family-specific
+    parameters, drawing from one generator seeded with `seed`; returns the model in eval mode."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -192,6 +198,8 @@ def make_tiny_hf_model(architecture: str = "llama", *, seed: int = 0, **override
                 param.copy_(0.1 * torch.randn(param.shape, generator=generator))
             if name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
                 param.mul_(QK_SCALE)
+            if extra is not None:
+                extra(name, param, generator)
     return model.eval()
 
 

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 from gguf.quants import quantize
 
-from tiny_models import QK_SCALE, _add_metadata, gguf_tensor_name, llama_cpp_permute, tiny_hf_tokenizer, tiny_vocab
+from tiny_models import (_add_metadata, gguf_tensor_name, llama_cpp_permute, randomize_weights, tiny_hf_tokenizer,
+                         tiny_vocab)
 
 ROUTER_SCALE = 40.0
 """Factor on the random router weights: logits of std ~5 instead of ~0.15, so top-k choices are stable."""
@@ -68,20 +69,14 @@ def make_tiny_moe_model(family: str, *, seed: int = 0, **overrides: Any):
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_moe_config(family, **overrides), dtype=torch.float32)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
-            elif name.endswith(".bias"):
-                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
-            elif ".experts." in name or name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
-                param.copy_(0.05 * torch.randn(param.shape, generator=generator))  # HF leaves them unset
-            if name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
-                param.mul_(QK_SCALE)
-            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
-                param.copy_(0.02 * ROUTER_SCALE * torch.randn(param.shape, generator=generator))
-    return model.eval()
+    return randomize_weights(model, seed, _randomize_experts_and_router)
+
+
+def _randomize_experts_and_router(name: str, param: torch.Tensor, generator: torch.Generator) -> None:
+    if ".experts." in name or name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        param.copy_(0.05 * torch.randn(param.shape, generator=generator))  # HF leaves them unset
+    if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+        param.copy_(0.02 * ROUTER_SCALE * torch.randn(param.shape, generator=generator))
 
 
 def save_tiny_moe_model(folder: str, family: str, *, seed: int = 0, **overrides: Any) -> str:
