@@ -24,7 +24,7 @@ FLAGS = ["--max-model-len", "1024", "--kv-cache-memory-bytes", "64MiB", "--max-n
          "--max-queued-requests", "4", "--max-n", "4", "--max-request-body-bytes", "64KiB",
          "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
-                                           "age": {"type": "integer", "minimum": 0}},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
           "required": ["name", "age"]}
 ASK = [{"role": "user", "content": "Describe a person named Alice who is 30 years old, as JSON."}]
 WEATHER = {"type": "object",
