@@ -19,7 +19,7 @@ import pytest
 
 import cpllm.context_parallel.metadata as cp_metadata
 from cpllm import LLM, SamplingParams
-from parallel_helpers import max_abs_diff, prompt_logprob_values, random_prompt, sampled_logprobs
+from parallel_helpers import LaunchCache, max_abs_diff, prompt_logprob_values, random_prompt, sampled_logprobs
 from reference import as_float
 from tiny_models import save_tiny_hf_model
 
@@ -196,13 +196,8 @@ BF16_TP2_DCP2 = Setup("kv1", dtype="bfloat16", tp=2, dcp=2, interleave=2, worklo
 DP2_PCP2_TP2 = Setup("kv2", dp=2, pcp=2, tp=2, interleave=2, workloads=(run_dp_prompts,))
 
 
-class Launches:
-    """Module-wide cache of model folders and runs; a launch that failed is not retried."""
-
-    def __init__(self, tmp_path_factory):
-        self._tmp = tmp_path_factory
-        self._folders: dict[str, str] = {}
-        self._runs: dict[Setup, Run | BaseException] = {}
+class Launches(LaunchCache):
+    """Model folders (this module's seed) and one run per setup; a launch that failed is not retried."""
 
     def folder(self, model: str) -> str:
         if model not in self._folders:
@@ -210,21 +205,12 @@ class Launches:
                                                       **MODELS[model])
         return self._folders[model]
 
-    def run(self, setup: Setup) -> Run:
-        if setup not in self._runs:
-            try:
-                run = Run()
-                with LLM(self.folder(setup.model), **setup.options()) as llm:
-                    for workload in setup.workloads:
-                        workload(llm, run)
-                self._runs[setup] = run
-            except Exception as error:
-                self._runs[setup] = error
-                raise
-        result = self._runs[setup]
-        if isinstance(result, BaseException):
-            raise RuntimeError(f"{setup.label()} failed in an earlier test: {result}") from result
-        return result
+    def _launch(self, setup: Setup) -> Run:
+        run = Run()
+        with LLM(self.folder(setup.model), **setup.options()) as llm:
+            for workload in setup.workloads:
+                workload(llm, run)
+        return run
 
 
 @pytest.fixture(scope="module")
