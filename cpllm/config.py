@@ -326,6 +326,9 @@ class EngineConfig:
     """KV cache."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     """Batching limits."""
+    compile_decode: bool = False
+    """Run decode steps through torch.compile (cpllm/model/decode_graph.py): one rank per replica, dense models,
+    CPU. Off by default: the first decode steps of a process pay the compile (15-60 s on CPU, cached on disk)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -337,11 +340,27 @@ class EngineConfig:
                 f"cp_kv_cache_interleave_size={interleave} must divide block_size={self.cache.block_size}"
             )
         check_quantized_widths(self.model, self.parallel.tensor_parallel_size)
+        if self.compile_decode:
+            _check_compile_decode(self.parallel, self.model)
         if self.scheduler.max_model_len > self.model.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={self.scheduler.max_model_len} exceeds the model's "
                 f"max_position_embeddings={self.model.max_position_embeddings}"
             )
+
+
+def _check_compile_decode(parallel: ParallelConfig, model: ModelConfig) -> None:
+    """compile_decode compiles one rank's whole forward: no collective and no data-dependent routing inside."""
+    replica_ranks = parallel.tensor_parallel_size * parallel.prefill_context_parallel_size
+    if replica_ranks != 1:
+        raise ValueError(
+            f"compile_decode=True with tensor_parallel_size={parallel.tensor_parallel_size} and "
+            f"prefill_context_parallel_size={parallel.prefill_context_parallel_size}: the compiled decode step needs "
+            "one rank per replica (collectives are not compiled); use data_parallel_size for more ranks"
+        )
+    if model.moe is not None:
+        raise ValueError("compile_decode=True with a mixture-of-experts model: expert routing has data-dependent "
+                         "shapes that the compiled graph cannot hold; run it without compile_decode")
 
 
 def check_quantized_widths(model: ModelConfig, tp: int) -> None:

@@ -68,6 +68,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_option: bool 
     group.add_argument("--enable-expert-parallel", action="store_true",
                        help="MoE models: split whole experts over the TP x PCP ranks instead of every expert's "
                             "intermediate rows (expert-TP, the default)")
+    group.add_argument("--compile-decode", action="store_true",
+                       help="run decode steps through torch.compile (one rank per replica, dense models, CPU): "
+                            "faster steps after a one-time compile of 15-60 s, cached on disk")
     group.add_argument("--distributed-timeout", type=float, default=120.0,
                        help="seconds before a stuck or dead rank fails the run")
     group.add_argument("--threads-per-rank", type=int, default=None, help="torch threads in each rank's process")
@@ -94,5 +97,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         cp_kv_cache_layout=args.cp_kv_cache_layout,
         distributed_timeout=args.distributed_timeout,
         enable_expert_parallel=args.enable_expert_parallel,
+        compile_decode=args.compile_decode,
         threads_per_rank=args.threads_per_rank,
     )

@@ -39,6 +39,7 @@ def build_engine_config(
     cp_kv_cache_layout: str = "sharded",
     distributed_timeout: float = 120.0,
     enable_expert_parallel: bool = False,
+    compile_decode: bool = False,
 ) -> EngineConfig:
     """Validate every engine option together, before any process starts."""
     path = model or default_model_path()
@@ -70,6 +71,7 @@ def build_engine_config(
             max_num_seqs=max_num_seqs,
             max_model_len=max_len,
         ),
+        compile_decode=compile_decode,
     )
 
 

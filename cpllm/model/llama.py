@@ -29,7 +29,7 @@ from cpllm.model.moe import SparseMoEBlock
 from cpllm.model.moe_log import moe_summary_lines
 from cpllm.model.moe_placement import MoEShard
 from cpllm.model.quant_report import summary_lines
-from cpllm.model.rope import RotaryEmbedding
+from cpllm.model.rope import RotaryEmbedding, apply_rope
 
 logger = logging.getLogger(__name__)
 
@@ -68,15 +68,15 @@ class LlamaAttention(torch.nn.Module):
             self.q_norm = RMSNorm(f"{prefix}.q_norm.weight", d, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(f"{prefix}.k_norm.weight", d, config.rms_norm_eps, dtype)
 
-    def forward(self, positions, hidden, rope: RotaryEmbedding, kv_cache, meta: AttentionMetadata):
+    def forward(self, hidden, rope_tables, kv_cache, meta: AttentionMetadata):
         n, d = hidden.shape[0], self.head_dim
         qkv = self.qkv_proj(hidden)  # [N, (Hq + 2 Hkv) * D]
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q, k = q.view(n, self.num_heads, d), k.view(n, self.num_kv_heads, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = rope(positions, q)  # [N, Hq, D]
-        k = rope(positions, k)  # [N, Hkv, D]
+        q = apply_rope(rope_tables, q)  # [N, Hq, D]
+        k = apply_rope(rope_tables, k)  # [N, Hkv, D]
         v = v.reshape(n, self.num_kv_heads, d)
         out = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta)  # [N, Hq, D]
         return self.o_proj(out.reshape(n, self.num_heads * d))
@@ -123,9 +123,14 @@ class LlamaDecoderLayer(torch.nn.Module):
         else:
             self.mlp = LlamaMLP(config, f"{prefix}.mlp", tp, dtype)
 
-    def forward(self, positions, hidden, rope, kv_cache, meta):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rope, kv_cache, meta)
+    def forward(self, hidden, rope_tables, kv_cache, meta):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope_tables, kv_cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden), meta)
+
+
+def call_layer(layer: LlamaDecoderLayer, hidden, rope_tables, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    # hidden [N, hidden_size] -> [N, hidden_size]
+    return layer(hidden, rope_tables, kv_cache, meta)
 
 
 class LlamaForCausalLM(torch.nn.Module):
@@ -158,9 +163,15 @@ class LlamaForCausalLM(torch.nn.Module):
     @torch.inference_mode()
     def forward(self, token_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         # token_ids, positions [N] -> hidden [N, hidden_size] (before the final norm)
+        return self.decoder_stack(token_ids, positions, kv_caches, meta, call_layer)
+
+    def decoder_stack(self, token_ids, positions, kv_caches, meta: AttentionMetadata, run_layer) -> torch.Tensor:
+        """The forward with each layer run by `run_layer` (`call_layer`, or its compiled form:
+        cpllm/model/decode_graph.py)."""
         hidden = self.embed_tokens(token_ids)
+        rope_tables = self.rope.tables(positions, hidden.dtype)  # once per step, for every layer
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(positions, hidden, self.rope, kv_cache, meta)
+            hidden = run_layer(layer, hidden, rope_tables, kv_cache, meta)
         return hidden
 
     @torch.inference_mode()

@@ -28,7 +28,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Applies rotary embedding to q and k at their absolute positions."""
+    """The cos/sin tables of every position up to `max_positions`; `tables` picks a step's rows."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int):
         super().__init__()
@@ -38,24 +38,20 @@ class RotaryEmbedding(torch.nn.Module):
         # [max_positions, head_dim // 2]
         self.register_buffer("cos", freqs.cos().float(), persistent=False)
         self.register_buffer("sin", freqs.sin().float(), persistent=False)
-        self._step: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
-        """(positions, dtype, cos, sin) of the last call: every layer of a step passes the same positions tensor,
-        so the tables are looked up once per step instead of twice per layer."""
 
-    def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # -> cos [N, 1, D] = (cos, cos), sin [N, 1, D] = (-sin, sin), for x * cos + swap_halves(x) * sin
-        step = self._step
-        if step is not None and step[0] is positions and step[1] == dtype:
-            return step[2], step[3]
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's rotation tables, looked up once per step and shared by every layer: cos [N, 1, D] = (cos, cos),
+        sin [N, 1, D] = (-sin, sin), for x * cos + swap_halves(x) * sin."""
         cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)  # [N, 1, D / 2]
         sin = self.sin.index_select(0, positions).unsqueeze(1).to(dtype)
-        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
-        self._step = (positions, dtype, cos, sin)
-        return cos, sin
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        # positions [num_tokens]; x [num_tokens, num_heads, head_dim]
-        # (x1 cos - x2 sin, x2 cos + x1 sin), rounded as transformers rounds it (negating sin is exact)
-        cos, sin = self._tables(positions, x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat((x2, x1), dim=-1) * sin
+
+def apply_rope(tables: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, num_heads, head_dim] rotated with the step's `tables` (RotaryEmbedding.tables).
+
+    (x1 cos - x2 sin, x2 cos + x1 sin), rounded as transformers rounds it (negating sin is exact).
+    """
+    cos, sin = tables
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((x2, x1), dim=-1) * sin

@@ -12,6 +12,7 @@ from cpllm.context_parallel.metadata import StepBatch, build_step_batch
 from cpllm.context_parallel.replica_sync import sync_replicas
 from cpllm.distributed.comm import all_reduce
 from cpllm.distributed.groups import ParallelGroups
+from cpllm.model.decode_graph import CompiledDecode
 from cpllm.model.layers import TPShard
 from cpllm.model.llama import LlamaForCausalLM, local_kv_heads
 from cpllm.model.loader import open_weights
@@ -54,6 +55,7 @@ class ModelRunner:
         self.num_blocks = self._count_blocks()
         self.kv_caches = allocate_kv_cache(config.model.num_hidden_layers, self.num_blocks, config.cache.block_size,
                                            self.num_kv_heads, config.model.head_dim, self.dtype, device)
+        self.compiled_decode = CompiledDecode(self.model, device) if config.compile_decode else None
 
     def _count_blocks(self) -> int:
         """Blocks per rank, the same on every rank of the replica (block ids are shared across the CP group)."""
@@ -85,7 +87,10 @@ class ModelRunner:
         batch = build_step_batch(step.chunks, self.layout, self.groups.pcp_size, self.groups.pcp_rank,
                                  output_positions, device=self.device, non_blocking=True, strategy=strategy,
                                  split_single_tokens=self.replicated)
-        hidden = self.model(batch.token_ids, batch.positions, self.kv_caches, batch.attention)
+        forward = self.model
+        if self.compiled_decode is not None and self.compiled_decode.applies(batch.attention):
+            forward = self.compiled_decode
+        hidden = forward(batch.token_ids, batch.positions, self.kv_caches, batch.attention)
         if batch.replica_sync is not None:  # decode K/V computed on one PCP rank reach the other copies
             sync_replicas(self.kv_caches, batch.replica_sync, self.groups.pcp_group, self.groups.pcp_rank)
         if not batch.output_rows:

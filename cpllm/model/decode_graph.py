@@ -1,0 +1,56 @@
+"""The decode step compiled with torch.compile (inductor), for a rank that holds its replica alone.
+
+A batch-1 decode step of a small model is mostly overhead in eager PyTorch: ~6,000 operator calls per step, each
+with its Python and dispatcher cost, around a few milliseconds of weight streaming. Compiled, the norms, rotary,
+residual adds, the K/V store and the attention of each layer become a few generated C++ loops, and attention reads
+K/V once in whatever dtype the pool holds (cpllm/context_parallel/local_attention.py, `reduction_attention`).
+
+Only steps whose tokens are all single decode tokens on a rank holding the whole context take this path (the fast
+path of PagedCPAttention); prompt steps run eager. Shapes are dynamic (batch and context length are symbols), so
+a few graphs serve every step: one per branch the step metadata selects (one request or several, contiguous slots
+or gathered ones, with or without a padding mask), each compiled on first use and cached on disk by inductor.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch._dynamo
+
+from cpllm.context_parallel.metadata import AttentionMetadata
+from cpllm.model.llama import LlamaForCausalLM, call_layer
+
+logger = logging.getLogger(__name__)
+
+# Graph variants a decode step can select (see the module docstring), times batch 1 vs more: well under this.
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+
+
+class CompiledDecode:
+    """The model's forward for decode-only steps, with every decoder layer run by one compiled graph (per branch):
+    the layers share their code, so a graph compiled for layer 0 serves all of them (their weights are inputs)."""
+
+    def __init__(self, model: LlamaForCausalLM, device: torch.device):
+        """The engine config already refused layouts with collectives and MoE models (config.py)."""
+        if device.type != "cpu":
+            raise ValueError(f"compile_decode=True on {device.type}: the compiled decode step is built and tested on "
+                             "CPU only; run without compile_decode")
+        self.model = model
+        self._run_layer = torch.compile(call_layer, dynamic=True)
+        self.steps = 0
+        """Steps run compiled (for tests and the log)."""
+
+    @staticmethod
+    def applies(meta: AttentionMetadata) -> bool:
+        """True for steps of single tokens only (no prompt chunk)."""
+        return meta.decode is not None and not meta.has_new
+
+    def __call__(self, token_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        # token_ids, positions [B] -> hidden [B, hidden_size]
+        if self.steps == 0:
+            logger.info("compiling the decode step (torch.compile, inductor): the first decode steps take longer")
+        self.steps += 1
+        # no_grad, not inference_mode: inductor cannot trace views of inference tensors
+        with torch.no_grad():
+            return self.model.decoder_stack(token_ids, positions, kv_caches, meta, self._run_layer)
