@@ -79,6 +79,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds (median reported)")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--compile-decode", action="store_true", help="decode steps through torch.compile")
+    parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -89,7 +90,7 @@ def main() -> None:
                        context_tokens=longest * args.batch, batch_tokens=max(4096, longest),
                        engine_options={"quantization": args.quantization, "max_model_len": longest,
                                        "max_num_seqs": max(args.batch, 1),
-                                       "compile_decode": args.compile_decode})
+                                       "compile_decode": args.compile_decode, "kv_cache_dtype": args.kv_cache_dtype})
     torch.set_num_threads(args.threads)
     prompts = [random_prompt(args.context, config.vocab_size, seed=args.context * 1000 + i)
                for i in range(args.batch)]
@@ -100,7 +101,7 @@ def main() -> None:
         table, calls = ([], 0.0) if args.no_profile else profile_steps(llm.engine, prompts, args.steps, args.top)
     finally:
         llm.shutdown()
-    print(f"compile_decode={args.compile_decode} quantization={args.quantization} batch={args.batch} context={args.context} threads={args.threads}: "
+    print(f"compile_decode={args.compile_decode} kv_cache_dtype={args.kv_cache_dtype} quantization={args.quantization} batch={args.batch} context={args.context} threads={args.threads}: "
           f"{1000 * step_s:.2f} ms/step (best {1000 * best_s:.2f}), {args.batch / step_s:.1f} tok/s, "
           f"{calls:.0f} aten calls/step")
     for row in table:

@@ -272,6 +272,10 @@ def _check_dcp_placement(tp: int, dcp: int, kv_heads: int) -> None:
             )
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+"""Choices of CacheConfig.kv_cache_dtype (vLLM's --kv-cache-dtype; its fp8 formats are not built)."""
+
+
 @dataclass(kw_only=True, frozen=True, slots=True)
 class CacheConfig:
     """Paged KV cache settings."""
@@ -282,8 +286,13 @@ class CacheConfig:
     """KV bytes per rank; None sizes it from free memory (logged at startup)."""
     enable_prefix_caching: bool = True
     """Reuse full blocks whose token prefix was already computed."""
+    kv_cache_dtype: str = "auto"
+    """dtype K/V are stored in, one of KV_CACHE_DTYPES: auto = the model's dtype; a narrower one (bfloat16 or
+    float16 under a float32 model) doubles the tokens the cache holds, and attention computes in the model's dtype."""
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}; choose one of {KV_CACHE_DTYPES}")
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:

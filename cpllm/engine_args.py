@@ -6,7 +6,7 @@ import argparse
 import re
 from typing import Any
 
-from cpllm.config import DEFAULT_QUANTIZATION, KV_CACHE_LAYOUTS, PREFILL_STRATEGIES, QUANTIZATION_CHOICES
+from cpllm.config import DEFAULT_QUANTIZATION, KV_CACHE_DTYPES, KV_CACHE_LAYOUTS, PREFILL_STRATEGIES, QUANTIZATION_CHOICES
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -49,6 +49,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_option: bool 
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     group.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None,
                        help="KV cache bytes per rank, e.g. 512MiB (default: 20%% of available memory)")
+    group.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default="auto",
+                       help="dtype K/V are stored in: auto = --dtype; bfloat16/float16 under float32 hold twice the "
+                            "tokens, attention still computes in --dtype")
     group.add_argument("--seed", type=int, default=0, help="seed of requests without their own")
     group.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     group.add_argument("-pcp", "--prefill-context-parallel-size", type=int, default=1)
@@ -87,6 +90,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        kv_cache_dtype=args.kv_cache_dtype,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
         prefill_context_parallel_size=args.prefill_context_parallel_size,

@@ -41,21 +41,23 @@ def _prompts(vocab: int) -> list[list[list[int]]]:
     ]
 
 
-def _generate(folder: str, rounds, compile_decode: bool):
+def _generate(folder: str, rounds, compile_decode: bool, kv_cache_dtype: str):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     with LLM(folder, max_model_len=128, block_size=4, quantization="none", compile_decode=compile_decode,
-             max_num_batched_tokens=24) as llm:  # 24: the 33-token prompt is chunked while others decode
+             kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=24) as llm:  # 24: the 33-token prompt is chunked while others decode
         outputs = [out.outputs[0] for prompts in rounds
                    for out in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
         compiled_steps = llm.engine.executor.runner.compiled_decode
         return outputs, (compiled_steps.steps if compiled_steps is not None else 0)
 
 
-def test_compiled_decode_matches_eager(tmp_path):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
+def test_compiled_decode_matches_eager(tmp_path, kv_cache_dtype):
+    """With bfloat16 K/V the compiled graph reads the pool as stored and converts in registers."""
     folder = tm.save_tiny_hf_model(str(tmp_path / "tiny"), seed=5)
     rounds = _prompts(tm.tiny_hf_config().vocab_size)
-    eager, _ = _generate(folder, rounds, compile_decode=False)
-    compiled, steps = _generate(folder, rounds, compile_decode=True)
+    eager, _ = _generate(folder, rounds, compile_decode=False, kv_cache_dtype=kv_cache_dtype)
+    compiled, steps = _generate(folder, rounds, compile_decode=True, kv_cache_dtype=kv_cache_dtype)
     assert steps > 0
     for a, b in zip(eager, compiled, strict=True):
         assert a.token_ids == b.token_ids

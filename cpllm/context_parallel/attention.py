@@ -84,6 +84,10 @@ class PagedCPAttention(torch.nn.Module):
 
     def forward(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata) -> torch.Tensor:
         # q [N, Hq, D]; k, v [N, Hkv, D]; k_pool, v_pool [num_slots, Hkv, D]
+        if k_pool.dtype != k.dtype:
+            # A narrower --kv-cache-dtype: new tokens attend to the rounded K/V too, exactly what they read back from
+            # the pool in later steps, so outputs do not depend on which tokens shared a chunk (nor on the layout).
+            k, v = k.to(k_pool.dtype).to(k.dtype), v.to(v_pool.dtype).to(v.dtype)
         if not meta.has_new and meta.decode is not None and self.comm.kv_size == 1:
             return self._one_shard_decode(q, k, v, k_pool, v_pool, meta)
         strategy = meta.strategy if meta.strategy is not None else self.comm.strategy
@@ -110,8 +114,8 @@ class PagedCPAttention(torch.nn.Module):
         faster than advanced indexing here). The general path computes the same numbers: its merge with the empty
         new-token partial multiplies by exactly 1."""
         decode = meta.decode
-        k_pool.index_copy_(0, meta.write_slots, k.index_select(0, meta.write_rows))
-        v_pool.index_copy_(0, meta.write_slots, v.index_select(0, meta.write_rows))
+        k_pool.index_copy_(0, meta.write_slots, k.index_select(0, meta.write_rows).to(k_pool.dtype))
+        v_pool.index_copy_(0, meta.write_slots, v.index_select(0, meta.write_rows).to(v_pool.dtype))
         rows = decode.rows[self.comm.pcp_rank]  # [B]
         whole = rows.numel() == meta.num_rows  # rows run 0..N-1 in order: every row is a decode row here
         o, _ = attend_pooled_single_tokens(q if whole else q.index_select(0, rows), k_pool, v_pool, decode, self.scale)
@@ -127,8 +131,8 @@ class PagedCPAttention(torch.nn.Module):
         else:  # only single tokens: every PCP rank holds them at the same rows, so PCP rank 0's rows are local
             k_all, v_all = k, v
             rows = meta.write_rows
-        k_pool[meta.write_slots] = k_all[rows]
-        v_pool[meta.write_slots] = v_all[rows]
+        k_pool[meta.write_slots] = k_all[rows].to(k_pool.dtype)  # the pools may hold a narrower --kv-cache-dtype
+        v_pool[meta.write_slots] = v_all[rows].to(v_pool.dtype)
         for request in meta.requests:
             if request.num_new > 1:
                 self._new_token_attention(q, k_all, v_all, request, out, lse)
@@ -152,8 +156,8 @@ class PagedCPAttention(torch.nn.Module):
             transfer = ring_exchange(block, comm.pcp_group) if step < comm.pcp_size - 1 else None
             mine = (meta.write_rows >= source * n) & (meta.write_rows < (source + 1) * n)
             rows = meta.write_rows[mine] - source * n
-            k_pool[meta.write_slots[mine]] = block[0][rows]
-            v_pool[meta.write_slots[mine]] = block[1][rows]
+            k_pool[meta.write_slots[mine]] = block[0][rows].to(k_pool.dtype)
+            v_pool[meta.write_slots[mine]] = block[1][rows].to(v_pool.dtype)
             for request in meta.requests:
                 if request.num_new > 1:
                     self._ring_pair(q, block, source, request, out, lse)
@@ -172,8 +176,8 @@ class PagedCPAttention(torch.nn.Module):
         decode, n = meta.decode, meta.num_rows
         if decode.max_local_context == 0:
             return  # this rank's shard is empty for every one of them: their partials stay (0, -inf)
-        k_ctx = gather_context(k_pool, decode)  # [B, Hkv, L, D], or [1, Hkv, U, D] with shared keys
-        v_ctx = gather_context(v_pool, decode)
+        k_ctx = gather_context(k_pool, decode, q_all.dtype)  # [B, Hkv, L, D], or [1, Hkv, U, D] with shared keys
+        v_ctx = gather_context(v_pool, decode, q_all.dtype)
         by_dcp_rank = {}
         for piece in range(num_pieces):
             rows = decode.rows[self.comm.piece_pcp_rank(piece)] + piece * n  # [B]
@@ -201,8 +205,8 @@ class PagedCPAttention(torch.nn.Module):
                 continue
             if comm.kv_cache_layout == "replicated" and not request.local_chunks:
                 continue  # every piece holds this PCP rank's rows, and it holds none of this request
-            k_ctx = k_pool.index_select(0, request.context_slots)  # [S, Hkv, D]
-            v_ctx = v_pool.index_select(0, request.context_slots)
+            k_ctx = k_pool.index_select(0, request.context_slots).to(q.dtype)  # [S, Hkv, D]
+            v_ctx = v_pool.index_select(0, request.context_slots).to(q.dtype)
             for piece in range(pieces):
                 start, end = request.pcp_rows[comm.piece_pcp_rank(piece)]
                 if end > start:

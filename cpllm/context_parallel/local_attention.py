@@ -53,21 +53,24 @@ def attend_single_tokens(q, k_ctx, v_ctx, decode, scale: float, every_row_sees_a
     return out[:, :, 0], lse[:, :, 0]
 
 
-def gather_context(pool: torch.Tensor, decode) -> torch.Tensor:
-    # pool [num_slots, Hkv, D] -> the context of decode.slots [B, L] as [B, Hkv, L, D]
-    if decode.window is not None:  # consecutive slots: a view of the pool, nothing copied
+def gather_context(pool: torch.Tensor, decode, dtype: torch.dtype | None = None) -> torch.Tensor:
+    # pool [num_slots, Hkv, D] -> the context of decode.slots [B, L] as [B, Hkv, L, D], in `dtype` (None: the pool's)
+    if decode.window is not None:  # consecutive slots: a view of the pool, nothing copied (unless cast)
         first, count = decode.window
-        return pool.narrow(0, first, count).unsqueeze(0).transpose(1, 2)
-    slots = decode.slots
-    rows = pool.index_select(0, slots.reshape(-1))  # far cheaper than pool[slots] on CPU
-    return rows.view(*slots.shape, *pool.shape[1:]).transpose(1, 2)
+        rows = pool.narrow(0, first, count).unsqueeze(0)
+    else:
+        slots = decode.slots
+        rows = pool.index_select(0, slots.reshape(-1))  # far cheaper than pool[slots] on CPU
+        rows = rows.view(*slots.shape, *pool.shape[1:])
+    return (rows if dtype is None else rows.to(dtype)).transpose(1, 2)
 
 
 def attend_pooled_single_tokens(q, k_pool, v_pool, decode, scale: float):
     """Single-token queries against their whole context in these pools: each query sees at least itself."""
-    k_ctx, v_ctx = gather_context(k_pool, decode), gather_context(v_pool, decode)
-    if torch.compiler.is_compiling():  # the compiled decode step (cpllm/model/decode_graph.py)
+    if torch.compiler.is_compiling():  # the compiled decode step (cpllm/model/decode_graph.py) reads the pool's dtype
+        k_ctx, v_ctx = gather_context(k_pool, decode), gather_context(v_pool, decode)
         return _reduction_single_tokens(q, k_ctx, v_ctx, decode, scale), None
+    k_ctx, v_ctx = gather_context(k_pool, decode, q.dtype), gather_context(v_pool, decode, q.dtype)
     return attend_single_tokens(q, k_ctx, v_ctx, decode, scale, every_row_sees_a_key=True)
 
 

@@ -50,8 +50,8 @@ def pass_q_attention(comm, scale: float, q, k, v, k_pool, v_pool, meta: Attentio
     q [N, Hq, D]; k, v [N, Hkv, D]; k_pool, v_pool [num_slots, Hkv, D]; `meta.pass_q` is set."""
     plan = meta.pass_q
     ring = _Ring(comm, meta.has_context)
-    k_pool[plan.local_slots] = k[plan.local_rows]
-    v_pool[plan.local_slots] = v[plan.local_rows]
+    k_pool[plan.local_slots] = k[plan.local_rows].to(k_pool.dtype)
+    v_pool[plan.local_slots] = v[plan.local_rows].to(v_pool.dtype)
     piece = _PieceAttention(comm, scale, k, v, k_pool, v_pool, meta)
     o_part = torch.zeros((ring.size, *q.shape), dtype=accumulator_dtype(q.dtype), device=q.device)  # [R, N, Hq, D]
     lse_part = torch.full((ring.size, *q.shape[:2]), float("-inf"), dtype=torch.float32, device=q.device)
@@ -99,14 +99,15 @@ class _PieceAttention:
         self.my_dcp = comm.cp_rank % (comm.cp_size // comm.pcp_size)
         batched = set(meta.decode.requests) if meta.decode is not None else set()
         self.contexts = [
-            (request, k_pool[request.context_slots], v_pool[request.context_slots])
+            (request, k_pool[request.context_slots].to(k.dtype), v_pool[request.context_slots].to(v.dtype))
             for index, request in enumerate(meta.requests)
             if index not in batched and request.context_len > 0 and request.context_slots.numel() > 0
         ]
         self.decode_ctx = None
         if meta.decode is not None and meta.decode.max_local_context > 0:
             slots = meta.decode.slots
-            self.decode_ctx = (k_pool[slots].transpose(1, 2), v_pool[slots].transpose(1, 2))  # [B, Hkv, L, D]
+            self.decode_ctx = (k_pool[slots].to(k.dtype).transpose(1, 2),
+                               v_pool[slots].to(v.dtype).transpose(1, 2))  # [B, Hkv, L, D]
         self._decode_by_dcp: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, q_block, src_pcp: int, src_dcp: int, out, lse) -> None:

@@ -64,9 +64,10 @@ class LLMEngine:
             p.cp_kv_cache_layout,
         )
         logger.info(
-            "KV cache: %d blocks x %d tokens per rank (%.1f MiB per rank); the %s layout divides each request over "
-            "%d ranks, so the replica holds %d tokens",
-            num_blocks, self.config.cache.block_size, self.executor.runner.kv_bytes / 2**20, p.cp_kv_cache_layout,
+            "KV cache: %d blocks x %d tokens per rank (%.1f MiB per rank, %s); the %s layout divides each request "
+            "over %d ranks, so the replica holds %d tokens",
+            num_blocks, self.config.cache.block_size, self.executor.runner.kv_bytes / 2**20,
+            str(self.executor.runner.kv_dtype).removeprefix("torch."), p.cp_kv_cache_layout,
             p.kv_shard_size, self.kv_capacity_tokens,
         )
         if p.prefill_context_parallel_size > 1:

@@ -28,6 +28,7 @@ def build_engine_config(
     max_num_batched_tokens: int | None = None,
     max_num_seqs: int = 64,
     enable_prefix_caching: bool = True,
+    kv_cache_dtype: str = "auto",
     kv_cache_memory_bytes: int | None = None,
     seed: int = 0,
     tensor_parallel_size: int = 1,
@@ -64,7 +65,7 @@ def build_engine_config(
         seed=seed,
         parallel=parallel,
         cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                          enable_prefix_caching=enable_prefix_caching),
+                          enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(
             max_num_batched_tokens=(DEFAULT_MAX_NUM_BATCHED_TOKENS if max_num_batched_tokens is None
                                     else max_num_batched_tokens),

@@ -30,6 +30,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, groups: ParallelGroups, device: torch.device):
         self.config, self.groups, self.device = config, groups, device
         self.dtype = DTYPES[config.dtype]
+        self.kv_dtype = self.dtype if config.cache.kv_cache_dtype == "auto" else DTYPES[config.cache.kv_cache_dtype]
         tp = TPShard(rank=groups.tp_rank, size=groups.tp_size, group=groups.tp_group)
         self.replicated = config.parallel.cp_kv_cache_layout == "replicated"
         comm = CPComm(
@@ -54,12 +55,12 @@ class ModelRunner:
             config.parallel, config.model, element_bytes, device_hardware(device, torch.get_num_threads())))
         self.num_blocks = self._count_blocks()
         self.kv_caches = allocate_kv_cache(config.model.num_hidden_layers, self.num_blocks, config.cache.block_size,
-                                           self.num_kv_heads, config.model.head_dim, self.dtype, device)
+                                           self.num_kv_heads, config.model.head_dim, self.kv_dtype, device)
         self.compiled_decode = CompiledDecode(self.model, device) if config.compile_decode else None
 
     def _count_blocks(self) -> int:
         """Blocks per rank, the same on every rank of the replica (block ids are shared across the CP group)."""
-        per_block = bytes_per_block(self.config, self.num_kv_heads, self.dtype)
+        per_block = bytes_per_block(self.config, self.num_kv_heads, self.kv_dtype)
         count = torch.tensor([kv_budget_bytes(self.config, self.device) // per_block], dtype=torch.long)
         all_reduce(count, self.groups.replica_group, op=dist.ReduceOp.MIN)
         return int(count.item())
