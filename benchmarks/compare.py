@@ -31,12 +31,17 @@ def _log(message: str) -> None:
 
 
 def load_runners(model: str, max_tokens: int, max_batch: int, decode_tokens: int,
-                 skip: set[str]) -> tuple[list, list[str]]:
+                 skip: set[str], compiled: bool) -> tuple[list, list[str]]:
     notes = []
     runners = []
     if "cpllm" not in skip:
         runners.append(CpllmRunner(model, max_tokens, max_batch, decode_tokens, quantization="none"))
         runners.append(CpllmRunner(model, max_tokens, max_batch, decode_tokens, quantization="auto"))
+        if compiled:  # decode only; auto with float16 K/V as llama.cpp stores them
+            runners.append(CpllmRunner(model, max_tokens, max_batch, decode_tokens, quantization="none",
+                                       compile_decode=True))
+            runners.append(CpllmRunner(model, max_tokens, max_batch, decode_tokens, quantization="auto",
+                                       compile_decode=True, kv_cache_dtype="float16"))
     if "transformers" not in skip:
         runners.append(TransformersRunner(model))
     if "llama.cpp" in skip:
@@ -51,6 +56,7 @@ def load_runners(model: str, max_tokens: int, max_batch: int, decode_tokens: int
 
 def run_prefill(runners, config, lengths: list[int], threads: list[int]) -> list[dict]:
     rows = []
+    runners = [r for r in runners if not getattr(r, "decode_only", False)]
     for t in threads:
         for runner in runners:
             runner.set_threads(t)
@@ -82,8 +88,8 @@ def _decode_at(runners, config, contexts: list[int], batches: list[int], threads
         prompt = random_prompt(context, config.vocab_size, seed=context + 7)
         for batch in batches:
             for runner in runners:
-                if runner.name == "llama.cpp" and batch > 1:
-                    continue
+                if runner.name in ("llama.cpp", "transformers") and batch > 1:
+                    continue  # llama-cpp-python decodes one sequence; the targets compare with transformers' batch 1
                 seconds = runner.decode_s(prompt, batch, steps)
                 rows.append({"system": runner.name, "layout": f"{threads} threads", "threads": threads,
                              "batch_size": batch, "context_tokens": context,
@@ -103,6 +109,8 @@ def main() -> None:
     parser.add_argument("--decode-threads", default="2", help="total CPU threads for decode, comma-separated")
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--skip", default="", help="systems to leave out, comma-separated")
+    parser.add_argument("--no-compiled", action="store_true",
+                        help="leave out the --compile-decode runners (each compiles for about a minute first)")
     parser.add_argument("--out", default="benchmarks/results/compare.json")
     args = parser.parse_args()
 
@@ -119,7 +127,7 @@ def main() -> None:
     ceilings = measure_ceilings(sorted(set(threads) | set(decode_threads)))
     _log(f"ceilings {ceilings}")
     runners, notes = load_runners(model, max_tokens, max(batches), decode_tokens,
-                                  {s for s in args.skip.split(",") if s})
+                                  {s for s in args.skip.split(",") if s}, compiled=not args.no_compiled)
     try:
         prefill = run_prefill(runners, config, lengths, threads)
         decode = run_decode(runners, config, contexts, batches, decode_threads, args.decode_steps)

@@ -49,15 +49,19 @@ def single_rank_targets_section(results: Results, images: str, rel: str) -> list
     prefill = {(r["system"], r["threads"], r["prompt_tokens"]): r for r in compare["prefill"]}
     rows = _ratio_rows("auto batch-1 decode / llama.cpp, same file and threads", ">= 1.0",
                        _decode_pairs(decode, "cpllm (auto)", "llama.cpp", 1))
+    rows += _ratio_rows("auto, --compile-decode, float16 K/V (as llama.cpp stores them) / llama.cpp", ">= 1.0",
+                        _decode_pairs(decode, "cpllm (auto, compiled, float16 KV)", "llama.cpp", 1))
     rows += _ratio_rows("none batch-1 decode / transformers", ">= 1.3",
                         _decode_pairs(decode, "cpllm", "transformers", 1))
+    rows += _ratio_rows("none, --compile-decode, batch-1 decode / transformers", ">= 1.3",
+                        _decode_pairs(decode, "cpllm (compiled)", "transformers", 1))
     rows += _ratio_rows("none prefill / transformers (logits of the last position only, as its generate)",
                         ">= 1.0", [(f"{t}t/{n}", row["tokens_per_s"], prefill[("transformers", t, n)]["tokens_per_s"])
                                    for (s, t, n), row in sorted(prefill.items())
                                    if s == "cpllm" and ("transformers", t, n) in prefill])
     rows += _ratio_rows("none batch-1 decode / fp32 weight-streaming bound (`bench ceiling` matvec rate)", ">= 0.8",
                         _bound_pairs(compare, decode))
-    for system in ("cpllm", "cpllm (auto)"):
+    for system in ("cpllm", "cpllm (auto)", "cpllm (compiled)", "cpllm (auto, compiled, float16 KV)"):
         rows += _ratio_rows(f"{system}: 16-request aggregate decode / transformers batch-1 decode", ">= 4",
                             _decode_pairs(decode, system, "transformers", 16, 1))
     rows.append({"target": "decode under PCP=2 and DCP=2 (1 thread per rank) / one rank with 2 threads",

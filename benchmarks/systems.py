@@ -31,15 +31,21 @@ class CpllmRunner:
     """
 
     def __init__(self, model_path: str, max_tokens: int, max_batch: int, decode_tokens: int,
-                 quantization: str = "none"):
-        self.name = "cpllm" if quantization == "none" else f"cpllm ({quantization})"
-        self.prefill_llm, _ = build_llm(model_path, Layout(tp=1, pcp=1, dcp=1), strategy=None, threads_per_rank=1,
-                                        context_tokens=max_tokens, batch_tokens=max(max_tokens, 8192),
-                                        engine_options={"quantization": quantization})
+                 quantization: str = "none", compile_decode: bool = False, kv_cache_dtype: str = "auto"):
+        """`compile_decode`: decode steps through torch.compile; such a runner only decodes (`decode_only`: its
+        prefill is the eager one's)."""
+        extras = [quantization] * (quantization != "none") + ["compiled"] * compile_decode
+        extras += [f"{kv_cache_dtype} KV"] * (kv_cache_dtype != "auto")
+        self.name = "cpllm" + (f" ({', '.join(extras)})" if extras else "")
+        self.decode_only = compile_decode
+        self.prefill_llm = None if compile_decode else build_llm(
+            model_path, Layout(tp=1, pcp=1, dcp=1), strategy=None, threads_per_rank=1, context_tokens=max_tokens,
+            batch_tokens=max(max_tokens, 8192), engine_options={"quantization": quantization})[0]
         self.decode_llm, _ = build_llm(model_path, Layout(tp=1, pcp=1, dcp=1), strategy=None, threads_per_rank=1,
                                        context_tokens=decode_tokens * max_batch, batch_tokens=8192,
                                        engine_options={"max_model_len": decode_tokens, "max_num_seqs": max_batch,
-                                                       "quantization": quantization},
+                                                       "quantization": quantization, "compile_decode": compile_decode,
+                                                       "kv_cache_dtype": kv_cache_dtype},
                                        prefix_caching=True)
         self._ids = 0
 
@@ -53,11 +59,16 @@ class CpllmRunner:
         self._ids += 1
         # the batch shares the prompt but the last token: one long prefill, then every request decodes
         prompts = [prompt[:-1] + [(prompt[-1] + i) % 1000 + 16] for i in range(batch)]
+        if self.decode_only:  # compiled: untimed runs first compile the graph variants these steps select (the
+            # first run computes the prompt and reads its slots as one window; later ones hit the prefix cache)
+            for warm in range(2):
+                time_decode(self.decode_llm.engine, prompts, 8, f"warm{warm}-{self._ids}")
         return time_decode(self.decode_llm.engine, prompts, steps, f"cmp{self._ids}")
 
     def close(self) -> None:
-        self.prefill_llm.shutdown()
-        self.decode_llm.shutdown()
+        for llm in (self.prefill_llm, self.decode_llm):
+            if llm is not None:
+                llm.shutdown()
 
 
 class TransformersRunner:
