@@ -1,8 +1,9 @@
 """compile_decode: decode steps through torch.compile give the eager engine's tokens and logprobs.
 
 One engine run covers every graph variant a decode step selects: one request (a contiguous window of the pool),
-requests of different lengths (gathered slots with a padding mask), requests sharing a long prefix (shared keys),
-and a batch that mixes a prompt chunk with decode tokens (which runs eager). Measured differences against the eager
+requests of different lengths (a padding mask), requests sharing a long prefix (shared keys), one request again
+(its prompt now a prefix-cache hit, so its slots are gathered), and batches that mix a prompt chunk with decode
+tokens (which run eager). Measured differences against the eager
 engine on the tiny Llama: logprobs within 2e-6 (bound 1e-4); greedy tokens identical.
 """
 
@@ -34,11 +35,12 @@ def test_reduction_attention_matches_reference():
 def _prompts(vocab: int) -> list[list[list[int]]]:
     rng = random.Random(3)
     shared = [rng.randrange(vocab) for _ in range(40)]
-    return [
+    rounds = [
         [[rng.randrange(vocab) for _ in range(21)]],  # one request
         [[rng.randrange(vocab) for _ in range(n)] for n in (5, 33, 12)],  # different lengths
         [shared + [rng.randrange(vocab) for _ in range(n)] for n in (1, 3, 2)],  # a long shared prefix
     ]
+    return rounds + [rounds[0]]  # a prefix-cache hit: the new blocks are not next to the cached ones
 
 
 def _generate(folder: str, rounds, compile_decode: bool, kv_cache_dtype: str):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from cpllm.context_parallel.sdpa import attention_with_lse
@@ -67,19 +69,58 @@ def gather_context(pool: torch.Tensor, decode, dtype: torch.dtype | None = None)
 
 def attend_pooled_single_tokens(q, k_pool, v_pool, decode, scale: float):
     """Single-token queries against their whole context in these pools: each query sees at least itself."""
-    if torch.compiler.is_compiling():  # the compiled decode step (cpllm/model/decode_graph.py) reads the pool's dtype
-        k_ctx, v_ctx = gather_context(k_pool, decode), gather_context(v_pool, decode)
-        return _reduction_single_tokens(q, k_ctx, v_ctx, decode, scale), None
+    if torch.compiler.is_compiling():  # the compiled decode step (cpllm/model/decode_graph.py)
+        if decode.slots.shape[0] == 1 and decode.key_mask is None:  # one request: inductor fuses this into one
+            # pass over the context in the pool's dtype: a view of the pool, or rows gathered by an opaque op (fused
+            # into the loops, the gather would become indirect loads, measured several times slower)
+            if decode.window is not None:
+                k_ctx, v_ctx = gather_context(k_pool, decode), gather_context(v_pool, decode)
+            else:
+                k_ctx, v_ctx = (gather_slots(pool, decode.slots).transpose(1, 2) for pool in (k_pool, v_pool))
+            return reduction_attention(q.unsqueeze(2), k_ctx, v_ctx, scale, None)[:, :, 0], None
+        # Several requests: the fused kernel, as one opaque op of the graph (written as sums, a batch of queries
+        # computes poorly, and shared keys would be read once per query: measured several times slower).
+        return pooled_decode_attention(q, k_pool, v_pool, decode.slots, decode.key_mask, decode.shared_keys,
+                                       scale), None
     k_ctx, v_ctx = gather_context(k_pool, decode, q.dtype), gather_context(v_pool, decode, q.dtype)
     return attend_single_tokens(q, k_ctx, v_ctx, decode, scale, every_row_sees_a_key=True)
 
 
-def _reduction_single_tokens(q, k_ctx, v_ctx, decode, scale: float) -> torch.Tensor:
-    # q [B, Hq, D] -> out [B, Hq, D]
-    if decode.shared_keys:  # the B queries are the rows of one sequence over the union of keys
-        out = reduction_attention(q.transpose(0, 1).unsqueeze(0), k_ctx, v_ctx, scale, decode.key_mask)
-        return out[0].transpose(0, 1)
-    return reduction_attention(q.unsqueeze(2), k_ctx, v_ctx, scale, decode.key_mask)[:, :, 0]
+@torch.library.custom_op("cpllm::gather_slots", mutates_args=())
+def gather_slots(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """pool [num_slots, Hkv, D], slots [B, L] -> rows [B, L, Hkv, D] (an op a compiled graph calls as is)."""
+    return pool.index_select(0, slots.reshape(-1)).view(*slots.shape, *pool.shape[1:])
+
+
+@gather_slots.register_fake
+def _(pool, slots):
+    return pool.new_empty((*slots.shape, *pool.shape[1:]))
+
+
+class _Keys(NamedTuple):
+    """The two fields of DecodeBatch that attend_single_tokens reads."""
+
+    key_mask: torch.Tensor | None
+    shared_keys: bool
+
+
+@torch.library.custom_op("cpllm::pooled_decode_attention", mutates_args=())
+def pooled_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+                            key_mask: torch.Tensor | None, shared_keys: bool, scale: float) -> torch.Tensor:
+    """attend_pooled_single_tokens' eager path over gathered slots, as one op a compiled graph calls as is."""
+    # q [B, Hq, D], slots [B, L] (or [1, U] with shared keys) -> out [B, Hq, D]
+    def gathered(pool):
+        rows = pool.index_select(0, slots.reshape(-1)).view(*slots.shape, *pool.shape[1:])
+        return rows.to(q.dtype).transpose(1, 2)
+
+    out, _ = attend_single_tokens(q, gathered(k_pool), gathered(v_pool), _Keys(key_mask, shared_keys), scale,
+                                  every_row_sees_a_key=True)
+    return out.contiguous()
+
+
+@pooled_decode_attention.register_fake
+def _(q, k_pool, v_pool, slots, key_mask, shared_keys, scale):
+    return torch.empty_like(q)
 
 
 def reduction_attention(q, k, v, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
