@@ -40,8 +40,11 @@ def single_rank_targets_section(results: Results, images: str, rel: str) -> list
     lines = ["## One rank: targets (issue 10)", "",
              "Ratios from `compare.json` (every system measured in one run, interleaved, same threads). `cpllm` is "
              "`--quantization none` (fp32, the weights transformers runs), `cpllm (auto)` the GGUF's Q4_1 blocks as "
-             "stored (the weights llama.cpp runs). Labels: total threads / context tokens (decode) or prompt "
-             "tokens (prefill). Nothing here is asserted by tests.", ""]
+             "stored (the weights llama.cpp runs); `compiled` rows run decode with `--compile-decode` (warmed up on "
+             "each graph variant before timing), `float16 KV` with `--kv-cache-dtype float16`, the format llama.cpp "
+             "keeps K/V in. Decode requests of a batch share their prompt but the last token, and their first "
+             "pass is a prefix-cache hit (the context is read from gathered slots). Labels: total threads / context "
+             "tokens (decode) or prompt tokens (prefill). Nothing here is asserted by tests.", ""]
     compare = results.get("compare")
     if not compare:
         return lines + _missing("compare")
