@@ -6,7 +6,13 @@ import argparse
 import re
 from typing import Any
 
-from cpllm.config import DEFAULT_QUANTIZATION, KV_CACHE_DTYPES, KV_CACHE_LAYOUTS, PREFILL_STRATEGIES, QUANTIZATION_CHOICES
+from cpllm.config import (
+    DEFAULT_QUANTIZATION,
+    KV_CACHE_DTYPES,
+    KV_CACHE_LAYOUTS,
+    PREFILL_STRATEGIES,
+    QUANTIZATION_CHOICES,
+)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}

@@ -2,13 +2,15 @@
 
 A batch-1 decode step of a small model is mostly overhead in eager PyTorch: ~6,000 operator calls per step, each
 with its Python and dispatcher cost, around a few milliseconds of weight streaming. Compiled, the norms, rotary,
-residual adds, the K/V store and the attention of each layer become a few generated C++ loops, and attention reads
-K/V once in whatever dtype the pool holds (cpllm/context_parallel/local_attention.py, `reduction_attention`).
+residual adds and the K/V store of each layer become a few generated C++ loops; one request's attention joins them
+and reads K/V once in whatever dtype the pool holds, while several requests call the fused SDPA kernel as an opaque
+op (cpllm/context_parallel/local_attention.py, `attend_pooled_single_tokens`).
 
 Only steps whose tokens are all single decode tokens on a rank holding the whole context take this path (the fast
 path of PagedCPAttention); prompt steps run eager. Shapes are dynamic (batch and context length are symbols), so
 a few graphs serve every step: one per branch the step metadata selects (one request or several, contiguous slots
-or gathered ones, with or without a padding mask), each compiled on first use and cached on disk by inductor.
+or gathered ones, with or without a padding mask), each compiled on first use and cached on disk by inductor. A
+change of torch's thread count compiles them again (inductor's loops are built for one).
 """
 
 from __future__ import annotations
