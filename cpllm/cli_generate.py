@@ -36,5 +36,6 @@ def run_generate(args: argparse.Namespace) -> int:
     print(f"prompt tokens: {len(output.prompt_token_ids)}, output tokens: {num_out}, "
           f"finish reason: {completion.finish_reason}")
     print(f"time to first token: {ttft:.3f} s, prompt: {len(output.prompt_token_ids) / ttft:.1f} tokens/s, "
-          f"output: {(num_out - 1) / decode_s if num_out > 1 and decode_s > 0 else 0.0:.1f} tokens/s")
+          f"output: {(num_out - 1) / decode_s if num_out > 1 and decode_s > 0 else 0.0:.1f} tokens/s"
+          + (" (including the one-time compile of the decode step)" if args.compile_decode else ""))
     return 0
