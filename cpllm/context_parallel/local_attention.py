@@ -55,15 +55,18 @@ def attend_single_tokens(q, k_ctx, v_ctx, decode, scale: float, every_row_sees_a
     return out[:, :, 0], lse[:, :, 0]
 
 
+def _gathered_rows(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    # pool [num_slots, Hkv, D], slots [B, L] -> rows [B, L, Hkv, D]
+    return pool.index_select(0, slots.reshape(-1)).view(*slots.shape, *pool.shape[1:])  # far cheaper than pool[slots]
+
+
 def gather_context(pool: torch.Tensor, decode, dtype: torch.dtype | None = None) -> torch.Tensor:
     # pool [num_slots, Hkv, D] -> the context of decode.slots [B, L] as [B, Hkv, L, D], in `dtype` (None: the pool's)
     if decode.window is not None:  # consecutive slots: a view of the pool, nothing copied (unless cast)
         first, count = decode.window
         rows = pool.narrow(0, first, count).unsqueeze(0)
     else:
-        slots = decode.slots
-        rows = pool.index_select(0, slots.reshape(-1))  # far cheaper than pool[slots] on CPU
-        rows = rows.view(*slots.shape, *pool.shape[1:])
+        rows = _gathered_rows(pool, decode.slots)
     return (rows if dtype is None else rows.to(dtype)).transpose(1, 2)
 
 
@@ -89,7 +92,7 @@ def attend_pooled_single_tokens(q, k_pool, v_pool, decode, scale: float):
 @torch.library.custom_op("cpllm::gather_slots", mutates_args=())
 def gather_slots(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """pool [num_slots, Hkv, D], slots [B, L] -> rows [B, L, Hkv, D] (an op a compiled graph calls as is)."""
-    return pool.index_select(0, slots.reshape(-1)).view(*slots.shape, *pool.shape[1:])
+    return _gathered_rows(pool, slots)
 
 
 @gather_slots.register_fake
@@ -110,8 +113,7 @@ def pooled_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
     """attend_pooled_single_tokens' eager path over gathered slots, as one op a compiled graph calls as is."""
     # q [B, Hq, D], slots [B, L] (or [1, U] with shared keys) -> out [B, Hq, D]
     def gathered(pool):
-        rows = pool.index_select(0, slots.reshape(-1)).view(*slots.shape, *pool.shape[1:])
-        return rows.to(q.dtype).transpose(1, 2)
+        return _gathered_rows(pool, slots).to(q.dtype).transpose(1, 2)
 
     out, _ = attend_single_tokens(q, gathered(k_pool), gathered(v_pool), _Keys(key_mask, shared_keys), scale,
                                   every_row_sees_a_key=True)

@@ -25,8 +25,8 @@ from cpllm.model.llama import LlamaForCausalLM, call_layer
 
 logger = logging.getLogger(__name__)
 
-# Graph variants a decode step can select (see the module docstring), times batch 1 vs more: well under this.
-torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+RECOMPILE_LIMIT = 32
+"""Graph variants a decode step can select (see the module docstring), times thread counts: well under this."""
 
 
 class CompiledDecode:
@@ -39,6 +39,8 @@ class CompiledDecode:
             raise ValueError(f"compile_decode=True on {device.type}: the compiled decode step is built and tested on "
                              "CPU only; run without compile_decode")
         self.model = model
+        # set here, not at import: only a process that compiles changes dynamo's process-wide setting
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         self._run_layer = torch.compile(call_layer, dynamic=True)
         self.steps = 0
         """Steps run compiled (for tests and the log)."""
