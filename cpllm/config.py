@@ -20,6 +20,9 @@ SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 PREFILL_STRATEGIES = ("allgather", "ring", "pass-q", "auto")
 """How prefill moves data over PCP: new K/V all-gathered or passed round the ring (pass-KV), queries passed
 round the ring (pass-Q), or chosen per step from the step's sizes (auto; see docs/context_parallel.md)."""
+COLLECTIVE_TRANSPORTS = ("auto", "gloo")
+"""auto: collectives between ranks on one host go through shared memory (CPU, gloo backend), others through
+the backend; gloo: always through torch.distributed's backend (to compare, or where /dev/shm is unusable)."""
 KV_CACHE_LAYOUTS = ("sharded", "replicated")
 """sharded: each token's K/V on one rank of the PCP x DCP group (most capacity); replicated: a full copy on
 every PCP rank, sharded over DCP only (decode needs no PCP collective, PCP ranks split the decode batch)."""
@@ -164,6 +167,8 @@ class ParallelConfig:
     """Where each token's K/V live, one of KV_CACHE_LAYOUTS."""
     distributed_timeout_s: float = 120.0
     """A collective that waits longer than this fails with an error naming the rank."""
+    collective_transport: str = "auto"
+    """How the ranks' collectives travel, one of COLLECTIVE_TRANSPORTS."""
     enable_expert_parallel: bool = False
     """MoE models: whole experts split over the TP x PCP ranks instead of every expert's rows (expert-TP)."""
 
@@ -194,6 +199,10 @@ class ParallelConfig:
                 "cp_prefill_strategy='pass-q' with cp_kv_cache_layout='replicated': pass-Q keeps new K/V where they "
                 "were computed, but the replicated layout needs every new token's K/V on every PCP rank; use "
                 "'ring', 'allgather' or 'auto' (which picks 'ring' under this layout)"
+            )
+        if self.collective_transport not in COLLECTIVE_TRANSPORTS:
+            raise ValueError(
+                f"collective_transport={self.collective_transport!r}; choose one of {COLLECTIVE_TRANSPORTS}"
             )
         if not self.distributed_timeout_s > 0:
             raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")

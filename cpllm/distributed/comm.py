@@ -9,6 +9,10 @@ Every collective here is bounded: the timeout given to `init_process_group` /
 `new_group` applies to each gloo operation, and a peer process that has died
 closes its sockets, which makes the surviving ranks' gloo calls raise at once
 (tests/test_launch.py checks both cases). A call never hangs forever.
+
+A group may also be a `ShmGroup` (ranks on one host, `cpllm.distributed.shm_group`): the helpers send
+what fits its slots through shared memory, with the same timeout and a dead-peer check, and the rest
+through its gloo process group.
 """
 
 from __future__ import annotations
@@ -19,16 +23,34 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-Group = dist.ProcessGroup | None
+from cpllm.distributed.shm_group import ShmGroup
+
+Group = dist.ProcessGroup | ShmGroup | None
+
+
+def process_group(group: Group) -> dist.ProcessGroup | None:
+    """The torch process group behind `group` (for calls that have no shared-memory form)."""
+    return group.process_group if isinstance(group, ShmGroup) else group
 
 
 def group_size(group: Group) -> int:
+    if isinstance(group, ShmGroup):
+        return group.size
     return 1 if group is None else dist.get_world_size(group)
 
 
 def group_rank(group: Group) -> int:
     """This process's rank inside the group (0 for a group of one)."""
+    if isinstance(group, ShmGroup):
+        return group.rank
     return 0 if group is None else dist.get_rank(group)
+
+
+def _shm_for(group: Group, tensor: torch.Tensor) -> ShmGroup | None:
+    """The shared-memory path when `group` has one and `tensor` fits a slot."""
+    if isinstance(group, ShmGroup) and group.fits(tensor.numel() * tensor.element_size()):
+        return group
+    return None
 
 
 def all_gather(tensor: torch.Tensor, group: Group, *, dim: int = 0) -> torch.Tensor:
@@ -44,8 +66,12 @@ def all_gather(tensor: torch.Tensor, group: Group, *, dim: int = 0) -> torch.Ten
         raise ValueError("all_gather needs a tensor with at least one dimension")
     # gloo's all_gather_into_tensor gathers contiguous buffers along dim 0 only.
     shape = tensor.shape
-    out = torch.empty((world * shape[0], *shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    dist.all_gather_single(out, tensor.contiguous(), group=group)
+    shm = _shm_for(group, tensor)
+    if shm is not None:
+        out = shm.all_gather(tensor)
+    else:
+        out = torch.empty((world * shape[0], *shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        dist.all_gather_single(out, tensor.contiguous(), group=process_group(group))
     dim = dim % tensor.dim()
     if dim == 0:
         return out
@@ -57,8 +83,12 @@ def all_reduce(
     tensor: torch.Tensor, group: Group, *, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
 ) -> torch.Tensor:
     """Reduce in place over the group; returns the same tensor."""
-    if group_size(group) > 1:
-        dist.all_reduce(tensor, op=op, group=group)
+    if group_size(group) == 1:
+        return tensor
+    shm = _shm_for(group, tensor)
+    if shm is not None:
+        return shm.all_reduce_(tensor, op)
+    dist.all_reduce(tensor, op=op, group=process_group(group))
     return tensor
 
 
@@ -74,7 +104,7 @@ def reduce_scatter(tensor: torch.Tensor, group: Group, *, dim: int = 0) -> torch
         )
     inp = tensor.movedim(dim, 0).contiguous()  # [world * chunk, ...rest]
     out = torch.empty((inp.shape[0] // world, *inp.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    dist.reduce_scatter_tensor(out, inp, group=group)
+    dist.reduce_scatter_tensor(out, inp, group=process_group(group))
     return out.movedim(0, dim)
 
 
@@ -108,7 +138,7 @@ def all_to_all(
         tensor.contiguous(),
         output_split_sizes=output_split_sizes,
         input_split_sizes=input_split_sizes,
-        group=group,
+        group=process_group(group),
     )
     return out
 
@@ -122,6 +152,8 @@ def broadcast_object(obj: Any, *, src: int, group: Group) -> Any:
     """
     if group_size(group) == 1:
         return obj
+    if isinstance(group, ShmGroup):
+        return group.broadcast_object(obj, src)
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
@@ -159,6 +191,7 @@ def ring_exchange(
     world = group_size(group)
     if world == 1:
         return RingTransfer(received=tensor, sent=None, works=[])
+    group = process_group(group)
     me = dist.get_rank(group)
     next_rank = dist.get_global_rank(group, (me + 1) % world)
     prev_rank = dist.get_global_rank(group, (me - 1) % world)

@@ -20,6 +20,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from cpllm.config import ParallelConfig
+from cpllm.distributed.comm import Group
+from cpllm.distributed.shm_group import available, host_key, open_shm_group
 
 GROUP_KINDS = ("tp", "pcp", "dcp", "cp", "dp", "replica")
 """Every kind of group `RankLayout.all_groups` knows, in the order they are created."""
@@ -140,23 +142,23 @@ class ParallelGroups:
     """The layout every rank shares."""
     backend: str | None
     """Backend of the default group ("gloo" or "nccl"); None for a single process."""
-    tp_group: dist.ProcessGroup | None
+    tp_group: Group
     """Tensor-parallel group (tensor collectives, default backend)."""
-    pcp_group: dist.ProcessGroup | None
+    pcp_group: Group
     """Prefill context-parallel group."""
-    dcp_group: dist.ProcessGroup | None
+    dcp_group: Group
     """Decode context-parallel group (a slice of the TP group)."""
-    cp_group: dist.ProcessGroup | None
+    cp_group: Group
     """KV-shard group (PCP x DCP ranks); its group rank equals cp_rank."""
     dp_group: dist.ProcessGroup | None
     """Same (pcp, tp) coordinates across replicas."""
     dp_cpu_group: dist.ProcessGroup | None
     """The DP group's ranks on gloo, for the DP front's control messages (ticks, gathered outputs)."""
-    replica_group: dist.ProcessGroup | None
+    replica_group: Group
     """All ranks of this replica on gloo, for control messages (step broadcasts)."""
     world_cpu_group: dist.ProcessGroup | None
     """All ranks on gloo, for control messages across replicas."""
-    moe_group: dist.ProcessGroup | None = None
+    moe_group: Group = None
     """The replica's ranks (flattened TP x PCP) on the default backend: the MoE layers' group (DESIGN section 9).
     On gloo it is the replica group itself."""
 
@@ -273,6 +275,11 @@ class ParallelGroups:
             group = maker.make(members, "gloo")
             if rank in members:
                 dp_cpu = group
+        fast = _SharedMemoryGroups.open(parallel, world_cpu, rank, timeout_s)
+        # dp_group carries no tensor collectives (the DP front uses dp_cpu_group's gloo object calls)
+        mine = {kind: group if kind == "dp" else fast.wrap(group, layout.group(kind, rank))
+                for kind, group in mine.items()}
+        moe = fast.wrap(moe, layout.replica_group(rank))
         return cls(
             rank=rank,
             layout=layout,
@@ -287,6 +294,35 @@ class ParallelGroups:
             world_cpu_group=world_cpu,
             moe_group=moe,
         )
+
+
+class _SharedMemoryGroups:
+    """Puts a shared-memory fast path on each group whose ranks share this host (gloo backend only).
+
+    Every member opens a group's mapping in the same order (the order of GROUP_KINDS), one mapping per
+    distinct process group, so a group that two kinds share also shares its sequence numbers.
+    """
+
+    def __init__(self, local_ranks: set[int], rank: int, timeout_s: float):
+        self._local, self._rank, self._timeout_s = local_ranks, rank, timeout_s
+        self._opened: dict[int, Group] = {}
+
+    @classmethod
+    def open(cls, parallel: ParallelConfig, world_cpu, rank: int, timeout_s: float) -> "_SharedMemoryGroups":
+        usable = parallel.collective_transport == "auto" and str(dist.get_backend()) == "gloo" and available()
+        keys: list = [None] * dist.get_world_size()
+        dist.all_gather_object(keys, host_key() if usable else None, group=world_cpu)
+        mine = keys[rank]
+        local = {r for r, key in enumerate(keys) if mine is not None and key == mine}
+        return cls(local, rank, timeout_s)
+
+    def wrap(self, group, members: list[int]) -> Group:
+        if group is None or not set(members) <= self._local:
+            return group
+        if id(group) not in self._opened:
+            opened = open_shm_group(group, members, self._rank, self._timeout_s)
+            self._opened[id(group)] = group if opened is None else opened
+        return self._opened[id(group)]
 
 
 class _GroupMaker:

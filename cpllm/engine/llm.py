@@ -39,6 +39,7 @@ def build_engine_config(
     cp_prefill_strategy: str = "auto",
     cp_kv_cache_layout: str = "sharded",
     distributed_timeout: float = 120.0,
+    collective_transport: str = "auto",
     enable_expert_parallel: bool = False,
     compile_decode: bool = False,
 ) -> EngineConfig:
@@ -53,6 +54,7 @@ def build_engine_config(
         cp_prefill_strategy=cp_prefill_strategy,
         cp_kv_cache_layout=cp_kv_cache_layout,
         distributed_timeout_s=distributed_timeout,
+        collective_transport=collective_transport,
         enable_expert_parallel=enable_expert_parallel,
     )
     # quantization lives in ModelConfig (as in vLLM): every rank builds its model from that config alone
