@@ -15,6 +15,7 @@ from cpllm.config import ParallelConfig
 from cpllm.distributed import comm
 from cpllm.distributed.groups import GROUP_KINDS, ParallelGroups, RankLayout
 from cpllm.distributed.launch import find_free_port, init_distributed, shutdown_distributed
+from cpllm.distributed.shm_group import ShmGroup
 
 WORLD_TIMEOUT_S = 90.0  # hang guard for a whole spawned world (torch import included)
 GLOO_TIMEOUT_S = 30.0
@@ -122,22 +123,26 @@ def test_build_without_init_for_world_one():
 LAYOUTS_OF_4 = ((1, 2, 2, 2), (2, 2, 1, 1))
 
 
-def _parallel(dp, pcp, tp, dcp) -> ParallelConfig:
+def _parallel(dp, pcp, tp, dcp, transport="auto") -> ParallelConfig:
     return ParallelConfig(
         data_parallel_size=dp,
         prefill_context_parallel_size=pcp,
         tensor_parallel_size=tp,
         decode_context_parallel_size=dcp,
+        collective_transport=transport,
     )
 
 
 def _observe(groups: ParallelGroups) -> dict:
     """Per group kind: the all-reduced sum of ranks, this rank's group rank and the group size."""
-    seen = {}
+    seen, shared = {}, {}
     for kind in ("tp", "pcp", "dcp", "cp", "dp", "replica"):
         group = getattr(groups, f"{kind}_group")
         total = comm.all_reduce(torch.tensor([groups.rank], dtype=torch.int64), group)
         seen[kind] = (int(total.item()), comm.group_rank(group), comm.group_size(group))
+        if group is not None:
+            shared[kind] = isinstance(group, ShmGroup)
+    seen["shared_memory"] = shared
     seen["coords"] = (groups.dp_rank, groups.pcp_rank, groups.tp_rank, groups.dcp_rank, groups.cp_rank)
     seen["world_cpu_sum"] = int(comm.all_reduce(torch.tensor([groups.rank]), groups.world_cpu_group).item())
     # The replica driver announces its rank to its replica over the gloo control group.
@@ -159,7 +164,7 @@ def _groups_body(rank: int, world: int, port: int) -> dict:
     assert groups.backend == "gloo"
     out = {LAYOUTS_OF_4[0]: _observe(groups)}
     # A second layout of the same world, built on the already-initialised default group.
-    second = ParallelGroups.build(_parallel(*LAYOUTS_OF_4[1]), timeout_s=GLOO_TIMEOUT_S)
+    second = ParallelGroups.build(_parallel(*LAYOUTS_OF_4[1], transport="gloo"), timeout_s=GLOO_TIMEOUT_S)
     out[LAYOUTS_OF_4[1]] = _observe(second)
     try:
         ParallelGroups.build(_parallel(2, 2, 2, 1), timeout_s=GLOO_TIMEOUT_S)
@@ -219,6 +224,10 @@ def test_parallel_groups_in_world_of_4():
             d, p, t = divmod(rank, pcp * tp)[0], (rank // tp) % pcp, rank % tp
             assert seen["coords"] == (d, p, t, t % dcp, p * dcp + t % dcp)
             assert seen["world_cpu_sum"] == 0 + 1 + 2 + 3
+            # auto (the first layout): every group but dp through shared memory; gloo (the second): none
+            auto = layout_sizes == LAYOUTS_OF_4[0]
+            assert seen["shared_memory"] == {kind: auto and kind != "dp" for kind in seen["shared_memory"]}
+            assert len(seen["shared_memory"]) == sum(len(expected[k][rank]) > 1 for k in GROUP_KINDS)
             assert seen["announced"] == {"driver": expected["replica"][rank][0]}
         for rank in range(4):
             assert "has 4 processes but DP=2 x PCP=2 x TP=2 needs 8" in results[rank]["mismatch"]

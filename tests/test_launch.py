@@ -6,6 +6,7 @@ never joins a process group, and waits on it with a bound (a hang fails the test
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import queue as queue_mod
@@ -23,6 +24,7 @@ from cpllm.config import ParallelConfig
 from cpllm.distributed import comm
 from cpllm.distributed.launch import find_free_port, init_distributed, is_torchrun, shutdown_distributed, torchrun_env
 from cpllm.distributed.rank_processes import spawn_workers
+from cpllm.distributed.shm_group import SLOT_BYTES, ShmGroup, open_shm_group
 
 HANG_GUARD_S = 90.0
 """Longest a test waits for its processes; only reached when something hangs."""
@@ -168,14 +170,20 @@ def _rows(src: int, dst: int) -> torch.Tensor:
     return torch.tensor([[src * 100 + dst * 10 + k, -1.0] for k in range(_count(src, dst))]).reshape(-1, 2)
 
 
-def _comm_body(rank: int, world: int, port: int) -> dict:
-    _init(rank, world, port, timeout_s=30)
-    g = dist.group.WORLD
+def _big(rank: int) -> torch.Tensor:
+    """Larger than a shared-memory slot: the ShmGroup sends it through gloo."""
+    return torch.full((SLOT_BYTES // 4 + 8,), float(rank + 1))
+
+
+def _helpers(rank: int, g) -> dict:
+    world = comm.group_size(g)
     out = {
         "gather0": comm.all_gather(_x(rank), g, dim=0),
         "gather1": comm.all_gather(_x(rank).transpose(0, 2), g, dim=1),  # non-contiguous input
         "reduce": comm.all_reduce(_x(rank).clone(), g),
         "max": comm.all_reduce(_x(rank).clone(), g, op=dist.ReduceOp.MAX),
+        "min_bf16": comm.all_reduce(_x(rank).to(torch.bfloat16), g, op=dist.ReduceOp.MIN),
+        "big_sum": comm.all_reduce(_big(rank), g)[-4:],
         "scatter0": comm.reduce_scatter(_y(rank, world).transpose(0, 1), g, dim=0),
         "scatter1": comm.reduce_scatter(_y(rank, world), g, dim=1),
         "a2a": comm.all_to_all(
@@ -185,22 +193,36 @@ def _comm_body(rank: int, world: int, port: int) -> dict:
             output_split_sizes=[_count(i, rank) for i in range(world)],
         ),
         "obj": comm.broadcast_object({"step": 7} if rank == 0 else None, src=0, group=g),
+        "big_obj": len(comm.broadcast_object(b"x" * SLOT_BYTES if rank == 1 else None, src=1, group=g)),
     }
     ring, current = [], _x(rank)
     for _ in range(world - 1):
         current = comm.ring_exchange(current, g).wait()
         ring.append(current)
     out["ring"] = ring
+    return out
+
+
+def _comm_body(rank: int, world: int, port: int) -> dict:
+    _init(rank, world, port, timeout_s=30)
+    shm = open_shm_group(dist.group.WORLD, list(range(world)), rank, timeout_s=30)
+    assert isinstance(shm, ShmGroup)
+    out = {"gloo": _helpers(rank, dist.group.WORLD), "shm": _helpers(rank, shm)}
     # A subgroup whose group ranks differ from global ranks: [0, 2] (rank 1 is not a member,
     # but must still call new_group).
     sub = dist.new_group([0, 2])
     if rank != 1:
-        out["sub_ring"] = comm.ring_exchange(_x(rank), sub).wait()
-        out["sub_obj"] = comm.broadcast_object(f"from {rank}", src=2, group=sub)
+        sub_shm = open_shm_group(sub, [0, 2], rank, timeout_s=30)
+        for name, g in (("gloo", sub), ("shm", sub_shm)):
+            out[name]["sub_ring"] = comm.ring_exchange(_x(rank), g).wait()
+            out[name]["sub_obj"] = comm.broadcast_object(f"from {rank}", src=2, group=g)
+            out[name]["sub_gather"] = comm.all_gather(_x(rank), g)
     return out
 
 
 def test_comm_helpers_in_world_of_3(tmp_path):
+    """Every helper on a gloo group and on a shared-memory group of the same ranks (its fast path and its
+    gloo fallback for payloads over a slot)."""
     world = 3
     messages, driver = _run_driver(_comm_body, world, tmp_path)
     assert "driver_error" not in messages, messages.get("driver_error")
@@ -208,20 +230,23 @@ def test_comm_helpers_in_world_of_3(tmp_path):
     xs = [_x(r) for r in range(world)]
     ys = [_y(r, world) for r in range(world)]
     for rank in range(world):
-        got = pickle.loads(messages[rank])
-        torch.testing.assert_close(got["gather0"], torch.cat(xs, dim=0))
-        torch.testing.assert_close(got["gather1"], torch.cat([x.transpose(0, 2) for x in xs], dim=1))
-        torch.testing.assert_close(got["reduce"], sum(xs))
-        torch.testing.assert_close(got["max"], torch.stack(xs).amax(0))
-        torch.testing.assert_close(got["scatter0"], sum(ys).transpose(0, 1)[2 * rank : 2 * rank + 2])
-        torch.testing.assert_close(got["scatter1"], sum(ys)[:, 2 * rank : 2 * rank + 2])
-        torch.testing.assert_close(got["a2a"], torch.cat([_rows(i, rank) for i in range(world)]))
-        assert got["obj"] == {"step": 7}
-        assert [r.tolist() for r in got["ring"]] == [xs[(rank - s) % world].tolist() for s in (1, 2)]
-        if rank != 1:
-            other = 2 - rank
-            torch.testing.assert_close(got["sub_ring"], xs[other])
-            assert got["sub_obj"] == "from 2"
+        for transport, got in pickle.loads(messages[rank]).items():
+            torch.testing.assert_close(got["gather0"], torch.cat(xs, dim=0))
+            torch.testing.assert_close(got["gather1"], torch.cat([x.transpose(0, 2) for x in xs], dim=1))
+            torch.testing.assert_close(got["reduce"], sum(xs))
+            torch.testing.assert_close(got["max"], torch.stack(xs).amax(0))
+            torch.testing.assert_close(got["min_bf16"], torch.stack(xs).to(torch.bfloat16).amin(0))
+            torch.testing.assert_close(got["big_sum"], torch.full((4,), 6.0))
+            torch.testing.assert_close(got["scatter0"], sum(ys).transpose(0, 1)[2 * rank : 2 * rank + 2])
+            torch.testing.assert_close(got["scatter1"], sum(ys)[:, 2 * rank : 2 * rank + 2])
+            torch.testing.assert_close(got["a2a"], torch.cat([_rows(i, rank) for i in range(world)]))
+            assert got["obj"] == {"step": 7} and got["big_obj"] == SLOT_BYTES, transport
+            assert [r.tolist() for r in got["ring"]] == [xs[(rank - s) % world].tolist() for s in (1, 2)]
+            if rank != 1:
+                other = 2 - rank
+                torch.testing.assert_close(got["sub_ring"], xs[other])
+                torch.testing.assert_close(got["sub_gather"], torch.cat([xs[0], xs[2]]))
+                assert got["sub_obj"] == "from 2"
     assert _wait_gone(messages["pids"].values()) == []
 
 
@@ -285,25 +310,27 @@ def test_killed_worker_is_named_and_every_process_exits(tmp_path):
 HUNG_TIMEOUT_S = 2.0
 
 
-def _short_timeout_group() -> dist.ProcessGroup:
+def _short_timeout_group(rank: int, transport: str):
     # Start-up uses a generous timeout (spawning is slow on a loaded machine); only the
     # collective under test runs on a group with a short one.
-    return dist.new_group([0, 1], timeout=timedelta(seconds=HUNG_TIMEOUT_S))
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=HUNG_TIMEOUT_S))
+    return group if transport == "gloo" else open_shm_group(group, [0, 1], rank, timeout_s=HUNG_TIMEOUT_S)
 
 
-def _hung_peer_body(rank: int, world: int, port: int) -> None:
+def _hung_peer_body(rank: int, world: int, port: int, transport: str) -> None:
     _init(rank, world, port, timeout_s=30)
-    _short_timeout_group()
+    _short_timeout_group(rank, transport)
     dist.barrier()
     time.sleep(HANG_GUARD_S)  # alive but never joins the collective
 
 
-def _hung_peer_driver(results, out_dir: str) -> None:
+def _hung_peer_driver(results, out_dir: str, transport: str) -> None:
     port = find_free_port()
-    handles = spawn_workers(2, _worker_main, (_hung_peer_body, 2, port, out_dir), master_port=port)
+    body = functools.partial(_hung_peer_body, transport=transport)
+    handles = spawn_workers(2, _worker_main, (body, 2, port, out_dir), master_port=port)
     results.put(("pids", handles.pids))
     _init(0, 2, port, timeout_s=30)
-    group = _short_timeout_group()
+    group = _short_timeout_group(0, transport)
     dist.barrier()
     try:
         with handles.watch():
@@ -313,10 +340,11 @@ def _hung_peer_driver(results, out_dir: str) -> None:
         results.put(("error", f"{type(exc).__name__}: {exc}"))
 
 
-def test_collective_with_hung_peer_times_out_and_workers_are_stopped(tmp_path):
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
+def test_collective_with_hung_peer_times_out_and_workers_are_stopped(tmp_path, transport):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    driver = ctx.Process(target=_hung_peer_driver, args=(results, str(tmp_path)), daemon=False)
+    driver = ctx.Process(target=_hung_peer_driver, args=(results, str(tmp_path), transport), daemon=False)
     driver.start()
     messages = {}
     try:
