@@ -88,8 +88,11 @@ class PagedCPAttention(torch.nn.Module):
             # A narrower --kv-cache-dtype: new tokens attend to the rounded K/V too, exactly what they read back from
             # the pool in later steps, so outputs do not depend on which tokens shared a chunk (nor on the layout).
             k, v = k.to(k_pool.dtype).to(k.dtype), v.to(v_pool.dtype).to(v.dtype)
-        if not meta.has_new and meta.decode is not None and self.comm.kv_size == 1:
-            return self._one_shard_decode(q, k, v, k_pool, v_pool, meta)
+        if not meta.has_new and meta.decode is not None:
+            if self.comm.kv_size == 1:
+                return self._one_shard_decode(q, k, v, k_pool, v_pool, meta)
+            if self.comm.dcp_size == 1:
+                return self._pcp_decode(q, k, v, k_pool, v_pool, meta)
         strategy = meta.strategy if meta.strategy is not None else self.comm.strategy
         if strategy == "pass-q" and self.comm.pcp_size > 1 and meta.has_new:
             if meta.pass_q is None:
@@ -123,6 +126,16 @@ class PagedCPAttention(torch.nn.Module):
             return o
         out = torch.zeros_like(q)  # padding rows (a PCP rank holding fewer single tokens) stay 0
         return out.index_copy_(0, rows, o)
+
+    def _pcp_decode(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata) -> torch.Tensor:
+        """A step of single tokens over PCP without DCP (sharded layout): every PCP rank holds every query at the
+        same rows; each stores the new K/V it owns, attends all queries to its shard, and one all-gather brings the
+        partials to merge. The general path computes the same numbers, plus a merge with the empty new-token
+        partial that multiplies by exactly 1."""
+        k_pool.index_copy_(0, meta.write_slots, k.index_select(0, meta.write_rows).to(k_pool.dtype))
+        v_pool.index_copy_(0, meta.write_slots, v.index_select(0, meta.write_rows).to(v_pool.dtype))
+        out, _ = self._replicated_query_context(q, k_pool, v_pool, meta)
+        return out.to(q.dtype)
 
     def _gathered_new_tokens(self, q, k, v, k_pool, v_pool, meta, out, lse) -> None:
         if meta.has_new:
@@ -224,9 +237,16 @@ class PagedCPAttention(torch.nn.Module):
         """A step of single tokens without DCP, sharded layout: every CP rank already holds every query, at the same
         rows, so each attends them to its own shard and the partials are all-gathered and merged (one collective,
         not two)."""
-        o_part = torch.zeros(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
-        lse_part = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
-        self._decode_context(q, k_pool, v_pool, meta, o_part, lse_part, dcp_size=1, num_pieces=1)
+        decode = meta.decode
+        rows = decode.rows[self.comm.pcp_rank]  # [B]
+        if decode.max_local_context > 0 and rows.numel() == meta.num_rows:  # rows 0..N-1: every row a query
+            k_ctx = gather_context(k_pool, decode, q.dtype)
+            v_ctx = gather_context(v_pool, decode, q.dtype)
+            o_part, lse_part = attend_single_tokens(q, k_ctx, v_ctx, decode, self.scale)
+        else:
+            o_part = torch.zeros(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
+            lse_part = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+            self._decode_context(q, k_pool, v_pool, meta, o_part, lse_part, dcp_size=1, num_pieces=1)
         packed = all_gather(torch.cat((o_part.float(), lse_part.unsqueeze(-1)), dim=-1), self.comm.cp_group)
         packed = packed.view(self.comm.cp_size, *q.shape[:2], q.shape[2] + 1)  # [C, N, Hq, D + 1]
         return merge_attention_partials(packed[..., :-1], packed[..., -1])  # float32

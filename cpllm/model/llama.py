@@ -25,6 +25,7 @@ from cpllm.model.layers import (
     VocabParallelEmbedding,
 )
 from cpllm.model.loader import WeightSource
+from cpllm.model.mlp_split import DecodeSplitMLP, split_rows
 from cpllm.model.moe import SparseMoEBlock
 from cpllm.model.moe_log import moe_summary_lines
 from cpllm.model.moe_placement import MoEShard
@@ -83,7 +84,10 @@ class LlamaAttention(torch.nn.Module):
 
 
 class LlamaMLP(torch.nn.Module):
-    def __init__(self, config: ModelConfig, prefix: str, tp: TPShard, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, prefix: str, tp: TPShard, dtype: torch.dtype,
+                 decode_split: MoEShard | None = None):
+        """`decode_split`: the TP x PCP placement to split decode-only steps over (sharded KV layout, PCP > 1;
+        cpllm/model/mlp_split.py), None to always run the whole shard."""
         super().__init__()
         shard = config.intermediate_size // tp.size
         start = tp.rank * shard
@@ -100,8 +104,19 @@ class LlamaMLP(torch.nn.Module):
         )
         self.down_proj = RowParallelLinear(f"{prefix}.down_proj", config.intermediate_size, config.hidden_size, tp,
                                            dtype, config.quantization)
+        self.decode_split = None
+        if decode_split is not None and decode_split.pcp_size > 1 and split_rows(shard, decode_split.pcp_size):
+            self.decode_split = DecodeSplitMLP(prefix, config.hidden_size, config.intermediate_size, start, shard,
+                                               decode_split, dtype, config.quantization)
+
+    def after_load(self, source: WeightSource) -> None:
+        """Once the projections are loaded (their format known): the decode split's slices."""
+        if self.decode_split is not None:
+            self.decode_split.load_from(source, self.gate_up_proj, self.down_proj)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
+        if self.decode_split is not None and meta is not None and meta.rows_same_over_pcp and not meta.has_new:
+            return self.decode_split(x, self.gate_up_proj, self.down_proj)
         gate, up = self.gate_up_proj(x).split(self.shard, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -121,7 +136,8 @@ class LlamaDecoderLayer(torch.nn.Module):
             shard = moe or MoEShard(tp=tp)
             self.mlp = SparseMoEBlock(config, f"{prefix}.{config.moe.expert_prefix}", shard, dtype)
         else:
-            self.mlp = LlamaMLP(config, f"{prefix}.mlp", tp, dtype)
+            split = moe if comm.kv_cache_layout == "sharded" else None  # replicated: PCP ranks hold different tokens
+            self.mlp = LlamaMLP(config, f"{prefix}.mlp", tp, dtype, split)
 
     def forward(self, hidden, rope_tables, kv_cache, meta):
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope_tables, kv_cache, meta)
@@ -157,6 +173,9 @@ class LlamaForCausalLM(torch.nn.Module):
             if hasattr(module, "load") and module is not self and module is not self.lm_head:
                 module.load(source)
         self.lm_head.load(source)  # last: a tied head copies the loaded embedding
+        for module in self.modules():
+            if hasattr(module, "after_load"):
+                module.after_load(source)
         for line in summary_lines(self, self.config.quantization) + moe_summary_lines(self):
             logger.info("%s", line)
 
