@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from cpllm.distributed.comm import all_gather, all_reduce
 from cpllm.model.loader import WeightSource
+from cpllm.model.quant_groups import Int8Groups
 from cpllm.model.quant_kernels import FloatLinear, Int4Linear, Int8Rows
 from cpllm.model.quant_lm_head import RefinedInt8Head
 from cpllm.model.quant_load import quantized_linear
@@ -200,9 +201,14 @@ class ParallelLMHead(torch.nn.Module):
     see cpllm/model/quant_plan.py)."""
 
     def __init__(self, embedding: VocabParallelEmbedding | None, name: str, vocab_size: int, hidden: int,
-                 tp: TPShard, dtype: torch.dtype, quantization: str = "none"):
+                 tp: TPShard, dtype: torch.dtype, quantization: str = "none", pcp: TPShard | None = None):
+        """`pcp`: this rank's place in its PCP group when the PCP ranks split the head (each computes 1/PCP of
+        this TP shard's rows, for rows every PCP rank holds; cpllm/worker/runner.py); None: one rank computes."""
         super().__init__()
         self.name, self.tp, self.vocab_size, self.quantization = name, tp, vocab_size, quantization
+        self.pcp = pcp if pcp is not None and pcp.size > 1 else None
+        self.split_kernel: RefinedInt8Head | None = None
+        """This PCP rank's rows of an int8 head (a float head's are a view of `weight`)."""
         self.tied = embedding
         self.start, self.end = vocab_shard(vocab_size, tp)
         self.padded_rows = -(-vocab_size // tp.size)
@@ -229,9 +235,39 @@ class ParallelLMHead(torch.nn.Module):
         else:  # untied, or tied to an embedding that keeps its int8 rows
             self.weight.copy_(source.get(name, dim=0, start=self.start, end=self.end, dtype=self.weight.dtype).t())
 
+    def pcp_rows(self) -> tuple[int, int]:
+        """Rows [start, end) of this TP shard that this PCP rank computes."""
+        return vocab_shard(self.end - self.start, self.pcp)
+
+    def load_pcp_split(self, source: WeightSource) -> None:
+        """An int8 head's PCP slice in the same kernel; its exact rows are a view of the whole shard's."""
+        if self.pcp is None or self.kernel is None:
+            return
+        first, last = self.pcp_rows()
+        name = self.tied.name if self.tied is not None else self.name
+        groups = source.get_int8_groups(name, dim=0, start=self.start + first, end=self.start + last)
+        rows = self.kernel.rows
+        view = Int8Groups(codes=rows.codes[first:last], d=rows.d[first:last])
+        self.split_kernel = RefinedInt8Head(groups, Int8Rows(view))
+
+    def _pcp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden [M, hidden] (the same on every PCP rank) -> this TP shard's logits [M, end - start], float32
+        first, last = self.pcp_rows()
+        if self.split_kernel is None:
+            part = (hidden @ self.weight[:, first:last]).float()
+        else:
+            part = self.split_kernel(hidden)
+        pad = -(-(self.end - self.start) // self.pcp.size) - part.shape[-1]
+        if pad:
+            part = F.pad(part, (0, pad), value=float("-inf"))
+        return all_gather(part, self.pcp.group, dim=-1)[:, : self.end - self.start]
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden [num_rows, hidden] -> logits [num_rows, vocab] in float32 on every TP rank
-        logits = (hidden @ self.weight).float() if self.kernel is None else self.kernel(hidden)
+        # hidden [num_rows, hidden] -> logits [num_rows, vocab] in float32 on every TP rank (and PCP rank, if split)
+        if self.pcp is not None:
+            logits = self._pcp_logits(hidden)
+        else:
+            logits = (hidden @ self.weight).float() if self.kernel is None else self.kernel(hidden)
         if self.tp.size == 1:
             return logits
         pad = self.padded_rows - logits.shape[-1]

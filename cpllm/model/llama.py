@@ -165,7 +165,9 @@ class LlamaForCausalLM(torch.nn.Module):
         )
         self.norm = RMSNorm("model.norm.weight", h, config.rms_norm_eps, dtype)
         tied = self.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(tied, "lm_head.weight", config.vocab_size, h, tp, dtype, config.quantization)
+        head_pcp = None if moe is None else TPShard(rank=moe.pcp_rank, size=moe.pcp_size, group=moe.pcp_group)
+        self.lm_head = ParallelLMHead(tied, "lm_head.weight", config.vocab_size, h, tp, dtype, config.quantization,
+                                      pcp=head_pcp)
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, max_positions)
 
     def load_weights(self, source: WeightSource) -> None:
@@ -173,6 +175,7 @@ class LlamaForCausalLM(torch.nn.Module):
             if hasattr(module, "load") and module is not self and module is not self.lm_head:
                 module.load(source)
         self.lm_head.load(source)  # last: a tied head copies the loaded embedding
+        self.lm_head.load_pcp_split(source)
         for module in self.modules():
             if hasattr(module, "after_load"):
                 module.after_load(source)

@@ -97,9 +97,9 @@ class ModelRunner:
         if not batch.output_rows:
             return None
         rows = self._gather_output_rows(hidden, batch)
-        if self.groups.pcp_rank != 0:
+        if self.groups.pcp_rank != 0 and self.model.lm_head.pcp is None:
             return None  # the LM head runs on PCP rank 0's TP group only
-        logits = self.model.logits(rows)
+        logits = self.model.logits(rows)  # split over PCP: every PCP rank computes a share of the vocabulary
         return logits if self.is_driver else None
 
     def _gather_output_rows(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
