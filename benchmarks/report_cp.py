@@ -27,15 +27,18 @@ def cp_targets_section(results: Results, images: str, rel: str) -> list[str]:
         worst = max(plan["points"], key=lambda r: abs(r["error"]))
         rows.append({"target": "plan --calibrate vs measured TTFT, PCP 1 and 2, 4K and 8K (c)", "goal": "within 15%",
                      "measured": f"worst {worst['error']:+.1%} ({worst['layout']}, {worst['prompt_tokens']})"})
-    replicated = results.get("decode_pcp_replicated")
-    if replicated:
-        single = {(r["batch_size"], r["context_tokens"]): r["tokens_per_s"] for r in replicated["results"]
+    for kv_layout in ("replicated", "sharded"):
+        data = results.get(f"decode_pcp_{kv_layout}")
+        if not data:
+            continue
+        single = {(r["batch_size"], r["context_tokens"]): r["tokens_per_s"] for r in data["results"]
                   if r["layout"] == SAME_THREADS}
-        for r in replicated["results"]:
+        for r in data["results"]:
             if not r["layout"].startswith("1x1x1"):
                 ratio = r["tokens_per_s"] / single[(r["batch_size"], r["context_tokens"])]
-                rows.append({"target": f"replicated PCP=2 decode / 1 rank same threads, batch {r['batch_size']} (b)",
-                             "goal": ">= 1", "measured": f"{ratio:.2f}"})
+                which = "(b)" if kv_layout == "replicated" else "(issue 10)"
+                rows.append({"target": f"{kv_layout} PCP=2 decode / 1 rank same threads, batch {r['batch_size']} "
+                                       f"{which}", "goal": ">= 1", "measured": f"{ratio:.2f}"})
     lines = ["## Context-parallel strategies, layouts and the planner (issue 12)", "",
              "Targets, computed from the results of the sections (a)-(d) below.", ""]
     return lines + (md_table(rows) if rows else _missing("plan"))
@@ -58,25 +61,31 @@ def chunk_section(results: Results, images: str, rel: str) -> list[str]:
     return lines + md_table(rows) + ["", f"Load average at the start and end: {_loads(data)}."]
 
 
+DECODE_RUNS = (("sharded", "sharded"), ("gloo", "sharded, gloo transport"), ("replicated", "replicated"))
+"""(file suffix of decode_pcp_*.json, what its PCP rows are labelled)."""
+
+
 def decode_layouts_section(results: Results, images: str, rel: str) -> list[str]:
     lines = ["### (b) Decode under PCP=2: sharded vs replicated KV layout", "",
              "`cpllm bench decode --shared-prefix`, once per `--cp-kv-cache-layout`, each run with the single-rank "
              "engine on the same total threads (`1x1x1@2`, and on one thread) next to PCP=2 with one thread per rank. "
              "`vs_1rank` = tokens/s over the `1x1x1@2` run of the same file, batch and context (the target: >= 1 "
-             "for `replicated`). Two threads in one process suffer most when other processes share the cores "
+             "for `replicated`). The `gloo transport` rows are the sharded layout with `--collective-transport gloo` "
+             "(every collective over loopback TCP, as before the shared-memory path), with their own `1x1x1@2` "
+             "reference run. Two threads in one process suffer most when other processes share the cores "
              "(OpenMP threads wait for each other), so the load averages are printed below the table.", ""]
     rows, loads = [], []
-    for kv_layout in ("sharded", "replicated"):
-        data = results.get(f"decode_pcp_{kv_layout}")
+    for name, label in DECODE_RUNS:
+        data = results.get(f"decode_pcp_{name}")
         if not data:
             continue
         single = {(r["batch_size"], r["context_tokens"]): r["tokens_per_s"] for r in data["results"]
                   if r["layout"] == SAME_THREADS}
-        loads.append(f"{kv_layout}: {_loads(data)}")
+        loads.append(f"{label}: {_loads(data)}")
         for r in data["results"]:
-            if r["layout"].startswith("1x1x1") and kv_layout == "replicated":
+            if r["layout"].startswith("1x1x1") and name != "sharded":
                 continue  # shown once, from the sharded run's file
-            rows.append({"layout": r["layout"], "kv_layout": "-" if r["layout"].startswith("1x1x1") else kv_layout,
+            rows.append({"layout": r["layout"], "kv_layout": "-" if r["layout"].startswith("1x1x1") else label,
                          "batch": r["batch_size"], "context": r["context_tokens"], "tokens_per_s": r["tokens_per_s"],
                          "vs_1rank": round(r["tokens_per_s"] / single[(r["batch_size"], r["context_tokens"])], 3)})
     if not rows:

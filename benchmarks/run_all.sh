@@ -39,7 +39,10 @@ for step in "${steps[@]}"; do
              --repeats 5 --quantization none --json "$R/chunk_pcp.json" ;;
     decode_layouts) for kv in sharded replicated; do
         bench decode --layouts 1x1x1@1,1x1x1@2,1x2x1@1 --batch-sizes 1,16 --context-lengths 2048 --shared-prefix \
-          --steps 32 --cp-kv-cache-layout "$kv" --json "$R/decode_pcp_$kv.json"; done ;;
+          --steps 32 --cp-kv-cache-layout "$kv" --json "$R/decode_pcp_$kv.json"; done
+        # the same sharded run over gloo alone (as before the shared-memory transport), single rank for reference
+        bench decode --layouts 1x1x1@2,1x2x1@1 --batch-sizes 1,16 --context-lengths 2048 --shared-prefix \
+          --steps 32 --collective-transport gloo --json "$R/decode_pcp_gloo.json" ;;
     # issue 11: random Qwen3-MoE-shaped model (16 layers, hidden 1024, 64 experts of 256, top-8), saved once
     moe) python benchmarks/moe_bench.py --threads 1 --prefill-tokens 1024,4096 --pcp-tokens 4096 --repeats 2 \
            --pcp-repeats 2 --out "$R/moe.json"

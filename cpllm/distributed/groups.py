@@ -309,9 +309,10 @@ class _SharedMemoryGroups:
 
     @classmethod
     def open(cls, parallel: ParallelConfig, world_cpu, rank: int, timeout_s: float) -> "_SharedMemoryGroups":
-        usable = parallel.collective_transport == "auto" and str(dist.get_backend()) == "gloo" and available()
+        if parallel.collective_transport != "auto" or str(dist.get_backend()) != "gloo":
+            return cls(set(), rank, timeout_s)  # the same answer on every rank: no exchange needed
         keys: list = [None] * dist.get_world_size()
-        dist.all_gather_object(keys, host_key() if usable else None, group=world_cpu)
+        dist.all_gather_object(keys, host_key() if available() else None, group=world_cpu)
         mine = keys[rank]
         local = {r for r, key in enumerate(keys) if mine is not None and key == mine}
         return cls(local, rank, timeout_s)
