@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 from cpllm.distributed.comm import all_gather, all_reduce
 from cpllm.model.loader import WeightSource
-from cpllm.model.quant_groups import Int8Groups
 from cpllm.model.quant_kernels import FloatLinear, Int4Linear, Int8Rows
 from cpllm.model.quant_lm_head import RefinedInt8Head
 from cpllm.model.quant_load import quantized_linear
@@ -207,8 +206,8 @@ class ParallelLMHead(torch.nn.Module):
         super().__init__()
         self.name, self.tp, self.vocab_size, self.quantization = name, tp, vocab_size, quantization
         self.pcp = pcp if pcp is not None and pcp.size > 1 else None
-        self.split_kernel: RefinedInt8Head | None = None
-        """This PCP rank's rows of an int8 head (a float head's are a view of `weight`)."""
+        self.split_kernel: Int4Linear | None = None
+        """This PCP rank's rows of an int8 head in the kernel (a float head's are a view of `weight`)."""
         self.tied = embedding
         self.start, self.end = vocab_shard(vocab_size, tp)
         self.padded_rows = -(-vocab_size // tp.size)
@@ -240,27 +239,26 @@ class ParallelLMHead(torch.nn.Module):
         return vocab_shard(self.end - self.start, self.pcp)
 
     def load_pcp_split(self, source: WeightSource) -> None:
-        """An int8 head's PCP slice in the same kernel; its exact rows are a view of the whole shard's."""
+        """An int8 head's PCP slice in the same kernel, from the same stored rows."""
         if self.pcp is None or self.kernel is None:
             return
         first, last = self.pcp_rows()
         name = self.tied.name if self.tied is not None else self.name
-        groups = source.get_int8_groups(name, dim=0, start=self.start + first, end=self.start + last)
-        rows = self.kernel.rows
-        view = Int8Groups(codes=rows.codes[first:last], d=rows.d[first:last])
-        self.split_kernel = RefinedInt8Head(groups, Int8Rows(view))
+        self.split_kernel = Int4Linear.from_int8(
+            source.get_int8_groups(name, dim=0, start=self.start + first, end=self.start + last))
 
     def _pcp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden [M, hidden] (the same on every PCP rank) -> this TP shard's logits [M, end - start], float32
+        # hidden [M, hidden] (the same on every PCP rank) -> this TP shard's logits [M, end - start], float32.
+        # Each column as the whole shard computes it; an int8 head then refines the joined rows' best logits, as
+        # without the split.
         first, last = self.pcp_rows()
-        if self.split_kernel is None:
-            part = (hidden @ self.weight[:, first:last]).float()
-        else:
-            part = self.split_kernel(hidden)
+        part = (hidden @ self.weight[:, first:last] if self.split_kernel is None else self.split_kernel(hidden))
+        part = part.float()
         pad = -(-(self.end - self.start) // self.pcp.size) - part.shape[-1]
         if pad:
             part = F.pad(part, (0, pad), value=float("-inf"))
-        return all_gather(part, self.pcp.group, dim=-1)[:, : self.end - self.start]
+        logits = all_gather(part, self.pcp.group, dim=-1)[:, : self.end - self.start]
+        return logits if self.kernel is None else self.kernel.refine(hidden, logits)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden [num_rows, hidden] -> logits [num_rows, vocab] in float32 on every TP rank (and PCP rank, if split)

@@ -25,7 +25,7 @@ from cpllm.model.layers import (
     VocabParallelEmbedding,
 )
 from cpllm.model.loader import WeightSource
-from cpllm.model.mlp_split import DecodeSplitMLP, split_rows
+from cpllm.model.mlp_split import DecodeSplitMLP, can_split
 from cpllm.model.moe import SparseMoEBlock
 from cpllm.model.moe_log import moe_summary_lines
 from cpllm.model.moe_placement import MoEShard
@@ -105,9 +105,9 @@ class LlamaMLP(torch.nn.Module):
         self.down_proj = RowParallelLinear(f"{prefix}.down_proj", config.intermediate_size, config.hidden_size, tp,
                                            dtype, config.quantization)
         self.decode_split = None
-        if decode_split is not None and decode_split.pcp_size > 1 and split_rows(shard, decode_split.pcp_size):
-            self.decode_split = DecodeSplitMLP(prefix, config.hidden_size, config.intermediate_size, start, shard,
-                                               decode_split, dtype, config.quantization)
+        if decode_split is not None and can_split(shard, config.hidden_size, decode_split.pcp_size):
+            self.decode_split = DecodeSplitMLP(prefix, config.hidden_size, start, shard, decode_split, dtype,
+                                               config.quantization)
 
     def after_load(self, source: WeightSource) -> None:
         """Once the projections are loaded (their format known): the decode split's slices."""
@@ -115,7 +115,8 @@ class LlamaMLP(torch.nn.Module):
             self.decode_split.load_from(source, self.gate_up_proj, self.down_proj)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
-        if self.decode_split is not None and meta is not None and meta.rows_same_over_pcp and not meta.has_new:
+        split = self.decode_split
+        if split is not None and split.usable and meta is not None and meta.rows_same_over_pcp and not meta.has_new:
             return self.decode_split(x, self.gate_up_proj, self.down_proj)
         gate, up = self.gate_up_proj(x).split(self.shard, dim=-1)
         return self.down_proj(F.silu(gate) * up)

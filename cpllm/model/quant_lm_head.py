@@ -32,7 +32,10 @@ class RefinedInt8Head(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden [M, H] -> logits [M, V] float32
-        logits = self.kernel(hidden).float()
+        return self.refine(hidden, self.kernel(hidden).float())
+
+    def refine(self, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The kernel's logits [M, V] (float32) with each row's best REFINED recomputed exactly, in place."""
         top = logits.topk(min(REFINED, logits.shape[-1]), dim=-1).indices  # [M, K]
         rows = self.rows(top.reshape(-1), torch.float32).view(*top.shape, -1)  # [M, K, H]
         exact = torch.bmm(rows, hidden.float().unsqueeze(-1)).squeeze(-1)  # [M, K]
