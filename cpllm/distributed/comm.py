@@ -65,14 +65,13 @@ def all_gather(tensor: torch.Tensor, group: Group, *, dim: int = 0) -> torch.Ten
     if tensor.dim() == 0:
         raise ValueError("all_gather needs a tensor with at least one dimension")
     # gloo's all_gather_into_tensor gathers contiguous buffers along dim 0 only.
-    shape = tensor.shape
+    dim = dim % tensor.dim()
     shm = _shm_for(group, tensor)
     if shm is not None:
-        out = shm.all_gather(tensor)
-    else:
-        out = torch.empty((world * shape[0], *shape[1:]), dtype=tensor.dtype, device=tensor.device)
-        dist.all_gather_single(out, tensor.contiguous(), group=process_group(group))
-    dim = dim % tensor.dim()
+        return shm.all_gather(tensor, dim)
+    shape = tensor.shape
+    out = torch.empty((world * shape[0], *shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    dist.all_gather_single(out, tensor.contiguous(), group=process_group(group))
     if dim == 0:
         return out
     # [world, *shape] -> shape with dim scaled by world, rank r's slice at r * shape[dim]

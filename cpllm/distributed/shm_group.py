@@ -155,26 +155,25 @@ class ShmGroup:
 
     # ---- collectives ----------------------------------------------------------------------------------
 
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """[world * n, ...]: every member's equal-shaped tensor, in group-rank order."""
-        flat = tensor.contiguous().reshape(-1).view(torch.uint8)
-        slots = self._exchange(flat, "all_gather")
-        out = torch.empty((self.size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype)
-        out_bytes = out.view(-1).view(torch.uint8).view(self.size, -1)
-        for r in range(self.size):
-            out_bytes[r].copy_(slots[r][: flat.numel()])
-        return out
-
-    def all_reduce_(self, tensor: torch.Tensor, op) -> torch.Tensor:
-        """Reduce in place, adding in group-rank order so every member gets the same bits."""
+    def _parts(self, tensor: torch.Tensor, what: str) -> list[torch.Tensor]:
+        """Every member's `tensor` (same shape and dtype on all), as views of the slots, in group-rank order."""
         flat = tensor.contiguous().reshape(-1)
         nbytes = flat.numel() * flat.element_size()
-        slots = self._exchange(flat.view(torch.uint8), "all_reduce")
+        slots = self._exchange(flat.view(torch.uint8), what)
+        return [slots[r][:nbytes].view(tensor.dtype).view(tensor.shape) for r in range(self.size)]
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Every member's equal-shaped tensor concatenated along `dim`, in group-rank order."""
+        return torch.cat(self._parts(tensor, "all_gather"), dim=dim)
+
+    def all_reduce_(self, tensor: torch.Tensor, op) -> torch.Tensor:
+        """Reduce in place, in group-rank order, so every member gets the same bits."""
+        parts = self._parts(tensor, "all_reduce")
         reduce = _REDUCE[op]
-        acc = slots[0][:nbytes].view(tensor.dtype).clone()
-        for r in range(1, self.size):
-            reduce(acc, slots[r][:nbytes].view(tensor.dtype))
-        tensor.copy_(acc.view(tensor.shape))
+        acc = parts[0].clone()
+        for part in parts[1:]:
+            reduce(acc, part)
+        tensor.copy_(acc)
         return tensor
 
     def broadcast_object(self, obj: Any, src: int) -> Any:
