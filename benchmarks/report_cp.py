@@ -94,6 +94,19 @@ def decode_layouts_section(results: Results, images: str, rel: str) -> list[str]
                                      "from the JSON: " + "; ".join(loads) + "."]
 
 
+def transport_section(results: Results, images: str, rel: str) -> list[str]:
+    lines = ["### Collective latency: gloo against shared memory", "",
+             "`benchmarks/collective_latency.py`: one thread per rank, the same ranks timed with a plain gloo group "
+             "and with the shared-memory fast path (`--collective-transport auto`, the default), alternating in "
+             "rounds, median round. The payloads are what decode sends: a token's hidden state per MLP or TP "
+             "layer, the attention partials of 16 tokens per layer, the replicated layout's K/V sync per step, "
+             "and the step message the driver broadcasts.", ""]
+    data = results.get("collective_latency")
+    if not data:
+        return lines + _missing("transport")
+    return lines + md_table(data["results"]) + ["", f"Load average at the start and end: {_loads(data)}."]
+
+
 def _loads(data: dict[str, Any]) -> str:
     machine = data.get("machine", {})
     return f"{machine.get('load_average_start')} -> {machine.get('load_average_end')}"
@@ -185,4 +198,5 @@ def _breakdown_rows(results: list[dict[str, Any]]) -> list[str]:
     return md_table(rows)
 
 
-CP_SECTIONS = [cp_targets_section, chunk_section, decode_layouts_section, planner_section, efficiency_section]
+CP_SECTIONS = [cp_targets_section, chunk_section, decode_layouts_section, transport_section, planner_section,
+               efficiency_section]

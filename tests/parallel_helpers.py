@@ -43,6 +43,8 @@ class Layout:
     strategy: str = "allgather"
     max_tokens: int = 16
     """Greedy tokens generated per request (compared against the reference's first ones)."""
+    transport: str = "auto"
+    """--collective-transport: "gloo" also runs decode without the PCP splits of the MLP and LM head."""
 
     @property
     def cp_size(self) -> int:
@@ -54,7 +56,8 @@ class Layout:
 
     def label(self) -> str:
         strategy = f"-{self.strategy}" if self.pcp > 1 else ""
-        return f"tp{self.tp}-pcp{self.pcp}-dcp{self.dcp}-i{self.interleave}{strategy}"
+        transport = "" if self.transport == "auto" else f"-{self.transport}"
+        return f"tp{self.tp}-pcp{self.pcp}-dcp{self.dcp}-i{self.interleave}{strategy}{transport}"
 
     def engine_options(self) -> dict:
         return dict(
@@ -63,6 +66,7 @@ class Layout:
             decode_context_parallel_size=self.dcp,
             cp_kv_cache_interleave_size=self.interleave,
             cp_prefill_strategy=self.strategy,
+            collective_transport=self.transport,
         )
 
 

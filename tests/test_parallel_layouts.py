@@ -49,7 +49,7 @@ COMMON = dict(max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, max_num_batche
               threads_per_rank=1, distributed_timeout=60)
 
 PCP2_ALLGATHER = Layout(tp=1, pcp=2, dcp=1, interleave=1, strategy="allgather")
-PCP2_RING = Layout(tp=1, pcp=2, dcp=1, interleave=4, strategy="ring", max_tokens=32)
+PCP2_RING = Layout(tp=1, pcp=2, dcp=1, interleave=4, strategy="ring", max_tokens=32, transport="gloo")
 TP2_DCP2 = Layout(tp=2, pcp=1, dcp=2, interleave=1)
 LAYOUTS = {  # layout -> model
     PCP2_ALLGATHER: "kv2",

@@ -46,6 +46,14 @@ def group_rank(group: Group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+def low_latency(group: Group) -> bool:
+    """Collectives on `group` take microseconds (shared memory, NCCL, or a group of one), not a TCP round trip:
+    worth adding a few per layer to split work that would otherwise be computed twice."""
+    if group is None or isinstance(group, ShmGroup):
+        return True
+    return str(dist.get_backend(group)) == "nccl"
+
+
 def _shm_for(group: Group, tensor: torch.Tensor) -> ShmGroup | None:
     """The shared-memory path when `group` has one and `tensor` fits a slot."""
     if isinstance(group, ShmGroup) and group.fits(tensor.numel() * tensor.element_size()):

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from cpllm.config import ModelConfig, kv_heads_of_tp_rank
 from cpllm.context_parallel.attention import CPComm, PagedCPAttention
 from cpllm.context_parallel.metadata import AttentionMetadata
+from cpllm.distributed.comm import low_latency
 from cpllm.model.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -137,7 +138,11 @@ class LlamaDecoderLayer(torch.nn.Module):
             shard = moe or MoEShard(tp=tp)
             self.mlp = SparseMoEBlock(config, f"{prefix}.{config.moe.expert_prefix}", shard, dtype)
         else:
-            split = moe if comm.kv_cache_layout == "sharded" else None  # replicated: PCP ranks hold different tokens
+            # Replicated layout: PCP ranks hold different tokens. Over gloo's TCP the extra collectives cost more
+            # than the halved weight streaming saves.
+            split = None
+            if comm.kv_cache_layout == "sharded" and moe is not None and low_latency(moe.pcp_group):
+                split = moe
             self.mlp = LlamaMLP(config, f"{prefix}.mlp", tp, dtype, split)
 
     def forward(self, hidden, rope_tables, kv_cache, meta):
@@ -166,7 +171,9 @@ class LlamaForCausalLM(torch.nn.Module):
         )
         self.norm = RMSNorm("model.norm.weight", h, config.rms_norm_eps, dtype)
         tied = self.embed_tokens if config.tie_word_embeddings else None
-        head_pcp = None if moe is None else TPShard(rank=moe.pcp_rank, size=moe.pcp_size, group=moe.pcp_group)
+        head_pcp = None  # the head split adds one collective per step: only where collectives are cheap
+        if moe is not None and low_latency(moe.pcp_group):
+            head_pcp = TPShard(rank=moe.pcp_rank, size=moe.pcp_size, group=moe.pcp_group)
         self.lm_head = ParallelLMHead(tied, "lm_head.weight", config.vocab_size, h, tp, dtype, config.quantization,
                                       pcp=head_pcp)
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, max_positions)
