@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    load_at_start = [round(x, 2) for x in os.getloadavg()]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = find_free_port()
@@ -101,8 +102,10 @@ def main() -> None:
         print(row)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": "collective_latency", "argv": sys.argv, "machine": machine_info(),
-                       "results": rows}, f, indent=1)
+            machine = {**machine_info(), "load_average_start": load_at_start,
+                       "load_average_end": [round(x, 2) for x in os.getloadavg()]}
+            json.dump({"command": "collective_latency", "argv": ["python", *sys.argv], "machine": machine, "results": rows}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":

@@ -91,7 +91,24 @@ def decode_layouts_section(results: Results, images: str, rel: str) -> list[str]
     if not rows:
         return lines + _missing("decode_layouts")
     return lines + md_table(rows) + ["", "Load average (1, 5, 15 min) at the start and end of each run, "
-                                     "from the JSON: " + "; ".join(loads) + "."]
+                                     "from the JSON: " + "; ".join(loads) + "."] + _repeat_lines(results)
+
+
+def _repeat_lines(results: Results) -> list[str]:
+    """The same commands run again (decode_pcp_*_repeat.json): how far the ratios move from run to run."""
+    lines = []
+    for kv_layout in ("sharded", "replicated"):
+        data = results.get(f"decode_pcp_{kv_layout}_repeat")
+        if not data:
+            continue
+        single = {r["batch_size"]: r["tokens_per_s"] for r in data["results"] if r["layout"] == SAME_THREADS}
+        ratios = [f"batch {r['batch_size']} {r['tokens_per_s'] / single[r['batch_size']]:.2f}"
+                  for r in data["results"] if not r["layout"].startswith("1x1x1")]
+        lines.append(f"- {kv_layout}: {', '.join(ratios)} (load {_loads(data)})")
+    if not lines:
+        return []
+    return ["", "The same commands run again right after (`decode_pcp_*_repeat.json`), PCP=2 over `1x1x1@2`: the "
+                "two-thread reference moves most between runs."] + lines
 
 
 def transport_section(results: Results, images: str, rel: str) -> list[str]:
