@@ -195,14 +195,6 @@ class ShmGroup:
             return obj
         return pickle.loads(slot[8: 8 + size].numpy().tobytes())
 
-    def close(self) -> None:
-        self._slots = []
-        self._flags = None
-        try:
-            self._mapping.close()
-        except BufferError:  # a tensor view still references it; the mapping goes with the process
-            pass
-
 
 def open_shm_group(process_group: dist.ProcessGroup, members: list[int], rank: int,
                    timeout_s: float) -> ShmGroup | None:

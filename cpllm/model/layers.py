@@ -246,6 +246,7 @@ class ParallelLMHead(torch.nn.Module):
         name = self.tied.name if self.tied is not None else self.name
         self.split_kernel = Int4Linear.from_int8(
             source.get_int8_groups(name, dim=0, start=self.start + first, end=self.start + last))
+        self.kernel.kernel = None  # every step now takes the split: only the stored rows (refinement) stay in use
 
     def _pcp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden [M, hidden] (the same on every PCP rank) -> this TP shard's logits [M, end - start], float32.

@@ -87,8 +87,8 @@ class LlamaAttention(torch.nn.Module):
 class LlamaMLP(torch.nn.Module):
     def __init__(self, config: ModelConfig, prefix: str, tp: TPShard, dtype: torch.dtype,
                  decode_split: MoEShard | None = None):
-        """`decode_split`: the TP x PCP placement to split decode-only steps over (sharded KV layout, PCP > 1;
-        cpllm/model/mlp_split.py), None to always run the whole shard."""
+        """`decode_split`: this rank's TP and PCP place, to split decode-only steps over the PCP ranks (sharded KV
+        layout, PCP > 1, cheap collectives; cpllm/model/mlp_split.py); None: always the whole shard."""
         super().__init__()
         shard = config.intermediate_size // tp.size
         start = tp.rank * shard
@@ -184,7 +184,7 @@ class LlamaForCausalLM(torch.nn.Module):
                 module.load(source)
         self.lm_head.load(source)  # last: a tied head copies the loaded embedding
         self.lm_head.load_pcp_split(source)
-        for module in self.modules():
+        for module in list(self.modules()):  # after_load adds modules
             if hasattr(module, "after_load"):
                 module.after_load(source)
         for line in summary_lines(self, self.config.quantization) + moe_summary_lines(self):
