@@ -101,3 +101,21 @@ def test_killed_worker_fails_the_driver_with_its_rank(folder):
 def generate_ok(llm) -> bool:
     outputs = llm.generate([{"prompt_token_ids": PROMPTS[3]}], GREEDY)
     return len(outputs[0].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+IDLE_TIMEOUT_S = 20.0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("transport", ["auto", "gloo"])
+def test_engine_idle_longer_than_the_collective_timeout_still_serves(folder, transport):
+    """Workers wait for the next step, and replica drivers for the next DP tick, with no time limit: an engine
+    left idle longer than --distributed-timeout answers the next request (it used to lose its workers)."""
+    reference = generate(folder)
+    with LLM(folder, max_model_len=256, block_size=4, threads_per_rank=1, distributed_timeout=IDLE_TIMEOUT_S,
+             data_parallel_size=2, prefill_context_parallel_size=2, collective_transport=transport) as llm:
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+        first = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        time.sleep(IDLE_TIMEOUT_S + 3)
+        second = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert first == reference and second == reference

@@ -8,7 +8,9 @@ torch.distributed.
 Every collective here is bounded: the timeout given to `init_process_group` /
 `new_group` applies to each gloo operation, and a peer process that has died
 closes its sockets, which makes the surviving ranks' gloo calls raise at once
-(tests/test_launch.py checks both cases). A call never hangs forever.
+(tests/test_launch.py checks both cases). A call never hangs forever, except on
+the control groups (`groups.COMMAND_TIMEOUT_S`), which wait for the next step or tick
+and fail only when a peer dies.
 
 A group may also be a `ShmGroup` (ranks on one host, `cpllm.distributed.shm_group`): the helpers send
 what fits its slots through shared memory, with the same timeout and a dead-peer check, and the rest

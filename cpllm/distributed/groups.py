@@ -128,6 +128,12 @@ class RankLayout:
         return groups
 
 
+COMMAND_TIMEOUT_S = 365 * 24 * 3600.0
+"""Time limit of the control groups' collectives (the step broadcast to a replica's ranks, the DP ticks): they wait
+for the next command, which an idle engine may not send for hours. A dead peer still fails them at once (its closed
+socket, or the shared-memory liveness check); the collectives inside a step keep --distributed-timeout."""
+
+
 def _timeout(timeout_s: float) -> timedelta:
     return timedelta(seconds=timeout_s)
 
@@ -153,14 +159,16 @@ class ParallelGroups:
     dp_group: dist.ProcessGroup | None
     """Same (pcp, tp) coordinates across replicas."""
     dp_cpu_group: dist.ProcessGroup | None
-    """The DP group's ranks on gloo, for the DP front's control messages (ticks, gathered outputs)."""
+    """The DP group's ranks on gloo, for the DP front's control messages (ticks, gathered outputs); no time limit
+    (COMMAND_TIMEOUT_S): it waits for the next tick, and for the slowest replica's step."""
     replica_group: Group
-    """All ranks of this replica on gloo, for control messages (step broadcasts)."""
+    """All ranks of this replica on gloo, for control messages (step broadcasts); no time limit
+    (COMMAND_TIMEOUT_S): it waits for the next step."""
     world_cpu_group: dist.ProcessGroup | None
     """All ranks on gloo, for control messages across replicas."""
     moe_group: Group = None
-    """The replica's ranks (flattened TP x PCP) on the default backend: the MoE layers' group (DESIGN section 9).
-    On gloo it is the replica group itself."""
+    """The replica's ranks (flattened TP x PCP) on the default backend: the MoE layers' group (DESIGN section 9),
+    and the replica's bounded group for tensors (the replica group, for control messages, has no time limit)."""
 
     # Coordinates and sizes, derived from the layout so they can never disagree with it.
     @property
@@ -260,8 +268,9 @@ class ParallelGroups:
         mine: dict[str, dist.ProcessGroup | None] = {}
         for kind in GROUP_KINDS:
             group_backend = "gloo" if kind == "replica" else None
+            limit = COMMAND_TIMEOUT_S if kind == "replica" else None
             for members in layout.all_groups(kind):
-                group = maker.make(members, group_backend)
+                group = maker.make(members, group_backend, limit)
                 if rank in members:
                     mine[kind] = group
         world_cpu = maker.make(list(range(world)), "gloo")
@@ -270,16 +279,17 @@ class ParallelGroups:
             group = maker.make(members, None)  # tensor collectives: the default backend
             if rank in members:
                 moe = group
-        dp_cpu = None  # the same group as dp_group when the default backend is gloo (the maker reuses it)
+        dp_cpu = None
         for members in layout.all_groups("dp"):
-            group = maker.make(members, "gloo")
+            group = maker.make(members, "gloo", COMMAND_TIMEOUT_S)
             if rank in members:
                 dp_cpu = group
         fast = _SharedMemoryGroups.open(parallel, world_cpu, rank, timeout_s)
         # dp_group carries no tensor collectives (the DP front uses dp_cpu_group's gloo object calls)
-        mine = {kind: group if kind == "dp" else fast.wrap(group, layout.group(kind, rank))
+        mine = {kind: group if kind == "dp" else fast.wrap(group, layout.group(kind, rank),
+                                                           COMMAND_TIMEOUT_S if kind == "replica" else timeout_s)
                 for kind, group in mine.items()}
-        moe = fast.wrap(moe, layout.replica_group(rank))
+        moe = fast.wrap(moe, layout.replica_group(rank), timeout_s)
         return cls(
             rank=rank,
             layout=layout,
@@ -303,25 +313,26 @@ class _SharedMemoryGroups:
     distinct process group, so a group that two kinds share also shares its sequence numbers.
     """
 
-    def __init__(self, local_ranks: set[int], rank: int, timeout_s: float):
-        self._local, self._rank, self._timeout_s = local_ranks, rank, timeout_s
+    def __init__(self, local_ranks: set[int], rank: int):
+        self._local, self._rank = local_ranks, rank
         self._opened: dict[int, Group] = {}
 
     @classmethod
     def open(cls, parallel: ParallelConfig, world_cpu, rank: int, timeout_s: float) -> "_SharedMemoryGroups":
         if parallel.collective_transport != "auto" or str(dist.get_backend()) != "gloo":
-            return cls(set(), rank, timeout_s)  # the same answer on every rank: no exchange needed
+            return cls(set(), rank)  # the same answer on every rank: no exchange needed
         keys: list = [None] * dist.get_world_size()
         dist.all_gather_object(keys, host_key() if available() else None, group=world_cpu)
         mine = keys[rank]
         local = {r for r, key in enumerate(keys) if mine is not None and key == mine}
-        return cls(local, rank, timeout_s)
+        return cls(local, rank)
 
-    def wrap(self, group, members: list[int]) -> Group:
+    def wrap(self, group, members: list[int], timeout_s: float) -> Group:
+        """`group` with the fast path when its members are local; `timeout_s` as the process group's."""
         if group is None or not set(members) <= self._local:
             return group
         if id(group) not in self._opened:
-            opened = open_shm_group(group, members, self._rank, self._timeout_s)
+            opened = open_shm_group(group, members, self._rank, timeout_s)
             self._opened[id(group)] = group if opened is None else opened
         return self._opened[id(group)]
 
@@ -335,21 +346,26 @@ class _GroupMaker:
     """
 
     def __init__(self, *, timeout_s: float, default_backend: str) -> None:
-        self._timeout = _timeout(timeout_s)
+        self._timeout_s = timeout_s
         self._default_backend = default_backend
-        self._made: dict[tuple[tuple[int, ...], str], dist.ProcessGroup] = {}
+        self._made: dict[tuple[tuple[int, ...], str, float], dist.ProcessGroup] = {}
 
-    def make(self, members: list[int], backend: str | None) -> dist.ProcessGroup | None:
+    def make(self, members: list[int], backend: str | None, timeout_s: float | None = None
+             ) -> dist.ProcessGroup | None:
+        """The group of `members` on `backend` (None: the default) whose collectives time out after `timeout_s`
+        (None: the engine's --distributed-timeout)."""
         if len(members) == 1:
             return None  # a group of one needs no communication at all
         if members != sorted(members):
             # new_group numbers members in sorted order; group rank must equal our order
             raise ValueError(f"group members must be in increasing rank order, got {members}")
         effective = backend or self._default_backend
-        key = (tuple(members), effective)
+        limit = self._timeout_s if timeout_s is None else timeout_s
+        key = (tuple(members), effective, limit)
         if key not in self._made:
-            if len(members) == dist.get_world_size() and effective == self._default_backend:
+            default = effective == self._default_backend and limit == self._timeout_s
+            if len(members) == dist.get_world_size() and default:
                 self._made[key] = dist.group.WORLD
             else:
-                self._made[key] = dist.new_group(members, timeout=self._timeout, backend=effective)
+                self._made[key] = dist.new_group(members, timeout=_timeout(limit), backend=effective)
         return self._made[key]

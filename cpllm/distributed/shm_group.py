@@ -44,7 +44,10 @@ HEADER_BYTES = 4096
 SPIN_S = 0.002
 """Busy-wait this long (peers in step arrive within microseconds), then yield the core between checks."""
 SLEEP_S = 0.0002
-"""Sleep between checks once a wait is long (an idle worker waiting for the next step)."""
+"""Sleep between checks once a wait is long (a peer still computing)."""
+IDLE_S = 1.0
+"""After this long (an idle worker waiting for the next step), sleep IDLE_SLEEP_S between checks."""
+IDLE_SLEEP_S = 0.002
 POLL_S = 0.05
 """How often a long wait checks the clock against the timeout and that every peer process lives."""
 
@@ -134,9 +137,12 @@ class ShmGroup:
         next_poll = start + POLL_S
         while flags.min() < seq:
             now = time.monotonic()
-            if now - start > 10 * SPIN_S:
+            waited = now - start
+            if waited > IDLE_S:
+                time.sleep(IDLE_SLEEP_S)
+            elif waited > 10 * SPIN_S:
                 time.sleep(SLEEP_S)
-            elif now - start > SPIN_S:
+            elif waited > SPIN_S:
                 os.sched_yield()
             if now >= next_poll:
                 next_poll = now + POLL_S

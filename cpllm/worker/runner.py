@@ -61,8 +61,10 @@ class ModelRunner:
     def _count_blocks(self) -> int:
         """Blocks per rank, the same on every rank of the replica (block ids are shared across the CP group)."""
         per_block = bytes_per_block(self.config, self.num_kv_heads, self.kv_dtype)
-        count = torch.tensor([kv_budget_bytes(self.config, self.device) // per_block], dtype=torch.long)
-        all_reduce(count, self.groups.replica_group, op=dist.ReduceOp.MIN)
+        count = torch.tensor([kv_budget_bytes(self.config, self.device) // per_block], dtype=torch.long,
+                             device=self.device)
+        # the replica's ranks on the default backend, bounded by --distributed-timeout (the control group is not)
+        all_reduce(count, self.groups.moe_group, op=dist.ReduceOp.MIN)
         return int(count.item())
 
     @property
