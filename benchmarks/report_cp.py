@@ -16,6 +16,15 @@ SAME_THREADS = "1x1x1@2"
 """The single-rank run with PCP=2's total threads, the reference of (b)."""
 
 
+def _vs_same_threads(data: dict[str, Any]) -> dict[int, float]:
+    """Index of each result row in a decode_pcp_*.json -> its tokens/s over the SAME_THREADS run of the same batch
+    and context."""
+    single = {(r["batch_size"], r["context_tokens"]): r["tokens_per_s"] for r in data["results"]
+              if r["layout"] == SAME_THREADS}
+    return {i: r["tokens_per_s"] / single[(r["batch_size"], r["context_tokens"])]
+            for i, r in enumerate(data["results"])}
+
+
 def cp_targets_section(results: Results, images: str, rel: str) -> list[str]:
     """The issue's targets for (b), (c) and (d), computed from the same files as the sections below."""
     rows: list[dict[str, Any]] = []
@@ -31,11 +40,10 @@ def cp_targets_section(results: Results, images: str, rel: str) -> list[str]:
         data = results.get(f"decode_pcp_{kv_layout}")
         if not data:
             continue
-        single = {(r["batch_size"], r["context_tokens"]): r["tokens_per_s"] for r in data["results"]
-                  if r["layout"] == SAME_THREADS}
-        for r in data["results"]:
+        ratios = _vs_same_threads(data)
+        for i, r in enumerate(data["results"]):
             if not r["layout"].startswith("1x1x1"):
-                ratio = r["tokens_per_s"] / single[(r["batch_size"], r["context_tokens"])]
+                ratio = ratios[i]
                 which = "(b)" if kv_layout == "replicated" else "(issue 10)"
                 rows.append({"target": f"{kv_layout} PCP=2 decode / 1 rank same threads, batch {r['batch_size']} "
                                        f"{which}", "goal": ">= 1", "measured": f"{ratio:.2f}"})
@@ -79,15 +87,14 @@ def decode_layouts_section(results: Results, images: str, rel: str) -> list[str]
         data = results.get(f"decode_pcp_{name}")
         if not data:
             continue
-        single = {(r["batch_size"], r["context_tokens"]): r["tokens_per_s"] for r in data["results"]
-                  if r["layout"] == SAME_THREADS}
+        ratios = _vs_same_threads(data)
         loads.append(f"{label}: {_loads(data)}")
-        for r in data["results"]:
+        for i, r in enumerate(data["results"]):
             if r["layout"].startswith("1x1x1") and name != "sharded":
                 continue  # shown once, from the sharded run's file
             rows.append({"layout": r["layout"], "kv_layout": "-" if r["layout"].startswith("1x1x1") else label,
                          "batch": r["batch_size"], "context": r["context_tokens"], "tokens_per_s": r["tokens_per_s"],
-                         "vs_1rank": round(r["tokens_per_s"] / single[(r["batch_size"], r["context_tokens"])], 3)})
+                         "vs_1rank": round(ratios[i], 3)})
     if not rows:
         return lines + _missing("decode_layouts")
     return lines + md_table(rows) + ["", "Load average (1, 5, 15 min) at the start and end of each run, "
@@ -101,10 +108,10 @@ def _repeat_lines(results: Results) -> list[str]:
         data = results.get(f"decode_pcp_{kv_layout}_repeat")
         if not data:
             continue
-        single = {r["batch_size"]: r["tokens_per_s"] for r in data["results"] if r["layout"] == SAME_THREADS}
-        ratios = [f"batch {r['batch_size']} {r['tokens_per_s'] / single[r['batch_size']]:.2f}"
-                  for r in data["results"] if not r["layout"].startswith("1x1x1")]
-        lines.append(f"- {kv_layout}: {', '.join(ratios)} (load {_loads(data)})")
+        ratios = _vs_same_threads(data)
+        cells = [f"batch {r['batch_size']} {ratios[i]:.2f}"
+                 for i, r in enumerate(data["results"]) if not r["layout"].startswith("1x1x1")]
+        lines.append(f"- {kv_layout}: {', '.join(cells)} (load {_loads(data)})")
     if not lines:
         return []
     return ["", "The same commands run again right after (`decode_pcp_*_repeat.json`), PCP=2 over `1x1x1@2`: the "

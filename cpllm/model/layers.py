@@ -238,8 +238,8 @@ class ParallelLMHead(torch.nn.Module):
         """Rows [start, end) of this TP shard that this PCP rank computes."""
         return vocab_shard(self.end - self.start, self.pcp)
 
-    def load_pcp_split(self, source: WeightSource) -> None:
-        """An int8 head's PCP slice in the same kernel, from the same stored rows."""
+    def after_load(self, source: WeightSource) -> None:
+        """Once loaded: an int8 head's PCP slice in the same kernel, from the same stored rows."""
         if self.pcp is None or self.kernel is None:
             return
         first, last = self.pcp_rows()

@@ -118,7 +118,7 @@ class LlamaMLP(torch.nn.Module):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
         split = self.decode_split
         if split is not None and split.usable and meta is not None and meta.rows_same_over_pcp and not meta.has_new:
-            return self.decode_split(x, self.gate_up_proj, self.down_proj)
+            return split(x, self.gate_up_proj, self.down_proj)
         gate, up = self.gate_up_proj(x).split(self.shard, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -183,8 +183,7 @@ class LlamaForCausalLM(torch.nn.Module):
             if hasattr(module, "load") and module is not self and module is not self.lm_head:
                 module.load(source)
         self.lm_head.load(source)  # last: a tied head copies the loaded embedding
-        self.lm_head.load_pcp_split(source)
-        for module in list(self.modules()):  # after_load adds modules
+        for module in list(self.modules()):  # after_load adds modules (the decode splits' slices)
             if hasattr(module, "after_load"):
                 module.after_load(source)
         for line in summary_lines(self, self.config.quantization) + moe_summary_lines(self):
