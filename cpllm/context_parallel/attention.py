@@ -28,7 +28,7 @@ import torch.distributed as dist
 from cpllm.context_parallel.local_attention import accumulate as _accumulate
 from cpllm.context_parallel.local_attention import accumulator_dtype
 from cpllm.context_parallel.local_attention import attend as _attend
-from cpllm.context_parallel.local_attention import attend_pooled_single_tokens, attend_single_tokens, gather_context
+from cpllm.context_parallel.local_attention import attend_decode, attend_pooled_single_tokens
 from cpllm.context_parallel.local_attention import key_runs
 from cpllm.context_parallel.merge import merge_attention_partials, merge_two
 from cpllm.context_parallel.metadata import AttentionMetadata, RequestAttention
@@ -194,14 +194,12 @@ class PagedCPAttention(torch.nn.Module):
         decode, n = meta.decode, meta.num_rows
         if decode.max_local_context == 0:
             return  # this rank's shard is empty for every one of them: their partials stay (0, -inf)
-        k_ctx = gather_context(k_pool, decode, q_all.dtype)  # [B, Hkv, L, D], or [1, Hkv, U, D] with shared keys
-        v_ctx = gather_context(v_pool, decode, q_all.dtype)
         by_dcp_rank = {}
         for piece in range(num_pieces):
             rows = decode.rows[self.comm.piece_pcp_rank(piece)] + piece * n  # [B]
             if piece % dcp_size not in by_dcp_rank:
                 # Every PCP rank holds the same single-token queries: attend once per DCP rank, copy for the rest.
-                by_dcp_rank[piece % dcp_size] = attend_single_tokens(q_all[rows], k_ctx, v_ctx, decode, self.scale)
+                by_dcp_rank[piece % dcp_size] = attend_decode(q_all[rows], k_pool, v_pool, decode, self.scale)
             o_piece, lse_piece = by_dcp_rank[piece % dcp_size]
             o_part[rows], lse_part[rows] = o_piece.to(o_part.dtype), lse_piece  # index_put wants equal dtypes
 
@@ -245,9 +243,7 @@ class PagedCPAttention(torch.nn.Module):
         decode = meta.decode
         rows = decode.rows[self.comm.pcp_rank]  # [B]
         if decode.max_local_context > 0 and rows.numel() == meta.num_rows:  # rows 0..N-1: every row a query
-            k_ctx = gather_context(k_pool, decode, q.dtype)
-            v_ctx = gather_context(v_pool, decode, q.dtype)
-            o_part, lse_part = attend_single_tokens(q, k_ctx, v_ctx, decode, self.scale)
+            o_part, lse_part = attend_decode(q, k_pool, v_pool, decode, self.scale)
         else:
             o_part = torch.zeros(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
             lse_part = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)

@@ -7,6 +7,8 @@ from typing import NamedTuple
 import torch
 
 from cpllm.context_parallel.sdpa import attention_with_lse
+from cpllm.kernels.decode_attention import applies as kernel_applies
+from cpllm.kernels.decode_attention import paged_decode_attention
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):
@@ -70,9 +72,26 @@ def gather_context(pool: torch.Tensor, decode, dtype: torch.dtype | None = None)
     return (rows if dtype is None else rows.to(dtype)).transpose(1, 2)
 
 
+def attend_decode(q, k_pool, v_pool, decode, scale: float, every_row_sees_a_key: bool = False):
+    """Single-token queries against this rank's share of their context in the pools -> out [B, Hq, D], lse [B, Hq].
+
+    Without shared keys the C kernel reads each request's slots in place (several times faster than gathering
+    them and calling the flash kernel: docs/benchmarks.md); with shared keys, or where the kernel does not
+    apply, the context is gathered and attention_with_lse runs. A request with no local context gets (0, -inf)."""
+    if not decode.shared_keys and decode.lengths is not None:
+        result = paged_decode_attention(q, k_pool, v_pool, decode.slots, decode.lengths, scale)
+        if result is not None:
+            return result
+    k_ctx, v_ctx = gather_context(k_pool, decode, q.dtype), gather_context(v_pool, decode, q.dtype)
+    return attend_single_tokens(q, k_ctx, v_ctx, decode, scale, every_row_sees_a_key)
+
+
 def attend_pooled_single_tokens(q, k_pool, v_pool, decode, scale: float):
     """Single-token queries against their whole context in these pools: each query sees at least itself."""
     if torch.compiler.is_compiling():  # the compiled decode step (cpllm/model/decode_graph.py)
+        if _kernel_applies(q, k_pool, decode):  # the C kernel, as one opaque op of the graph
+            return pooled_decode_attention(q, k_pool, v_pool, decode.slots, decode.lengths, decode.key_mask,
+                                           decode.shared_keys, scale), None
         if decode.slots.shape[0] == 1 and decode.key_mask is None:  # one request: inductor fuses this into one
             # pass over the context in the pool's dtype: a view of the pool, or rows gathered by an opaque op (fused
             # into the loops, the gather would become indirect loads, measured several times slower)
@@ -83,10 +102,13 @@ def attend_pooled_single_tokens(q, k_pool, v_pool, decode, scale: float):
             return reduction_attention(q.unsqueeze(2), k_ctx, v_ctx, scale, None)[:, :, 0], None
         # Several requests: the fused kernel, as one opaque op of the graph (written as sums, a batch of queries
         # computes poorly, and shared keys would be read once per query: measured several times slower).
-        return pooled_decode_attention(q, k_pool, v_pool, decode.slots, decode.key_mask, decode.shared_keys,
-                                       scale), None
-    k_ctx, v_ctx = gather_context(k_pool, decode, q.dtype), gather_context(v_pool, decode, q.dtype)
-    return attend_single_tokens(q, k_ctx, v_ctx, decode, scale, every_row_sees_a_key=True)
+        return pooled_decode_attention(q, k_pool, v_pool, decode.slots, decode.lengths, decode.key_mask,
+                                       decode.shared_keys, scale), None
+    return attend_decode(q, k_pool, v_pool, decode, scale, every_row_sees_a_key=True)
+
+
+def _kernel_applies(q, k_pool, decode) -> bool:
+    return not decode.shared_keys and decode.lengths is not None and kernel_applies(q, k_pool)
 
 
 @torch.library.custom_op("cpllm::gather_slots", mutates_args=())
@@ -101,27 +123,28 @@ def _(pool, slots):
 
 
 class _Keys(NamedTuple):
-    """The two fields of DecodeBatch that attend_single_tokens reads."""
+    """The fields of DecodeBatch that attend_decode reads."""
 
+    slots: torch.Tensor
     key_mask: torch.Tensor | None
     shared_keys: bool
+    lengths: torch.Tensor | None
+    window: tuple[int, int] | None = None
 
 
 @torch.library.custom_op("cpllm::pooled_decode_attention", mutates_args=())
 def pooled_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
-                            key_mask: torch.Tensor | None, shared_keys: bool, scale: float) -> torch.Tensor:
-    """attend_pooled_single_tokens' eager path over gathered slots, as one op a compiled graph calls as is."""
+                            lengths: torch.Tensor | None, key_mask: torch.Tensor | None, shared_keys: bool,
+                            scale: float) -> torch.Tensor:
+    """attend_pooled_single_tokens' eager path, as one op a compiled graph calls as is."""
     # q [B, Hq, D], slots [B, L] (or [1, U] with shared keys) -> out [B, Hq, D]
-    def gathered(pool):
-        return _gathered_rows(pool, slots).to(q.dtype).transpose(1, 2)
-
-    out, _ = attend_single_tokens(q, gathered(k_pool), gathered(v_pool), _Keys(key_mask, shared_keys), scale,
-                                  every_row_sees_a_key=True)
+    out, _ = attend_decode(q, k_pool, v_pool, _Keys(slots, key_mask, shared_keys, lengths), scale,
+                           every_row_sees_a_key=True)
     return out.contiguous()
 
 
 @pooled_decode_attention.register_fake
-def _(q, k_pool, v_pool, slots, key_mask, shared_keys, scale):
+def _(q, k_pool, v_pool, slots, lengths, key_mask, shared_keys, scale):
     return torch.empty_like(q)
 
 

@@ -74,6 +74,9 @@ class DecodeBatch:
     window: tuple[int, int] | None = None
     """(first slot, count) when slots is [1, count] and those slots are consecutive in the pool: attention then
     reads a view of the pools instead of a gathered copy (one request, or shared keys, in adjacent blocks)."""
+    lengths: torch.Tensor | None = None
+    """[B] long: how many of each request's slots are its context (slots[b, :lengths[b]]); the decode attention
+    kernel reads them in place (cpllm/kernels/decode_attention.py). None with shared keys."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -342,7 +345,8 @@ def _decode_batch(requests: list[RequestAttention]) -> DecodeBatch | None:
         valid = torch.arange(width) < torch.tensor(lengths).unsqueeze(1)  # [B, width]
         key_mask = torch.zeros(len(members), 1, 1, width).masked_fill(~valid[:, None, None, :], float("-inf"))
     return DecodeBatch(requests=tuple(members), slots=slots, key_mask=key_mask, rows=_rows(requests, members),
-                       max_local_context=max(lengths), window=_window(slots) if lengths[0] else None)
+                       max_local_context=max(lengths), window=_window(slots) if lengths[0] else None,
+                       lengths=torch.tensor(lengths, dtype=torch.long))
 
 
 def _window(slots: torch.Tensor) -> tuple[int, int] | None:

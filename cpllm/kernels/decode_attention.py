@@ -1,0 +1,80 @@
+"""Decode attention read in place from the paged K/V pool (cpllm/kernels/decode_attention.c).
+
+Each request's single query token attends to its own slots of the pool: no gathered copy of the context, every
+KV head's row read once for all the query heads that share it (grouped-query attention), float32 accumulation,
+float16 and bfloat16 pools widened as they are read. Where the kernel cannot run (kernels off, no compiler,
+another device or dtype) `paged_decode_attention` returns None and the caller runs its torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from cpllm.kernels.build import load
+
+_POOL_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+"""Pool dtypes the kernel reads, with the code it takes."""
+
+_MIN_CHUNK, _MAX_CHUNK = 128, 2048
+"""Bounds of the context positions one unit of work reads (a unit keeps its scores in a per-thread buffer)."""
+
+
+def _library() -> ctypes.CDLL | None:
+    lib = load("decode_attention")
+    if lib is not None and not hasattr(lib, "_cpllm_typed"):
+        p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+        lib.cpllm_paged_decode_attention.argtypes = [p, p, p, i, p, i64, p, i, i, i, i, f, i, i, p, p]
+        lib.cpllm_paged_decode_attention.restype = i
+        lib._cpllm_typed = True
+    return lib
+
+
+@torch.compiler.assume_constant_result
+def built() -> bool:
+    """The kernel was built for this machine (builds it on the first call); a constant to a compiled graph."""
+    return _library() is not None
+
+
+def applies(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
+    """The kernel can run on these inputs (and was built)."""
+    return (q.device.type == "cpu" and k_pool.device.type == "cpu" and k_pool.dtype in _POOL_DTYPES
+            and q.dtype in (torch.float32, torch.bfloat16, torch.float16) and built())
+
+
+def _chunk(batch: int, width: int, threads: int) -> int:
+    """Positions per unit: about four units per thread over the batch when threads > 1, else whole requests."""
+    units = 4 * threads if threads > 1 else batch
+    per_unit = -(-batch * width // max(units, 1))
+    return max(_MIN_CHUNK, min(_MAX_CHUNK, per_unit))
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+                           lengths: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """out [B, Hq, D] in q's dtype and lse [B, Hq] float32, or None where the kernel does not apply.
+
+    q [B, Hq, D]; k_pool, v_pool [num_slots, Hkv, D]; slots [B, W] long, request b's context in slots[b, :lengths[b]];
+    lengths [B] long. A request with no context gets out 0 and lse -inf.
+    """
+    if not applies(q, k_pool):
+        return None
+    batch, hq, d = q.shape
+    hkv = k_pool.shape[1]
+    if v_pool.dtype != k_pool.dtype or v_pool.shape != k_pool.shape or hq % hkv or k_pool.shape[2] != d:
+        raise ValueError(f"decode attention: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)} {k_pool.dtype}, "
+                         f"v_pool {tuple(v_pool.shape)} {v_pool.dtype} do not fit together")
+    q32 = q.float().contiguous()
+    slots = slots.to(torch.int64).contiguous()
+    lengths = lengths.to(torch.int64).contiguous()
+    k_pool, v_pool = k_pool.contiguous(), v_pool.contiguous()  # the engine's pools already are: no copy
+    out = torch.empty(batch, hq, d, dtype=torch.float32)
+    lse = torch.empty(batch, hq, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    status = _library().cpllm_paged_decode_attention(
+        q32.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), _POOL_DTYPES[k_pool.dtype], slots.data_ptr(),
+        slots.stride(0), lengths.data_ptr(), batch, hq, hkv, d, scale, _chunk(batch, slots.shape[1], threads),
+        threads, out.data_ptr(), lse.data_ptr())
+    if status != 0:
+        raise MemoryError(f"decode attention kernel could not allocate its buffers (batch {batch}, heads {hq})")
+    return out.to(q.dtype), lse
