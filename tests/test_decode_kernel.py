@@ -1,0 +1,96 @@
+"""The decode attention kernel (cpllm/kernels/decode_attention.c) against float64 attention, and its fallbacks.
+
+Layout and engine tests run with the kernel wherever it builds (it is on by default); these check the kernel
+alone: pool dtypes, head dims (the AVX-512 path for 64 and 128, the plain C path otherwise), grouped queries,
+requests longer than one unit of work, an empty context, one and two threads; that the engine's entry point
+gives the same numbers with the kernel on and off; and that a failed build falls back with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from cpllm.context_parallel.local_attention import attend_decode
+from cpllm.context_parallel.metadata import DecodeBatch
+from cpllm.context_parallel.sdpa import reference_attention
+from cpllm.kernels import build
+from cpllm.kernels.decode_attention import paged_decode_attention
+
+pytestmark = pytest.mark.skipif(build.load("decode_attention") is None, reason="no C compiler on this machine")
+
+
+def _case(pool_dtype, head_dim: int, hq: int, hkv: int, lengths: list[int], num_slots: int = 6000, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    k_pool = torch.randn(num_slots, hkv, head_dim, generator=gen).to(pool_dtype)
+    v_pool = torch.randn(num_slots, hkv, head_dim, generator=gen).to(pool_dtype)
+    width = max(max(lengths), 1)
+    slots = torch.zeros(len(lengths), width, dtype=torch.long)
+    for b, length in enumerate(lengths):
+        slots[b, :length] = torch.randperm(num_slots, generator=gen)[:length]
+    q = torch.randn(len(lengths), hq, head_dim, generator=gen)
+    return q, k_pool, v_pool, slots, torch.tensor(lengths)
+
+
+def _reference(q, k_pool, v_pool, slots, lengths, scale):
+    outs, lses = [], []
+    for b, length in enumerate(lengths.tolist()):
+        k = k_pool[slots[b, :length]].double().transpose(0, 1)[None]  # [1, Hkv, L, D]
+        v = v_pool[slots[b, :length]].double().transpose(0, 1)[None]
+        out, lse = reference_attention(q[b].double()[None, :, None], k, v, scale=scale)
+        outs.append(out[0, :, 0])
+        lses.append(lse[0, :, 0])
+    return torch.stack(outs), torch.stack(lses)
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,hq,hkv", [(64, 9, 3), (128, 4, 4), (32, 8, 2)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_matches_float64_attention(pool_dtype, head_dim, hq, hkv, threads):
+    q, k_pool, v_pool, slots, lengths = _case(pool_dtype, head_dim, hq, hkv, [700, 0, 5000, 1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse = paged_decode_attention(q, k_pool, v_pool, slots, lengths, scale=head_dim**-0.5)
+    finally:
+        torch.set_num_threads(before)
+    ref_out, ref_lse = _reference(q, k_pool, v_pool, slots, lengths, head_dim**-0.5)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    assert (out.double() - ref_out).abs().max().item() < 1e-5
+    live = lengths > 0
+    assert (lse[live].double() - ref_lse[live]).abs().max().item() < 1e-5
+    assert torch.isneginf(lse[~live]).all() and (out[~live] == 0).all()  # an empty context: (0, -inf)
+
+
+def test_kernel_keeps_the_query_dtype():
+    q, k_pool, v_pool, slots, lengths = _case(torch.bfloat16, 64, 4, 2, [300, 40])
+    out, _ = paged_decode_attention(q.bfloat16(), k_pool, v_pool, slots, lengths, scale=0.125)
+    assert out.dtype == torch.bfloat16
+
+
+def test_engine_entry_gives_the_same_numbers_with_the_kernel_off(monkeypatch):
+    q, k_pool, v_pool, slots, lengths = _case(torch.float32, 64, 6, 2, [37, 300, 5])
+    valid = torch.arange(slots.shape[1]) < lengths.unsqueeze(1)
+    key_mask = torch.zeros(3, 1, 1, slots.shape[1]).masked_fill(~valid[:, None, None, :], float("-inf"))
+    decode = DecodeBatch(requests=(0, 1, 2), slots=slots, key_mask=key_mask, rows=torch.zeros(1, 3, dtype=torch.long),
+                         max_local_context=300, lengths=lengths)
+    with_kernel = attend_decode(q, k_pool, v_pool, decode, 0.125)
+    monkeypatch.setenv("CPLLM_KERNELS", "0")
+    assert paged_decode_attention(q, k_pool, v_pool, slots, lengths, 0.125) is None
+    without = attend_decode(q, k_pool, v_pool, decode, 0.125)
+    assert (with_kernel[0] - without[0]).abs().max().item() < 1e-5
+    assert (with_kernel[1] - without[1]).abs().max().item() < 1e-5
+
+
+def test_a_failed_build_falls_back_with_one_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("CPLLM_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(build, "_loaded", {})
+    q, k_pool, v_pool, slots, lengths = _case(torch.float32, 64, 2, 1, [10])
+    with caplog.at_level(logging.WARNING, logger="cpllm.kernels.build"):
+        assert paged_decode_attention(q, k_pool, v_pool, slots, lengths, 0.125) is None
+        assert paged_decode_attention(q, k_pool, v_pool, slots, lengths, 0.125) is None
+    warnings = [r for r in caplog.records if "decode_attention not built" in r.getMessage()]
+    assert len(warnings) == 1 and "no-such-compiler" in warnings[0].getMessage()
