@@ -55,7 +55,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     """out [B, Hq, D] in q's dtype and lse [B, Hq] float32, or None where the kernel does not apply.
 
     q [B, Hq, D]; k_pool, v_pool [num_slots, Hkv, D]; slots [B, W] long, request b's context in slots[b, :lengths[b]];
-    lengths [B] long. A request with no context gets out 0 and lse -inf.
+    lengths [B] long. A request with no context gets out 0 and lse -inf. Called once per layer and step, so it
+    does no more than it must around the C call (about 10 us).
     """
     if not applies(q, k_pool):
         return None
@@ -64,17 +65,19 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if v_pool.dtype != k_pool.dtype or v_pool.shape != k_pool.shape or hq % hkv or k_pool.shape[2] != d:
         raise ValueError(f"decode attention: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)} {k_pool.dtype}, "
                          f"v_pool {tuple(v_pool.shape)} {v_pool.dtype} do not fit together")
-    q32 = q.float().contiguous()
-    slots = slots.to(torch.int64).contiguous()
-    lengths = lengths.to(torch.int64).contiguous()
-    k_pool, v_pool = k_pool.contiguous(), v_pool.contiguous()  # the engine's pools already are: no copy
+    if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+        raise ValueError("decode attention reads the K/V pools in place: they must be contiguous")
+    q32 = q if q.dtype == torch.float32 and q.is_contiguous() else q.float().contiguous()
+    if slots.dtype != torch.int64 or not slots.is_contiguous() or lengths.dtype != torch.int64 \
+            or not lengths.is_contiguous():
+        slots, lengths = slots.to(torch.int64).contiguous(), lengths.to(torch.int64).contiguous()
     out = torch.empty(batch, hq, d, dtype=torch.float32)
     lse = torch.empty(batch, hq, dtype=torch.float32)
     threads = torch.get_num_threads()
     status = _library().cpllm_paged_decode_attention(
         q32.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), _POOL_DTYPES[k_pool.dtype], slots.data_ptr(),
-        slots.stride(0), lengths.data_ptr(), batch, hq, hkv, d, scale, _chunk(batch, slots.shape[1], threads),
+        slots.shape[1], lengths.data_ptr(), batch, hq, hkv, d, scale, _chunk(batch, slots.shape[1], threads),
         threads, out.data_ptr(), lse.data_ptr())
     if status != 0:
         raise MemoryError(f"decode attention kernel could not allocate its buffers (batch {batch}, heads {hq})")
-    return out.to(q.dtype), lse
+    return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse
