@@ -54,7 +54,9 @@ def load_runners(model: str, max_tokens: int, max_batch: int, decode_tokens: int
     return runners, notes
 
 
-def run_prefill(runners, config, lengths: list[int], threads: list[int]) -> list[dict]:
+def run_prefill(runners, config, lengths: list[int], threads: list[int], repeats: int) -> list[dict]:
+    """Each (threads, length) cell is measured `repeats` times, every system once per round in turn; the row
+    keeps the fastest round (`ttft_s`) and the median (`ttft_median_s`)."""
     rows = []
     runners = [r for r in runners if not getattr(r, "decode_only", False)]
     for t in threads:
@@ -63,15 +65,19 @@ def run_prefill(runners, config, lengths: list[int], threads: list[int]) -> list
             runner.prefill_s(random_prompt(64, config.vocab_size, seed=-1))  # warm-up
         for length in lengths:
             prompt = random_prompt(length, config.vocab_size, seed=length)  # the same prompt for everyone
+            times: dict[str, list[float]] = {runner.name: [] for runner in runners}
+            for round_index in range(repeats):
+                for runner in runners:
+                    runner.set_threads(t)
+                    times[runner.name].append(runner.prefill_s(prompt))
+                    _log(f"prefill {runner.name} {t}t {length} round {round_index}: {times[runner.name][-1]:.2f} s")
+            # every system computes the LM head on the last position only (transformers as its generate does)
+            flops = prefill_flops(config, length, logits_rows=1).total
             for runner in runners:
-                runner.set_threads(t)
-                seconds = runner.prefill_s(prompt)
-                # every system computes the LM head on the last position only (transformers as its generate does)
-                flops = prefill_flops(config, length, logits_rows=1).total
+                best, median = min(times[runner.name]), sorted(times[runner.name])[len(times[runner.name]) // 2]
                 rows.append({"system": runner.name, "layout": f"{t} thread{'s' * (t > 1)}", "threads": t,
-                             "prompt_tokens": length, "ttft_s": round(seconds, 4),
-                             "tokens_per_s": round(length / seconds, 1), "gflops": round(flops / seconds / 1e9, 1)})
-                _log(f"prefill {runner.name} {t}t {length}: {seconds:.2f} s")
+                             "prompt_tokens": length, "ttft_s": round(best, 4), "ttft_median_s": round(median, 4),
+                             "tokens_per_s": round(length / best, 1), "gflops": round(flops / best / 1e9, 1)})
     return rows
 
 
@@ -104,6 +110,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
     parser.add_argument("--lengths", default="1024,2048,4096,8000")
     parser.add_argument("--threads", default="1,2", help="total CPU threads per system, comma-separated")
+    parser.add_argument("--prefill-repeats", type=int, default=3,
+                        help="rounds per prefill cell (every system once per round); rows keep the fastest")
     parser.add_argument("--decode-contexts", default="128,2048")
     parser.add_argument("--decode-batches", default="1,16")
     parser.add_argument("--decode-threads", default="2", help="total CPU threads for decode, comma-separated")
@@ -129,7 +137,7 @@ def main() -> None:
     runners, notes = load_runners(model, max_tokens, max(batches), decode_tokens,
                                   {s for s in args.skip.split(",") if s}, compiled=not args.no_compiled)
     try:
-        prefill = run_prefill(runners, config, lengths, threads)
+        prefill = run_prefill(runners, config, lengths, threads, args.prefill_repeats)
         decode = run_decode(runners, config, contexts, batches, decode_threads, args.decode_steps)
     finally:
         for runner in runners:
