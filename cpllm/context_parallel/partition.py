@@ -44,8 +44,10 @@ def rank_token_ranges(num_tokens: int, pcp_size: int, pcp_rank: int) -> list[tup
     """The non-empty ranges `[start, end)` of new-token indices that `pcp_rank` computes.
 
     Chunks `pcp_rank` and `2 * pcp_size - 1 - pcp_rank`, in that (ascending)
-    order, with empty ones dropped. A decode-like request (`num_tokens == 1`) is
-    not split: every rank computes it and gets `[(0, 1)]`.
+    order, with empty ones dropped, and joined into one range where they touch
+    (one PCP rank: the whole prompt is one run, so attention runs as one causal
+    call instead of two pieces and a merge). A decode-like request
+    (`num_tokens == 1`) is not split: every rank computes it and gets `[(0, 1)]`.
     """
     _check(num_tokens, pcp_size)
     _check_rank(pcp_size, pcp_rank)
@@ -54,6 +56,8 @@ def rank_token_ranges(num_tokens: int, pcp_size: int, pcp_rank: int) -> list[tup
     chunks = head_tail_chunks(num_tokens, pcp_size)
     head = chunks[pcp_rank]
     tail = chunks[2 * pcp_size - 1 - pcp_rank]
+    if head[1] == tail[0]:
+        return [(head[0], tail[1])] if tail[1] > head[0] else []
     return [r for r in (head, tail) if r[1] > r[0]]
 
 
