@@ -26,7 +26,7 @@ for step in "${steps[@]}"; do
     tp) bench prefill --lengths 1024 --layouts 1x1x1@1,1x1x1@2,3x1x1@1 --json "$R/tp_prefill.json"
         bench decode --layouts 1x1x1@1,1x1x1@2,3x1x1@1 --batch-sizes 1,16 --context-lengths 128 --shared-prefix \
           --steps 16 --json "$R/tp_decode.json" ;;
-    compare) python benchmarks/compare.py --lengths 1024,2048,4096,8000 --threads 1,2 \
+    compare) python benchmarks/compare.py --lengths 2048 --threads 1,2 --prefill-repeats 3 \
                --decode-contexts 128,2048 --decode-batches 1,16 --decode-threads 1,2 --out "$R/compare.json" ;;
     # issue 10: approximate formats against fp32, and the decode step against the commit before the decode work
     quality) python benchmarks/quality.py --threads 2 --out "$R/quality.json" ;;
