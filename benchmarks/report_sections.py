@@ -262,8 +262,10 @@ def bounds_section(results: Results, images: str, rel: str) -> list[str]:
         "- **Batch-1 decode** streams every fp32 weight once per token. In a torch.profiler trace the weight "
         "matmuls take about three quarters of a step and run close to the matrix-vector ceiling above; the rest is "
         "per-layer dispatch (30 layers of small ops). Storing linear weights as `[in, out]` (so decode is `x @ W`) "
-        "raised the streaming rate by about a quarter. What remains is the weight format: llama.cpp reads Q4_1, "
-        "about a sixth of the bytes. Quantized-weight matmuls are the next step and are not built yet.",
+        "raised the streaming rate by about a quarter. The fp32 rows read six times the bytes of the Q4_1 blocks "
+        "llama.cpp reads; `--quantization auto` runs those blocks as stored (issue 10's section below). At long "
+        "context each step also reads the request's K/V: the decode attention kernel reads them in place from "
+        "the paged pool (section 'Decode attention' below) instead of gathering a copy first.",
         "- **16-request decode** is bound by small-M fp32 GEMMs (16 rows reuse each weight only 16 times) and, at "
         "long context, by reading every request's fp32 KV each step. Decode queries of a step share one attention "
         "call per layer; when they share a prefix through the prefix cache, the shared keys are read once (queries "

@@ -119,4 +119,21 @@ def quality_section(results: Results, images: str, rel: str) -> list[str]:
     return lines + md_table(data["rows"])
 
 
-SINGLE_RANK_SECTIONS = [single_rank_targets_section, decode_profile_section, quality_section]
+def decode_attention_section(results: Results, images: str, rel: str) -> list[str]:
+    lines = ["## Decode attention: the in-place kernel against gather + flash", ""]
+    data = results.get("decode_attention")
+    if not data:
+        return lines + _missing("") + ["(`python benchmarks/decode_attention.py`)"]
+    lines += ["`benchmarks/decode_attention.py`: one decode token's attention over its context for all 30 layers "
+              "of SmolLM2's shapes (9 query heads, 3 KV heads of 64), the context in 16-slot blocks scattered over "
+              "the pool, one pool pair per layer (read from memory, not cache). `kernel_ms`: the C kernel reading "
+              "the slots in place (cpllm/kernels/decode_attention.c); `gather_flash_ms`: the path it replaced and "
+              "the fallback without a compiler (index_select of the slots, widened to float32, PyTorch's CPU flash "
+              "kernel). Both through the engine's `attend_decode`, alternating in rounds, median round; "
+              "`kernel_gb_per_s` is the K/V bytes over the kernel's time. Load average at the start: "
+              f"{data['machine'].get('load_average_start')}.", ""]
+    return lines + md_table(data["results"])
+
+
+SINGLE_RANK_SECTIONS = [single_rank_targets_section, decode_profile_section, decode_attention_section,
+                        quality_section]

@@ -167,13 +167,26 @@ static inline void softmax_avx512(float *restrict scores, int count, int hq, flo
     }
 }
 
+/* Ask for pool row `ahead` positions on: the slots are indirect (blocks scattered over the pool), so the hardware
+ * prefetcher cannot see where the next block starts. */
+#define PREFETCH_AHEAD 24
+static inline __attribute__((always_inline)) void prefetch_row(const void *pool, const int64_t *slots, int t,
+                                                              int count, int row_bytes) {
+    if (t + PREFETCH_AHEAD < count) {
+        const char *p = (const char *)pool + slots[t + PREFETCH_AHEAD] * row_bytes;
+        for (int b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    }
+}
+
 static inline __attribute__((always_inline)) void unit_avx512(
         const float *restrict q, const void *k_pool, const void *v_pool, const int dtype, const int64_t *slots,
         int count, int hq, int hkv, const int d, float scale, float *restrict scores, float *restrict stats,
         float *restrict out, float *restrict lse) {
     const int group = hq / hkv, vecs = d / 16, row_len = hkv * d;
+    const int row_bytes = row_len * (dtype == KV_F32 ? 4 : 2);
     for (int t = 0; t < count; t++) {
         const int64_t row = slots[t] * row_len;
+        prefetch_row(k_pool, slots, t, count, row_bytes);
         for (int h = 0; h < hkv; h++) {
             __m512 k[MAX_VECS];
             for (int c = 0; c < vecs; c++) k[c] = load16(k_pool, dtype, row + h * d + c * 16);
@@ -189,6 +202,7 @@ static inline __attribute__((always_inline)) void unit_avx512(
     for (int j = 0; j < hq * vecs; j++) _mm512_storeu_ps(out + j * 16, _mm512_setzero_ps());
     for (int t = 0; t < count; t++) {
         const int64_t row = slots[t] * row_len;
+        prefetch_row(v_pool, slots, t, count, row_bytes);
         for (int h = 0; h < hkv; h++) {
             __m512 v[MAX_VECS];
             for (int c = 0; c < vecs; c++) v[c] = load16(v_pool, dtype, row + h * d + c * 16);
