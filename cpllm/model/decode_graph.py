@@ -2,9 +2,10 @@
 
 A batch-1 decode step of a small model is mostly overhead in eager PyTorch: ~6,000 operator calls per step, each
 with its Python and dispatcher cost, around a few milliseconds of weight streaming. Compiled, the norms, rotary,
-residual adds and the K/V store of each layer become a few generated C++ loops; one request's attention joins them
-and reads K/V once in whatever dtype the pool holds, while several requests call the fused SDPA kernel as an opaque
-op (cpllm/context_parallel/local_attention.py, `attend_pooled_single_tokens`).
+residual adds and the K/V store of each layer become a few generated C++ loops; attention is one opaque op, the C
+decode attention kernel reading each request's K/V in place from the pool (cpllm/kernels/decode_attention.c), or,
+where that kernel was not built, inductor's own loop over one request's context and the fused SDPA kernel for
+several (cpllm/context_parallel/local_attention.py, `attend_pooled_single_tokens`).
 
 Only steps whose tokens are all single decode tokens on a rank holding the whole context take this path (the fast
 path of PagedCPAttention); prompt steps run eager. Shapes are dynamic (batch and context length are symbols), so
