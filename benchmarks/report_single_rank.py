@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from report_cp import _vs_same_threads
 from report_sections import Results, _missing, _model_config, md_table
 
 
@@ -68,8 +69,23 @@ def single_rank_targets_section(results: Results, images: str, rel: str) -> list
         rows += _ratio_rows(f"{system}: 16-request aggregate decode / transformers batch-1 decode", ">= 4",
                             _decode_pairs(decode, system, "transformers", 16, 1))
     rows.append({"target": "decode under PCP=2 and DCP=2 (1 thread per rank) / one rank with 2 threads",
-                 "goal": ">= 1.0", "measured": "not measured in this run"})
+                 "goal": ">= 1.0", "measured": _pcp_decode_cell(results)})
     return lines + md_table(rows)
+
+
+def _pcp_decode_cell(results: Results) -> str:
+    """PCP=2 (sharded) over one rank with the same threads, from decode_pcp_sharded.json (issue 12's section)."""
+    data = results.get("decode_pcp_sharded")
+    if not data:
+        return "not measured in this run"
+    try:
+        ratios = _vs_same_threads(data)
+    except KeyError:  # no one-rank reference run in the file
+        return "not measured in this run"
+    cells = [f"PCP=2 batch {r['batch_size']}/ctx {r['context_tokens']}: {ratios[i]:.2f}"
+             for i, r in enumerate(data["results"]) if r["layout"] == "1x2x1@1"]
+    return ", ".join(cells) + " (decode_pcp_sharded.json); DCP=2 cannot run on SmolLM2 (DCP must divide TP / 3 " \
+        "KV heads and TP its 9 query heads, so TP / 3 is 1 or 3)"
 
 
 def decode_profile_section(results: Results, images: str, rel: str) -> list[str]:
