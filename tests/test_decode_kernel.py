@@ -70,6 +70,13 @@ def test_kernel_keeps_the_query_dtype():
     assert out.dtype == torch.bfloat16
 
 
+def test_an_empty_batch_gives_empty_results():
+    _, k_pool, v_pool, _, _ = _case(torch.float32, 64, 4, 2, [3])
+    out, lse = paged_decode_attention(torch.empty(0, 4, 64), k_pool, v_pool, torch.zeros(0, 1, dtype=torch.long),
+                                      torch.zeros(0, dtype=torch.long), scale=0.125)
+    assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
+
+
 def test_engine_entry_gives_the_same_numbers_with_the_kernel_off(monkeypatch):
     q, k_pool, v_pool, slots, lengths = _case(torch.float32, 64, 6, 2, [37, 300, 5])
     valid = torch.arange(slots.shape[1]) < lengths.unsqueeze(1)

@@ -73,6 +73,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         slots, lengths = slots.to(torch.int64).contiguous(), lengths.to(torch.int64).contiguous()
     out = torch.empty(batch, hq, d, dtype=torch.float32)
     lse = torch.empty(batch, hq, dtype=torch.float32)
+    if batch == 0:
+        return out.to(q.dtype), lse
     threads = torch.get_num_threads()
     status = _library().cpllm_paged_decode_attention(
         q32.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), _POOL_DTYPES[k_pool.dtype], slots.data_ptr(),
