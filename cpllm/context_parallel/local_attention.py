@@ -78,10 +78,8 @@ def attend_decode(q, k_pool, v_pool, decode, scale: float, every_row_sees_a_key:
     Without shared keys the C kernel reads each request's slots in place (several times faster than gathering
     them and calling the flash kernel: docs/benchmarks.md); with shared keys, or where the kernel does not
     apply, the context is gathered and attention_with_lse runs. A request with no local context gets (0, -inf)."""
-    if not decode.shared_keys and decode.lengths is not None:
-        result = paged_decode_attention(q, k_pool, v_pool, decode.slots, decode.lengths, scale)
-        if result is not None:
-            return result
+    if _kernel_applies(q, k_pool, decode):
+        return paged_decode_attention(q, k_pool, v_pool, decode.slots, decode.lengths, scale)
     k_ctx, v_ctx = gather_context(k_pool, decode, q.dtype), gather_context(v_pool, decode, q.dtype)
     return attend_single_tokens(q, k_ctx, v_ctx, decode, scale, every_row_sees_a_key)
 
@@ -108,6 +106,7 @@ def attend_pooled_single_tokens(q, k_pool, v_pool, decode, scale: float):
 
 
 def _kernel_applies(q, k_pool, decode) -> bool:
+    """The C kernel takes this batch: its own slots per request (not shared keys), on a device and dtype it reads."""
     return not decode.shared_keys and decode.lengths is not None and kernel_applies(q, k_pool)
 
 

@@ -127,6 +127,17 @@ static inline __attribute__((always_inline)) __m512 load16(const void *base, int
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* One KV head's row of `vecs` 16-float registers, widened from the pool's dtype. */
+static inline __attribute__((always_inline)) void load_head(const void *pool, int dtype, int64_t at, int vecs,
+                                                           __m512 *dst) {
+    for (int c = 0; c < vecs; c++) dst[c] = load16(pool, dtype, at + c * 16);
+}
+
+/* The lanes of a 16-position step that still hold positions (`left` of them). */
+static inline __mmask16 tail_mask(int left) {
+    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+}
+
 /* exp_nonpositive on 16 lanes. */
 static inline __m512 exp16_nonpositive(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
@@ -151,13 +162,13 @@ static inline void softmax_avx512(float *restrict scores, int count, int hq, flo
         float *s = scores + j * count;
         __m512 m = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
         for (int t = 0; t < count; t += 16) {
-            const __mmask16 live = count - t >= 16 ? 0xFFFF : (__mmask16)((1u << (count - t)) - 1);
+            const __mmask16 live = tail_mask(count - t);
             m = _mm512_mask_max_ps(m, live, m, _mm512_maskz_loadu_ps(live, s + t));
         }
         const float peak = _mm512_reduce_max_ps(m);
         const __m512 shift = _mm512_set1_ps(peak);
         for (int t = 0; t < count; t += 16) {
-            const __mmask16 live = count - t >= 16 ? 0xFFFF : (__mmask16)((1u << (count - t)) - 1);
+            const __mmask16 live = tail_mask(count - t);
             const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + t), shift));
             _mm512_mask_storeu_ps(s + t, live, e);
             total = _mm512_mask_add_ps(total, live, total, e);
@@ -189,7 +200,7 @@ static inline __attribute__((always_inline)) void unit_avx512(
         prefetch_row(k_pool, slots, t, count, row_bytes);
         for (int h = 0; h < hkv; h++) {
             __m512 k[MAX_VECS];
-            for (int c = 0; c < vecs; c++) k[c] = load16(k_pool, dtype, row + h * d + c * 16);
+            load_head(k_pool, dtype, row + h * d, vecs, k);
             for (int g = 0; g < group; g++) {
                 const int j = h * group + g;
                 __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + j * d), k[0]);
@@ -205,7 +216,7 @@ static inline __attribute__((always_inline)) void unit_avx512(
         prefetch_row(v_pool, slots, t, count, row_bytes);
         for (int h = 0; h < hkv; h++) {
             __m512 v[MAX_VECS];
-            for (int c = 0; c < vecs; c++) v[c] = load16(v_pool, dtype, row + h * d + c * 16);
+            load_head(v_pool, dtype, row + h * d, vecs, v);
             for (int g = 0; g < group; g++) {
                 const int j = h * group + g;
                 const __m512 p = _mm512_set1_ps(scores[j * count + t]);
