@@ -151,5 +151,20 @@ def decode_attention_section(results: Results, images: str, rel: str) -> list[st
     return lines + md_table(data["results"])
 
 
+def int4_kernel_section(results: Results, images: str, rel: str) -> list[str]:
+    lines = ["## The int4 matmul: cpllm's VNNI kernel against aten's", ""]
+    data = results.get("int4_kernel")
+    if not data:
+        return lines + _missing("") + ["(`python benchmarks/int4_kernel.py`)"]
+    lines += ["`benchmarks/int4_kernel.py`: SmolLM2's four linear layers (q|k|v, o, gate|up, down) for 30 layers, each "
+              "with its own random 4-bit groups (streamed from memory), through `Int4Linear` built for each backend: "
+              "`vnni` (cpllm/kernels/int4_matmul.c: activations held as two int8 codes per group of 32, integer dot "
+              "products with `vpdpbusd`) and `aten` (`_weight_int4pack_mm_for_cpu`, bfloat16 activations). `rows`: 1 "
+              "is a batch-1 decode step, 16 a 16-request step, 512 a prefill chunk. `error`: the first layer's output "
+              "against float64 on the same dequantized weights (relative norm). Alternating rounds, median round. "
+              f"Load average at the start: {data['machine'].get('load_average_start')}.", ""]
+    return lines + md_table(data["results"])
+
+
 SINGLE_RANK_SECTIONS = [single_rank_targets_section, decode_profile_section, decode_attention_section,
-                        quality_section]
+                        int4_kernel_section, quality_section]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate every result under benchmarks/results/ and docs/benchmarks.md (with its plots).
 #   benchmarks/run_all.sh            # everything (about an hour on 2 cores)
-#   benchmarks/run_all.sh prefill    # one step: ceiling prefill comm memory decode tp compare quality attention profile serve chunk
+#   benchmarks/run_all.sh prefill    # one step: ceiling prefill comm memory decode tp compare quality attention int4 profile serve chunk
 #                                    #   decode_layouts transport plan breakdown moe report
 # Threads are always explicit: more busy threads than cores make torch's OpenMP spin-waits ruinous.
 set -euo pipefail
@@ -10,7 +10,7 @@ R=benchmarks/results
 IMG=docs/img
 mkdir -p "$R" "$IMG"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(ceiling prefill comm memory decode tp compare quality attention profile serve chunk decode_layouts transport plan breakdown moe
+[ ${#steps[@]} -eq 0 ] && steps=(ceiling prefill comm memory decode tp compare quality attention int4 profile serve chunk decode_layouts transport plan breakdown moe
                                  report)
 bench() { python -m cpllm --log-level WARNING bench "$@"; }
 
@@ -32,6 +32,7 @@ for step in "${steps[@]}"; do
     # issue 10: approximate formats against fp32, and the decode step against the commit before the decode work
     quality) python benchmarks/quality.py --threads 2 --out "$R/quality.json" ;;
     attention) python benchmarks/decode_attention.py --json "$R/decode_attention.json" ;;
+    int4) python benchmarks/int4_kernel.py --json "$R/int4_kernel.json" ;;
     profile) python benchmarks/profile_before_after.py --before e89de9e --threads 2 --pairs 2 \
                --out "$R/decode_profile.json" ;;
     serve) bench serve --threads-per-rank 2 --num-requests 32 --concurrency 8 --prompt-tokens 256 \

@@ -34,6 +34,7 @@ from cpllm.context_parallel.merge import merge_attention_partials, merge_two
 from cpllm.context_parallel.metadata import AttentionMetadata, RequestAttention
 from cpllm.context_parallel.pass_q import pass_q_attention
 from cpllm.distributed.comm import all_gather, all_to_all, ring_exchange
+from cpllm.kernels.decode_rows import store_rows_
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -76,10 +77,12 @@ class CPComm:
 
 
 def _store_owned(k, v, k_pool, v_pool, meta: AttentionMetadata) -> None:
-    """A step of single tokens: store the new K/V this rank owns (index_copy_: several times cheaper than advanced
-    indexing here), in the pools' dtype."""
-    k_pool.index_copy_(0, meta.write_slots, k.index_select(0, meta.write_rows).to(k_pool.dtype))
-    v_pool.index_copy_(0, meta.write_slots, v.index_select(0, meta.write_rows).to(v_pool.dtype))
+    """A step of single tokens: store the new K/V this rank owns, in the pools' dtype (one C call per pool on eager
+    CPU steps; else index_copy_, several times cheaper than advanced indexing here)."""
+    if not store_rows_(k_pool, meta.write_slots, k, meta.write_rows):
+        k_pool.index_copy_(0, meta.write_slots, k.index_select(0, meta.write_rows).to(k_pool.dtype))
+    if not store_rows_(v_pool, meta.write_slots, v, meta.write_rows):
+        v_pool.index_copy_(0, meta.write_slots, v.index_select(0, meta.write_rows).to(v_pool.dtype))
 
 
 class PagedCPAttention(torch.nn.Module):
@@ -91,15 +94,15 @@ class PagedCPAttention(torch.nn.Module):
 
     def forward(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata) -> torch.Tensor:
         # q [N, Hq, D]; k, v [N, Hkv, D]; k_pool, v_pool [num_slots, Hkv, D]
-        if k_pool.dtype != k.dtype:
-            # A narrower --kv-cache-dtype: new tokens attend to the rounded K/V too, exactly what they read back from
-            # the pool in later steps, so outputs do not depend on which tokens shared a chunk (nor on the layout).
-            k, v = k.to(k_pool.dtype).to(k.dtype), v.to(v_pool.dtype).to(v.dtype)
-        if not meta.has_new and meta.decode is not None:
+        if not meta.has_new and meta.decode is not None:  # these paths read the new K/V only from the pools
             if self.comm.kv_size == 1:
                 return self._one_shard_decode(q, k, v, k_pool, v_pool, meta)
             if self.comm.dcp_size == 1:
                 return self._pcp_decode(q, k, v, k_pool, v_pool, meta)
+        if k_pool.dtype != k.dtype:
+            # A narrower --kv-cache-dtype: new tokens attend to the rounded K/V too, exactly what they read back from
+            # the pool in later steps, so outputs do not depend on which tokens shared a chunk (nor on the layout).
+            k, v = k.to(k_pool.dtype).to(k.dtype), v.to(v_pool.dtype).to(v.dtype)
         strategy = meta.strategy if meta.strategy is not None else self.comm.strategy
         if strategy == "pass-q" and self.comm.pcp_size > 1 and meta.has_new:
             if meta.pass_q is None:

@@ -18,7 +18,12 @@ BLOCK_ROWS = 16
 """Output rows per block of the packed layout (one AVX-512 register of float32 results)."""
 
 
+_built: ctypes.CDLL | None = None
+"""The library once built: layers packed for this kernel call it without a lookup per call."""
+
+
 def _library() -> ctypes.CDLL | None:
+    global _built
     lib = load("int4_matmul")
     if lib is not None and not hasattr(lib, "_cpllm_typed"):
         p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -26,11 +31,12 @@ def _library() -> ctypes.CDLL | None:
         lib.cpllm_int4_matmul.restype = i
         lib.cpllm_int4_available.restype = i
         lib._cpllm_typed = True
+        _built = lib
     return lib
 
 
 def available() -> bool:
-    """The kernel is built and this CPU has AVX-512 VNNI (builds it on the first call)."""
+    """The kernel is built and this CPU has AVX-512 VNNI (builds it on the first call; asked once per layer)."""
     lib = _library()
     return lib is not None and lib.cpllm_int4_available() == 1
 
@@ -72,7 +78,7 @@ def _run(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tens
     y = torch.empty(x32.shape[0], out_features, dtype=torch.float32)
     if x32.shape[0] == 0:
         return y
-    status = _library().cpllm_int4_matmul(x32.data_ptr(), x32.shape[0], x32.shape[1], packed.data_ptr(),
+    status = _built.cpllm_int4_matmul(x32.data_ptr(), x32.shape[0], x32.shape[1], packed.data_ptr(),
                                           out_features, y.data_ptr(), torch.get_num_threads())
     if status != 0:
         raise MemoryError(f"int4 matmul kernel could not allocate its scratch for {x32.shape[0]} rows")

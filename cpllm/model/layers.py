@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cpllm.distributed.comm import all_gather, all_reduce
+from cpllm.kernels.rms_norm import rms_norm
 from cpllm.model.loader import WeightSource
 from cpllm.model.quant_kernels import FloatLinear, Int4Linear, Int8Rows
 from cpllm.model.quant_lm_head import RefinedInt8Head
@@ -288,8 +289,9 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # one fused kernel instead of seven ops; in float32 the same formula as below
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            # one pass (C kernel, eager CPU) or one op instead of seven; in float32 the same formula as below
+            out = rms_norm(x, self.weight, self.eps)
+            return out if out is not None else F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)

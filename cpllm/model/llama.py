@@ -16,6 +16,7 @@ from cpllm.config import ModelConfig, kv_heads_of_tp_rank
 from cpllm.context_parallel.attention import CPComm, PagedCPAttention
 from cpllm.context_parallel.metadata import AttentionMetadata
 from cpllm.distributed.comm import low_latency
+from cpllm.kernels.decode_rows import rope_qk_
 from cpllm.model.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -77,8 +78,9 @@ class LlamaAttention(torch.nn.Module):
         q, k = q.view(n, self.num_heads, d), k.view(n, self.num_kv_heads, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(rope_tables, q)  # [N, Hq, D]
-        k = apply_rope(rope_tables, k)  # [N, Hkv, D]
+        if not rope_qk_(rope_tables, q, k):  # in place, one C call (eager CPU float32), or torch's ops
+            q = apply_rope(rope_tables, q)  # [N, Hq, D]
+            k = apply_rope(rope_tables, k)  # [N, Hkv, D]
         v = v.reshape(n, self.num_kv_heads, d)
         out = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta)  # [N, Hq, D]
         return self.o_proj(out.reshape(n, self.num_heads * d))

@@ -1,9 +1,10 @@
 """An LM head over Q8_0 rows run as stored, with the top of each row's logits recomputed in float32.
 
 The int4 kernel (the Q8_0 rows as two 4-bit halves, cpllm/model/quant_groups.py) streams a quarter of the bytes
-of a float32 head, but it takes bfloat16 activations and returns bfloat16 logits: steps of 1/8 at magnitude
-16-32, enough to tie the two best tokens and send greedy decoding down the other branch (quant_plan.py). So the
-kernel only ranks: the REFINED best logits of each row are then recomputed exactly, in float32, from the same
+of a float32 head, but it is not float32 arithmetic: aten's kernel returns bfloat16 logits (steps of 1/8 at
+magnitude 16-32, enough to tie the two best tokens and send greedy decoding down the other branch, quant_plan.py),
+and cpllm's VNNI kernel rounds the activations (about 2^-15 of each group's largest value), still enough to swap a
+near tie. So the kernel only ranks: the REFINED best logits of each row are then recomputed exactly, in float32, from the same
 stored rows (the values the float32 head holds, since that head is these rows dequantized), and written over
 the kernel's. Greedy choices and the top of the distribution are then those of the float32 head unless its best
 token falls outside the kernel's top REFINED, which needs an error of the kernel larger than the gap between

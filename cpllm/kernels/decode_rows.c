@@ -1,0 +1,63 @@
+/* The small per-layer steps of a decode step on float32 rows, one C call each instead of five or six torch ops:
+ * rotary embedding of q and k in place, and storing the new K/V rows into their pool slots.
+ *
+ * Rotary: x * cos + swap_halves(x) * sin with the step's tables (cpllm/model/rope.py: cos = (c, c), sin = (-s, s)),
+ * each product rounded before the sum as torch computes it (fp-contract off: no fused multiply-add), so the
+ * results are the bits torch's ops give.
+ */
+#include <stdint.h>
+#include <string.h>
+
+enum { POOL_F32 = 0, POOL_F16 = 1, POOL_BF16 = 2 };
+
+__attribute__((optimize("fp-contract=off")))
+static void rotate_heads(float *restrict x, int heads, int head_dim, const float *restrict cos,
+                         const float *restrict sin) {
+    const int half = head_dim / 2;
+    float rotated[512];
+    for (int h = 0; h < heads; h++) {
+        float *row = x + (int64_t)h * head_dim;
+        for (int i = 0; i < half; i++) {
+            rotated[i] = row[i] * cos[i] + row[i + half] * sin[i];
+            rotated[i + half] = row[i + half] * cos[i + half] + row[i] * sin[i + half];
+        }
+        memcpy(row, rotated, sizeof(float) * head_dim);
+    }
+}
+
+/* Token t's q_heads heads of head_dim at q + t * q_stride (contiguous), its k_heads at k + t * k_stride;
+ * cos, sin [tokens, head_dim]. Returns -1 for a head_dim over 512. */
+int cpllm_rope_qk(float *q, int q_heads, int64_t q_stride, float *k, int k_heads, int64_t k_stride, int64_t tokens,
+                  int head_dim, const float *cos, const float *sin) {
+    if (head_dim > 512 || head_dim % 2) return -1;
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos + t * head_dim, *s = sin + t * head_dim;
+        rotate_heads(q + t * q_stride, q_heads, head_dim, c, s);
+        rotate_heads(k + t * k_stride, k_heads, head_dim, c, s);
+    }
+    return 0;
+}
+
+static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch's conversion */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* rows[i] of src (row_elems floats at src + rows[i] * src_stride) into slot slots[i] of the pool. */
+void cpllm_store_rows(const float *src, int64_t src_stride, const int64_t *rows, const int64_t *slots, int64_t n,
+                      int64_t row_elems, void *pool, int pool_dtype) {
+    for (int64_t i = 0; i < n; i++) {
+        const float *s = src + rows[i] * src_stride;
+        if (pool_dtype == POOL_F32) {
+            memcpy((float *)pool + slots[i] * row_elems, s, sizeof(float) * row_elems);
+        } else if (pool_dtype == POOL_F16) {
+            _Float16 *d = (_Float16 *)pool + slots[i] * row_elems;
+            for (int64_t j = 0; j < row_elems; j++) d[j] = (_Float16)s[j];
+        } else {
+            uint16_t *d = (uint16_t *)pool + slots[i] * row_elems;
+            for (int64_t j = 0; j < row_elems; j++) d[j] = to_bf16(s[j]);
+        }
+    }
+}

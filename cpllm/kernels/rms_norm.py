@@ -1,0 +1,44 @@
+"""RMSNorm of float32 rows in one C pass (cpllm/kernels/rms_norm.c), for eager CPU steps.
+
+A decode step normalizes two rows per layer; torch's CPU rms_norm runs six ops for each. Compiled graphs keep
+torch's op (inductor fuses it), and where the kernel is not built `rms_norm` returns None and the caller runs
+torch's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from cpllm.kernels.build import load
+
+_lib: ctypes.CDLL | None = None
+"""The loaded library, kept once found: a lookup per call would cost a fifth of the call."""
+
+
+def _library() -> ctypes.CDLL | None:
+    global _lib
+    if _lib is None:
+        lib = load("rms_norm")
+        if lib is not None:
+            p, i64 = ctypes.c_void_p, ctypes.c_int64
+            lib.cpllm_rms_norm.argtypes = [p, p, ctypes.c_float, i64, i64, p, ctypes.c_int]
+            lib.cpllm_rms_norm.restype = None
+            _lib = lib
+    return _lib
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """weight * x / sqrt(mean(x^2, -1) + eps) for float32 CPU tensors, or None where the kernel does not apply."""
+    if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
+            or torch.compiler.is_compiling() or not x.is_contiguous()):
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    out = torch.empty_like(x)
+    width = x.shape[-1]
+    lib.cpllm_rms_norm(x.data_ptr(), weight.data_ptr(), eps, x.numel() // width if width else 0, width,
+                       out.data_ptr(), torch.get_num_threads())
+    return out

@@ -1,0 +1,77 @@
+"""The per-row C kernels of eager decode steps against the torch ops they replace.
+
+Rotary embedding (cpllm/kernels/decode_rows.c) must give torch's bits, on views into the fused q|k|v row as
+the attention layer passes them; the K/V store must write what index_copy_ writes, for every pool dtype; the
+RMSNorm (cpllm/kernels/rms_norm.c) may differ from torch's only by the order of its sum of squares. Where a
+kernel does not apply (another dtype, a layout it does not read) the helper says so and changes nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cpllm.kernels import build
+from cpllm.kernels.decode_rows import rope_qk_, store_rows_
+from cpllm.kernels.rms_norm import rms_norm
+from cpllm.model.rope import apply_rope
+
+pytestmark = pytest.mark.skipif(build.load("decode_rows") is None, reason="no C compiler on this machine")
+
+N, HQ, HKV, D = 5, 9, 3, 64
+
+
+def _qkv(seed: int = 0):
+    """q, k, v as views into one fused row per token, and rotary tables for random positions."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(N, (HQ + 2 * HKV) * D, generator=gen)
+    q, k, v = qkv.split([HQ * D, HKV * D, HKV * D], dim=-1)
+    angles = torch.rand(N, 1, D // 2, generator=gen) * 100
+    tables = (torch.cat([angles.cos()] * 2, -1), torch.cat([-angles.sin(), angles.sin()], -1))
+    return q.view(N, HQ, D), k.view(N, HKV, D), v.reshape(N, HKV, D), tables
+
+
+def test_rope_gives_torchs_bits_in_place():
+    q, k, _, tables = _qkv()
+    want_q, want_k = apply_rope(tables, q), apply_rope(tables, k)
+    assert rope_qk_(tables, q, k)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+
+
+def test_rope_declines_what_it_does_not_read():
+    q, k, _, tables = _qkv()
+    before = q.clone()
+    assert not rope_qk_(tables, q.to(torch.bfloat16), k.to(torch.bfloat16))
+    assert not rope_qk_(tables, q.transpose(0, 1), k.transpose(0, 1))
+    assert torch.equal(q, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_store_writes_what_index_copy_writes(dtype):
+    _, _, v, _ = _qkv(seed=1)
+    pool, want = torch.zeros(40, HKV, D, dtype=dtype), torch.zeros(40, HKV, D, dtype=dtype)
+    slots, rows = torch.tensor([3, 39, 17]), torch.tensor([4, 0, 2])
+    assert store_rows_(pool, slots, v, rows)
+    want.index_copy_(0, slots, v.index_select(0, rows).to(dtype))
+    assert torch.equal(pool, want)
+
+
+def test_store_declines_a_pool_of_another_shape():
+    _, _, v, _ = _qkv()
+    pool = torch.zeros(40, HKV + 1, D)
+    assert not store_rows_(pool, torch.tensor([1]), v, torch.tensor([0]))
+    assert not pool.any()
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (7, 64), (300, 4096), (2, 3, 100)])
+def test_rms_norm_matches_torch(shape):
+    gen = torch.Generator().manual_seed(2)
+    x, w = torch.randn(*shape, generator=gen), torch.randn(shape[-1], generator=gen)
+    got, want = rms_norm(x, w, 1e-5), F.rms_norm(x, (shape[-1],), w, 1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_rms_norm_leaves_other_dtypes_to_torch():
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    assert rms_norm(x, torch.ones(64, dtype=torch.bfloat16), 1e-5) is None
