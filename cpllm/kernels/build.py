@@ -2,9 +2,9 @@
 
 The shared library is built with the system C compiler (`$CC`, else `cc`) at `-O3 -march=native -fopenmp`
 into a cache directory (`$CPLLM_KERNEL_CACHE`, else `~/.cache/cpllm/kernels`), under a name that hashes the
-source, the flags, the compiler's version and the CPU's feature flags, so a changed source or another machine
-builds its own. Concurrent ranks may build the same file: each compiles to a private name and renames it into
-place (atomic), so a reader never sees half a library. The library links libgomp; loaded after torch, it
+sources of the package (a kernel may #include its siblings), the flags, the compiler's version and the CPU's
+feature flags, so a changed source or another machine builds its own. Concurrent ranks may build the same file:
+each compiles to a private name and renames it into place (atomic), so a reader never sees half a library. The library links libgomp; loaded after torch, it
 shares the OpenMP runtime (and thread pool) torch already loaded, because the runtime's soname is the same.
 
 `CPLLM_KERNELS=0` turns every kernel off (the torch fallbacks run); a missing compiler or a failed build logs
@@ -55,8 +55,11 @@ def _cpu_flags() -> str:
 
 
 def _build_key(source: bytes) -> str:
+    """A hash of the source, every other kernel source (a kernel may #include its siblings), the flags, the
+    compiler's version and the CPU's flags."""
     version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, check=True).stdout
-    digest = hashlib.sha256(source + " ".join(FLAGS).encode() + version.encode() + _cpu_flags().encode())
+    siblings = b"".join(path.read_bytes() for path in sorted(Path(__file__).parent.glob("*.c")))
+    digest = hashlib.sha256(source + siblings + " ".join(FLAGS).encode() + version.encode() + _cpu_flags().encode())
     return digest.hexdigest()[:16]
 
 

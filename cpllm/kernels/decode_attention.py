@@ -43,7 +43,7 @@ def applies(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
             and q.dtype in (torch.float32, torch.bfloat16, torch.float16) and built())
 
 
-def _chunk(batch: int, width: int, threads: int) -> int:
+def positions_per_unit(batch: int, width: int, threads: int) -> int:
     """Positions per unit: about four units per thread over the batch when threads > 1, else whole requests."""
     units = 4 * threads if threads > 1 else batch
     per_unit = -(-batch * width // max(units, 1))
@@ -78,8 +78,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     threads = torch.get_num_threads()
     status = _library().cpllm_paged_decode_attention(
         q32.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), _POOL_DTYPES[k_pool.dtype], slots.data_ptr(),
-        slots.shape[1], lengths.data_ptr(), batch, hq, hkv, d, scale, _chunk(batch, slots.shape[1], threads),
-        threads, out.data_ptr(), lse.data_ptr())
+        slots.shape[1], lengths.data_ptr(), batch, hq, hkv, d, scale,
+        positions_per_unit(batch, slots.shape[1], threads), threads, out.data_ptr(), lse.data_ptr())
     if status != 0:
         raise MemoryError(f"decode attention kernel could not allocate its buffers (batch {batch}, heads {hq})")
     return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse

@@ -1,10 +1,11 @@
-/* The small per-layer steps of a decode step on float32 rows, one C call each instead of five or six torch ops:
- * rotary embedding of q and k in place, and storing the new K/V rows into their pool slots.
+/* The small per-layer steps of a decode step on float32 rows, one C call each instead of two to six torch ops:
+ * rotary embedding of q and k in place, storing the new K/V rows into their pool slots, and silu(gate) * up.
  *
  * Rotary: x * cos + swap_halves(x) * sin with the step's tables (cpllm/model/rope.py: cos = (c, c), sin = (-s, s)),
  * each product rounded before the sum as torch computes it (fp-contract off: no fused multiply-add), so the
  * results are the bits torch's ops give.
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -58,6 +59,19 @@ void cpllm_store_rows(const float *src, int64_t src_stride, const int64_t *rows,
         } else {
             uint16_t *d = (uint16_t *)pool + slots[i] * row_elems;
             for (int64_t j = 0; j < row_elems; j++) d[j] = to_bf16(s[j]);
+        }
+    }
+}
+
+/* gate_up [batch, 2 * inter] (gate | up) -> out [batch, inter] = gate / (1 + exp(-gate)) * up, rounded in torch's
+ * order (silu first); exp is the C library's, which can differ from torch's vectorized exp in the last place. */
+void cpllm_silu_mul(const float *gate_up, int64_t batch, int64_t inter, float *out) {
+    for (int64_t b = 0; b < batch; b++) {
+        const float *g = gate_up + b * 2 * inter, *u = g + inter;
+        float *o = out + b * inter;
+        for (int64_t i = 0; i < inter; i++) {
+            const float silu = g[i] / (1.0f + expf(-g[i]));
+            o[i] = silu * u[i];
         }
     }
 }

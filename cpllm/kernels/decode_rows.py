@@ -1,4 +1,5 @@
-"""Rotary embedding of q and k, and the K/V store, each one C call on eager CPU steps (cpllm/kernels/decode_rows.c).
+"""Rotary embedding of q and k, the K/V store and silu(gate) * up, each one C call on eager CPU steps
+(cpllm/kernels/decode_rows.c).
 
 Each helper returns False where it does not apply (kernels off or not built, another device or dtype, a layout it
 does not read, a compiled graph: inductor fuses these ops itself) and the caller runs its torch ops.
@@ -28,6 +29,8 @@ def _library() -> ctypes.CDLL | None:
             lib.cpllm_rope_qk.restype = i
             lib.cpllm_store_rows.argtypes = [p, i64, p, p, i64, i64, p, i]
             lib.cpllm_store_rows.restype = None
+            lib.cpllm_silu_mul.argtypes = [p, i64, i64, p]
+            lib.cpllm_silu_mul.restype = None
             _lib = lib
     return _lib
 
@@ -67,3 +70,16 @@ def store_rows_(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, rows: 
     lib.cpllm_store_rows(x.data_ptr(), x.stride(0), rows.data_ptr(), slots.data_ptr(), slots.shape[0],
                          x.shape[1] * x.shape[2], pool.data_ptr(), _POOL_DTYPES[pool.dtype])
     return True
+
+
+def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor | None:
+    """silu(gate) * up for gate_up [N, 2 * inter] float32 (gate | up), or None where the kernel does not apply."""
+    if (torch.compiler.is_compiling() or gate_up.dtype != torch.float32 or gate_up.device.type != "cpu"
+            or gate_up.dim() != 2 or gate_up.shape[1] != 2 * inter or not gate_up.is_contiguous()):
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    out = torch.empty(gate_up.shape[0], inter, dtype=torch.float32)
+    lib.cpllm_silu_mul(gate_up.data_ptr(), gate_up.shape[0], inter, out.data_ptr())
+    return out

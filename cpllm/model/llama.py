@@ -16,7 +16,7 @@ from cpllm.config import ModelConfig, kv_heads_of_tp_rank
 from cpllm.context_parallel.attention import CPComm, PagedCPAttention
 from cpllm.context_parallel.metadata import AttentionMetadata
 from cpllm.distributed.comm import low_latency
-from cpllm.kernels.decode_rows import rope_qk_
+from cpllm.kernels.decode_rows import rope_qk_, silu_mul
 from cpllm.model.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -26,6 +26,7 @@ from cpllm.model.layers import (
     TPShard,
     VocabParallelEmbedding,
 )
+from cpllm.model.fused_decode import FusedDecode
 from cpllm.model.loader import WeightSource
 from cpllm.model.mlp_split import DecodeSplitMLP, can_split
 from cpllm.model.moe import SparseMoEBlock
@@ -121,8 +122,12 @@ class LlamaMLP(torch.nn.Module):
         split = self.decode_split
         if split is not None and split.usable and meta is not None and meta.rows_same_over_pcp and not meta.has_new:
             return split(x, self.gate_up_proj, self.down_proj)
-        gate, up = self.gate_up_proj(x).split(self.shard, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        act = silu_mul(gate_up, self.shard)  # one C call on eager CPU float32 steps (as the fused decode layer)
+        if act is None:
+            gate, up = gate_up.split(self.shard, dim=-1)
+            act = F.silu(gate) * up
+        return self.down_proj(act)
 
 
 class LlamaDecoderLayer(torch.nn.Module):
@@ -179,6 +184,8 @@ class LlamaForCausalLM(torch.nn.Module):
         self.lm_head = ParallelLMHead(tied, "lm_head.weight", config.vocab_size, h, tp, dtype, config.quantization,
                                       pcp=head_pcp)
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, max_positions)
+        self.fused_decode: FusedDecode | None = None
+        """Decode steps one C call per layer, where the loaded layers allow it (set by load_weights)."""
 
     def load_weights(self, source: WeightSource) -> None:
         for module in list(self.modules()):  # loading swaps in quantized submodules
@@ -190,17 +197,22 @@ class LlamaForCausalLM(torch.nn.Module):
                 module.after_load(source)
         for line in summary_lines(self, self.config.quantization) + moe_summary_lines(self):
             logger.info("%s", line)
+        self.fused_decode = FusedDecode.build(self)
 
     @torch.inference_mode()
     def forward(self, token_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         # token_ids, positions [N] -> hidden [N, hidden_size] (before the final norm)
-        return self.decoder_stack(token_ids, positions, kv_caches, meta, call_layer)
+        return self.decoder_stack(token_ids, positions, kv_caches, meta, call_layer, self.fused_decode)
 
-    def decoder_stack(self, token_ids, positions, kv_caches, meta: AttentionMetadata, run_layer) -> torch.Tensor:
+    def decoder_stack(self, token_ids, positions, kv_caches, meta: AttentionMetadata, run_layer,
+                      fused: FusedDecode | None = None) -> torch.Tensor:
         """The forward with each layer run by `run_layer` (`call_layer`, or its compiled form:
-        cpllm/model/decode_graph.py)."""
+        cpllm/model/decode_graph.py), or by `fused` (one C call per layer) for the steps it takes."""
         hidden = self.embed_tokens(token_ids)
         rope_tables = self.rope.tables(positions, hidden.dtype)  # once per step, for every layer
+        step = fused.step_spec(hidden, rope_tables, kv_caches, meta) if fused is not None else None
+        if step is not None:
+            return fused.run(hidden, step, kv_caches)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden = run_layer(layer, hidden, rope_tables, kv_cache, meta)
         return hidden

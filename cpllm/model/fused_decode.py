@@ -1,0 +1,144 @@
+"""Decode steps with each decoder layer as one C call (cpllm/kernels/decode_layer.c), where the layers allow it.
+
+An eager batch-1 decode step of a small int4 model spends more time in Python and the dispatcher (some twenty
+operator calls per layer) than in its kernels once the weights stream at memory speed. When every layer is a
+dense Llama-family layer whose four linears run on the VNNI int4 kernel, with no bias, no q/k norm, no tensor
+parallelism and no decode split of the MLP, and this rank holds its requests' whole context (one rank, or a PCP
+rank of the replicated KV layout), `FusedDecode.build` packs each layer's pointers once; `run` then takes the steps
+of single tokens whose batch the decode attention kernel reads (no shared keys, every row a decode row) and calls
+the layer function per layer. Every other step, and every other model, runs the eager layers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from cpllm.context_parallel.metadata import AttentionMetadata
+from cpllm.kernels.build import load
+from cpllm.kernels.decode_attention import positions_per_unit
+from cpllm.model.quant_kernels import Int4Linear
+
+logger = logging.getLogger(__name__)
+
+_POOL_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", ctypes.c_void_p),
+                ("o", ctypes.c_void_p), ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p),
+                ("hidden", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int),
+                ("head_dim", ctypes.c_int), ("intermediate", ctypes.c_int), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("batch", ctypes.c_int64), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+                ("write_rows", ctypes.c_void_p), ("write_slots", ctypes.c_void_p), ("writes", ctypes.c_int64),
+                ("slots", ctypes.c_void_p), ("lengths", ctypes.c_void_p), ("slot_stride", ctypes.c_int64),
+                ("pool_dtype", ctypes.c_int), ("chunk", ctypes.c_int), ("threads", ctypes.c_int)]
+
+
+def _library() -> ctypes.CDLL | None:
+    lib = load("decode_layer")
+    if lib is not None and not hasattr(lib, "_cpllm_typed"):
+        p = ctypes.c_void_p
+        lib.cpllm_decode_layer.argtypes = [p, ctypes.POINTER(_Layer), ctypes.POINTER(_Step), p, p]
+        lib.cpllm_decode_layer.restype = ctypes.c_int
+        lib._cpllm_typed = True
+    return lib
+
+
+def _vnni(module) -> Int4Linear | None:
+    """The module's single VNNI int4 kernel (a one-piece column linear, or a row linear's kernel), else None."""
+    pieces = getattr(module, "pieces", None)
+    kernel = pieces[0] if pieces is not None and len(pieces) == 1 else getattr(module, "kernel", None)
+    if not isinstance(kernel, Int4Linear) or kernel.backend != "vnni" or kernel.repeat_input != 1:
+        return None
+    return kernel
+
+
+def _why_not(layer) -> str | None:
+    """Why this decoder layer cannot run fused, or None."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if not hasattr(mlp, "gate_up_proj") or getattr(mlp, "decode_split", None) is not None:
+        return "not a dense MLP run whole on this rank"
+    if attn.q_norm is not None or attn.qkv_proj.bias is not None or getattr(mlp.gate_up_proj, "bias", None) is not None:
+        return "q/k norms or biases"
+    if attn.o_proj.tp.size != 1 or mlp.down_proj.tp.size != 1:
+        return "tensor parallelism"
+    if attn.attn.comm.kv_size != 1:
+        return "the KV cache is sharded over ranks"
+    if any(_vnni(m) is None for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+        return "a linear layer does not run on the VNNI int4 kernel"
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    if any(w.dtype != torch.float32 for w in norms):
+        return "norm weights are not float32"
+    return None
+
+
+class FusedDecode:
+    """The model's decode steps, one C call per decoder layer (see the module)."""
+
+    def __init__(self, lib: ctypes.CDLL, specs: list[_Layer], keep: list[torch.Tensor]):
+        self.lib, self.specs = lib, specs
+        self._keep = keep  # the tensors whose addresses the specs hold
+        self.steps = 0
+        """Steps run fused (for tests and the log)."""
+
+    @classmethod
+    def build(cls, model) -> "FusedDecode | None":
+        """The fused form of `model`'s layers, or None (with the reason at DEBUG) where a layer does not allow it."""
+        if not model.layers:
+            return None
+        reasons = {r for r in map(_why_not, model.layers) if r is not None}
+        lib = _library() if not reasons else None
+        if reasons or lib is None:
+            logger.debug("decode layers run eager: %s", "; ".join(sorted(reasons)) or "the kernel is not built")
+            return None
+        specs, keep = [], []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                       *(_vnni(m).packed for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))]
+            keep += tensors
+            specs.append(_Layer(*(t.data_ptr() for t in tensors), layer.input_layernorm.weight.shape[0],
+                                attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.shard,
+                                layer.input_layernorm.eps, attn.attn.scale))
+        return cls(lib, specs, keep)
+
+    def step_spec(self, hidden: torch.Tensor, rope_tables, kv_caches, meta: AttentionMetadata) -> _Step | None:
+        """The step's arguments, or None where this step runs eager."""
+        decode = meta.decode
+        if decode is None or meta.has_new or decode.shared_keys or decode.lengths is None \
+                or torch.compiler.is_compiling():
+            return None
+        batch = decode.slots.shape[0]
+        cos, sin = rope_tables
+        k_pool = kv_caches[0][0]
+        if batch != meta.num_rows or hidden.dtype != torch.float32 or hidden.shape[0] != batch \
+                or k_pool.dtype not in _POOL_DTYPES or cos.dtype != torch.float32:
+            return None
+        indices = (decode.slots, decode.lengths, meta.write_rows, meta.write_slots)
+        if not all(t.is_contiguous() and t.dtype == torch.long for t in indices) \
+                or not all(t.is_contiguous() for t in (cos, sin)):
+            return None
+        if not all(k.is_contiguous() and v.is_contiguous() and v.dtype == k_pool.dtype for k, v in kv_caches):
+            return None
+        threads, width = torch.get_num_threads(), decode.slots.shape[1]
+        return _Step(batch, cos.data_ptr(), sin.data_ptr(), meta.write_rows.data_ptr(), meta.write_slots.data_ptr(),
+                     meta.write_slots.shape[0], decode.slots.data_ptr(), decode.lengths.data_ptr(), width,
+                     _POOL_DTYPES[k_pool.dtype], positions_per_unit(batch, width, threads), threads)
+
+    def run(self, hidden: torch.Tensor, step: _Step, kv_caches) -> torch.Tensor:
+        """hidden [B, hidden] after every layer (a new tensor; the input is not changed)."""
+        hidden = hidden.clone()
+        for spec, (k_pool, v_pool) in zip(self.specs, kv_caches):
+            status = self.lib.cpllm_decode_layer(hidden.data_ptr(), ctypes.byref(spec), ctypes.byref(step),
+                                                 k_pool.data_ptr(), v_pool.data_ptr())
+            if status != 0:
+                raise MemoryError(f"fused decode layer could not allocate its buffers (batch {step.batch})")
+        self.steps += 1
+        return hidden

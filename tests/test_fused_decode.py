@@ -1,0 +1,102 @@
+"""Decode steps one C call per layer (cpllm/model/fused_decode.py) against the eager layers they replace.
+
+The fused layer runs the eager path's own C kernels back to back, so on a tiny Llama whose every linear is 4-bit
+(run on the VNNI int4 kernel) the engine's outputs must equal, bit for bit, a run with fusing turned off: greedy
+tokens, their logprobs and the prompt logprobs, for float32 and float16 K/V, with batches of several requests of
+different lengths and a shared prefix (its shared-key steps run eager, so the run switches between the two).
+Under the replicated KV layout each PCP rank holds its requests' whole context and fuses its decode steps too;
+that run must match the single-rank engine as the other layout tests do. Models the fused layer cannot run
+(a Q8_0 projection, quantization none) keep the eager layers.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from gguf import GGMLQuantizationType as QType
+
+import tiny_models as tm  # tests/ is on sys.path under pytest
+from cpllm import LLM, SamplingParams
+from cpllm.kernels import int4_matmul
+from cpllm.model import fused_decode
+
+pytestmark = pytest.mark.skipif(not int4_matmul.available(), reason="no AVX-512 VNNI int4 kernel on this machine")
+
+FOUR_BIT = {"q_proj": QType.Q4_0, "k_proj": QType.Q4_1, "v_proj": QType.Q4_0, "o_proj": QType.Q4_1,
+            "gate_proj": QType.Q4_1, "up_proj": QType.Q4_0, "down_proj": QType.Q4_0, "embed_tokens": QType.Q8_0}
+ENGINE = dict(max_model_len=256, block_size=4, threads_per_rank=1)
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+
+
+def _gguf(tmp_path_factory, name: str, types: dict) -> str:
+    path = str(tmp_path_factory.mktemp(name) / "tiny.gguf")
+    tm.save_tiny_gguf(path, "llama", seed=8, tie_word_embeddings=True,
+                      tensor_types=lambda n: next((t for k, t in types.items() if k in n), QType.F32))
+    return path
+
+
+@pytest.fixture(scope="module")
+def four_bit_gguf(tmp_path_factory) -> str:
+    return _gguf(tmp_path_factory, "fourbit", FOUR_BIT)
+
+
+def _prompts() -> list[dict]:
+    rng = random.Random(3)
+    prefix = [rng.randrange(3, 300) for _ in range(40)]
+    own = [[rng.randrange(3, 300) for _ in range(rng.randrange(2, 30))] for _ in range(6)]
+    return [{"prompt_token_ids": ids} for ids in own] + [{"prompt_token_ids": prefix + [5 + i]} for i in range(3)]
+
+
+def _run(path: str, fused: bool, monkeypatch, **options):
+    """(outputs, fused steps) of one engine run; `fused=False` builds no fused layers."""
+    with monkeypatch.context() as patch:
+        if not fused:
+            patch.setattr(fused_decode.FusedDecode, "build", classmethod(lambda cls, model: None))
+        with LLM(path, **ENGINE, **options) as llm:
+            outputs = llm.generate(_prompts(), PARAMS)
+            model = llm.engine.executor.runner.model
+            return outputs, (model.fused_decode.steps if model.fused_decode is not None else None)
+
+
+def _values(output) -> tuple:
+    completion = output.outputs[0]
+    sampled = [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)]
+    prompt = [output.prompt_logprobs[i][t].logprob for i, t in enumerate(output.prompt_token_ids) if i > 0]
+    return completion.token_ids, sampled, prompt
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
+def test_fused_steps_equal_the_eager_layers_bit_for_bit(four_bit_gguf, monkeypatch, kv_cache_dtype):
+    fused, fused_steps = _run(four_bit_gguf, True, monkeypatch, kv_cache_dtype=kv_cache_dtype)
+    eager, eager_steps = _run(four_bit_gguf, False, monkeypatch, kv_cache_dtype=kv_cache_dtype)
+    assert fused_steps and fused_steps > 0 and eager_steps is None
+    for got, want in zip(fused, eager):
+        assert _values(got) == _values(want)
+
+
+def test_replicated_pcp_ranks_fuse_and_match_one_rank(four_bit_gguf, monkeypatch):
+    """PCP=2, replicated K/V: ranks fuse their own decode steps; greedy tokens equal, logprobs within 1e-3 (the
+    prompt's attention is split over the ranks, so its rounding differs; measured 4.4e-5)."""
+    one_rank, _ = _run(four_bit_gguf, True, monkeypatch)
+    with LLM(four_bit_gguf, **ENGINE, prefill_context_parallel_size=2, cp_kv_cache_layout="replicated",
+             distributed_timeout=60) as llm:
+        two_ranks = llm.generate(_prompts(), PARAMS)
+    for got, want in zip(two_ranks, one_rank):
+        tokens, sampled, prompt = _values(got)
+        want_tokens, want_sampled, want_prompt = _values(want)
+        assert tokens == want_tokens
+        worst = max(abs(a - b) for a, b in zip(sampled + prompt, want_sampled + want_prompt))
+        print(f"replicated PCP=2 vs one rank: worst logprob difference {worst:.2e}")
+        assert worst <= 1e-3
+
+
+@pytest.mark.parametrize("types,options", [
+    ({**FOUR_BIT, "v_proj": QType.Q8_0}, {}),  # q|k|v in two kernels
+    (FOUR_BIT, {"quantization": "none"}),  # float weights
+])
+def test_layers_the_fused_call_cannot_run_stay_eager(tmp_path_factory, types, options):
+    path = _gguf(tmp_path_factory, "mixed", types)
+    with LLM(path, **ENGINE, **options) as llm:
+        assert llm.engine.executor.runner.model.fused_decode is None
+        assert llm.generate(_prompts()[:2], PARAMS)[0].outputs[0].token_ids
