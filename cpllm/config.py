@@ -346,7 +346,8 @@ class EngineConfig:
     """Batching limits."""
     compile_decode: bool = False
     """Run decode steps through torch.compile (cpllm/model/decode_graph.py): one rank per replica, dense models,
-    CPU. Off by default: the first decode steps of a process pay the compile (15-60 s on CPU, cached on disk)."""
+    CPU. Off by default: the first decode steps of a process pay the compile (15-60 s on CPU, cached on disk).
+    Steps the fused decode layers take (cpllm/model/fused_decode.py: all-int4 models) run fused instead."""
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:

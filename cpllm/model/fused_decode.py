@@ -109,28 +109,33 @@ class FusedDecode:
                                 layer.input_layernorm.eps, attn.attn.scale))
         return cls(lib, specs, keep)
 
-    def step_spec(self, hidden: torch.Tensor, rope_tables, kv_caches, meta: AttentionMetadata) -> _Step | None:
-        """The step's arguments, or None where this step runs eager."""
+    @staticmethod
+    def takes(meta: AttentionMetadata, kv_caches) -> bool:
+        """This step's batch is one the fused layers run: single tokens only, every row a decode row, each request
+        with its own slots (no shared keys), index tensors and pools as the C code reads them."""
         decode = meta.decode
         if decode is None or meta.has_new or decode.shared_keys or decode.lengths is None \
-                or torch.compiler.is_compiling():
-            return None
-        batch = decode.slots.shape[0]
-        cos, sin = rope_tables
-        k_pool = kv_caches[0][0]
-        if batch != meta.num_rows or hidden.dtype != torch.float32 or hidden.shape[0] != batch \
-                or k_pool.dtype not in _POOL_DTYPES or cos.dtype != torch.float32:
-            return None
+                or decode.slots.shape[0] != meta.num_rows or torch.compiler.is_compiling():
+            return False
         indices = (decode.slots, decode.lengths, meta.write_rows, meta.write_slots)
-        if not all(t.is_contiguous() and t.dtype == torch.long for t in indices) \
-                or not all(t.is_contiguous() for t in (cos, sin)):
+        if not all(t.is_contiguous() and t.dtype == torch.long for t in indices):
+            return False
+        dtype = kv_caches[0][0].dtype
+        return dtype in _POOL_DTYPES and all(k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == dtype
+                                             for k, v in kv_caches)
+
+    def step_spec(self, hidden: torch.Tensor, rope_tables, kv_caches, meta: AttentionMetadata) -> _Step | None:
+        """The step's arguments, or None where this step runs eager."""
+        cos, sin = rope_tables
+        if not self.takes(meta, kv_caches) or hidden.dtype != torch.float32 or cos.dtype != torch.float32 \
+                or not (cos.is_contiguous() and sin.is_contiguous()):
             return None
-        if not all(k.is_contiguous() and v.is_contiguous() and v.dtype == k_pool.dtype for k, v in kv_caches):
-            return None
-        threads, width = torch.get_num_threads(), decode.slots.shape[1]
+        decode = meta.decode
+        batch, width = decode.slots.shape
+        threads = torch.get_num_threads()
         return _Step(batch, cos.data_ptr(), sin.data_ptr(), meta.write_rows.data_ptr(), meta.write_slots.data_ptr(),
                      meta.write_slots.shape[0], decode.slots.data_ptr(), decode.lengths.data_ptr(), width,
-                     _POOL_DTYPES[k_pool.dtype], positions_per_unit(batch, width, threads), threads)
+                     _POOL_DTYPES[kv_caches[0][0].dtype], positions_per_unit(batch, width, threads), threads)
 
     def run(self, hidden: torch.Tensor, step: _Step, kv_caches) -> torch.Tensor:
         """hidden [B, hidden] after every layer (a new tensor; the input is not changed)."""

@@ -91,7 +91,9 @@ class ModelRunner:
                                  output_positions, device=self.device, non_blocking=True, strategy=strategy,
                                  split_single_tokens=self.replicated)
         forward = self.model
-        if self.compiled_decode is not None and self.compiled_decode.applies(batch.attention):
+        fused = self.model.fused_decode  # faster than the compiled step where it applies (docs/benchmarks.md)
+        if self.compiled_decode is not None and self.compiled_decode.applies(batch.attention) \
+                and not (fused is not None and fused.takes(batch.attention, self.kv_caches)):
             forward = self.compiled_decode
         hidden = forward(batch.token_ids, batch.positions, self.kv_caches, batch.attention)
         if batch.replica_sync is not None:  # decode K/V computed on one PCP rank reach the other copies
