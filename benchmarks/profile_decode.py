@@ -86,11 +86,14 @@ def main() -> None:
 
     config = model_config_of(args.model)
     longest = args.context + args.steps + 64
+    options = {"quantization": args.quantization, "max_model_len": longest, "max_num_seqs": max(args.batch, 1)}
+    # only options that differ from the defaults: profile_before_after.py runs this against older trees too
+    if args.compile_decode:
+        options["compile_decode"] = True
+    if args.kv_cache_dtype != "auto":
+        options["kv_cache_dtype"] = args.kv_cache_dtype
     llm, _ = build_llm(args.model, Layout(tp=1, pcp=1, dcp=1), strategy=None, threads_per_rank=args.threads,
-                       context_tokens=longest * args.batch, batch_tokens=max(4096, longest),
-                       engine_options={"quantization": args.quantization, "max_model_len": longest,
-                                       "max_num_seqs": max(args.batch, 1),
-                                       "compile_decode": args.compile_decode, "kv_cache_dtype": args.kv_cache_dtype})
+                       context_tokens=longest * args.batch, batch_tokens=max(4096, longest), engine_options=options)
     torch.set_num_threads(args.threads)
     prompts = [random_prompt(args.context, config.vocab_size, seed=args.context * 1000 + i)
                for i in range(args.batch)]

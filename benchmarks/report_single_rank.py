@@ -41,9 +41,11 @@ def single_rank_targets_section(results: Results, images: str, rel: str) -> list
     lines = ["## One rank: targets (issue 10)", "",
              "Ratios from `compare.json` (every system measured in one run, interleaved, same threads). `cpllm` is "
              "`--quantization none` (fp32, the weights transformers runs), `cpllm (auto)` the GGUF's Q4_1 blocks as "
-             "stored (the weights llama.cpp runs); `compiled` rows run decode with `--compile-decode` (warmed up on "
-             "each graph variant before timing), `float16 KV` with `--kv-cache-dtype float16`, the format llama.cpp "
-             "keeps K/V in. Decode requests of a batch share their prompt but the last token, and their first "
+             "stored (the weights llama.cpp runs: on this CPU in cpllm's VNNI int4 kernel, its batch-1 decode steps one "
+             "fused C call per layer, cpllm/model/fused_decode.py); `compiled` rows run decode with `--compile-decode` "
+             "(warmed up on each graph variant before timing; the fused layers take precedence where they apply, so "
+             "for `auto` only the K/V format differs), `float16 KV` with `--kv-cache-dtype float16`, the format "
+             "llama.cpp keeps K/V in. Decode requests of a batch share their prompt but the last token, and their first "
              "pass is a prefix-cache hit (the context is read from gathered slots). Labels: total threads / context "
              "tokens (decode) or prompt tokens (prefill). Nothing here is asserted by tests.", ""]
     compare = results.get("compare")
@@ -100,7 +102,9 @@ def decode_profile_section(results: Results, images: str, rel: str) -> list[str]
               f"processes in one run; SmolLM2, quantization={w['quantization']}, batch {w['batch']}, context "
               f"{w['context']}, {w['threads']} threads, {w['steps']} steps under torch.profiler (self CPU time per "
               "step; the profiler adds its own overhead). Step time measured without the profiler: median of each "
-              "run, and the best round.", ""]
+              "run, and the best round. cpllm's C kernels (the int4 matmul, decode attention, the fused decode "
+              "layers) are called through ctypes, not as torch operators: their time is in the step but not in "
+              "the operator table, which shows what is left around them.", ""]
     summary = [{"": side, "step_ms (median per run)": ", ".join(str(x) for x in data[side]["step_ms"]),
                 "best_step_ms": data[side]["best_step_ms"], "aten calls/step": data[side]["aten_calls_per_step"]}
                for side in ("before", "after")]

@@ -2,7 +2,7 @@
 
 The shared library is built with the system C compiler (`$CC`, else `cc`) at `-O3 -march=native -fopenmp`
 into a cache directory (`$CPLLM_KERNEL_CACHE`, else `~/.cache/cpllm/kernels`), under a name that hashes the
-sources of the package (a kernel may #include its siblings), the flags, the compiler's version and the CPU's
+sources and headers of the package (a kernel may #include its siblings), the flags, the compiler's version and the CPU's
 feature flags, so a changed source or another machine builds its own. Concurrent ranks may build the same file:
 each compiles to a private name and renames it into place (atomic), so a reader never sees half a library. The library links libgomp; loaded after torch, it
 shares the OpenMP runtime (and thread pool) torch already loaded, because the runtime's soname is the same.
@@ -55,10 +55,11 @@ def _cpu_flags() -> str:
 
 
 def _build_key(source: bytes) -> str:
-    """A hash of the source, every other kernel source (a kernel may #include its siblings), the flags, the
+    """A hash of the source, every other kernel source and header (a kernel may #include them), the flags, the
     compiler's version and the CPU's flags."""
     version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, check=True).stdout
-    siblings = b"".join(path.read_bytes() for path in sorted(Path(__file__).parent.glob("*.c")))
+    folder = Path(__file__).parent
+    siblings = b"".join(path.read_bytes() for path in sorted([*folder.glob("*.c"), *folder.glob("*.h")]))
     digest = hashlib.sha256(source + siblings + " ".join(FLAGS).encode() + version.encode() + _cpu_flags().encode())
     return digest.hexdigest()[:16]
 

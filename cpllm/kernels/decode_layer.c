@@ -13,8 +13,6 @@
 #include "int4_matmul.c"
 #include "rms_norm.c"
 
-#include <math.h>
-
 /* The layer's weights (packed as int4_matmul.c lays them out) and shapes. */
 typedef struct {
     const float *input_norm, *post_norm; /* [hidden] */
@@ -65,7 +63,7 @@ int cpllm_decode_layer(float *hidden, const layer_spec *L, const step_spec *S, v
 
     cpllm_rms_norm(hidden, L->post_norm, L->eps, B, H, normed, S->threads);
     status |= cpllm_int4_matmul(normed, B, H, L->gate_up, 2 * L->intermediate, gate_up, S->threads);
-    cpllm_silu_mul(gate_up, B, L->intermediate, act);
+    cpllm_silu_mul(gate_up, B, L->intermediate, act, S->threads);
     status |= cpllm_int4_matmul(act, B, L->intermediate, L->down, H, proj, S->threads);
     add_rows(hidden, proj, B * H);
     free(work);

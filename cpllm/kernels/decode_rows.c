@@ -5,9 +5,10 @@
  * each product rounded before the sum as torch computes it (fp-contract off: no fused multiply-add), so the
  * results are the bits torch's ops give.
  */
-#include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "vector_exp.h"
 
 enum { POOL_F32 = 0, POOL_F16 = 1, POOL_BF16 = 2 };
 
@@ -63,15 +64,34 @@ void cpllm_store_rows(const float *src, int64_t src_stride, const int64_t *rows,
     }
 }
 
-/* gate_up [batch, 2 * inter] (gate | up) -> out [batch, inter] = gate / (1 + exp(-gate)) * up, rounded in torch's
- * order (silu first); exp is the C library's, which can differ from torch's vectorized exp in the last place. */
-void cpllm_silu_mul(const float *gate_up, int64_t batch, int64_t inter, float *out) {
+/* silu(g) = g * sigmoid(g), sigmoid from e = exp(-|g|): 1 / (1 + e) for g >= 0, e / (1 + e) below (no overflow).
+ * Within about 3e-7 of torch's g / (1 + exp(-g)) (relative); what matters here is that the eager MLP and the fused
+ * decode layer both run this one function. */
+static inline float silu(float g) {
+    const float e = exp_nonpositive(g < 0.0f ? g : -g);
+    return g * ((g >= 0.0f ? 1.0f : e) / (1.0f + e));
+}
+
+#if defined(__AVX512F__)
+static inline __m512 silu16(__m512 g) {
+    const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+    const __mmask16 positive = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
+    const __m512 numerator = _mm512_mask_blend_ps(positive, e, _mm512_set1_ps(1.0f));
+    return _mm512_mul_ps(g, _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+}
+#endif
+
+/* gate_up [batch, 2 * inter] (gate | up) -> out [batch, inter] = silu(gate) * up, rows over `threads`. */
+void cpllm_silu_mul(const float *gate_up, int64_t batch, int64_t inter, float *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (batch * inter >= 65536)
     for (int64_t b = 0; b < batch; b++) {
         const float *g = gate_up + b * 2 * inter, *u = g + inter;
         float *o = out + b * inter;
-        for (int64_t i = 0; i < inter; i++) {
-            const float silu = g[i] / (1.0f + expf(-g[i]));
-            o[i] = silu * u[i];
-        }
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= inter; i += 16)
+            _mm512_storeu_ps(o + i, _mm512_mul_ps(silu16(_mm512_loadu_ps(g + i)), _mm512_loadu_ps(u + i)));
+#endif
+        for (; i < inter; i++) o[i] = silu(g[i]) * u[i];
     }
 }

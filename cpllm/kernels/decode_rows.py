@@ -29,7 +29,7 @@ def _library() -> ctypes.CDLL | None:
             lib.cpllm_rope_qk.restype = i
             lib.cpllm_store_rows.argtypes = [p, i64, p, p, i64, i64, p, i]
             lib.cpllm_store_rows.restype = None
-            lib.cpllm_silu_mul.argtypes = [p, i64, i64, p]
+            lib.cpllm_silu_mul.argtypes = [p, i64, i64, p, i]
             lib.cpllm_silu_mul.restype = None
             _lib = lib
     return _lib
@@ -81,5 +81,5 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor | None:
     if lib is None:
         return None
     out = torch.empty(gate_up.shape[0], inter, dtype=torch.float32)
-    lib.cpllm_silu_mul(gate_up.data_ptr(), gate_up.shape[0], inter, out.data_ptr())
+    lib.cpllm_silu_mul(gate_up.data_ptr(), gate_up.shape[0], inter, out.data_ptr(), torch.get_num_threads())
     return out

@@ -1,0 +1,46 @@
+/* exp(x) for x <= 0, scalar and on 16 AVX-512 lanes, shared by the kernels that #include it. */
+#ifndef CPLLM_VECTOR_EXP_H
+#define CPLLM_VECTOR_EXP_H
+#include <stdint.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+/* exp(x) for x <= 0 (scores minus their maximum), written so the loop around it vectorizes: 2^n * p(r) with
+ * r = x - n ln2 in [-ln2/2, ln2/2] and a degree-6 Taylor polynomial (relative error below 2e-7). */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_floorf(x * 1.44269504f + 0.5f);
+    const float r = x - n * 0.693145752f - n * 1.42860677e-6f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { uint32_t u; float f; } scale = { .u = (uint32_t)((int32_t)n + 127) << 23 };
+    return p * scale.f;
+}
+
+#if defined(__AVX512F__)
+/* exp_nonpositive on 16 lanes. */
+static inline __m512 exp16_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+#endif
+#endif
