@@ -151,7 +151,7 @@ def decode_attention_section(results: Results, images: str, rel: str) -> list[st
               "the fallback without a compiler (index_select of the slots, widened to float32, PyTorch's CPU flash "
               "kernel). Both through the engine's `attend_decode`, alternating in rounds, median round; "
               "`kernel_gb_per_s` is the K/V bytes over the kernel's time. Load average at the start: "
-              f"{data['machine'].get('load_average_start')}.", ""]
+              f"{data['machine'].get('load_average')}.", ""]
     return lines + md_table(data["results"])
 
 
@@ -166,7 +166,7 @@ def int4_kernel_section(results: Results, images: str, rel: str) -> list[str]:
               "products with `vpdpbusd`) and `aten` (`_weight_int4pack_mm_for_cpu`, bfloat16 activations). `rows`: 1 "
               "is a batch-1 decode step, 16 a 16-request step, 512 a prefill chunk. `error`: the first layer's output "
               "against float64 on the same dequantized weights (relative norm). Alternating rounds, median round. "
-              f"Load average at the start: {data['machine'].get('load_average_start')}.", ""]
+              f"Load average at the start: {data['machine'].get('load_average')}.", ""]
     return lines + md_table(data["results"])
 
 
