@@ -19,6 +19,7 @@ from cpllm import LLM, SamplingParams
 from cpllm.context_parallel.local_attention import reduction_attention
 from cpllm.context_parallel.sdpa import reference_attention
 from cpllm.engine.llm import build_engine_config
+from cpllm.model import fused_decode
 
 
 def test_reduction_attention_matches_reference():
@@ -41,6 +42,13 @@ def _prompts(vocab: int) -> list[list[list[int]]]:
         [shared + [rng.randrange(vocab) for _ in range(n)] for n in (1, 3, 2)],  # a long shared prefix
     ]
     return rounds + [rounds[0]]  # a prefix-cache hit: the new blocks are not next to the cached ones
+
+
+@pytest.fixture(autouse=True)
+def _no_fused_layers(monkeypatch):
+    """The fused decode layers take precedence over the compiled step where they apply (cpllm/worker/runner.py):
+    turned off here, so every decode step of these runs is the compiled graph under test."""
+    monkeypatch.setattr(fused_decode.FusedDecode, "build", classmethod(lambda cls, model: None))
 
 
 def _generate(folder: str, rounds, compile_decode: bool, kv_cache_dtype: str):

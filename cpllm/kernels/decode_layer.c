@@ -1,22 +1,32 @@
 /* One decoder layer of a decode step in one call: the eager layer's own kernels, run back to back from C.
  *
- * For a Llama-family layer whose four linears are int4 groups packed for the VNNI kernel, on a rank that holds its
- * requests' whole context (cpllm/model/fused_decode.py decides): RMSNorm, q|k|v projection, rotary embedding of q
+ * For a Llama-family layer whose four linears each run as one kernel (int4 groups packed for the VNNI kernel, or a
+ * float32 weight in f32_matmul.c's matrix-vector loop), on a rank that holds its requests' whole context (cpllm/model/fused_decode.py decides): RMSNorm, q|k|v projection, rotary embedding of q
  * and k, the new K/V stored into the pools, decode attention read in place from the pools, output projection and
  * residual, RMSNorm, gate|up projection, silu(gate) * up, down projection and residual. Each step is the same C
- * function the eager path calls on the CPU (included below) and the residual adds round as torch's, so the results
- * are the eager layer's, bit for bit. What this removes is the Python and dispatcher cost around some twenty
+ * function the eager path calls on the CPU (included below) and the residual adds round as torch's, so with int4
+ * weights the results are the eager layer's, bit for bit; float32 weights sum in another order than MKL's
+ * matrix product (within float32 rounding). What this removes is the Python and dispatcher cost around some twenty
  * operator calls per layer: most of a batch-1 step's time once the weights stream at memory speed.
  */
 #include "decode_attention.c"
 #include "decode_rows.c"
+#include "f32_matmul.c"
 #include "int4_matmul.c"
 #include "rms_norm.c"
 
-/* The layer's weights (packed as int4_matmul.c lays them out) and shapes. */
+enum { LINEAR_INT4 = 0, LINEAR_F32 = 1 };
+
+/* A linear layer's weight: int4 groups packed as int4_matmul.c lays them out, or float32 [in, out]. */
+typedef struct {
+    const void *weight;
+    int kind;
+} linear_spec;
+
+/* The layer's weights and shapes. */
 typedef struct {
     const float *input_norm, *post_norm; /* [hidden] */
-    const uint8_t *qkv, *o, *gate_up, *down;
+    linear_spec qkv, o, gate_up, down;
     int hidden, heads, kv_heads, head_dim, intermediate;
     float eps, scale;
 } layer_spec;
@@ -36,6 +46,11 @@ static void add_rows(float *restrict hidden, const float *restrict delta, int64_
     for (int64_t i = 0; i < n; i++) hidden[i] = hidden[i] + delta[i];
 }
 
+static int linear(linear_spec w, const float *x, int64_t rows, int in, int out, float *y, int threads) {
+    if (w.kind == LINEAR_INT4) return cpllm_int4_matmul(x, rows, in, (const uint8_t *)w.weight, out, y, threads);
+    return cpllm_f32_matmul(x, rows, in, (const float *)w.weight, out, y, threads);
+}
+
 /* hidden [batch, hidden] float32, updated in place. Returns 0, or -1 when a kernel could not allocate. */
 int cpllm_decode_layer(float *hidden, const layer_spec *L, const step_spec *S, void *k_pool, void *v_pool) {
     const int64_t B = S->batch;
@@ -50,7 +65,7 @@ int cpllm_decode_layer(float *hidden, const layer_spec *L, const step_spec *S, v
     int status = 0;
 
     cpllm_rms_norm(hidden, L->input_norm, L->eps, B, H, normed, S->threads);
-    status |= cpllm_int4_matmul(normed, B, H, L->qkv, qkv_width, qkv, S->threads);
+    status |= linear(L->qkv, normed, B, H, qkv_width, qkv, S->threads);
     status |= cpllm_rope_qk(qkv, L->heads, qkv_width, qkv + qd, L->kv_heads, qkv_width, B, L->head_dim, S->cos, S->sin);
     cpllm_store_rows(qkv + qd, qkv_width, S->write_rows, S->write_slots, S->writes, kvd, k_pool, S->pool_dtype);
     cpllm_store_rows(qkv + qd + kvd, qkv_width, S->write_rows, S->write_slots, S->writes, kvd, v_pool, S->pool_dtype);
@@ -58,13 +73,13 @@ int cpllm_decode_layer(float *hidden, const layer_spec *L, const step_spec *S, v
     status |= cpllm_paged_decode_attention(q, k_pool, v_pool, S->pool_dtype, S->slots, S->slot_stride, S->lengths, B,
                                            L->heads, L->kv_heads, L->head_dim, L->scale, S->chunk, S->threads,
                                            attn, lse);
-    status |= cpllm_int4_matmul(attn, B, qd, L->o, H, proj, S->threads);
+    status |= linear(L->o, attn, B, qd, H, proj, S->threads);
     add_rows(hidden, proj, B * H);
 
     cpllm_rms_norm(hidden, L->post_norm, L->eps, B, H, normed, S->threads);
-    status |= cpllm_int4_matmul(normed, B, H, L->gate_up, 2 * L->intermediate, gate_up, S->threads);
+    status |= linear(L->gate_up, normed, B, H, 2 * L->intermediate, gate_up, S->threads);
     cpllm_silu_mul(gate_up, B, L->intermediate, act, S->threads);
-    status |= cpllm_int4_matmul(act, B, L->intermediate, L->down, H, proj, S->threads);
+    status |= linear(L->down, act, B, L->intermediate, H, proj, S->threads);
     add_rows(hidden, proj, B * H);
     free(work);
     return status ? -1 : 0;

@@ -1,9 +1,9 @@
 """Decode steps with each decoder layer as one C call (cpllm/kernels/decode_layer.c), where the layers allow it.
 
-An eager batch-1 decode step of a small int4 model spends more time in Python and the dispatcher (some twenty
-operator calls per layer) than in its kernels once the weights stream at memory speed. When every layer is a
-dense Llama-family layer whose four linears run on the VNNI int4 kernel, with no bias, no q/k norm, no tensor
-parallelism and no decode split of the MLP, and this rank holds its requests' whole context (one rank, or a PCP
+An eager batch-1 decode step of a small model spends much of its time in Python and the dispatcher (some twenty
+operator calls per layer) around kernels that stream the weights at memory speed. When every layer is a dense
+Llama-family layer whose four linears each run as one kernel (the VNNI int4 kernel, or a float32 weight without
+bias in cpllm/kernels/f32_matmul.c), with no q/k norm, no tensor parallelism and no decode split of the MLP, and this rank holds its requests' whole context (one rank, or a PCP
 rank of the replicated KV layout), `FusedDecode.build` packs each layer's pointers once; `run` then takes the steps
 of single tokens whose batch the decode attention kernel reads (no shared keys, every row a decode row) and calls
 the layer function per layer. Every other step, and every other model, runs the eager layers.
@@ -26,10 +26,17 @@ logger = logging.getLogger(__name__)
 _POOL_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
+_INT4, _F32 = 0, 1
+"""Weight kinds of decode_layer.c's linear_spec."""
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("weight", ctypes.c_void_p), ("kind", ctypes.c_int)]
+
+
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", ctypes.c_void_p),
-                ("o", ctypes.c_void_p), ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p),
-                ("hidden", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int),
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _Linear),
+                ("o", _Linear), ("gate_up", _Linear), ("down", _Linear), ("hidden", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int),
                 ("head_dim", ctypes.c_int), ("intermediate", ctypes.c_int), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float)]
 
@@ -47,17 +54,24 @@ def _library() -> ctypes.CDLL | None:
         p = ctypes.c_void_p
         lib.cpllm_decode_layer.argtypes = [p, ctypes.POINTER(_Layer), ctypes.POINTER(_Step), p, p]
         lib.cpllm_decode_layer.restype = ctypes.c_int
+        lib.cpllm_f32_available.restype = ctypes.c_int
         lib._cpllm_typed = True
     return lib
 
 
-def _vnni(module) -> Int4Linear | None:
-    """The module's single VNNI int4 kernel (a one-piece column linear, or a row linear's kernel), else None."""
+def _weight(module) -> tuple[int, torch.Tensor] | None:
+    """(kind, tensor) of a linear the fused layer runs as one kernel: a one-piece VNNI int4 kernel, or a float32
+    [in, out] weight without bias; None otherwise."""
     pieces = getattr(module, "pieces", None)
-    kernel = pieces[0] if pieces is not None and len(pieces) == 1 else getattr(module, "kernel", None)
-    if not isinstance(kernel, Int4Linear) or kernel.backend != "vnni" or kernel.repeat_input != 1:
+    inner = pieces[0] if pieces is not None and len(pieces) == 1 else getattr(module, "kernel", None)
+    if isinstance(inner, Int4Linear):
+        return (_INT4, inner.packed) if inner.backend == "vnni" and inner.repeat_input == 1 else None
+    if pieces is not None and len(pieces) != 1 or getattr(module, "bias", None) is not None:
         return None
-    return kernel
+    weight = getattr(inner if inner is not None else module, "weight", None)
+    if weight is None or weight.dtype != torch.float32 or weight.dim() != 2 or not weight.is_contiguous():
+        return None
+    return _F32, weight
 
 
 def _why_not(layer) -> str | None:
@@ -65,14 +79,14 @@ def _why_not(layer) -> str | None:
     attn, mlp = layer.self_attn, layer.mlp
     if not hasattr(mlp, "gate_up_proj") or getattr(mlp, "decode_split", None) is not None:
         return "not a dense MLP run whole on this rank"
-    if attn.q_norm is not None or attn.qkv_proj.bias is not None or getattr(mlp.gate_up_proj, "bias", None) is not None:
-        return "q/k norms or biases"
+    if attn.q_norm is not None:
+        return "q/k norms"
     if attn.o_proj.tp.size != 1 or mlp.down_proj.tp.size != 1:
         return "tensor parallelism"
     if attn.attn.comm.kv_size != 1:
         return "the KV cache is sharded over ranks"
-    if any(_vnni(m) is None for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
-        return "a linear layer does not run on the VNNI int4 kernel"
+    if any(_weight(m) is None for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+        return "a linear layer is not one VNNI int4 kernel or one float32 weight without bias"
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
     if any(w.dtype != torch.float32 for w in norms):
         return "norm weights are not float32"
@@ -101,11 +115,15 @@ class FusedDecode:
         specs, keep = [], []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                       *(_vnni(m).packed for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))]
-            keep += tensors
-            specs.append(_Layer(*(t.data_ptr() for t in tensors), layer.input_layernorm.weight.shape[0],
-                                attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.shard,
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            linears = [_weight(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            if any(kind == _F32 for kind, _ in linears) and lib.cpllm_f32_available() != 1:
+                logger.debug("decode layers run eager: float32 weights and no AVX-512 for the fused matmul")
+                return None
+            keep += [*norms, *(t for _, t in linears)]
+            specs.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(),
+                                *(_Linear(t.data_ptr(), kind) for kind, t in linears),
+                                norms[0].shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.shard,
                                 layer.input_layernorm.eps, attn.attn.scale))
         return cls(lib, specs, keep)
 
