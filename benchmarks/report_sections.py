@@ -259,13 +259,24 @@ def bounds_section(results: Results, images: str, rel: str) -> list[str]:
     """What limits the targets that are missed (from profiles with torch.profiler; prose, no figures)."""
     return [
         "## What bounds the missed targets", "",
-        "- **Batch-1 decode** streams every fp32 weight once per token. In a torch.profiler trace the weight "
-        "matmuls take about three quarters of a step and run close to the matrix-vector ceiling above; the rest is "
-        "per-layer dispatch (30 layers of small ops). Storing linear weights as `[in, out]` (so decode is `x @ W`) "
-        "raised the streaming rate by about a quarter. The fp32 rows read six times the bytes of the Q4_1 blocks "
-        "llama.cpp reads; `--quantization auto` runs those blocks as stored (issue 10's section below). At long "
-        "context each step also reads the request's K/V: the decode attention kernel reads them in place from "
-        "the paged pool (section 'Decode attention' below) instead of gathering a copy first.",
+        "- **Batch-1 decode with fp32 weights (`none`)** streams every weight once per token. Its decode steps run "
+        "one C call per layer (the fused decode layers: a matrix-vector loop as fast as MKL's, and the norms, "
+        "rotary, K/V store, attention and activation of the eager path without the Python around them), so at "
+        "context 128 a step is within a few percent of the weight-streaming bound. The bound counts weights only: "
+        "at context 2,048 each step also reads the request's float32 K/V (94 MB over 30 layers, a sixth of the "
+        "weights' 538 MB), which caps the ratio near 0.85 with perfect streaming; the attention kernel reads it at "
+        "about half the weights' rate on one thread (8 GB/s, scattered 16-slot blocks: section 'Decode attention') "
+        "and at about their rate on two. `--quantization auto` runs the GGUF's "
+        "Q4_1 blocks as stored and reads a sixth of the bytes (issue 10's section below).",
+        "- **Decode under PCP=2 against one rank with both cores**: on this machine the two cores share one memory "
+        "system (the matrix-vector rate is the same with one thread and two, `bench ceiling`), so splitting a "
+        "batch-1 step's weight and K/V reads over two ranks saves little, while the sharded layout's ranks pay "
+        "one all-gather of attention partials and two of the split MLP per layer (tens of microseconds each over "
+        "shared memory) and run the eager layers, where one rank runs its step fused. The replicated layout's "
+        "ranks fuse their own requests' steps, but at batch 1 one rank holds the only request and the other "
+        "waits. At batch 16 both layouts land near one rank with two threads, whose own rate moves by a third "
+        "between runs here (the 16-request steps share their prompt, a shared-key batch the fused layers leave "
+        "to the eager path).",
         "- **16-request decode** is bound by small-M fp32 GEMMs (16 rows reuse each weight only 16 times) and, at "
         "long context, by reading every request's fp32 KV each step. Decode queries of a step share one attention "
         "call per layer; when they share a prefix through the prefix cache, the shared keys are read once (queries "

@@ -41,12 +41,13 @@ def single_rank_targets_section(results: Results, images: str, rel: str) -> list
     lines = ["## One rank: targets (issue 10)", "",
              "Ratios from `compare.json` (every system measured in one run, interleaved, same threads). `cpllm` is "
              "`--quantization none` (fp32, the weights transformers runs), `cpllm (auto)` the GGUF's Q4_1 blocks as "
-             "stored (the weights llama.cpp runs: on this CPU in cpllm's VNNI int4 kernel, its batch-1 decode steps one "
-             "fused C call per layer, cpllm/model/fused_decode.py); `compiled` rows run decode with `--compile-decode` "
-             "(warmed up on each graph variant before timing; the fused layers take precedence where they apply, so "
-             "for `auto` only the K/V format differs), `float16 KV` with `--kv-cache-dtype float16`, the format "
-             "llama.cpp keeps K/V in. Decode requests of a batch share their prompt but the last token, and their first "
-             "pass is a prefix-cache hit (the context is read from gathered slots). Labels: total threads / context "
+             "stored (the weights llama.cpp runs; on this CPU in cpllm's VNNI int4 kernel). Both run their batch-1 "
+             "decode steps as one fused C call per layer (cpllm/model/fused_decode.py). `compiled` rows run decode "
+             "with `--compile-decode` (warmed up on each graph variant before timing); the fused layers take "
+             "precedence where they apply, so the compiled graphs run only the shared-prefix steps of the "
+             "16-request rows. `float16 KV` is `--kv-cache-dtype float16`, the format llama.cpp keeps K/V in. "
+             "Decode requests of a batch share their prompt but the last token, and their first pass is a "
+             "prefix-cache hit (the context is read from gathered slots). Labels: total threads / context "
              "tokens (decode) or prompt tokens (prefill). Nothing here is asserted by tests.", ""]
     compare = results.get("compare")
     if not compare:

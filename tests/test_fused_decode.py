@@ -3,12 +3,12 @@
 The fused layer runs the eager path's own C kernels back to back, so on a tiny Llama whose every linear is 4-bit
 (run on the VNNI int4 kernel) the engine's outputs must equal, bit for bit, a run with fusing turned off: greedy
 tokens, their logprobs and the prompt logprobs, for float32 and float16 K/V, with batches of several requests of
-different lengths and a shared prefix (its shared-key steps run eager, so the run switches between the two).
-With float32 weights (quantization none) the fused matrix-vector loop sums in another order than MKL: greedy
-tokens equal, logprobs within 1e-5 (measured 0 here; 2.2e-5 on SmolLM2 over 120 tokens). Under the replicated KV layout each PCP rank holds its requests' whole
-context and fuses its decode steps too; that run must match the single-rank engine as the other layout tests do.
-A model the fused layer cannot run (a Q8_0 projection: q|k|v in two kernels), or kernels turned off, keeps the
-eager layers.
+different lengths and a shared prefix (its shared-key steps run eager, so the run switches between the two). With
+float32 weights (quantization none) the fused matrix-vector loop sums in another order than MKL: greedy tokens
+equal, logprobs within 1e-5 (measured 0 here; 2.2e-5 on SmolLM2 over 120 tokens). Under the replicated KV layout
+each PCP rank holds its requests' whole context and fuses its decode steps too; that run must match the single-rank
+engine as the other layout tests do. A model the fused layer cannot run (a Q8_0 projection: q|k|v in two kernels),
+or kernels turned off, keeps the eager layers.
 """
 
 from __future__ import annotations

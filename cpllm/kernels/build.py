@@ -1,11 +1,12 @@
 """Compile a C kernel of this package for this machine on first use, and load it with ctypes.
 
-The shared library is built with the system C compiler (`$CC`, else `cc`) at `-O3 -march=native -fopenmp`
-into a cache directory (`$CPLLM_KERNEL_CACHE`, else `~/.cache/cpllm/kernels`), under a name that hashes the
-sources and headers of the package (a kernel may #include its siblings), the flags, the compiler's version and the CPU's
-feature flags, so a changed source or another machine builds its own. Concurrent ranks may build the same file:
-each compiles to a private name and renames it into place (atomic), so a reader never sees half a library. The library links libgomp; loaded after torch, it
-shares the OpenMP runtime (and thread pool) torch already loaded, because the runtime's soname is the same.
+The shared library is built with the system C compiler (`$CC`, else `cc`) at `-O3 -march=native -fopenmp` into a
+cache directory (`$CPLLM_KERNEL_CACHE`, else `~/.cache/cpllm/kernels`), under a name that hashes the sources and
+headers of the package (a kernel may #include its siblings), the flags, the compiler's version and the CPU's feature
+flags, so a changed source or another machine builds its own. Concurrent ranks may build the same file: each
+compiles to a private name and renames it into place (atomic), so a reader never sees half a library. The library
+links libgomp; loaded after torch, it shares the OpenMP runtime (and thread pool) torch already loaded, because the
+runtime's soname is the same.
 
 `CPLLM_KERNELS=0` turns every kernel off (the torch fallbacks run); a missing compiler or a failed build logs
 one WARNING with the reason and falls back the same way.

@@ -1,9 +1,10 @@
 /* One decoder layer of a decode step in one call: the eager layer's own kernels, run back to back from C.
  *
  * For a Llama-family layer whose four linears each run as one kernel (int4 groups packed for the VNNI kernel, or a
- * float32 weight in f32_matmul.c's matrix-vector loop), on a rank that holds its requests' whole context (cpllm/model/fused_decode.py decides): RMSNorm, q|k|v projection, rotary embedding of q
- * and k, the new K/V stored into the pools, decode attention read in place from the pools, output projection and
- * residual, RMSNorm, gate|up projection, silu(gate) * up, down projection and residual. Each step is the same C
+ * float32 weight in f32_matmul.c's matrix-vector loop), on a rank that holds its requests' whole context
+ * (cpllm/model/fused_decode.py decides): RMSNorm, q|k|v projection, rotary embedding of q and k, the new K/V
+ * stored into the pools, decode attention read in place from the pools, output projection and residual,
+ * RMSNorm, gate|up projection, silu(gate) * up, down projection and residual. Each step is the same C
  * function the eager path calls on the CPU (included below) and the residual adds round as torch's, so with int4
  * weights the results are the eager layer's, bit for bit; float32 weights sum in another order than MKL's
  * matrix product (within float32 rounding). What this removes is the Python and dispatcher cost around some twenty

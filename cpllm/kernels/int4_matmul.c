@@ -70,8 +70,8 @@ static inline __m512i broadcast4(const int8_t *p) {
 
 /* Rows m0 .. m0 + mt - 1 of y against one block of 16 output rows (`valid` of them real). */
 static inline __attribute__((always_inline)) void tile(const uint8_t *block, int G, const int8_t *xq,
-                                                       const int8_t *xr, const float *xs, const float *xsum, int mt, float *y,
-                                                       int64_t ldy, int valid) {
+                                                       const int8_t *xr, const float *xs, const float *xsum, int mt,
+                                                       float *y, int64_t ldy, int valid) {
     const int K = G * GROUP;
     const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
     __m512 out[TILE_M];
@@ -106,8 +106,8 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *block, int
     for (int t = 0; t < mt; t++) _mm512_mask_storeu_ps(y + (int64_t)t * ldy, keep, out[t]);
 }
 
-static void block_rows(const uint8_t *block, int G, const int8_t *xq, const int8_t *xr, const float *xs, const float *xsum,
-                       int64_t rows, float *y, int64_t ldy, int valid) {
+static void block_rows(const uint8_t *block, int G, const int8_t *xq, const int8_t *xr, const float *xs,
+                       const float *xsum, int64_t rows, float *y, int64_t ldy, int valid) {
     const int K = G * GROUP;
     int64_t r = 0;
     for (; r + TILE_M <= rows; r += TILE_M)
@@ -142,8 +142,8 @@ int cpllm_int4_matmul(const float *x, int64_t M, int K, const uint8_t *packed, i
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t r0 = c * CHUNK_M, rows = M - r0 < CHUNK_M ? M - r0 : CHUNK_M;
             const int valid = N - b * BLOCK_ROWS < BLOCK_ROWS ? (int)(N - b * BLOCK_ROWS) : BLOCK_ROWS;
-            block_rows(packed + b * (int64_t)G * RECORD_BYTES, G, xq + r0 * K, xr + r0 * K, xs + r0 * G, xsum + r0 * G, rows,
-                       y + r0 * N + b * BLOCK_ROWS, N, valid);
+            block_rows(packed + b * (int64_t)G * RECORD_BYTES, G, xq + r0 * K, xr + r0 * K, xs + r0 * G,
+                       xsum + r0 * G, rows, y + r0 * N + b * BLOCK_ROWS, N, valid);
         }
     free(xq), free(xs), free(xsum);
     return 0;

@@ -2,11 +2,12 @@
 
 An eager batch-1 decode step of a small model spends much of its time in Python and the dispatcher (some twenty
 operator calls per layer) around kernels that stream the weights at memory speed. When every layer is a dense
-Llama-family layer whose four linears each run as one kernel (the VNNI int4 kernel, or a float32 weight without
-bias in cpllm/kernels/f32_matmul.c), with no q/k norm, no tensor parallelism and no decode split of the MLP, and this rank holds its requests' whole context (one rank, or a PCP
-rank of the replicated KV layout), `FusedDecode.build` packs each layer's pointers once; `run` then takes the steps
-of single tokens whose batch the decode attention kernel reads (no shared keys, every row a decode row) and calls
-the layer function per layer. Every other step, and every other model, runs the eager layers.
+Llama-family layer whose four linears each run as one kernel (the VNNI int4 kernel, or a float32 weight without bias
+in cpllm/kernels/f32_matmul.c), with no q/k norm, no tensor parallelism and no decode split of the MLP, and this
+rank holds its requests' whole context (one rank, or a PCP rank of the replicated KV layout), `FusedDecode.build`
+packs each layer's pointers once; `run` then takes the steps of single tokens whose batch the decode attention
+kernel reads (no shared keys, every row a decode row) and calls the layer function per layer. Every other step, and
+every other model, runs the eager layers.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _Linear),
-                ("o", _Linear), ("gate_up", _Linear), ("down", _Linear), ("hidden", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int),
-                ("head_dim", ctypes.c_int), ("intermediate", ctypes.c_int), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float)]
+                ("o", _Linear), ("gate_up", _Linear), ("down", _Linear), ("hidden", ctypes.c_int),
+                ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
+                ("intermediate", ctypes.c_int), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
 class _Step(ctypes.Structure):
@@ -77,6 +78,8 @@ def _weight(module) -> tuple[int, torch.Tensor] | None:
 def _why_not(layer) -> str | None:
     """Why this decoder layer cannot run fused, or None."""
     attn, mlp = layer.self_attn, layer.mlp
+    if layer.input_layernorm.weight.device.type != "cpu":
+        return "not on the CPU"
     if not hasattr(mlp, "gate_up_proj") or getattr(mlp, "decode_split", None) is not None:
         return "not a dense MLP run whole on this rank"
     if attn.q_norm is not None:
