@@ -107,13 +107,14 @@ class FusedDecode:
 
     @classmethod
     def build(cls, model) -> "FusedDecode | None":
-        """The fused form of `model`'s layers, or None (with the reason at DEBUG) where a layer does not allow it."""
+        """The fused form of `model`'s layers, or None where a layer does not allow it (logged either way)."""
         if not model.layers:
             return None
         reasons = {r for r in map(_why_not, model.layers) if r is not None}
         lib = _library() if not reasons else None
         if reasons or lib is None:
-            logger.debug("decode layers run eager: %s", "; ".join(sorted(reasons)) or "the kernel is not built")
+            logger.info("decode steps: eager layers (%s)",
+                        "; ".join(sorted(reasons)) or "the fused kernel is not built")
             return None
         specs, keep = [], []
         for layer in model.layers:
@@ -121,13 +122,17 @@ class FusedDecode:
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             linears = [_weight(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(kind == _F32 for kind, _ in linears) and lib.cpllm_f32_available() != 1:
-                logger.debug("decode layers run eager: float32 weights and no AVX-512 for the fused matmul")
+                logger.info("decode steps: eager layers (float32 weights and no AVX-512 for the fused matmul)")
                 return None
             keep += [*norms, *(t for _, t in linears)]
             specs.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(),
                                 *(_Linear(t.data_ptr(), kind) for kind, t in linears),
                                 norms[0].shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.shard,
                                 layer.input_layernorm.eps, attn.attn.scale))
+        kinds = sorted({"int4" if linear.kind == _INT4 else "float32"
+                        for spec in specs for linear in (spec.qkv, spec.o, spec.gate_up, spec.down)})
+        logger.info("decode steps: one fused C call per decoder layer (%s weights; cpllm/model/fused_decode.py)",
+                    "/".join(kinds))
         return cls(lib, specs, keep)
 
     @staticmethod
