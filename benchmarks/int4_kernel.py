@@ -30,16 +30,6 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 """(out, in) of each linear of a SmolLM2 layer: q|k|v, o, gate|up, down."""
 
 
-def _layers(backend: str, groups: list) -> list[Int4Linear]:
-    real = int4_matmul.available
-    if backend == "aten":
-        int4_matmul.available = lambda: False
-    try:
-        return [Int4Linear(g) for g in groups]
-    finally:
-        int4_matmul.available = real
-
-
 def _pass_seconds(layers: list[Int4Linear], inputs: dict[int, torch.Tensor]) -> float:
     start = time.perf_counter()
     for layer in layers:
@@ -51,7 +41,7 @@ def measure(rows: int, threads: int, groups: list, exact: list, rounds: int) -> 
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(rows)
     inputs = {k: torch.randn(rows, k, generator=gen) for k in {k for _, k in SHAPES}}
-    sides = {b: _layers(b, groups) for b in ("vnni", "aten")}
+    sides = {b: [Int4Linear(g, backend=b) for g in groups] for b in ("vnni", "aten")}
     times: dict[str, list[float]] = {b: [] for b in sides}
     for _ in range(rounds):
         for backend, layers in sides.items():

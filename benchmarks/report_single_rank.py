@@ -140,35 +140,37 @@ def quality_section(results: Results, images: str, rel: str) -> list[str]:
     return lines + md_table(data["rows"])
 
 
-def decode_attention_section(results: Results, images: str, rel: str) -> list[str]:
-    lines = ["## Decode attention: the in-place kernel against gather + flash", ""]
-    data = results.get("decode_attention")
+def _kernel_bench_section(results: Results, title: str, key: str, description: str) -> list[str]:
+    """A kernel benchmark's section: `description` (its prose), the load when it started, its result table."""
+    lines = [f"## {title}", ""]
+    data = results.get(key)
     if not data:
-        return lines + _missing("") + ["(`python benchmarks/decode_attention.py`)"]
-    lines += ["`benchmarks/decode_attention.py`: one decode token's attention over its context for all 30 layers "
-              "of SmolLM2's shapes (9 query heads, 3 KV heads of 64), the context in 16-slot blocks scattered over "
-              "the pool, one pool pair per layer (read from memory, not cache). `kernel_ms`: the C kernel reading "
-              "the slots in place (cpllm/kernels/decode_attention.c); `gather_flash_ms`: the path it replaced and "
-              "the fallback without a compiler (index_select of the slots, widened to float32, PyTorch's CPU flash "
-              "kernel). Both through the engine's `attend_decode`, alternating in rounds, median round; "
-              "`kernel_gb_per_s` is the K/V bytes over the kernel's time. Load average at the start: "
-              f"{data['machine'].get('load_average')}.", ""]
+        return lines + _missing("") + [f"(`python benchmarks/{key}.py`)"]
+    lines += [f"{description} Load average at the start: {data['machine'].get('load_average')}.", ""]
     return lines + md_table(data["results"])
+
+
+def decode_attention_section(results: Results, images: str, rel: str) -> list[str]:
+    return _kernel_bench_section(
+        results, "Decode attention: the in-place kernel against gather + flash", "decode_attention",
+        "`benchmarks/decode_attention.py`: one decode token's attention over its context for all 30 layers "
+        "of SmolLM2's shapes (9 query heads, 3 KV heads of 64), the context in 16-slot blocks scattered over "
+        "the pool, one pool pair per layer (read from memory, not cache). `kernel_ms`: the C kernel reading "
+        "the slots in place (cpllm/kernels/decode_attention.c); `gather_flash_ms`: the path it replaced and "
+        "the fallback without a compiler (index_select of the slots, widened to float32, PyTorch's CPU flash "
+        "kernel). Both through the engine's `attend_decode`, alternating in rounds, median round; "
+        "`kernel_gb_per_s` is the K/V bytes over the kernel's time.")
 
 
 def int4_kernel_section(results: Results, images: str, rel: str) -> list[str]:
-    lines = ["## The int4 matmul: cpllm's VNNI kernel against aten's", ""]
-    data = results.get("int4_kernel")
-    if not data:
-        return lines + _missing("") + ["(`python benchmarks/int4_kernel.py`)"]
-    lines += ["`benchmarks/int4_kernel.py`: SmolLM2's four linear layers (q|k|v, o, gate|up, down) for 30 layers, each "
-              "with its own random 4-bit groups (streamed from memory), through `Int4Linear` built for each backend: "
-              "`vnni` (cpllm/kernels/int4_matmul.c: activations held as two int8 codes per group of 32, integer dot "
-              "products with `vpdpbusd`) and `aten` (`_weight_int4pack_mm_for_cpu`, bfloat16 activations). `rows`: 1 "
-              "is a batch-1 decode step, 16 a 16-request step, 512 a prefill chunk. `error`: the first layer's output "
-              "against float64 on the same dequantized weights (relative norm). Alternating rounds, median round. "
-              f"Load average at the start: {data['machine'].get('load_average')}.", ""]
-    return lines + md_table(data["results"])
+    return _kernel_bench_section(
+        results, "The int4 matmul: cpllm's VNNI kernel against aten's", "int4_kernel",
+        "`benchmarks/int4_kernel.py`: SmolLM2's four linear layers (q|k|v, o, gate|up, down) for 30 layers, each "
+        "with its own random 4-bit groups (streamed from memory), through `Int4Linear` built for each backend: "
+        "`vnni` (cpllm/kernels/int4_matmul.c: activations held as two int8 codes per group of 32, integer dot "
+        "products with `vpdpbusd`) and `aten` (`_weight_int4pack_mm_for_cpu`, bfloat16 activations). `rows`: 1 "
+        "is a batch-1 decode step, 16 a 16-request step, 512 a prefill chunk. `error`: the first layer's output "
+        "against float64 on the same dequantized weights (relative norm). Alternating rounds, median round.")
 
 
 SINGLE_RANK_SECTIONS = [single_rank_targets_section, decode_profile_section, decode_attention_section,

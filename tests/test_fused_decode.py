@@ -22,6 +22,7 @@ import tiny_models as tm  # tests/ is on sys.path under pytest
 from cpllm import LLM, SamplingParams
 from cpllm.kernels import build, int4_matmul
 from cpllm.model import fused_decode
+from parallel_helpers import prompt_logprob_values, sampled_logprobs  # tests/ too
 
 pytestmark = pytest.mark.skipif(not int4_matmul.available(), reason="no AVX-512 VNNI int4 kernel on this machine")
 
@@ -62,10 +63,7 @@ def _run(path: str, fused: bool, monkeypatch, **options):
 
 
 def _values(output) -> tuple:
-    completion = output.outputs[0]
-    sampled = [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)]
-    prompt = [output.prompt_logprobs[i][t].logprob for i, t in enumerate(output.prompt_token_ids) if i > 0]
-    return completion.token_ids, sampled, prompt
+    return output.outputs[0].token_ids, sampled_logprobs(output), prompt_logprob_values(output)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])

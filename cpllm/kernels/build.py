@@ -80,6 +80,18 @@ def _compile(source_path: Path, target: Path) -> None:
             os.unlink(private)
 
 
+def load_typed(name: str, signatures: dict[str, tuple[list | None, object]]) -> ctypes.CDLL | None:
+    """`load(name)` with each named function's (argtypes, restype) declared, once per loaded library."""
+    lib = load(name)
+    if lib is not None and not hasattr(lib, "_cpllm_typed"):
+        for function, (argtypes, restype) in signatures.items():
+            if argtypes is not None:
+                getattr(lib, function).argtypes = argtypes
+            getattr(lib, function).restype = restype
+        lib._cpllm_typed = True
+    return lib
+
+
 def load(name: str) -> ctypes.CDLL | None:
     """The library built from cpllm/kernels/<name>.c, or None (kernels off, or no build: logged once)."""
     if not enabled():

@@ -12,23 +12,19 @@ import ctypes
 
 import torch
 
-from cpllm.kernels.build import load
+from cpllm.kernels.build import load_typed
 
-_POOL_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-"""Pool dtypes the kernel reads, with the code it takes."""
+POOL_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+"""K/V pool dtypes the kernels read, with the code they take (KV_F32 / KV_F16 / KV_BF16 in the C sources)."""
 
 _MIN_CHUNK, _MAX_CHUNK = 128, 2048
 """Bounds of the context positions one unit of work reads (a unit keeps its scores in a per-thread buffer)."""
 
 
 def _library() -> ctypes.CDLL | None:
-    lib = load("decode_attention")
-    if lib is not None and not hasattr(lib, "_cpllm_typed"):
-        p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-        lib.cpllm_paged_decode_attention.argtypes = [p, p, p, i, p, i64, p, i, i, i, i, f, i, i, p, p]
-        lib.cpllm_paged_decode_attention.restype = i
-        lib._cpllm_typed = True
-    return lib
+    p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    return load_typed("decode_attention",
+                      {"cpllm_paged_decode_attention": ([p, p, p, i, p, i64, p, i, i, i, i, f, i, i, p, p], i)})
 
 
 @torch.compiler.assume_constant_result
@@ -39,7 +35,7 @@ def built() -> bool:
 
 def applies(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
     """The kernel can run on these inputs (and was built)."""
-    return (q.device.type == "cpu" and k_pool.device.type == "cpu" and k_pool.dtype in _POOL_DTYPES
+    return (q.device.type == "cpu" and k_pool.device.type == "cpu" and k_pool.dtype in POOL_DTYPES
             and q.dtype in (torch.float32, torch.bfloat16, torch.float16) and built())
 
 
@@ -77,7 +73,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         return out.to(q.dtype), lse
     threads = torch.get_num_threads()
     status = _library().cpllm_paged_decode_attention(
-        q32.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), _POOL_DTYPES[k_pool.dtype], slots.data_ptr(),
+        q32.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), POOL_DTYPES[k_pool.dtype], slots.data_ptr(),
         slots.shape[1], lengths.data_ptr(), batch, hq, hkv, d, scale,
         positions_per_unit(batch, slots.shape[1], threads), threads, out.data_ptr(), lse.data_ptr())
     if status != 0:

@@ -11,9 +11,8 @@ import ctypes
 
 import torch
 
-from cpllm.kernels.build import load
-
-_POOL_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+from cpllm.kernels.build import load_typed
+from cpllm.kernels.decode_attention import POOL_DTYPES
 
 _lib: ctypes.CDLL | None = None
 """The loaded library, kept once found (a lookup per call would cost a fifth of the call)."""
@@ -22,16 +21,10 @@ _lib: ctypes.CDLL | None = None
 def _library() -> ctypes.CDLL | None:
     global _lib
     if _lib is None:
-        lib = load("decode_rows")
-        if lib is not None:
-            p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-            lib.cpllm_rope_qk.argtypes = [p, i, i64, p, i, i64, i64, i, p, p]
-            lib.cpllm_rope_qk.restype = i
-            lib.cpllm_store_rows.argtypes = [p, i64, p, p, i64, i64, p, i]
-            lib.cpllm_store_rows.restype = None
-            lib.cpllm_silu_mul.argtypes = [p, i64, i64, p, i]
-            lib.cpllm_silu_mul.restype = None
-            _lib = lib
+        p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        _lib = load_typed("decode_rows", {"cpllm_rope_qk": ([p, i, i64, p, i, i64, i64, i, p, p], i),
+                                          "cpllm_store_rows": ([p, i64, p, p, i64, i64, p, i], None),
+                                          "cpllm_silu_mul": ([p, i64, i64, p, i], None)})
     return _lib
 
 
@@ -59,7 +52,7 @@ def rope_qk_(tables: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torc
 def store_rows_(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, rows: torch.Tensor) -> bool:
     """pool[slots[i]] = x[rows[i]] in the pool's dtype, for x [N, H, D] float32 and a contiguous pool
     [num_slots, H, D]; False where the kernel does not apply (nothing was written)."""
-    if torch.compiler.is_compiling() or not _heads_rows(x) or pool.dtype not in _POOL_DTYPES:
+    if torch.compiler.is_compiling() or not _heads_rows(x) or pool.dtype not in POOL_DTYPES:
         return False
     if not pool.is_contiguous() or pool.shape[1:] != x.shape[1:] or slots.dtype != torch.long \
             or rows.dtype != torch.long or not (slots.is_contiguous() and rows.is_contiguous()):
@@ -68,7 +61,7 @@ def store_rows_(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, rows: 
     if lib is None:
         return False
     lib.cpllm_store_rows(x.data_ptr(), x.stride(0), rows.data_ptr(), slots.data_ptr(), slots.shape[0],
-                         x.shape[1] * x.shape[2], pool.data_ptr(), _POOL_DTYPES[pool.dtype])
+                         x.shape[1] * x.shape[2], pool.data_ptr(), POOL_DTYPES[pool.dtype])
     return True
 
 

@@ -12,7 +12,7 @@ import ctypes
 import torch
 
 from cpllm.config import QUANT_GROUP
-from cpllm.kernels.build import load
+from cpllm.kernels.build import load_typed
 
 BLOCK_ROWS = 16
 """Output rows per block of the packed layout (one AVX-512 register of float32 results)."""
@@ -24,13 +24,10 @@ _built: ctypes.CDLL | None = None
 
 def _library() -> ctypes.CDLL | None:
     global _built
-    lib = load("int4_matmul")
-    if lib is not None and not hasattr(lib, "_cpllm_typed"):
-        p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        lib.cpllm_int4_matmul.argtypes = [p, i64, i, p, i, p, i]
-        lib.cpllm_int4_matmul.restype = i
-        lib.cpllm_int4_available.restype = i
-        lib._cpllm_typed = True
+    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib = load_typed("int4_matmul", {"cpllm_int4_matmul": ([p, i64, i, p, i, p, i], i),
+                                     "cpllm_int4_available": (None, i)})
+    if lib is not None:
         _built = lib
     return lib
 

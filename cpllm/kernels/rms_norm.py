@@ -11,7 +11,7 @@ import ctypes
 
 import torch
 
-from cpllm.kernels.build import load
+from cpllm.kernels.build import load_typed
 
 _lib: ctypes.CDLL | None = None
 """The loaded library, kept once found: a lookup per call would cost a fifth of the call."""
@@ -20,12 +20,8 @@ _lib: ctypes.CDLL | None = None
 def _library() -> ctypes.CDLL | None:
     global _lib
     if _lib is None:
-        lib = load("rms_norm")
-        if lib is not None:
-            p, i64 = ctypes.c_void_p, ctypes.c_int64
-            lib.cpllm_rms_norm.argtypes = [p, p, ctypes.c_float, i64, i64, p, ctypes.c_int]
-            lib.cpllm_rms_norm.restype = None
-            _lib = lib
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        _lib = load_typed("rms_norm", {"cpllm_rms_norm": ([p, p, ctypes.c_float, i64, i64, p, ctypes.c_int], None)})
     return _lib
 
 

@@ -18,13 +18,11 @@ import logging
 import torch
 
 from cpllm.context_parallel.metadata import AttentionMetadata
-from cpllm.kernels.build import load
-from cpllm.kernels.decode_attention import positions_per_unit
+from cpllm.kernels.build import load_typed
+from cpllm.kernels.decode_attention import POOL_DTYPES, positions_per_unit
 from cpllm.model.quant_kernels import Int4Linear
 
 logger = logging.getLogger(__name__)
-
-_POOL_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 _INT4, _F32 = 0, 1
@@ -50,14 +48,10 @@ class _Step(ctypes.Structure):
 
 
 def _library() -> ctypes.CDLL | None:
-    lib = load("decode_layer")
-    if lib is not None and not hasattr(lib, "_cpllm_typed"):
-        p = ctypes.c_void_p
-        lib.cpllm_decode_layer.argtypes = [p, ctypes.POINTER(_Layer), ctypes.POINTER(_Step), p, p]
-        lib.cpllm_decode_layer.restype = ctypes.c_int
-        lib.cpllm_f32_available.restype = ctypes.c_int
-        lib._cpllm_typed = True
-    return lib
+    p = ctypes.c_void_p
+    return load_typed("decode_layer", {
+        "cpllm_decode_layer": ([p, ctypes.POINTER(_Layer), ctypes.POINTER(_Step), p, p], ctypes.c_int),
+        "cpllm_f32_available": (None, ctypes.c_int)})
 
 
 def _weight(module) -> tuple[int, torch.Tensor] | None:
@@ -136,24 +130,28 @@ class FusedDecode:
         return cls(lib, specs, keep)
 
     @staticmethod
-    def takes(meta: AttentionMetadata, kv_caches) -> bool:
+    def takes(meta: AttentionMetadata) -> bool:
         """This step's batch is one the fused layers run: single tokens only, every row a decode row, each request
-        with its own slots (no shared keys), index tensors and pools as the C code reads them."""
+        with its own slots (no shared keys), index tensors as the C code reads them (the pools were checked once,
+        `fits_pools`)."""
         decode = meta.decode
         if decode is None or meta.has_new or decode.shared_keys or decode.lengths is None \
                 or decode.slots.shape[0] != meta.num_rows or torch.compiler.is_compiling():
             return False
         indices = (decode.slots, decode.lengths, meta.write_rows, meta.write_slots)
-        if not all(t.is_contiguous() and t.dtype == torch.long for t in indices):
-            return False
+        return all(t.is_contiguous() and t.dtype == torch.long for t in indices)
+
+    @staticmethod
+    def fits_pools(kv_caches) -> bool:
+        """The K/V pools are ones the C code reads: contiguous, one dtype it takes (checked once, at allocation)."""
         dtype = kv_caches[0][0].dtype
-        return dtype in _POOL_DTYPES and all(k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == dtype
+        return dtype in POOL_DTYPES and all(k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == dtype
                                              for k, v in kv_caches)
 
     def step_spec(self, hidden: torch.Tensor, rope_tables, kv_caches, meta: AttentionMetadata) -> _Step | None:
         """The step's arguments, or None where this step runs eager."""
         cos, sin = rope_tables
-        if not self.takes(meta, kv_caches) or hidden.dtype != torch.float32 or cos.dtype != torch.float32 \
+        if not self.takes(meta) or hidden.dtype != torch.float32 or cos.dtype != torch.float32 \
                 or not (cos.is_contiguous() and sin.is_contiguous()):
             return None
         decode = meta.decode
@@ -161,7 +159,7 @@ class FusedDecode:
         threads = torch.get_num_threads()
         return _Step(batch, cos.data_ptr(), sin.data_ptr(), meta.write_rows.data_ptr(), meta.write_slots.data_ptr(),
                      meta.write_slots.shape[0], decode.slots.data_ptr(), decode.lengths.data_ptr(), width,
-                     _POOL_DTYPES[kv_caches[0][0].dtype], positions_per_unit(batch, width, threads), threads)
+                     POOL_DTYPES[kv_caches[0][0].dtype], positions_per_unit(batch, width, threads), threads)
 
     def run(self, hidden: torch.Tensor, step: _Step, kv_caches) -> torch.Tensor:
         """hidden [B, hidden] after every layer (a new tensor; the input is not changed)."""

@@ -33,14 +33,19 @@ class Int4Linear(torch.nn.Module):
     input is fed twice.
     """
 
-    def __init__(self, groups: Int4Groups, repeat_input: int = 1):
+    def __init__(self, groups: Int4Groups, repeat_input: int = 1, backend: str | None = None):
+        """`backend`: "vnni" or "aten"; None picks vnni where the kernel is available (see the module)."""
         super().__init__()
         rows, cols = groups.shape
         if cols % (QUANT_GROUP * repeat_input) != 0:
             raise ValueError(f"a weight of {cols // repeat_input} input columns: the kernel needs a multiple of "
                              f"{QUANT_GROUP}")
         self.in_features, self.out_features, self.repeat_input = cols // repeat_input, rows, repeat_input
-        self.backend = "vnni" if int4_matmul.available() else "aten"
+        if backend not in (None, "vnni", "aten"):
+            raise ValueError(f"backend={backend!r}; choose 'vnni', 'aten' or None")
+        if backend == "vnni" and not int4_matmul.available():
+            raise ValueError("backend='vnni': the VNNI int4 kernel is not built on this machine")
+        self.backend = backend or ("vnni" if int4_matmul.available() else "aten")
         """Which kernel runs this layer (see the module)."""
         if self.backend == "vnni":
             self.register_buffer("packed", int4_matmul.pack(groups.codes, groups.d, groups.m))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 
@@ -20,6 +22,8 @@ from cpllm.model.moe_placement import MoEShard
 from cpllm.planner.runtime import StepStrategy, device_hardware, engine_cost
 from cpllm.step import SchedulerOutput, output_positions
 from cpllm.worker.kv_cache import allocate_kv_cache, bytes_per_block, kv_budget_bytes
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -56,6 +60,9 @@ class ModelRunner:
         self.num_blocks = self._count_blocks()
         self.kv_caches = allocate_kv_cache(config.model.num_hidden_layers, self.num_blocks, config.cache.block_size,
                                            self.num_kv_heads, config.model.head_dim, self.kv_dtype, device)
+        if self.model.fused_decode is not None and not self.model.fused_decode.fits_pools(self.kv_caches):
+            logger.info("decode steps: eager layers (K/V pools the fused layers do not read)")
+            self.model.fused_decode = None
         self.compiled_decode = CompiledDecode(self.model, device) if config.compile_decode else None
 
     def _count_blocks(self) -> int:
@@ -93,7 +100,7 @@ class ModelRunner:
         forward = self.model
         fused = self.model.fused_decode  # faster than the compiled step where it applies (docs/benchmarks.md)
         if self.compiled_decode is not None and self.compiled_decode.applies(batch.attention) \
-                and not (fused is not None and fused.takes(batch.attention, self.kv_caches)):
+                and not (fused is not None and fused.takes(batch.attention)):
             forward = self.compiled_decode
         hidden = forward(batch.token_ids, batch.positions, self.kv_caches, batch.attention)
         if batch.replica_sync is not None:  # decode K/V computed on one PCP rank reach the other copies
