@@ -104,6 +104,9 @@ class AttentionMetadata:
     rows_same_over_pcp: bool = False
     """Every PCP rank holds the same rows in the same order (one PCP rank, or a step of single tokens that are
     not split over PCP): MoE layers then skip gathering tokens over PCP (cpllm/model/moe.py)."""
+    decode_team: bool = False
+    """The PCP ranks run this step of single tokens as one decode team (cpllm/model/decode_team.py): every rank
+    holds every row, and each request's context slots are its own (no shared keys)."""
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> "AttentionMetadata":
         """A copy with every tensor on `device` (see `to_device`)."""
@@ -227,13 +230,18 @@ def _rank_runs(num_new: int, pcp_size: int, row_offsets: list[int],
 
 def build_step_batch(chunks, layout: KVLayout, pcp_size: int, pcp_rank: int, output_plan,
                      device: torch.device | str | None = None, non_blocking: bool = False,
-                     strategy: str | None = None, split_single_tokens: bool = False) -> StepBatch:
+                     strategy: str | None = None, split_single_tokens: bool = False,
+                     decode_team: bool = False, shared_keys: bool = True) -> StepBatch:
     """Lay out one step for this rank; `output_plan(chunk) -> new-token indices whose hidden state is needed`.
 
     `strategy` is the step's prefill strategy (None: the layer's own); "pass-q" adds the plan of its K/V
     stores. `split_single_tokens` (replicated KV layout: every PCP rank holds every token's K/V) computes each
-    single-token chunk on one PCP rank instead of all. With `device`, every tensor of the result (token ids,
+    single-token chunk on one PCP rank instead of all; `decode_team` (a step of single tokens only) keeps every row on
+    every PCP rank and each request's own context slots, as the decode team reads them. `shared_keys=False` gives
+    every decode batch each request's own slots (where the decode kernel reads them: faster than the shared-key
+    form's gathered union, docs/benchmarks.md). With `device`, every tensor of the result (token ids,
     positions, all metadata) is on it."""
+    split_single_tokens = split_single_tokens and not decode_team
     row_offsets = [0] * pcp_size
     runs_per_chunk = [_rank_runs(len(c.token_ids), pcp_size, row_offsets, split_single_tokens) for c in chunks]
     has_new = any(len(c.token_ids) > 1 for c in chunks)
@@ -263,10 +271,11 @@ def build_step_batch(chunks, layout: KVLayout, pcp_size: int, pcp_rank: int, out
         write_slots=torch.tensor(write_slots, dtype=torch.long),
         has_context=any(r.context_len > 0 for r in requests),
         has_new=has_new,
-        decode=_decode_batch(requests),
+        decode=_decode_batch(requests, shared_keys=shared_keys and not decode_team),
         strategy=strategy,
         pass_q=pass_q,
         rows_same_over_pcp=pcp_size == 1 or not (has_new or split_single_tokens),
+        decode_team=decode_team and not has_new,
     )
     replica_sync = None
     if split_single_tokens and not has_new and pcp_size > 1:
@@ -328,14 +337,15 @@ def _plan_writes(chunk, homes, layout: KVLayout, num_rows: int, write_rows: list
         write_slots.append(layout.slot(pos, chunk.block_table))
 
 
-def _decode_batch(requests: list[RequestAttention]) -> DecodeBatch | None:
+def _decode_batch(requests: list[RequestAttention], shared_keys: bool = True) -> DecodeBatch | None:
     members = [i for i, r in enumerate(requests) if r.num_new == 1 and r.local_chunks]  # the ones held here
     if not members:
         return None
     lengths = [requests[i].context_slots.numel() for i in members]
-    union = torch.unique(torch.cat([requests[i].context_slots for i in members]))
-    if len(members) > 1 and len(members) * union.numel() <= 2 * sum(lengths):
-        return _shared_key_batch(requests, members, union, lengths)
+    if shared_keys and len(members) > 1:
+        union = torch.unique(torch.cat([requests[i].context_slots for i in members]))
+        if len(members) * union.numel() <= 2 * sum(lengths):
+            return _shared_key_batch(requests, members, union, lengths)
     width = max(max(lengths), 1)
     slots = torch.zeros(len(members), width, dtype=torch.long)
     for b, i in enumerate(members):

@@ -149,15 +149,36 @@ class ShmGroup:
                 self._check_peers(seq, what, now - start)
 
     def _check_peers(self, seq: int, what: str, waited_s: float) -> None:
-        missing = [r for r in range(self.size) if self._flags[r] < seq]
+        problem = self.wait_problem([r for r in range(self.size) if self._flags[r] < seq], what, waited_s)
+        if problem is not None:
+            raise RuntimeError(problem)
+
+    def wait_problem(self, missing: list[int], what: str, waited_s: float) -> str | None:
+        """Why a wait for group ranks `missing` must stop (one of them exited, or it outlasted the timeout)."""
         dead = [self.members[r] for r in missing if not _process_alive(self.pids[r])]
         if dead:
-            raise RuntimeError(f"shared-memory {what}: rank(s) {dead} of group {self.members} exited")
+            return f"shared-memory {what}: rank(s) {dead} of group {self.members} exited"
         if waited_s > self.timeout_s:
-            raise RuntimeError(
-                f"shared-memory {what}: timed out after {self.timeout_s:g} s waiting for rank(s) "
-                f"{[self.members[r] for r in missing]} of group {self.members}"
-            )
+            return (f"shared-memory {what}: timed out after {self.timeout_s:g} s waiting for rank(s) "
+                    f"{[self.members[r] for r in missing]} of group {self.members}")
+        return None
+
+    def map_buffer(self, nbytes: int) -> mmap.mmap | None:
+        """A zeroed mapping of `nbytes` that every member shares (called by all); None on all when /dev/shm has no
+        room for it."""
+        path = _create_sized(nbytes) if self.rank == 0 else None
+        path = self.broadcast_object(path, self.members[0])
+        if path is None:
+            return None
+        fd = os.open(path, os.O_RDWR)
+        try:
+            mapping = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        self._exchange(None, "map_buffer")  # every member has mapped it
+        if self.rank == 0:
+            os.unlink(path)  # as in open_shm_group: nothing is left behind
+        return mapping
 
     # ---- collectives ----------------------------------------------------------------------------------
 
@@ -229,26 +250,33 @@ def open_shm_group(process_group: dist.ProcessGroup, members: list[int], rank: i
 
 def _create_file(size: int) -> tuple[str | None, int]:
     """A zeroed file sized for `size` ranks' double slots, shrunk to fit /dev/shm's free space."""
+    slot_bytes = SLOT_BYTES
+    while slot_bytes >= MIN_SLOT_BYTES:
+        path = _create_sized(HEADER_BYTES + 2 * size * slot_bytes)
+        if path is not None:
+            return path, slot_bytes
+        slot_bytes //= 2
+    return None, 0
+
+
+def _create_sized(nbytes: int) -> str | None:
+    """A zeroed file of `nbytes` under /dev/shm, or None when that would take over a quarter of its free space."""
     try:
         stat = os.statvfs(SHM_DIR)
     except OSError:
-        return None, 0
-    free = stat.f_bavail * stat.f_frsize
-    slot_bytes = SLOT_BYTES
-    while slot_bytes >= MIN_SLOT_BYTES and HEADER_BYTES + 2 * size * slot_bytes > free // 4:
-        slot_bytes //= 2
-    if slot_bytes < MIN_SLOT_BYTES:
-        return None, 0
+        return None
+    if nbytes > stat.f_bavail * stat.f_frsize // 4:
+        return None
     path = os.path.join(SHM_DIR, f"cpllm-{os.getpid()}-{uuid.uuid4().hex[:12]}")
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     except OSError:
-        return None, 0
+        return None
     try:
-        os.ftruncate(fd, HEADER_BYTES + 2 * size * slot_bytes)
+        os.ftruncate(fd, nbytes)
     except OSError:
         os.close(fd)
         os.unlink(path)
-        return None, 0
+        return None
     os.close(fd)
-    return path, slot_bytes
+    return path

@@ -9,14 +9,22 @@
  * weights the results are the eager layer's, bit for bit; float32 weights sum in another order than MKL's
  * matrix product (within float32 rounding). What this removes is the Python and dispatcher cost around some twenty
  * operator calls per layer: most of a batch-1 step's time once the weights stream at memory speed.
+ *
+ * With a team (decode_team.h: the PCP ranks of one host), the members run the layer together: each computes its
+ * share of every linear's output columns into the shared buffers and its part of the attention, five barriers
+ * per layer; the rest (norms, rotary, residuals, the merge of the attention parts) every member computes alike on
+ * the whole rows, so every member ends the layer with the same hidden state. A column's value does not depend on
+ * which member computes it, so the linears give the solo layer's bits; only the attention's split into parts
+ * rounds differently (merged exactly by log-sum-exp).
  */
 #include "decode_attention.c"
 #include "decode_rows.c"
+#include "decode_team.h"
 #include "f32_matmul.c"
 #include "int4_matmul.c"
 #include "rms_norm.c"
 
-enum { LINEAR_INT4 = 0, LINEAR_F32 = 1 };
+enum { LINEAR_INT4 = 0, LINEAR_F32 = 1, TEAM_ABORTED = -2 };
 
 /* A linear layer's weight: int4 groups packed as int4_matmul.c lays them out, or float32 [in, out]. */
 typedef struct {
@@ -32,7 +40,8 @@ typedef struct {
     float eps, scale;
 } layer_spec;
 
-/* The step's decode batch: rotary tables, the K/V writes, and each request's context slots. */
+/* The step's decode batch: rotary tables, the K/V writes, and each request's context slots (this member's part of
+ * them in a team). */
 typedef struct {
     int64_t batch;
     const float *cos, *sin;                   /* [batch, head_dim] */
@@ -47,41 +56,75 @@ static void add_rows(float *restrict hidden, const float *restrict delta, int64_
     for (int64_t i = 0; i < n; i++) hidden[i] = hidden[i] + delta[i];
 }
 
-static int linear(linear_spec w, const float *x, int64_t rows, int in, int out, float *y, int threads) {
-    if (w.kind == LINEAR_INT4) return cpllm_int4_matmul(x, rows, in, (const uint8_t *)w.weight, out, y, threads);
-    return cpllm_f32_matmul(x, rows, in, (const float *)w.weight, out, y, threads);
+/* y [rows, out] = x W: all columns alone; in a team this member's columns into the shared `y`, then the barrier. */
+static int linear(linear_spec w, const float *x, int64_t rows, int in, int out, float *y, int threads,
+                  team_spec *T) {
+    int64_t first = 0, end = out;
+    if (T) team_columns(T, out, &first, &end);
+    int status = w.kind == LINEAR_INT4
+        ? cpllm_int4_matmul_blocks(x, rows, in, (const uint8_t *)w.weight, out, first / 16, (end + 15) / 16, y, out,
+                                   threads)
+        : cpllm_f32_matmul_cols(x, rows, in, (const float *)w.weight, out, first, end, y, out, threads);
+    if (T && team_barrier(T)) return TEAM_ABORTED;
+    return status;
 }
 
-/* hidden [batch, hidden] float32, updated in place. Returns 0, or -1 when a kernel could not allocate. */
-int cpllm_decode_layer(float *hidden, const layer_spec *L, const step_spec *S, void *k_pool, void *v_pool) {
+/* Attention of q [B, Hq, D] to the pools; in a team, this member's part goes to the shared slots and, after the
+ * barrier, every member merges all parts of each row (log-sum-exp weights) into out. */
+static int attention(const layer_spec *L, const step_spec *S, const float *q, const void *k_pool, const void *v_pool,
+                     float *out, float *lse, team_spec *T) {
+    const int64_t B = S->batch;
+    const int hq = L->heads, d = L->head_dim;
+    int status = cpllm_paged_decode_attention(q, k_pool, v_pool, S->pool_dtype, S->slots, S->slot_stride,
+                                              S->lengths, B, hq, L->kv_heads, d, L->scale, S->chunk, S->threads,
+                                              out, lse);
+    if (!T) return status;
+    const int P = T->size;
+    for (int64_t b = 0; b < B; b++) {
+        memcpy(T->partials + ((size_t)b * P + T->member) * hq * d, out + (size_t)b * hq * d, sizeof(float) * hq * d);
+        memcpy(T->lses + ((size_t)b * P + T->member) * hq, lse + (size_t)b * hq, sizeof(float) * hq);
+    }
+    if (team_barrier(T)) return TEAM_ABORTED;
+    for (int64_t b = 0; b < B; b++)
+        merge_partials(T->partials + (size_t)b * P * hq * d, T->lses + (size_t)b * P * hq, P, hq, d,
+                       out + (size_t)b * hq * d, lse + (size_t)b * hq);
+    return status;
+}
+
+/* hidden [batch, hidden] float32, updated in place; `team` NULL for a rank alone. Returns 0; -1 when a kernel could
+ * not allocate; TEAM_ABORTED when a barrier's check gave up (a member died or the wait timed out). */
+int cpllm_decode_layer(float *hidden, const layer_spec *L, const step_spec *S, void *k_pool, void *v_pool,
+                       team_spec *T) {
     const int64_t B = S->batch;
     const int H = L->hidden, qd = L->heads * L->head_dim, kvd = L->kv_heads * L->head_dim;
-    const int qkv_width = qd + 2 * kvd;
-    const size_t floats = (size_t)B * (2 * H + qkv_width + 2 * qd + L->heads + 3 * L->intermediate);
+    const int qkv_width = qd + 2 * kvd, I = L->intermediate;
+    const size_t floats = (size_t)B * (2 * H + qkv_width + 2 * qd + L->heads + 3 * I);
     float *work = malloc(sizeof(float) * floats);
     if (!work) return -1;
     float *normed = work, *qkv = normed + B * H, *q = qkv + B * qkv_width, *attn = q + B * qd;
     float *lse = attn + B * qd, *proj = lse + B * L->heads, *gate_up = proj + B * H;
-    float *act = gate_up + B * 2 * L->intermediate;
+    float *act = gate_up + B * 2 * I;
+    float *qkv_out = T ? T->qkv : qkv, *proj_out = T ? T->hidden_part : proj, *gate_up_out = T ? T->gate_up : gate_up;
     int status = 0;
+#define STEP(call) do { const int s_ = (call); if (s_ == TEAM_ABORTED) { free(work); return s_; } status |= s_; } while (0)
 
     cpllm_rms_norm(hidden, L->input_norm, L->eps, B, H, normed, S->threads);
-    status |= linear(L->qkv, normed, B, H, qkv_width, qkv, S->threads);
+    STEP(linear(L->qkv, normed, B, H, qkv_width, qkv_out, S->threads, T));
+    if (T) memcpy(qkv, qkv_out, sizeof(float) * B * qkv_width); /* rotary works in place: on this member's copy */
     status |= cpllm_rope_qk(qkv, L->heads, qkv_width, qkv + qd, L->kv_heads, qkv_width, B, L->head_dim, S->cos, S->sin);
     cpllm_store_rows(qkv + qd, qkv_width, S->write_rows, S->write_slots, S->writes, kvd, k_pool, S->pool_dtype);
     cpllm_store_rows(qkv + qd + kvd, qkv_width, S->write_rows, S->write_slots, S->writes, kvd, v_pool, S->pool_dtype);
     for (int64_t b = 0; b < B; b++) memcpy(q + b * qd, qkv + b * qkv_width, sizeof(float) * qd);
-    status |= cpllm_paged_decode_attention(q, k_pool, v_pool, S->pool_dtype, S->slots, S->slot_stride, S->lengths, B,
-                                           L->heads, L->kv_heads, L->head_dim, L->scale, S->chunk, S->threads,
-                                           attn, lse);
-    status |= linear(L->o, attn, B, qd, H, proj, S->threads);
-    add_rows(hidden, proj, B * H);
+    STEP(attention(L, S, q, k_pool, v_pool, attn, lse, T));
+    STEP(linear(L->o, attn, B, qd, H, proj_out, S->threads, T));
+    add_rows(hidden, proj_out, B * H);
 
     cpllm_rms_norm(hidden, L->post_norm, L->eps, B, H, normed, S->threads);
-    status |= linear(L->gate_up, normed, B, H, 2 * L->intermediate, gate_up, S->threads);
-    cpllm_silu_mul(gate_up, B, L->intermediate, act, S->threads);
-    status |= linear(L->down, act, B, L->intermediate, H, proj, S->threads);
-    add_rows(hidden, proj, B * H);
+    STEP(linear(L->gate_up, normed, B, H, 2 * I, gate_up_out, S->threads, T));
+    cpllm_silu_mul(gate_up_out, B, I, act, S->threads);
+    STEP(linear(L->down, act, B, I, H, proj_out, S->threads, T));
+    add_rows(hidden, proj_out, B * H);
+#undef STEP
     free(work);
     return status ? -1 : 0;
 }

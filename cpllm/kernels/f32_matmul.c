@@ -53,28 +53,37 @@ int cpllm_f32_available(void) {
 #endif
 }
 
-/* x [M, K] float32, w [K, N] float32 row-major, y [M, N]. Returns 0, or -1 without AVX-512. */
-int cpllm_f32_matmul(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y, int threads) {
+/* x [M, K] float32, w [K, N] float32 row-major; output columns [c0, c1) only (c0 a multiple of 16), into
+ * y [M, ldy] at their own columns (a decode team splits a layer's outputs this way; each column sums in input
+ * order whatever the range). Returns 0, or -1 without AVX-512. */
+int cpllm_f32_matmul_cols(const float *x, int64_t M, int64_t K, const float *w, int64_t N, int64_t c0, int64_t c1,
+                          float *y, int64_t ldy, int threads) {
 #if defined(__AVX512F__)
-    const int64_t units = (N + F32_COLUMN_ALIGN - 1) / F32_COLUMN_ALIGN;
+    if (c1 <= c0) return 0;
+    const int64_t units = (c1 - c0 + F32_COLUMN_ALIGN - 1) / F32_COLUMN_ALIGN;
     const int parts = threads < units ? threads : (int)units;
 #pragma omp parallel for num_threads(parts) schedule(static)
     for (int p = 0; p < parts; p++) {
-        const int64_t c0 = units * p / parts * F32_COLUMN_ALIGN, c1 = units * (p + 1) / parts * F32_COLUMN_ALIGN;
-        const int64_t end = c1 < N ? c1 : N;
+        const int64_t lo = c0 + units * p / parts * F32_COLUMN_ALIGN;
+        const int64_t hi = c0 + units * (p + 1) / parts * F32_COLUMN_ALIGN, end = hi < c1 ? hi : c1;
         for (int64_t r = 0; r < M; r += F32_BLOCK_ROWS) {
             const int64_t rows = M - r < F32_BLOCK_ROWS ? M - r : F32_BLOCK_ROWS;
             switch (rows) {
-                case 4: f32_accumulate(x + r * K, K, 4, w, K, N, c0, end, y + r * N, N); break;
-                case 3: f32_accumulate(x + r * K, K, 3, w, K, N, c0, end, y + r * N, N); break;
-                case 2: f32_accumulate(x + r * K, K, 2, w, K, N, c0, end, y + r * N, N); break;
-                default: f32_accumulate(x + r * K, K, 1, w, K, N, c0, end, y + r * N, N); break;
+                case 4: f32_accumulate(x + r * K, K, 4, w, K, N, lo, end, y + r * ldy, ldy); break;
+                case 3: f32_accumulate(x + r * K, K, 3, w, K, N, lo, end, y + r * ldy, ldy); break;
+                case 2: f32_accumulate(x + r * K, K, 2, w, K, N, lo, end, y + r * ldy, ldy); break;
+                default: f32_accumulate(x + r * K, K, 1, w, K, N, lo, end, y + r * ldy, ldy); break;
             }
         }
     }
     return 0;
 #else
-    (void)x, (void)M, (void)K, (void)w, (void)N, (void)y, (void)threads;
+    (void)x, (void)M, (void)K, (void)w, (void)N, (void)c0, (void)c1, (void)y, (void)ldy, (void)threads;
     return -1;
 #endif
+}
+
+/* y [M, N] = x W for all N columns. */
+int cpllm_f32_matmul(const float *x, int64_t M, int64_t K, const float *w, int64_t N, float *y, int threads) {
+    return cpllm_f32_matmul_cols(x, M, K, w, N, 0, N, y, N, threads);
 }

@@ -121,12 +121,14 @@ static void block_rows(const uint8_t *block, int G, const int8_t *xq, const int8
 }
 #endif
 
-/* x [M, K] float32 (rows contiguous), packed weight of N output rows, y [M, N] float32. Returns 0, or -1 when
- * the kernel is not built for this CPU or its scratch could not be allocated. */
-int cpllm_int4_matmul(const float *x, int64_t M, int K, const uint8_t *packed, int N, float *y, int threads) {
+/* x [M, K] float32 (rows contiguous), packed weight of N output rows; computes the output columns of blocks
+ * [b0, b1) of 16 rows only, into y [M, ldy] at their own columns (a decode team splits a layer's outputs this
+ * way; each column's value does not depend on the range). Returns 0, or -1 when the kernel is not built for this
+ * CPU or its scratch could not be allocated. */
+int cpllm_int4_matmul_blocks(const float *x, int64_t M, int K, const uint8_t *packed, int N, int64_t b0, int64_t b1,
+                             float *y, int64_t ldy, int threads) {
 #ifdef CPLLM_INT4_VNNI
     const int G = K / GROUP;
-    const int64_t blocks = (N + BLOCK_ROWS - 1) / BLOCK_ROWS;
     int8_t *xq = malloc(2 * (size_t)M * K), *xr = xq + (size_t)M * K;
     float *xs = malloc(sizeof(float) * (size_t)M * G), *xsum = malloc(sizeof(float) * (size_t)M * G);
     if (!xq || !xs || !xsum) {
@@ -136,19 +138,24 @@ int cpllm_int4_matmul(const float *x, int64_t M, int K, const uint8_t *packed, i
 #pragma omp parallel for num_threads(threads) schedule(static) if (M > 1)
     for (int64_t r = 0; r < M; r++) quantize_row(x + r * K, K, xq + r * K, xr + r * K, xs + r * G, xsum + r * G);
     /* chunks of CHUNK_M rows keep their quantized rows in cache while every block of weights passes */
-    const int64_t chunks = (M + CHUNK_M - 1) / CHUNK_M;
+    const int64_t chunks = (M + CHUNK_M - 1) / CHUNK_M, blocks = b1 - b0;
 #pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
     for (int64_t c = 0; c < chunks; c++)
-        for (int64_t b = 0; b < blocks; b++) {
-            const int64_t r0 = c * CHUNK_M, rows = M - r0 < CHUNK_M ? M - r0 : CHUNK_M;
+        for (int64_t i = 0; i < blocks; i++) {
+            const int64_t b = b0 + i, r0 = c * CHUNK_M, rows = M - r0 < CHUNK_M ? M - r0 : CHUNK_M;
             const int valid = N - b * BLOCK_ROWS < BLOCK_ROWS ? (int)(N - b * BLOCK_ROWS) : BLOCK_ROWS;
             block_rows(packed + b * (int64_t)G * RECORD_BYTES, G, xq + r0 * K, xr + r0 * K, xs + r0 * G,
-                       xsum + r0 * G, rows, y + r0 * N + b * BLOCK_ROWS, N, valid);
+                       xsum + r0 * G, rows, y + r0 * ldy + b * BLOCK_ROWS, ldy, valid);
         }
     free(xq), free(xs), free(xsum);
     return 0;
 #else
-    (void)x, (void)M, (void)K, (void)packed, (void)N, (void)y, (void)threads;
+    (void)x, (void)M, (void)K, (void)packed, (void)N, (void)b0, (void)b1, (void)y, (void)ldy, (void)threads;
     return -1;
 #endif
+}
+
+/* y [M, N] = x W^T for all N output rows. */
+int cpllm_int4_matmul(const float *x, int64_t M, int K, const uint8_t *packed, int N, float *y, int threads) {
+    return cpllm_int4_matmul_blocks(x, M, K, packed, N, 0, (N + BLOCK_ROWS - 1) / BLOCK_ROWS, y, N, threads);
 }

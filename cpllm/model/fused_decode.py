@@ -3,11 +3,14 @@
 An eager batch-1 decode step of a small model spends much of its time in Python and the dispatcher (some twenty
 operator calls per layer) around kernels that stream the weights at memory speed. When every layer is a dense
 Llama-family layer whose four linears each run as one kernel (the VNNI int4 kernel, or a float32 weight without bias
-in cpllm/kernels/f32_matmul.c), with no q/k norm, no tensor parallelism and no decode split of the MLP, and this
-rank holds its requests' whole context (one rank, or a PCP rank of the replicated KV layout), `FusedDecode.build`
-packs each layer's pointers once; `run` then takes the steps of single tokens whose batch the decode attention
-kernel reads (no shared keys, every row a decode row) and calls the layer function per layer. Every other step, and
-every other model, runs the eager layers.
+in cpllm/kernels/f32_matmul.c), with no q/k norm and no tensor parallelism, `FusedDecode.build` packs each
+layer's pointers once; `run` then takes the steps of single tokens whose batch the decode attention kernel reads
+(no shared keys, every row a decode row) and calls the layer function per layer. Every other step, and every other
+model, runs the eager layers.
+
+Under PCP the ranks of one host run these steps as a decode team (cpllm/model/decode_team.py), each computing a
+share of every layer; the sharded KV layout fuses only so, the replicated layout also alone (each rank its own
+requests) where no team can be formed.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from cpllm.context_parallel.metadata import AttentionMetadata
 from cpllm.kernels.build import load_typed
 from cpllm.kernels.decode_attention import POOL_DTYPES, positions_per_unit
+from cpllm.model.decode_team import DecodeTeam, TeamShapes
 from cpllm.model.quant_kernels import Int4Linear
 
 logger = logging.getLogger(__name__)
@@ -27,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 _INT4, _F32 = 0, 1
 """Weight kinds of decode_layer.c's linear_spec."""
+_TEAM_ABORTED = -2
 
 
 class _Linear(ctypes.Structure):
@@ -50,7 +55,7 @@ class _Step(ctypes.Structure):
 def _library() -> ctypes.CDLL | None:
     p = ctypes.c_void_p
     return load_typed("decode_layer", {
-        "cpllm_decode_layer": ([p, ctypes.POINTER(_Layer), ctypes.POINTER(_Step), p, p], ctypes.c_int),
+        "cpllm_decode_layer": ([p, ctypes.POINTER(_Layer), ctypes.POINTER(_Step), p, p, p], ctypes.c_int),
         "cpllm_f32_available": (None, ctypes.c_int)})
 
 
@@ -74,14 +79,15 @@ def _why_not(layer) -> str | None:
     attn, mlp = layer.self_attn, layer.mlp
     if layer.input_layernorm.weight.device.type != "cpu":
         return "not on the CPU"
-    if not hasattr(mlp, "gate_up_proj") or getattr(mlp, "decode_split", None) is not None:
-        return "not a dense MLP run whole on this rank"
+    if not hasattr(mlp, "gate_up_proj"):
+        return "not a dense MLP"  # (a decode split of the MLP is left to the eager steps: the team splits its own)
     if attn.q_norm is not None:
         return "q/k norms"
     if attn.o_proj.tp.size != 1 or mlp.down_proj.tp.size != 1:
         return "tensor parallelism"
-    if attn.attn.comm.kv_size != 1:
-        return "the KV cache is sharded over ranks"
+    comm = attn.attn.comm
+    if comm.kv_size not in (1, comm.pcp_size):
+        return "the KV cache is sharded over DCP ranks"
     if any(_weight(m) is None for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
         return "a linear layer is not one VNNI int4 kernel or one float32 weight without bias"
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
@@ -93,11 +99,25 @@ def _why_not(layer) -> str | None:
 class FusedDecode:
     """The model's decode steps, one C call per decoder layer (see the module)."""
 
-    def __init__(self, lib: ctypes.CDLL, specs: list[_Layer], keep: list[torch.Tensor]):
+    def __init__(self, lib: ctypes.CDLL, specs: list[_Layer], keep: list[torch.Tensor], team_size: int,
+                 needs_team: bool):
         self.lib, self.specs = lib, specs
         self._keep = keep  # the tensors whose addresses the specs hold
+        self.team_size = team_size
+        """PCP ranks that can run a step as one team (1: a rank alone)."""
+        self.needs_team = needs_team
+        """The KV cache is sharded over those ranks: steps run fused only as a team."""
+        self.team: DecodeTeam | None = None
+        """Set by the runner where the PCP ranks formed a team (`DecodeTeam.open`)."""
         self.steps = 0
         """Steps run fused (for tests and the log)."""
+
+    @property
+    def shapes(self) -> TeamShapes:
+        """Per-row sizes of a team's shared buffers."""
+        s = self.specs[0]
+        return TeamShapes(hidden=s.hidden, qkv_width=(s.heads + 2 * s.kv_heads) * s.head_dim, heads=s.heads,
+                          head_dim=s.head_dim, intermediate=s.intermediate)
 
     @classmethod
     def build(cls, model) -> "FusedDecode | None":
@@ -127,13 +147,15 @@ class FusedDecode:
                         for spec in specs for linear in (spec.qkv, spec.o, spec.gate_up, spec.down)})
         logger.info("decode steps: one fused C call per decoder layer (%s weights; cpllm/model/fused_decode.py)",
                     "/".join(kinds))
-        return cls(lib, specs, keep)
+        comm = model.layers[0].self_attn.attn.comm
+        return cls(lib, specs, keep, comm.pcp_size, comm.kv_size > 1)
 
-    @staticmethod
-    def takes(meta: AttentionMetadata) -> bool:
-        """This step's batch is one the fused layers run: single tokens only, every row a decode row, each request
-        with its own slots (no shared keys), index tensors as the C code reads them (the pools were checked once,
-        `fits_pools`)."""
+    def takes(self, meta: AttentionMetadata) -> bool:
+        """This step runs fused: with a team, the steps laid out for it (`AttentionMetadata.decode_team`), and
+        only those; alone, single tokens only, every row a decode row, each request with its own slots (no shared
+        keys), index tensors as the C code reads them (the pools were checked once, `fits_pools`)."""
+        if (self.team is not None or self.needs_team) != meta.decode_team:
+            return False
         decode = meta.decode
         if decode is None or meta.has_new or decode.shared_keys or decode.lengths is None \
                 or decode.slots.shape[0] != meta.num_rows or torch.compiler.is_compiling():
@@ -148,26 +170,35 @@ class FusedDecode:
         return dtype in POOL_DTYPES and all(k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == dtype
                                              for k, v in kv_caches)
 
-    def step_spec(self, hidden: torch.Tensor, rope_tables, kv_caches, meta: AttentionMetadata) -> _Step | None:
-        """The step's arguments, or None where this step runs eager."""
+    def step_spec(self, hidden: torch.Tensor, rope_tables, kv_caches, meta: AttentionMetadata):
+        """The step's arguments (with the tensors they point into), or None where this step runs eager."""
         cos, sin = rope_tables
         if not self.takes(meta) or hidden.dtype != torch.float32 or cos.dtype != torch.float32 \
                 or not (cos.is_contiguous() and sin.is_contiguous()):
+            if meta.decode_team:  # the other members wait in the team's barriers: never leave them there
+                raise RuntimeError("decode team step not in the form the fused layers run on this rank")
             return None
-        decode = meta.decode
-        batch, width = decode.slots.shape
+        slots, lengths = meta.decode.slots, meta.decode.lengths
+        if self.team is not None and self.team.split_context:
+            slots, lengths = self.team.context_part(slots, lengths)
+        batch, width = slots.shape
         threads = torch.get_num_threads()
-        return _Step(batch, cos.data_ptr(), sin.data_ptr(), meta.write_rows.data_ptr(), meta.write_slots.data_ptr(),
-                     meta.write_slots.shape[0], decode.slots.data_ptr(), decode.lengths.data_ptr(), width,
+        spec = _Step(batch, cos.data_ptr(), sin.data_ptr(), meta.write_rows.data_ptr(), meta.write_slots.data_ptr(),
+                     meta.write_slots.shape[0], slots.data_ptr(), lengths.data_ptr(), width,
                      POOL_DTYPES[kv_caches[0][0].dtype], positions_per_unit(batch, width, threads), threads)
+        return spec, (slots, lengths)
 
-    def run(self, hidden: torch.Tensor, step: _Step, kv_caches) -> torch.Tensor:
+    def run(self, hidden: torch.Tensor, step, kv_caches) -> torch.Tensor:
         """hidden [B, hidden] after every layer (a new tensor; the input is not changed)."""
+        spec, _ = step  # the second part keeps the index tensors alive
         hidden = hidden.clone()
-        for spec, (k_pool, v_pool) in zip(self.specs, kv_caches):
-            status = self.lib.cpllm_decode_layer(hidden.data_ptr(), ctypes.byref(spec), ctypes.byref(step),
-                                                 k_pool.data_ptr(), v_pool.data_ptr())
+        team = ctypes.byref(self.team.spec) if self.team is not None else None
+        for layer, (k_pool, v_pool) in zip(self.specs, kv_caches):
+            status = self.lib.cpllm_decode_layer(hidden.data_ptr(), ctypes.byref(layer), ctypes.byref(spec),
+                                                 k_pool.data_ptr(), v_pool.data_ptr(), team)
+            if status == _TEAM_ABORTED:
+                raise RuntimeError(self.team.error or "decode team barrier given up")
             if status != 0:
-                raise MemoryError(f"fused decode layer could not allocate its buffers (batch {step.batch})")
+                raise MemoryError(f"fused decode layer could not allocate its buffers (batch {spec.batch})")
         self.steps += 1
         return hidden

@@ -14,7 +14,10 @@ from cpllm.context_parallel.metadata import StepBatch, build_step_batch
 from cpllm.context_parallel.replica_sync import sync_replicas
 from cpllm.distributed.comm import all_reduce
 from cpllm.distributed.groups import ParallelGroups
+from cpllm.kernels import decode_attention
+from cpllm.kernels.decode_attention import POOL_DTYPES
 from cpllm.model.decode_graph import CompiledDecode
+from cpllm.model.decode_team import DecodeTeam
 from cpllm.model.layers import TPShard
 from cpllm.model.llama import LlamaForCausalLM, local_kv_heads
 from cpllm.model.loader import open_weights
@@ -63,7 +66,26 @@ class ModelRunner:
         if self.model.fused_decode is not None and not self.model.fused_decode.fits_pools(self.kv_caches):
             logger.info("decode steps: eager layers (K/V pools the fused layers do not read)")
             self.model.fused_decode = None
+        self._form_decode_team()
+        self.decode_kernel = device.type == "cpu" and self.kv_dtype in POOL_DTYPES and decode_attention.built()
+        """Decode attention reads each request's own slots in place (cpllm/kernels/decode_attention.c): decode-only
+        steps then skip the shared-key form (its gathered union runs slower, docs/benchmarks.md)."""
         self.compiled_decode = CompiledDecode(self.model, device) if config.compile_decode else None
+
+    def _form_decode_team(self) -> None:
+        """PCP ranks on one host run fused decode steps as one team (cpllm/model/decode_team.py); every PCP rank
+        calls this alike. Without a team, a sharded layout's decode steps run eager."""
+        fused = self.model.fused_decode
+        if fused is None or fused.team_size < 2:
+            return
+        fused.team = DecodeTeam.open(self.groups.pcp_group, fused.shapes, self.config.scheduler.max_num_seqs,
+                                     split_context=self.replicated)
+        if fused.team is not None:
+            logger.info("decode steps: %s", fused.team.describe())
+        elif fused.needs_team:
+            logger.info("decode steps: eager layers (the sharded K/V layout fuses only as a team of PCP ranks, which "
+                        "needs the shared-memory transport)")
+            self.model.fused_decode = None
 
     def _count_blocks(self) -> int:
         """Blocks per rank, the same on every rank of the replica (block ids are shared across the CP group)."""
@@ -93,12 +115,15 @@ class ModelRunner:
         if not step.chunks:
             return None
         strategy = self.step_strategy(step.step_id, step.chunks)  # the same choice on every rank
+        fused = self.model.fused_decode  # faster than the compiled step where it applies (docs/benchmarks.md)
+        decode_only = all(len(chunk.token_ids) == 1 for chunk in step.chunks)
+        team = decode_only and fused is not None and fused.team is not None and fused.team.takes(len(step.chunks))
         # Every tensor of the step (token ids, positions, all attention metadata) on this rank's device.
         batch = build_step_batch(step.chunks, self.layout, self.groups.pcp_size, self.groups.pcp_rank,
                                  output_positions, device=self.device, non_blocking=True, strategy=strategy,
-                                 split_single_tokens=self.replicated)
+                                 split_single_tokens=self.replicated, decode_team=team,
+                                 shared_keys=not (decode_only and self.decode_kernel))
         forward = self.model
-        fused = self.model.fused_decode  # faster than the compiled step where it applies (docs/benchmarks.md)
         if self.compiled_decode is not None and self.compiled_decode.applies(batch.attention) \
                 and not (fused is not None and fused.takes(batch.attention)):
             forward = self.compiled_decode

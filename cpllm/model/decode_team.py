@@ -1,0 +1,110 @@
+"""The PCP ranks of one host running each decode step's fused layers together (cpllm/kernels/decode_team.h).
+
+Decode under PCP holds the same single tokens on every PCP rank. Alone, each rank would stream all of the weights
+for them (a batch-1 step is bound by that stream) and the sharded layout would add a few collectives per layer.
+As a team, the members divide every linear's output columns and the context (the sharded layout: each its KV
+shard; the replicated layout: each its part of every request's context), and meet at five shared-memory barriers
+per layer, each a fraction of a microsecond when both are in step. The buffers live in one mapping of the PCP
+group's shared-memory transport (`ShmGroup.map_buffer`), so a team exists only where that transport does.
+
+A wait that lasts goes back to Python every 50 ms: `ShmGroup.wait_problem` (the group's timeout, a member process
+that has exited) decides whether to give up, and the step then raises its message, as the group's own collectives
+do.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from cpllm.distributed.shm_group import ShmGroup
+
+CHECK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_double)
+FLAG_STRIDE = 8
+"""int64s between members' flags (decode_team.h's TEAM_FLAG_STRIDE)."""
+ALIGN = 64
+
+
+class TeamSpec(ctypes.Structure):
+    """decode_team.h's team_spec."""
+
+    _fields_ = [("flags", ctypes.c_void_p), ("qkv", ctypes.c_void_p), ("partials", ctypes.c_void_p),
+                ("lses", ctypes.c_void_p), ("hidden_part", ctypes.c_void_p), ("gate_up", ctypes.c_void_p),
+                ("max_batch", ctypes.c_int64), ("member", ctypes.c_int), ("size", ctypes.c_int),
+                ("seq", ctypes.c_int64), ("check", CHECK)]
+
+
+@dataclass(frozen=True)
+class TeamShapes:
+    """What the shared buffers must hold per decode row."""
+
+    hidden: int
+    qkv_width: int
+    """(query heads + 2 KV heads) x head dim."""
+    heads: int
+    head_dim: int
+    intermediate: int
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class DecodeTeam:
+    """This rank's member of its PCP group's decode team: the shared buffers and the barrier's state."""
+
+    def __init__(self, group: ShmGroup, mapping, spec: TeamSpec, split_context: bool):
+        self.group, self._mapping, self.spec = group, mapping, spec
+        self.size, self.member = group.size, group.rank
+        self.max_batch = spec.max_batch
+        self.split_context = split_context
+        """Replicated layout: every member holds the whole context and attends its part of each request's."""
+        self.error: str | None = None
+        """Why the last wait was given up (set by the check the C barrier calls)."""
+        self._check = CHECK(self._check_wait)  # kept: the C side holds its address
+        spec.check = self._check
+
+    @classmethod
+    def open(cls, group, shapes: TeamShapes, max_batch: int, split_context: bool) -> "DecodeTeam | None":
+        """Called by every PCP rank alike: the team over `group`, or None on all where there is no shared-memory
+        transport or no room for the buffers."""
+        if not isinstance(group, ShmGroup) or group.size < 2:
+            return None
+        sizes = [group.size * FLAG_STRIDE * 8, max_batch * shapes.qkv_width * 4,
+                 max_batch * group.size * shapes.heads * shapes.head_dim * 4, max_batch * group.size * shapes.heads * 4,
+                 max_batch * shapes.hidden * 4, max_batch * 2 * shapes.intermediate * 4]
+        offsets = [0]
+        for size in sizes:
+            offsets.append(offsets[-1] + _aligned(size))
+        mapping = group.map_buffer(offsets[-1])
+        if mapping is None:
+            return None
+        base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+        spec = TeamSpec(*(base + o for o in offsets[:-1]), max_batch, group.rank, group.size, 0)
+        return cls(group, mapping, spec, split_context)
+
+    def _check_wait(self, waited_s: float) -> int:
+        flags = (ctypes.c_int64 * (self.size * FLAG_STRIDE)).from_address(self.spec.flags)
+        missing = [r for r in range(self.size) if flags[r * FLAG_STRIDE] < self.spec.seq]
+        self.error = self.group.wait_problem(missing, "decode team barrier", waited_s)
+        return 1 if self.error is not None else 0
+
+    def takes(self, rows: int) -> bool:
+        """A step of single tokens the team runs: no more rows than its buffers hold."""
+        return 0 < rows <= self.max_batch
+
+    def context_part(self, slots: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This member's contiguous part of each request's context (replicated layout): (slots [B, width], lengths
+        [B]), member m taking positions [L m / P, L (m + 1) / P) of a context of L."""
+        first = lengths * self.member // self.size
+        count = lengths * (self.member + 1) // self.size - first
+        width = max(int(count.max()), 1)
+        index = (first[:, None] + torch.arange(width)).clamp_(max=max(slots.shape[1] - 1, 0))
+        return torch.gather(slots, 1, index), count
+
+    def describe(self) -> str:
+        return (f"the {self.size} PCP ranks decode as one team (each computes 1/{self.size} of every linear's "
+                f"outputs and of the attention; shared-memory barriers, up to {self.max_batch} rows)")
+
