@@ -4,7 +4,8 @@ one world, and shared-prefix decode on a CP group of several ranks.
 Real processes on gloo through the offline LLM API (see test_parallel_layouts.py); every layout launches once per
 module and runs all the workloads its tests read. References are single-rank engines on the same weights:
 - fp32, prefix caching off, so its slots are disjoint and its decode batches of 3-4 requests take the padded path:
-  the layouts' shared-key decodes are compared against the other code path;
+  the layouts' shared-key decodes (run with the kernels off: `Setup.kernels`) are compared against the other
+  code path;
 - bf16, for the bf16 layouts.
 
 Prompt logprob values are those of the sharpened tiny models (tests/tiny_models.py): logits of std ~0.16, so
@@ -13,6 +14,8 @@ logprobs sit near -log(300) = -5.7 and the greedy margins are ~1e-3..5e-2.
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import pytest
@@ -171,6 +174,9 @@ class Setup:
     interleave: int = 1
     strategy: str = "allgather"
     prefix_caching: bool = True
+    kernels: bool = True
+    """False: CPLLM_KERNELS=0 on every rank. Where the C decode kernel runs, decode-only steps read each request's
+    own slots; the shared-key form (what CUDA runs) is reached with the kernels off."""
     workloads: tuple = ()
 
     def label(self) -> str:
@@ -188,9 +194,9 @@ REF_FP32 = Setup("kv1", prefix_caching=False, workloads=(run_logprobs, run_sampl
 REF_BF16 = Setup("kv1", dtype="bfloat16", workloads=(run_logprobs,))
 REF_KV2 = Setup("kv2", prefix_caching=False, workloads=(run_dp_prompts,))
 
-PCP2 = Setup("kv1", pcp=2, interleave=2, strategy="ring", workloads=(run_sampling, run_shared_prefix))
-TP2_DCP2 = Setup("kv1", tp=2, dcp=2, workloads=(run_sampling, run_shared_prefix))
-PCP2_DCP2 = Setup("kv1", tp=2, pcp=2, dcp=2, workloads=(run_sampling, run_shared_prefix))
+PCP2 = Setup("kv1", pcp=2, interleave=2, strategy="ring", kernels=False, workloads=(run_sampling, run_shared_prefix))
+TP2_DCP2 = Setup("kv1", tp=2, dcp=2, kernels=False, workloads=(run_sampling, run_shared_prefix))
+PCP2_DCP2 = Setup("kv1", tp=2, pcp=2, dcp=2, kernels=False, workloads=(run_sampling, run_shared_prefix))
 BF16_PCP2 = Setup("kv1", dtype="bfloat16", pcp=2, workloads=(run_logprobs,))
 BF16_TP2_DCP2 = Setup("kv1", dtype="bfloat16", tp=2, dcp=2, interleave=2, workloads=(run_logprobs,))
 DP2_PCP2_TP2 = Setup("kv2", dp=2, pcp=2, tp=2, interleave=2, workloads=(run_dp_prompts,))
@@ -207,10 +213,25 @@ class Launches(LaunchCache):
 
     def _launch(self, setup: Setup) -> Run:
         run = Run()
-        with LLM(self.folder(setup.model), **setup.options()) as llm:
+        with kernels_on(setup.kernels), LLM(self.folder(setup.model), **setup.options()) as llm:
             for workload in setup.workloads:
                 workload(llm, run)
         return run
+
+
+@contextmanager
+def kernels_on(on: bool):
+    """CPLLM_KERNELS=0 while the block runs (the spawned ranks inherit it) unless `on`."""
+    before = os.environ.get("CPLLM_KERNELS")
+    if not on:
+        os.environ["CPLLM_KERNELS"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CPLLM_KERNELS", None)
+        else:
+            os.environ["CPLLM_KERNELS"] = before
 
 
 @pytest.fixture(scope="module")

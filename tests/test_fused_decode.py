@@ -3,17 +3,20 @@
 The fused layer runs the eager path's own C kernels back to back, so on a tiny Llama whose every linear is 4-bit
 (run on the VNNI int4 kernel) the engine's outputs must equal, bit for bit, a run with fusing turned off: greedy
 tokens, their logprobs and the prompt logprobs, for float32 and float16 K/V, with batches of several requests of
-different lengths and a shared prefix (its shared-key steps run eager, so the run switches between the two). With
+different lengths and a shared prefix (decode-only steps read each request's own slots, fused or eager). With
 float32 weights (quantization none) the fused matrix-vector loop sums in another order than MKL: greedy tokens
-equal, logprobs within 1e-5 (measured 0 here; 2.2e-5 on SmolLM2 over 120 tokens). Under the replicated KV layout
-each PCP rank holds its requests' whole context and fuses its decode steps too; that run must match the single-rank
-engine as the other layout tests do. A model the fused layer cannot run (a Q8_0 projection: q|k|v in two kernels),
+equal, logprobs within 1e-5 (measured 0 here; 2.2e-5 on SmolLM2 over 120 tokens). Under PCP the ranks run the
+fused steps as one decode team (cpllm/model/decode_team.py), for both KV layouts; those runs must match the
+single-rank engine as the other layout tests do, and a team barrier whose peer never comes must give up. A model the fused layer cannot run (a Q8_0 projection: q|k|v in two kernels),
 or kernels turned off, keeps the eager layers.
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import random
+import time
 
 import pytest
 from gguf import GGMLQuantizationType as QType
@@ -21,7 +24,7 @@ from gguf import GGMLQuantizationType as QType
 import tiny_models as tm  # tests/ is on sys.path under pytest
 from cpllm import LLM, SamplingParams
 from cpllm.kernels import build, int4_matmul
-from cpllm.model import fused_decode
+from cpllm.model import decode_team, fused_decode
 from parallel_helpers import prompt_logprob_values, sampled_logprobs  # tests/ too
 
 pytestmark = pytest.mark.skipif(not int4_matmul.available(), reason="no AVX-512 VNNI int4 kernel on this machine")
@@ -75,20 +78,49 @@ def test_fused_steps_equal_the_eager_layers_bit_for_bit(four_bit_gguf, monkeypat
         assert _values(got) == _values(want)
 
 
-def test_replicated_pcp_ranks_fuse_and_match_one_rank(four_bit_gguf, monkeypatch):
-    """PCP=2, replicated K/V: ranks fuse their own decode steps; greedy tokens equal, logprobs within 1e-3 (the
-    prompt's attention is split over the ranks, so its rounding differs; measured 4.4e-5)."""
-    one_rank, _ = _run(four_bit_gguf, True, monkeypatch)
-    with LLM(four_bit_gguf, **ENGINE, prefill_context_parallel_size=2, cp_kv_cache_layout="replicated",
-             distributed_timeout=60) as llm:
+@pytest.mark.parametrize("layout,quantization", [("sharded", "auto"), ("replicated", "auto"), ("sharded", "none")])
+def test_pcp_ranks_decode_as_a_team_and_match_one_rank(four_bit_gguf, monkeypatch, layout, quantization):
+    """PCP=2: the ranks run each decode step's fused layers as one team (each a share of every linear's columns and
+    of the attention: its KV shard, or its half of a replicated context). Greedy tokens equal one rank's, logprobs
+    within 1e-3 (attention parts merge by log-sum-exp in another order, and the prompt's attention is split over
+    the ranks; measured up to 8e-5)."""
+    one_rank, _ = _run(four_bit_gguf, True, monkeypatch, quantization=quantization)
+    with LLM(four_bit_gguf, **ENGINE, prefill_context_parallel_size=2, cp_kv_cache_layout=layout,
+             quantization=quantization, distributed_timeout=60) as llm:
         two_ranks = llm.generate(_prompts(), PARAMS)
+        fused = llm.engine.executor.runner.model.fused_decode
+        assert fused is not None and fused.team is not None and fused.steps >= PARAMS.max_tokens - 1
+    worst = 0.0
     for got, want in zip(two_ranks, one_rank):
         tokens, sampled, prompt = _values(got)
         want_tokens, want_sampled, want_prompt = _values(want)
         assert tokens == want_tokens
-        worst = max(abs(a - b) for a, b in zip(sampled + prompt, want_sampled + want_prompt))
-        print(f"replicated PCP=2 vs one rank: worst logprob difference {worst:.2e}")
-        assert worst <= 1e-3
+        worst = max([worst, *(abs(a - b) for a, b in zip(sampled + prompt, want_sampled + want_prompt))])
+    print(f"{layout} PCP=2 team vs one rank ({quantization}): worst logprob difference {worst:.2e}")
+    assert worst <= 1e-3
+
+
+def test_a_team_barrier_gives_up_when_its_check_says_so():
+    """A member that never arrives: the barrier spins, then calls its check every 50 ms; a check that reports a
+    problem (the group's timeout, a dead member: ShmGroup.wait_problem) makes it return -2 instead of waiting on."""
+    lib = fused_decode._library()
+    mapping = mmap.mmap(-1, 4096)
+    spec = decode_team.TeamSpec(ctypes.addressof(ctypes.c_char.from_buffer(mapping)), 0, 0, 0, 0, 0, 1, 0, 2, 0)
+    calls = []
+
+    def check(waited_s: float) -> int:
+        calls.append(waited_s)
+        return int(len(calls) >= 2)
+
+    spec.check = keep = decode_team.CHECK(check)
+    started = time.monotonic()
+    assert lib.cpllm_team_barrier(ctypes.byref(spec)) == -2
+    assert len(calls) == 2 and calls[0] >= 0.05 and calls[1] >= 0.1 and time.monotonic() - started < 5
+    flags = (ctypes.c_int64 * 16).from_buffer(mapping)
+    assert flags[0] == 1 and flags[decode_team.FLAG_STRIDE] == 0  # published its own arrival, saw none
+    flags[decode_team.FLAG_STRIDE] = 2  # the other member is past it: the next barrier does not wait
+    assert lib.cpllm_team_barrier(ctypes.byref(spec)) == 0 and len(calls) == 2
+    del keep
 
 
 def test_float_weights_fuse_within_float32_rounding(four_bit_gguf, monkeypatch):

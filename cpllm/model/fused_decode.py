@@ -56,7 +56,8 @@ def _library() -> ctypes.CDLL | None:
     p = ctypes.c_void_p
     return load_typed("decode_layer", {
         "cpllm_decode_layer": ([p, ctypes.POINTER(_Layer), ctypes.POINTER(_Step), p, p, p], ctypes.c_int),
-        "cpllm_f32_available": (None, ctypes.c_int)})
+        "cpllm_f32_available": (None, ctypes.c_int),
+        "cpllm_team_barrier": ([p], ctypes.c_int)})
 
 
 def _weight(module) -> tuple[int, torch.Tensor] | None:
