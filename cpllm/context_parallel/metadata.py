@@ -282,7 +282,9 @@ def build_step_batch(chunks, layout: KVLayout, pcp_size: int, pcp_rank: int, out
         replica_sync = build_replica_sync(chunks, runs_per_chunk, layout, pcp_size)
     batch = StepBatch(token_ids=token_ids, positions=positions, attention=attention, output_rows=tuple(output_rows),
                       replica_sync=replica_sync)
-    return batch if device is None else to_device(batch, device, non_blocking=non_blocking)
+    if device is None or torch.device(device).type == "cpu":  # built on the CPU: nothing to move (or walk)
+        return batch
+    return to_device(batch, device, non_blocking=non_blocking)
 
 
 def _request_attention(chunk, runs, layout: KVLayout, pcp_rank: int, num_rows: int) -> RequestAttention:

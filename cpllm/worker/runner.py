@@ -141,7 +141,7 @@ class ModelRunner:
     def _gather_output_rows(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """Hidden states of the rows the driver samples from, collected on every PCP rank in driver order."""
         me = self.groups.pcp_rank
-        if self.groups.pcp_size == 1:
+        if self.groups.pcp_size == 1 or batch.attention.decode_team:  # a team's ranks all hold every row's state
             return hidden[torch.tensor([row for _, row in batch.output_rows], device=hidden.device)]
         out = torch.zeros(len(batch.output_rows), hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
         mine = [(i, row) for i, (p, row) in enumerate(batch.output_rows) if p == me]
