@@ -80,8 +80,11 @@ def decode_layouts_section(results: Results, images: str, rel: str) -> list[str]
              "`vs_1rank` = tokens/s over the `1x1x1@2` run of the same file, batch and context (the target: >= 1 "
              "for `replicated`). The `gloo transport` rows are the sharded layout with `--collective-transport gloo` "
              "(every collective over loopback TCP, as before the shared-memory path), with their own `1x1x1@2` "
-             "reference run. Two threads in one process suffer most when other processes share the cores "
-             "(OpenMP threads wait for each other), so the load averages are printed below the table.", ""]
+             "reference run. On the shared-memory transport the PCP ranks decode as one team (each streams half of "
+             "every layer's weights and attends to its part of the context: architecture.md, 'Decode team'); over "
+             "gloo there is no team and the sharded layout's decode steps run eager. Two threads in one process "
+             "suffer most when other processes share the cores (OpenMP threads wait for each other), so the load "
+             "averages are printed below the table.", ""]
     rows, loads = [], []
     for name, label in DECODE_RUNS:
         data = results.get(f"decode_pcp_{name}")

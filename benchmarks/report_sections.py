@@ -269,18 +269,18 @@ def bounds_section(results: Results, images: str, rel: str) -> list[str]:
         "and at about their rate on two. `--quantization auto` runs the GGUF's "
         "Q4_1 blocks as stored and reads a sixth of the bytes (issue 10's section below).",
         "- **Decode under PCP=2 against one rank with both cores**: on this machine the two cores share one memory "
-        "system (the matrix-vector rate is the same with one thread and two, `bench ceiling`), so splitting a "
-        "batch-1 step's weight and K/V reads over two ranks saves little, while the sharded layout's ranks pay "
-        "one all-gather of attention partials and two of the split MLP per layer (tens of microseconds each over "
-        "shared memory) and run the eager layers, where one rank runs its step fused. The replicated layout's "
-        "ranks fuse their own requests' steps, but at batch 1 one rank holds the only request and the other "
-        "waits. At batch 16 both layouts land near one rank with two threads, whose own rate moves by a third "
-        "between runs here (the 16-request steps share their prompt, a shared-key batch the fused layers leave "
-        "to the eager path).",
-        "- **16-request decode** is bound by small-M fp32 GEMMs (16 rows reuse each weight only 16 times) and, at "
-        "long context, by reading every request's fp32 KV each step. Decode queries of a step share one attention "
-        "call per layer; when they share a prefix through the prefix cache, the shared keys are read once (queries "
-        "become rows of one block over the union of their slots), which is what the shared-prefix runs measure.",
+        "system (the matrix-vector rate is the same with one thread and two, `bench ceiling`), and a decode step "
+        "streams its weights and, at context 2,048, its float32 K/V (94 MB over 30 layers, more than the int4 "
+        "weights). Two ranks that each stream half of every layer (the decode team: architecture.md) gain about "
+        "what one rank's second thread gains; the team's five shared-memory barriers per layer cost about 0.3 ms "
+        "of waiting per batch-1 step. What PCP cannot divide is each step's serial Python around the layers "
+        "(scheduling, the step's broadcast and metadata, sampling): about 2 ms at batch 1, as long as the fused "
+        "layers themselves at context 128. So batch-1 and batch-16 decode land at one rank's rate, give or take "
+        "this machine's run-to-run noise.",
+        "- **16-request decode** at context 2,048 is bound by attention: 16 queries each read 2,048 positions of "
+        "K/V per layer (2.3 GFLOP per step). Where the C decode kernel runs, requests that share a prefix read it "
+        "once each, from cache, which runs faster than gathering the union of their slots once and computing it "
+        "through the SDPA kernel with a mask (the shared-key form, kept where the kernel does not run).",
         "- **PCP=2 prefill efficiency** (issue 12 (d) below): the profile there splits what PCP=2's rank 0 "
         "spends beyond half the one-rank time by operator class. The largest software cost was the log-sum-exp "
         "merge of each attention piece into its run (several per layer per rank, each stacking copies of the "
