@@ -13,9 +13,13 @@ or kernels turned off, keeps the eager layers.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
+import os
 import random
+import signal
+import threading
 import time
 
 import pytest
@@ -98,6 +102,29 @@ def test_pcp_ranks_decode_as_a_team_and_match_one_rank(four_bit_gguf, monkeypatc
         worst = max([worst, *(abs(a - b) for a, b in zip(sampled + prompt, want_sampled + want_prompt))])
     print(f"{layout} PCP=2 team vs one rank ({quantization}): worst logprob difference {worst:.2e}")
     assert worst <= 1e-3
+
+
+@pytest.mark.timeout(120)
+def test_a_member_killed_during_team_decode_fails_the_driver_naming_it(four_bit_gguf):
+    """Rank 1 is killed while the team decodes: the driver, waiting in a team barrier or a collective, raises an
+    error naming rank 1 within the distributed timeout (the barrier's check notices the exited process)."""
+    timeout_s = 10
+    llm = LLM(four_bit_gguf, **ENGINE, prefill_context_parallel_size=2, distributed_timeout=timeout_s)
+    try:
+        assert llm.engine.executor.runner.model.fused_decode.team is not None
+        pid = llm.engine.executor.workers.pids[1]
+        long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        killer = threading.Timer(0.3, os.kill, (pid, signal.SIGKILL))
+        killer.start()
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="worker rank 1"):
+            for _ in range(100):  # until the kill lands
+                llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 4, long)
+        assert time.monotonic() - start < timeout_s + 5
+        killer.join()
+    finally:
+        with contextlib.suppress(RuntimeError):  # the workers are gone already when the test got its error
+            llm.shutdown()
 
 
 def test_a_team_barrier_gives_up_when_its_check_says_so():
