@@ -36,6 +36,8 @@ pytestmark = pytest.mark.skipif(not int4_matmul.available(), reason="no AVX-512 
 FOUR_BIT = {"q_proj": QType.Q4_0, "k_proj": QType.Q4_1, "v_proj": QType.Q4_0, "o_proj": QType.Q4_1,
             "gate_proj": QType.Q4_1, "up_proj": QType.Q4_0, "down_proj": QType.Q4_0, "embed_tokens": QType.Q8_0}
 ENGINE = dict(max_model_len=256, block_size=4, threads_per_rank=1)
+two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
+                               reason="a decode team of two ranks needs a core for each (DecodeTeam.open)")
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1, prompt_logprobs=1)
 
 
@@ -82,6 +84,7 @@ def test_fused_steps_equal_the_eager_layers_bit_for_bit(four_bit_gguf, monkeypat
         assert _values(got) == _values(want)
 
 
+@two_cores
 @pytest.mark.parametrize("layout,quantization", [("sharded", "auto"), ("replicated", "auto"), ("sharded", "none")])
 def test_pcp_ranks_decode_as_a_team_and_match_one_rank(four_bit_gguf, monkeypatch, layout, quantization):
     """PCP=2: the ranks run each decode step's fused layers as one team (each a share of every linear's columns and
@@ -104,6 +107,7 @@ def test_pcp_ranks_decode_as_a_team_and_match_one_rank(four_bit_gguf, monkeypatc
     assert worst <= 1e-3
 
 
+@two_cores
 @pytest.mark.timeout(120)
 def test_a_member_killed_during_team_decode_fails_the_driver_naming_it(four_bit_gguf):
     """Rank 1 is killed while the team decodes: the driver, waiting in a team barrier or a collective, raises an

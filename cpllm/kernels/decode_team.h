@@ -9,9 +9,10 @@
  * The barrier: each member publishes a sequence number (one int64 per member, a cache line apart) after its writes
  * and waits until every member has published it. x86 keeps stores in order (TSO), so a member that sees the number
  * sees the data; the release store and acquire loads keep the compiler from reordering around them. A wait spins
- * (peers in step arrive within microseconds), then yields the core, then sleeps, and every CHECK_S calls back into
- * Python, which raises the group's timeout or notices a member process that has exited (returning nonzero aborts
- * the step).
+ * (peers in step arrive within microseconds), then yields the core between checks, then sleeps, and every CHECK_S
+ * calls back into Python, which raises the group's timeout or notices a member process that has exited (returning
+ * nonzero aborts the step). Spinning assumes every member has a core: cpllm/model/decode_team.py forms a team only
+ * then.
  */
 #ifndef CPLLM_DECODE_TEAM_H
 #define CPLLM_DECODE_TEAM_H
@@ -40,7 +41,7 @@ typedef struct {
     team_check_fn check;
 } team_spec;
 
-static const double TEAM_SPIN_S = 0.002, TEAM_YIELD_S = 0.02, TEAM_CHECK_S = 0.05;
+static const double TEAM_SPIN_S = 50e-6, TEAM_YIELD_S = 0.02, TEAM_CHECK_S = 0.05;
 
 static inline double team_seconds_since(const struct timespec *start) {
     struct timespec now;

@@ -4,8 +4,10 @@ Decode under PCP holds the same single tokens on every PCP rank. Alone, each ran
 for them (a batch-1 step is bound by that stream) and the sharded layout would add a few collectives per layer.
 As a team, the members divide every linear's output columns and the context (the sharded layout: each its KV
 shard; the replicated layout: each its part of every request's context), and meet at five shared-memory barriers
-per layer, each a fraction of a microsecond when both are in step. The buffers live in one mapping of the PCP
-group's shared-memory transport (`ShmGroup.map_buffer`), so a team exists only where that transport does.
+per layer (about 0.3 ms of waiting per batch-1 step of SmolLM2, all 150 together). The buffers live in one mapping
+of the PCP group's shared-memory transport (`ShmGroup.map_buffer`), so a team exists only where that transport
+does, and only where every thread of this host's ranks has a core: a member spinning for a peer that waits for a
+core would hold that core in its place.
 
 A wait that lasts goes back to Python every 50 ms: `ShmGroup.wait_problem` (the group's timeout, a member process
 that has exited) decides whether to give up, and the step then raises its message, as the group's own collectives
@@ -15,6 +17,7 @@ do.
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 
 import torch
@@ -67,10 +70,15 @@ class DecodeTeam:
         spec.check = self._check
 
     @classmethod
-    def open(cls, group, shapes: TeamShapes, max_batch: int, split_context: bool) -> "DecodeTeam | None":
+    def open(cls, group, shapes: TeamShapes, max_batch: int, split_context: bool,
+             busy_threads: int) -> "DecodeTeam | None":
         """Called by every PCP rank alike: the team over `group`, or None on all where there is no shared-memory
-        transport or no room for the buffers."""
+        transport, no room for the buffers, or fewer cores than `busy_threads` (every rank's threads on this host:
+        a member waiting for one that has no core would spin in its place)."""
         if not isinstance(group, ShmGroup) or group.size < 2:
+            return None
+        cores = len(os.sched_getaffinity(0))
+        if not group.broadcast_object(busy_threads <= cores, group.members[0]):  # group rank 0 decides for all
             return None
         sizes = [group.size * FLAG_STRIDE * 8, max_batch * shapes.qkv_width * 4,
                  max_batch * group.size * shapes.heads * shapes.head_dim * 4, max_batch * group.size * shapes.heads * 4,

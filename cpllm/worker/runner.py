@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -78,13 +79,15 @@ class ModelRunner:
         fused = self.model.fused_decode
         if fused is None or fused.team_size < 2:
             return
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", self.groups.world_size))  # torchrun's, else one host
         fused.team = DecodeTeam.open(self.groups.pcp_group, fused.shapes, self.config.scheduler.max_num_seqs,
-                                     split_context=self.replicated)
+                                     split_context=self.replicated,
+                                     busy_threads=ranks_here * torch.get_num_threads())
         if fused.team is not None:
             logger.info("decode steps: %s", fused.team.describe())
         elif fused.needs_team:
             logger.info("decode steps: eager layers (the sharded K/V layout fuses only as a team of PCP ranks, which "
-                        "needs the shared-memory transport)")
+                        "needs the shared-memory transport and a core for every thread of the ranks on this host)")
             self.model.fused_decode = None
 
     def _count_blocks(self) -> int:
