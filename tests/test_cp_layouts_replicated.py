@@ -1,12 +1,13 @@
 """`--cp-kv-cache-layout replicated` in the whole engine, against the single-rank engine (real gloo ranks).
 
-Every PCP rank keeps a whole copy of the KV cache (divided over DCP only), PCP ranks split the decode batch,
-and decode K/V computed on one PCP rank reach the others after the step. Each layout runs the workload of
+Every PCP rank keeps a whole copy of the KV cache (divided over DCP only); without a decode team PCP ranks split
+the decode batch and decode K/V computed on one PCP rank reach the others after the step. Each layout runs the workload of
 tests/test_parallel_layouts.py (chunked prefill with decodes riding along, prompt logprobs, a small pool that
 forces preemption, a second pass of prefix-cache hits) with PCP 2 and 3, TP and DCP, interleave 1 and 2, and the
 allgather, ring and auto strategies; greedy tokens must equal the single-rank engine's and logprobs agree within
 1e-4. The PCP=2 layout also decodes a batch of four: in those decode-only steps the attention layers talk to no
-other rank, one all-gather per step keeps the copies equal, and the outputs still match. The KV capacity is
+other rank, and either the ranks decode as one team (shared-memory barriers, each rank stores every row) or each
+decodes its share and one all-gather per step keeps the copies equal; the outputs still match. The KV capacity is
 blocks x block_size x DCP (a copy per PCP rank), half of the sharded layout's with PCP=2.
 """
 
@@ -84,6 +85,8 @@ class Run:
     """PCP=2 only: name -> output of the batch decoded together."""
     decode_calls: dict | None = None
     """PCP=2 only: collective calls by (module, op) during the decode-only steps."""
+    team: bool = False
+    """The PCP ranks formed a decode team (cpllm/model/decode_team.py: fused layers, a core per rank)."""
 
 
 def kv_bytes(model: str, layout: Layout) -> tuple[int, int]:
@@ -116,6 +119,8 @@ class Launches(LaunchCache):
                       blocks_per_rank=blocks)
             if layout == PCP2:
                 run.decode, run.decode_calls = decode_batch(engine, {n: prompts[n] for n in DECODE_BATCH}, layout)
+                fused = engine.executor.runner.model.fused_decode
+                run.team = fused is not None and fused.team is not None
         return run
 
 
@@ -175,7 +180,10 @@ def test_decode_batch_needs_no_collective_in_the_layers(launches):
         assert_same_greedy(run.decode[name], reference[name], what=f"decode batch {name}", prompt_logprobs=False)
     in_layers = {k: n for k, n in run.decode_calls.items() if k.startswith("cpllm.context_parallel.attention")}
     assert not in_layers, f"attention talked to other ranks in decode-only steps: {in_layers}"
-    assert run.decode_calls.get("cpllm.context_parallel.replica_sync.all_gather") == DECODE_STEPS, run.decode_calls
+    # A decode team's ranks each hold and store every row (they meet at shared-memory barriers, not collectives);
+    # otherwise each rank decodes its share of the batch and one all-gather per step syncs the copies.
+    synced = run.decode_calls.get("cpllm.context_parallel.replica_sync.all_gather", 0)
+    assert synced == (0 if run.team else DECODE_STEPS), (run.team, run.decode_calls)
 
 
 def test_decode_rows_are_split_over_pcp_ranks_and_synced_after_the_step():
