@@ -60,13 +60,19 @@ def _prompts() -> list[dict]:
     return [{"prompt_token_ids": ids} for ids in own] + [{"prompt_token_ids": prefix + [5 + i]} for i in range(3)]
 
 
+def _prompts_for(quantization: str) -> list[dict]:
+    """Float32 weights run fused only up to F32_MAX_ROWS rows: three requests of their own and one of the prefix."""
+    prompts = _prompts()
+    return prompts if quantization != "none" else prompts[:3] + prompts[-1:]
+
+
 def _run(path: str, fused: bool, monkeypatch, **options):
     """(outputs, fused steps) of one engine run; `fused=False` builds no fused layers."""
     with monkeypatch.context() as patch:
         if not fused:
             patch.setattr(fused_decode.FusedDecode, "build", classmethod(lambda cls, model: None))
         with LLM(path, **ENGINE, **options) as llm:
-            outputs = llm.generate(_prompts(), PARAMS)
+            outputs = llm.generate(_prompts_for(options.get("quantization", "auto")), PARAMS)
             model = llm.engine.executor.runner.model
             return outputs, (model.fused_decode.steps if model.fused_decode is not None else None)
 
@@ -94,7 +100,7 @@ def test_pcp_ranks_decode_as_a_team_and_match_one_rank(four_bit_gguf, monkeypatc
     one_rank, _ = _run(four_bit_gguf, True, monkeypatch, quantization=quantization)
     with LLM(four_bit_gguf, **ENGINE, prefill_context_parallel_size=2, cp_kv_cache_layout=layout,
              quantization=quantization, distributed_timeout=60) as llm:
-        two_ranks = llm.generate(_prompts(), PARAMS)
+        two_ranks = llm.generate(_prompts_for(quantization), PARAMS)
         fused = llm.engine.executor.runner.model.fused_decode
         assert fused is not None and fused.team is not None and fused.steps >= PARAMS.max_tokens - 1
     worst = 0.0
@@ -166,6 +172,15 @@ def test_float_weights_fuse_within_float32_rounding(four_bit_gguf, monkeypatch):
         worst = max([worst, *(abs(a - b) for a, b in zip(sampled, want_sampled))])
     print(f"float32 fused vs eager: worst sampled logprob difference {worst:.2e}")
     assert worst <= 1e-5
+
+
+def test_float_weights_leave_batches_over_four_rows_to_the_eager_layers(four_bit_gguf):
+    """f32_matmul.c streams the weights once per 4 rows: bigger float32 batches run eager (MKL reads them once)."""
+    with LLM(four_bit_gguf, **ENGINE, quantization="none") as llm:
+        fused = llm.engine.executor.runner.model.fused_decode
+        assert fused.max_rows == fused_decode.F32_MAX_ROWS
+        outputs = llm.generate(_prompts()[: fused_decode.F32_MAX_ROWS + 1], PARAMS)
+        assert all(len(o.outputs[0].token_ids) == PARAMS.max_tokens for o in outputs) and fused.steps == 0
 
 
 def test_layers_the_fused_call_cannot_run_stay_eager(tmp_path_factory, monkeypatch):

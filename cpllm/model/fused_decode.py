@@ -32,6 +32,10 @@ logger = logging.getLogger(__name__)
 _INT4, _F32 = 0, 1
 """Weight kinds of decode_layer.c's linear_spec."""
 _TEAM_ABORTED = -2
+F32_MAX_ROWS = 4
+"""Rows a step with float32 weights runs fused: f32_matmul.c streams each weight once per block of 4 rows, so a
+bigger batch reads them several times, where the eager layers' MKL GEMM reads them once (measured: 16 rows of
+SmolLM2 `none` at 1 thread and context 2,048, 11% slower fused)."""
 
 
 class _Linear(ctypes.Structure):
@@ -104,6 +108,9 @@ class FusedDecode:
                  needs_team: bool):
         self.lib, self.specs = lib, specs
         self._keep = keep  # the tensors whose addresses the specs hold
+        f32 = any(linear.kind == _F32 for spec in specs for linear in (spec.qkv, spec.o, spec.gate_up, spec.down))
+        self.max_rows = F32_MAX_ROWS if f32 else None
+        """Most rows a step runs fused (None: any number)."""
         self.team_size = team_size
         """PCP ranks that can run a step as one team (1: a rank alone)."""
         self.needs_team = needs_team
@@ -155,7 +162,7 @@ class FusedDecode:
         """This step runs fused: with a team, the steps laid out for it (`AttentionMetadata.decode_team`), and
         only those; alone, single tokens only, every row a decode row, each request with its own slots (no shared
         keys), index tensors as the C code reads them (the pools were checked once, `fits_pools`)."""
-        if (self.team is not None or self.needs_team) != meta.decode_team:
+        if (self.team is not None or self.needs_team) != meta.decode_team or not self.fits_rows(meta.num_rows):
             return False
         decode = meta.decode
         if decode is None or meta.has_new or decode.shared_keys or decode.lengths is None \
@@ -163,6 +170,14 @@ class FusedDecode:
             return False
         indices = (decode.slots, decode.lengths, meta.write_rows, meta.write_slots)
         return all(t.is_contiguous() and t.dtype == torch.long for t in indices)
+
+    def fits_rows(self, rows: int) -> bool:
+        """A step of `rows` rows is not too big to run fused (`max_rows`)."""
+        return self.max_rows is None or rows <= self.max_rows
+
+    def team_takes(self, rows: int) -> bool:
+        """The team runs a step of `rows` single tokens (decided from the step alone: every member alike)."""
+        return self.team is not None and self.team.takes(rows) and self.fits_rows(rows)
 
     @staticmethod
     def fits_pools(kv_caches) -> bool:

@@ -120,7 +120,7 @@ class ModelRunner:
         strategy = self.step_strategy(step.step_id, step.chunks)  # the same choice on every rank
         fused = self.model.fused_decode  # faster than the compiled step where it applies (docs/benchmarks.md)
         decode_only = all(len(chunk.token_ids) == 1 for chunk in step.chunks)
-        team = decode_only and fused is not None and fused.team is not None and fused.team.takes(len(step.chunks))
+        team = decode_only and fused is not None and fused.team_takes(len(step.chunks))
         # Every tensor of the step (token ids, positions, all attention metadata) on this rank's device.
         batch = build_step_batch(step.chunks, self.layout, self.groups.pcp_size, self.groups.pcp_rank,
                                  output_positions, device=self.device, non_blocking=True, strategy=strategy,
