@@ -42,12 +42,14 @@ def single_rank_targets_section(results: Results, images: str, rel: str) -> list
              "Ratios from `compare.json` (every system measured in one run, interleaved, same threads). `cpllm` is "
              "`--quantization none` (fp32, the weights transformers runs), `cpllm (auto)` the GGUF's Q4_1 blocks as "
              "stored (the weights llama.cpp runs; on this CPU in cpllm's VNNI int4 kernel). Both run their batch-1 "
-             "decode steps as one fused C call per layer (cpllm/model/fused_decode.py). `compiled` rows run decode "
-             "with `--compile-decode` (warmed up on each graph variant before timing); the fused layers take "
-             "precedence where they apply, so the compiled graphs run only the shared-prefix steps of the "
-             "16-request rows. `float16 KV` is `--kv-cache-dtype float16`, the format llama.cpp keeps K/V in. "
+             "decode steps as one fused C call per layer (cpllm/model/fused_decode.py), `auto` its 16-request steps "
+             "too (float32 weights run fused up to 4 rows; bigger batches take the eager layers' MKL GEMM). "
+             "`compiled` rows run decode with `--compile-decode` (warmed up on each graph variant before timing); "
+             "the fused layers take precedence where they apply, so the compiled graphs run only the 16-request "
+             "steps of `none`. `float16 KV` is `--kv-cache-dtype float16`, the format llama.cpp keeps K/V in. "
              "Decode requests of a batch share their prompt but the last token, and their first pass is a "
-             "prefix-cache hit (the context is read from gathered slots). Labels: total threads / context "
+             "prefix-cache hit; each request's query reads its own slots of the shared context (the C decode "
+             "kernel, which outruns the shared-key form here). Labels: total threads / context "
              "tokens (decode) or prompt tokens (prefill). Nothing here is asserted by tests.", ""]
     compare = results.get("compare")
     if not compare:
