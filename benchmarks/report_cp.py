@@ -8,6 +8,7 @@ rest goes. Every figure comes from benchmarks/results/*.json or from the cost mo
 from __future__ import annotations
 
 import os
+import statistics
 from typing import Any
 
 from report_sections import Results, _missing, md_table
@@ -16,13 +17,31 @@ SAME_THREADS = "1x1x1@2"
 """The single-rank run with PCP=2's total threads, the reference of (b)."""
 
 
+def _point(row: dict[str, Any]) -> tuple[int, int, int]:
+    return row.get("round", 0), row["batch_size"], row["context_tokens"]
+
+
 def _vs_same_threads(data: dict[str, Any]) -> dict[int, float]:
-    """Index of each result row in a decode_pcp_*.json -> its tokens/s over the SAME_THREADS run of the same batch
-    and context."""
-    single = {(r["batch_size"], r["context_tokens"]): r["tokens_per_s"] for r in data["results"]
-              if r["layout"] == SAME_THREADS}
-    return {i: r["tokens_per_s"] / single[(r["batch_size"], r["context_tokens"])]
-            for i, r in enumerate(data["results"])}
+    """Index of each result row in a decode_pcp_*.json -> its tokens/s over the SAME_THREADS run of the same round,
+    batch and context."""
+    single = {_point(r): r["tokens_per_s"] for r in data["results"] if r["layout"] == SAME_THREADS}
+    return {i: r["tokens_per_s"] / single[_point(r)] for i, r in enumerate(data["results"])}
+
+
+def round_ratios(data: dict[str, Any]) -> dict[tuple[str, int, int], list[float]]:
+    """(layout, batch, context) -> its tokens/s over SAME_THREADS in each round, in round order."""
+    ratios = _vs_same_threads(data)
+    by_point: dict[tuple[str, int, int], list[float]] = {}
+    for i, r in sorted(enumerate(data["results"]), key=lambda item: _point(item[1])):
+        by_point.setdefault((r["layout"], r["batch_size"], r["context_tokens"]), []).append(ratios[i])
+    return by_point
+
+
+def ratio_cell(ratios: list[float]) -> str:
+    """The median ratio, and each round's when there are several."""
+    if len(ratios) == 1:
+        return f"{ratios[0]:.2f}"
+    return f"{statistics.median(ratios):.2f} (rounds: {', '.join(f'{x:.2f}' for x in ratios)})"
 
 
 def cp_targets_section(results: Results, images: str, rel: str) -> list[str]:
@@ -40,13 +59,11 @@ def cp_targets_section(results: Results, images: str, rel: str) -> list[str]:
         data = results.get(f"decode_pcp_{kv_layout}")
         if not data:
             continue
-        ratios = _vs_same_threads(data)
-        for i, r in enumerate(data["results"]):
-            if not r["layout"].startswith("1x1x1"):
-                ratio = ratios[i]
+        for (layout, batch, _), ratios in round_ratios(data).items():
+            if not layout.startswith("1x1x1"):
                 which = "(b)" if kv_layout == "replicated" else "(issue 10)"
-                rows.append({"target": f"{kv_layout} PCP=2 decode / 1 rank same threads, batch {r['batch_size']} "
-                                       f"{which}", "goal": ">= 1", "measured": f"{ratio:.2f}"})
+                rows.append({"target": f"{kv_layout} PCP=2 decode / 1 rank same threads, batch {batch} {which}",
+                             "goal": ">= 1", "measured": ratio_cell(ratios)})
     lines = ["## Context-parallel strategies, layouts and the planner (issue 12)", "",
              "Targets, computed from the results of the sections (a)-(d) below.", ""]
     return lines + (md_table(rows) if rows else _missing("plan"))
@@ -77,8 +94,10 @@ def decode_layouts_section(results: Results, images: str, rel: str) -> list[str]
     lines = ["### (b) Decode under PCP=2: sharded vs replicated KV layout", "",
              "`cpllm bench decode --shared-prefix`, once per `--cp-kv-cache-layout`, each run with the single-rank "
              "engine on the same total threads (`1x1x1@2`, and on one thread) next to PCP=2 with one thread per rank. "
-             "`vs_1rank` = tokens/s over the `1x1x1@2` run of the same file, batch and context (the target: >= 1 "
-             "for `replicated`). The `gloo transport` rows are the sharded layout with `--collective-transport gloo` "
+             "Each run repeats its layouts in rounds (the order rotating, so that none always runs first), and "
+             "`vs_1rank` = tokens/s over the `1x1x1@2` run of the same round, batch and context: the median over "
+             "the rounds, then each round's (the target: >= 1 for `replicated`). `tokens_per_s` is the median over "
+             "the rounds. The `gloo transport` rows are the sharded layout with `--collective-transport gloo` "
              "(every collective over loopback TCP, as before the shared-memory path), with their own `1x1x1@2` "
              "reference run. On the shared-memory transport the PCP ranks decode as one team (each streams half of "
              "every layer's weights and attends to its part of the context: architecture.md, 'Decode team'); over "
@@ -90,35 +109,21 @@ def decode_layouts_section(results: Results, images: str, rel: str) -> list[str]
         data = results.get(f"decode_pcp_{name}")
         if not data:
             continue
-        ratios = _vs_same_threads(data)
         loads.append(f"{label}: {_loads(data)}")
-        for i, r in enumerate(data["results"]):
-            if r["layout"].startswith("1x1x1") and name != "sharded":
+        speeds: dict[tuple[str, int, int], list[float]] = {}
+        for r in data["results"]:
+            speeds.setdefault((r["layout"], r["batch_size"], r["context_tokens"]), []).append(r["tokens_per_s"])
+        for (layout, batch, context), ratios in round_ratios(data).items():
+            if layout.startswith("1x1x1") and name != "sharded":
                 continue  # shown once, from the sharded run's file
-            rows.append({"layout": r["layout"], "kv_layout": "-" if r["layout"].startswith("1x1x1") else label,
-                         "batch": r["batch_size"], "context": r["context_tokens"], "tokens_per_s": r["tokens_per_s"],
-                         "vs_1rank": round(ratios[i], 3)})
+            rows.append({"layout": layout, "kv_layout": "-" if layout.startswith("1x1x1") else label,
+                         "batch": batch, "context": context, "rounds": len(ratios),
+                         "tokens_per_s": round(statistics.median(speeds[(layout, batch, context)]), 2),
+                         "vs_1rank": ratio_cell(ratios)})
     if not rows:
         return lines + _missing("decode_layouts")
     return lines + md_table(rows) + ["", "Load average (1, 5, 15 min) at the start and end of each run, "
-                                     "from the JSON: " + "; ".join(loads) + "."] + _repeat_lines(results)
-
-
-def _repeat_lines(results: Results) -> list[str]:
-    """The same commands run again (decode_pcp_*_repeat.json): how far the ratios move from run to run."""
-    lines = []
-    for kv_layout in ("sharded", "replicated"):
-        data = results.get(f"decode_pcp_{kv_layout}_repeat")
-        if not data:
-            continue
-        ratios = _vs_same_threads(data)
-        cells = [f"batch {r['batch_size']} {ratios[i]:.2f}"
-                 for i, r in enumerate(data["results"]) if not r["layout"].startswith("1x1x1")]
-        lines.append(f"- {kv_layout}: {', '.join(cells)} (load {_loads(data)})")
-    if not lines:
-        return []
-    return ["", "The same commands run again right after (`decode_pcp_*_repeat.json`), PCP=2 over `1x1x1@2`: the "
-                "two-thread reference moves most between runs."] + lines
+                                     "from the JSON: " + "; ".join(loads) + "."]
 
 
 def transport_section(results: Results, images: str, rel: str) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from report_cp import _vs_same_threads
+from report_cp import ratio_cell, round_ratios
 from report_sections import Results, _missing, _model_config, md_table
 
 
@@ -84,11 +84,11 @@ def _pcp_decode_cell(results: Results) -> str:
     if not data:
         return "not measured in this run"
     try:
-        ratios = _vs_same_threads(data)
+        by_point = round_ratios(data)
     except KeyError:  # no one-rank reference run in the file
         return "not measured in this run"
-    cells = [f"PCP=2 batch {r['batch_size']}/ctx {r['context_tokens']}: {ratios[i]:.2f}"
-             for i, r in enumerate(data["results"]) if r["layout"] == "1x2x1@1"]
+    cells = [f"PCP=2 batch {batch}/ctx {context}: {ratio_cell(ratios)}"
+             for (layout, batch, context), ratios in by_point.items() if layout == "1x2x1@1"]
     return ", ".join(cells) + " (decode_pcp_sharded.json); DCP=2 cannot run on SmolLM2 (DCP must divide TP / 3 " \
         "KV heads and TP its 9 query heads, so TP / 3 is 1 or 3)"
 

@@ -40,9 +40,11 @@ for step in "${steps[@]}"; do
     # issue 12: fp32 weights (--quantization none), the format the planner's figures are for
     chunk) bench chunk --context 7900 --chunk 256 --layouts 1x1x1@2,1x2x1@1 --strategies ring,pass-q,auto \
              --repeats 5 --quantization none --json "$R/chunk_pcp.json" ;;
-    decode_layouts) for kv in sharded replicated; do
-        bench decode --layouts 1x1x1@1,1x1x1@2,1x2x1@1 --batch-sizes 1,16 --context-lengths 2048 --shared-prefix \
-          --steps 32 --cp-kv-cache-layout "$kv" --json "$R/decode_pcp_$kv.json"; done
+    # three rounds per layout, in rotated order; every ratio compares PCP=2 with the one-rank run of its round
+    decode_layouts) bench decode --layouts 1x1x1@1,1x1x1@2,1x2x1@1 --batch-sizes 1,16 --context-lengths 2048 \
+          --shared-prefix --steps 32 --rounds 3 --cp-kv-cache-layout sharded --json "$R/decode_pcp_sharded.json"
+        bench decode --layouts 1x1x1@2,1x2x1@1 --batch-sizes 1,16 --context-lengths 2048 --shared-prefix \
+          --steps 32 --rounds 3 --cp-kv-cache-layout replicated --json "$R/decode_pcp_replicated.json"
         # the same sharded run over gloo alone (as before the shared-memory transport), single rank for reference
         bench decode --layouts 1x1x1@2,1x2x1@1 --batch-sizes 1,16 --context-lengths 2048 --shared-prefix \
           --steps 32 --collective-transport gloo --json "$R/decode_pcp_gloo.json" ;;

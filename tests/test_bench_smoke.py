@@ -117,6 +117,27 @@ def test_bench_decode(tiny_folder, tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in rows)
 
 
+def test_bench_decode_rounds_rotate_the_layouts(monkeypatch):
+    from cpllm.bench import decode
+
+    ran = []
+
+    def fake_layout(model, vocab_size, layout, round_index, **kwargs):
+        ran.append((layout, round_index))
+        return []
+
+    monkeypatch.setattr(decode, "_decode_layout", fake_layout)
+    monkeypatch.setattr(decode, "model_config_of", lambda model: tiny_hf_config())
+    layouts = [parse_layout(x) for x in ("1x1x1@1", "1x1x1@2", "1x2x1@1")]
+    decode.run_decode_bench(None, batch_sizes=[1], context_lengths=[8], layouts=layouts, rounds=3)
+    assert ran == [(layout, r) for r in range(3) for layout in layouts[r:] + layouts[:r]]
+
+
+def test_bench_decode_rejects_zero_rounds(capsys):
+    with pytest.raises(SystemExit, match="--rounds must be at least 1, got 0"):
+        main(["bench", "decode", "--rounds", "0"])
+
+
 def test_bench_memory_capacity_scales_with_cp(tiny_folder, tmp_path):
     out = tmp_path / "memory.json"
     budget = 64 * TINY_KV_BYTES_PER_TOKEN  # 64 tokens per rank

@@ -64,6 +64,8 @@ def add_bench_parser(parser: argparse.ArgumentParser, add_engine_arguments: Call
     decode.add_argument("--context-lengths", default="128,2048")
     decode.add_argument("--layouts", default=None, help="TPxPCPxDCP[@threads], comma-separated")
     decode.add_argument("--steps", type=int, default=32, help="decode steps timed per point")
+    decode.add_argument("--rounds", type=int, default=1,
+                        help="run every layout this many times, in rotated order (compare layouts within a round)")
     decode.add_argument("--shared-prefix", action="store_true",
                         help="prompts of a batch share all but their last token (one long prefill per batch)")
     _add_output_options(decode)
@@ -230,12 +232,14 @@ def _decode(args: argparse.Namespace) -> dict[str, Any]:
     batch_sizes = parse_int_list(args.batch_sizes, "--batch-sizes")
     contexts = parse_int_list(args.context_lengths, "--context-lengths")
     layouts = _layouts(args)
-    progress = _Progress(len(layouts) * len(batch_sizes) * len(contexts), "decode")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
+    progress = _Progress(args.rounds * len(layouts) * len(batch_sizes) * len(contexts), "decode")
     try:
         results = run_decode_bench(args.model, batch_sizes=batch_sizes, context_lengths=contexts, layouts=layouts,
                                    strategy=args.cp_prefill_strategy, steps=args.steps,
                                    threads_per_rank=args.threads_per_rank, engine_options=_engine_options(args),
-                                   shared_prefix=args.shared_prefix, progress=progress)
+                                   shared_prefix=args.shared_prefix, rounds=args.rounds, progress=progress)
     finally:
         progress.close()
     rows = [r.row() for r in results]

@@ -25,6 +25,8 @@ class DecodeResult:
     """Decode steps timed (each produces one token per request)."""
     seconds: float
     """Wall time of those steps."""
+    round_index: int = 0
+    """Which round of the run measured it (every round runs every layout once, in rotated order)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -38,7 +40,7 @@ class DecodeResult:
     def row(self) -> dict[str, Any]:
         return {
             "system": self.system, "layout": self.layout, "threads": self.total_threads,
-            "batch_size": self.batch_size, "context_tokens": self.context_tokens,
+            "batch_size": self.batch_size, "context_tokens": self.context_tokens, "round": self.round_index,
             "tokens_per_s": round(self.tokens_per_s, 2), "per_request_tokens_per_s":
             round(self.tokens_per_s / self.batch_size, 2), "step_ms": round(self.step_ms, 2),
         }
@@ -101,9 +103,14 @@ def run_decode_bench(
     threads_per_rank: int | None = None,
     engine_options: dict[str, Any] | None = None,
     shared_prefix: bool = False,
+    rounds: int = 1,
     progress: Callable[[str], None] | None = None,
 ) -> list[DecodeResult]:
-    """One engine per layout; for each (batch, context): prefill, then time `steps` decode steps.
+    """One engine per layout and round; for each (batch, context): prefill, then time `steps` decode steps.
+
+    With `rounds` > 1 every layout runs once per round, the layouts' order rotating from round to round, so
+    that layouts compared with each other are measured close together in time and none always runs first
+    (this machine's speed drifts between minutes; compare layouts within a round).
 
     With `shared_prefix`, the prompts of a batch differ only in their last token and prefix caching
     is on, so a batch of long contexts costs one long prefill instead of `batch` of them (the decode
@@ -112,22 +119,39 @@ def run_decode_bench(
     config = model_config_of(model)
     results = []
     longest = max(context_lengths) + steps + 80  # room for max_tokens = steps + 64
-    for layout in layouts:
-        llm, threads = build_llm(model, layout, strategy=strategy, threads_per_rank=threads_per_rank,
-                                 context_tokens=longest * max(batch_sizes), batch_tokens=max(8192, longest),
-                                 engine_options=_decode_options(engine_options, longest, max(batch_sizes)),
-                                 prefix_caching=shared_prefix)
-        try:
-            time_decode(llm.engine, [random_prompt(16, config.vocab_size, seed=-1)], 4, "warmup")
-            for context in context_lengths:
-                for batch in batch_sizes:
-                    prompts = _batch_prompts(config.vocab_size, context, batch, shared_prefix)
-                    seconds = time_decode(llm.engine, prompts, steps, f"b{batch}c{context}")
-                    results.append(DecodeResult(system="cpllm", layout=layout.label(threads),
-                                                total_threads=threads * layout.world_size, batch_size=batch,
-                                                context_tokens=context, steps=steps, seconds=seconds))
-                    if progress:
-                        progress(f"{layout.label(threads)} batch {batch} context {context}")
-        finally:
-            llm.shutdown()
+    for round_index in range(rounds):
+        shift = round_index % len(layouts)
+        for layout in layouts[shift:] + layouts[:shift]:
+            results += _decode_layout(model, config.vocab_size, layout, round_index, batch_sizes=batch_sizes,
+                                      context_lengths=context_lengths, longest=longest, strategy=strategy,
+                                      steps=steps, threads_per_rank=threads_per_rank,
+                                      engine_options=engine_options, shared_prefix=shared_prefix,
+                                      progress=progress)
+    return results
+
+
+def _decode_layout(model: str | None, vocab_size: int, layout: Layout, round_index: int, *, batch_sizes: list[int],
+                   context_lengths: list[int], longest: int, strategy: str, steps: int,
+                   threads_per_rank: int | None, engine_options: dict[str, Any] | None, shared_prefix: bool,
+                   progress: Callable[[str], None] | None) -> list[DecodeResult]:
+    """One engine of `layout`: every (context, batch) point, timed."""
+    llm, threads = build_llm(model, layout, strategy=strategy, threads_per_rank=threads_per_rank,
+                             context_tokens=longest * max(batch_sizes), batch_tokens=max(8192, longest),
+                             engine_options=_decode_options(engine_options, longest, max(batch_sizes)),
+                             prefix_caching=shared_prefix)
+    results = []
+    try:
+        time_decode(llm.engine, [random_prompt(16, vocab_size, seed=-1)], 4, "warmup")
+        for context in context_lengths:
+            for batch in batch_sizes:
+                prompts = _batch_prompts(vocab_size, context, batch, shared_prefix)
+                seconds = time_decode(llm.engine, prompts, steps, f"b{batch}c{context}")
+                results.append(DecodeResult(system="cpllm", layout=layout.label(threads),
+                                            total_threads=threads * layout.world_size, batch_size=batch,
+                                            context_tokens=context, steps=steps, seconds=seconds,
+                                            round_index=round_index))
+                if progress:
+                    progress(f"{layout.label(threads)} batch {batch} context {context}")
+    finally:
+        llm.shutdown()
     return results

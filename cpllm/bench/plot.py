@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 from collections import defaultdict
 from typing import Any
 
@@ -47,13 +48,17 @@ def plot_prefill(rows: list[dict[str, Any]], path: str, title: str = "Prefill: t
 
 
 def plot_decode(rows: list[dict[str, Any]], path: str, title: str = "Decode: output tokens/s") -> None:
-    """Grouped bars: one group per (batch, context), one bar per system/layout."""
+    """Grouped bars: one group per (batch, context), one bar per system/layout (the median over rounds)."""
     groups = sorted({(r["batch_size"], r["context_tokens"]) for r in rows})
     labels = sorted({_series_label(r) for r in rows})
     width = 0.8 / max(len(labels), 1)
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4.5))
     for i, label in enumerate(labels):
-        values = {(r["batch_size"], r["context_tokens"]): r["tokens_per_s"] for r in rows if _series_label(r) == label}
+        measured: dict[tuple[int, int], list[float]] = {}
+        for r in rows:
+            if _series_label(r) == label:
+                measured.setdefault((r["batch_size"], r["context_tokens"]), []).append(r["tokens_per_s"])
+        values = {point: statistics.median(speeds) for point, speeds in measured.items()}
         xs = [g + i * width for g in range(len(groups))]
         ax.bar(xs, [values.get(g, 0) for g in groups], width=width, label=label)
     ax.set_xticks([g + width * (len(labels) - 1) / 2 for g in range(len(groups))])
