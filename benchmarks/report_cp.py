@@ -110,20 +110,41 @@ def decode_layouts_section(results: Results, images: str, rel: str) -> list[str]
         if not data:
             continue
         loads.append(f"{label}: {_loads(data)}")
-        speeds: dict[tuple[str, int, int], list[float]] = {}
-        for r in data["results"]:
-            speeds.setdefault((r["layout"], r["batch_size"], r["context_tokens"]), []).append(r["tokens_per_s"])
-        for (layout, batch, context), ratios in round_ratios(data).items():
-            if layout.startswith("1x1x1") and name != "sharded":
+        for row in _median_rows(data):
+            if row["layout"].startswith("1x1x1") and name != "sharded":
                 continue  # shown once, from the sharded run's file
-            rows.append({"layout": layout, "kv_layout": "-" if layout.startswith("1x1x1") else label,
-                         "batch": batch, "context": context, "rounds": len(ratios),
-                         "tokens_per_s": round(statistics.median(speeds[(layout, batch, context)]), 2),
-                         "vs_1rank": ratio_cell(ratios)})
+            rows.append({"layout": row["layout"], "kv_layout": "-" if row["layout"].startswith("1x1x1") else label,
+                         **{k: v for k, v in row.items() if k != "layout"}})
     if not rows:
         return lines + _missing("decode_layouts")
     return lines + md_table(rows) + ["", "Load average (1, 5, 15 min) at the start and end of each run, "
                                      "from the JSON: " + "; ".join(loads) + "."]
+
+
+def _median_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per (layout, batch, context) of a decode run in rounds: median tokens/s, ratio to SAME_THREADS."""
+    speeds: dict[tuple[str, int, int], list[float]] = {}
+    for r in data["results"]:
+        speeds.setdefault((r["layout"], r["batch_size"], r["context_tokens"]), []).append(r["tokens_per_s"])
+    return [{"layout": layout, "batch": batch, "context": context, "rounds": len(ratios),
+             "tokens_per_s": round(statistics.median(speeds[(layout, batch, context)]), 2),
+             "vs_1rank": ratio_cell(ratios)}
+            for (layout, batch, context), ratios in round_ratios(data).items()]
+
+
+def dcp_decode_section(results: Results, images: str, rel: str) -> list[str]:
+    lines = ["### Decode under TP=2 and DCP=2: the tensor-parallel decode team", "",
+             "`benchmarks/dcp_decode.py`: DCP=2 needs TP ranks that hold the same KV heads, which SmolLM2 (9 query, "
+             "3 KV heads) cannot give, so this is SmolLM2's shape with one KV head (30 layers, hidden 576, 8 query "
+             "heads of 64, MLP 1536; random weights, quantized to int4 at load; a small vocabulary). `bench decode "
+             "--shared-prefix` in rounds as above: one rank on one and two threads, TP=2 and TP=2 x DCP=2 with one "
+             "thread per rank (layout TPxPCPxDCP@threads). The TP ranks of one host decode as one team "
+             "(architecture.md, 'Decode team'): each streams its own weight shards, and the partial sums (and under "
+             "DCP each group's queries and attention parts) meet in shared memory instead of collectives.", ""]
+    data = results.get("decode_dcp")
+    if not data:
+        return lines + ["Not measured yet: `python benchmarks/dcp_decode.py`."]
+    return lines + md_table(_median_rows(data)) + ["", f"Load average at the start and end: {_loads(data)}."]
 
 
 def transport_section(results: Results, images: str, rel: str) -> list[str]:
@@ -230,5 +251,5 @@ def _breakdown_rows(results: list[dict[str, Any]]) -> list[str]:
     return md_table(rows)
 
 
-CP_SECTIONS = [cp_targets_section, chunk_section, decode_layouts_section, transport_section, planner_section,
-               efficiency_section]
+CP_SECTIONS = [cp_targets_section, chunk_section, decode_layouts_section, dcp_decode_section, transport_section,
+               planner_section, efficiency_section]

@@ -79,7 +79,8 @@ def single_rank_targets_section(results: Results, images: str, rel: str) -> list
 
 
 def _pcp_decode_cell(results: Results) -> str:
-    """PCP=2 (sharded) over one rank with the same threads, from decode_pcp_sharded.json (issue 12's section)."""
+    """PCP=2 (sharded) and TP=2 x DCP=2 over one rank with the same threads, per round (decode_pcp_sharded.json,
+    issue 12's section; decode_dcp.json)."""
     data = results.get("decode_pcp_sharded")
     if not data:
         return "not measured in this run"
@@ -89,8 +90,12 @@ def _pcp_decode_cell(results: Results) -> str:
         return "not measured in this run"
     cells = [f"PCP=2 batch {batch}/ctx {context}: {ratio_cell(ratios)}"
              for (layout, batch, context), ratios in by_point.items() if layout == "1x2x1@1"]
-    return ", ".join(cells) + " (decode_pcp_sharded.json); DCP=2 cannot run on SmolLM2 (DCP must divide TP / 3 " \
-        "KV heads and TP its 9 query heads, so TP / 3 is 1 or 3)"
+    dcp = results.get("decode_dcp")
+    if dcp:
+        cells += [f"TP=2 x DCP=2 batch {batch}/ctx {context}: {ratio_cell(ratios)}"
+                  for (layout, batch, context), ratios in round_ratios(dcp).items() if layout == "2x1x2@1"]
+    return ", ".join(cells) + " (decode_pcp_sharded.json; DCP on a one-KV-head model of SmolLM2's shape, " \
+        "decode_dcp.json: SmolLM2's 9 query / 3 KV heads allow no TP that DCP=2 can divide)"
 
 
 def decode_profile_section(results: Results, images: str, rel: str) -> list[str]:

@@ -2,7 +2,7 @@
 # Regenerate every result under benchmarks/results/ and docs/benchmarks.md (with its plots).
 #   benchmarks/run_all.sh            # everything (about an hour on 2 cores)
 #   benchmarks/run_all.sh prefill    # one step: ceiling prefill comm memory decode tp compare quality attention int4 profile serve chunk
-#                                    #   decode_layouts transport plan breakdown moe report
+#                                    #   decode_layouts dcp transport plan breakdown moe report
 # Threads are always explicit: more busy threads than cores make torch's OpenMP spin-waits ruinous.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,8 +10,8 @@ R=benchmarks/results
 IMG=docs/img
 mkdir -p "$R" "$IMG"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(ceiling prefill comm memory decode tp compare quality attention int4 profile serve chunk decode_layouts transport plan breakdown moe
-                                 report)
+[ ${#steps[@]} -eq 0 ] && steps=(ceiling prefill comm memory decode tp compare quality attention int4 profile serve chunk decode_layouts dcp transport plan
+                                 breakdown moe report)
 bench() { python -m cpllm --log-level WARNING bench "$@"; }
 
 for step in "${steps[@]}"; do
@@ -48,6 +48,8 @@ for step in "${steps[@]}"; do
         # the same sharded run over gloo alone (as before the shared-memory transport), single rank for reference
         bench decode --layouts 1x1x1@2,1x2x1@1 --batch-sizes 1,16 --context-lengths 2048 --shared-prefix \
           --steps 32 --collective-transport gloo --json "$R/decode_pcp_gloo.json" ;;
+    # issue 10: DCP=2 (with TP=2) on SmolLM2's shape with one KV head, against one rank; three rounds
+    dcp) python benchmarks/dcp_decode.py --rounds 3 --out "$R/decode_dcp.json" ;;
     transport) python benchmarks/collective_latency.py --ranks 2 --json "$R/collective_latency.json" ;;
     # issue 11: random Qwen3-MoE-shaped model (16 layers, hidden 1024, 64 experts of 256, top-8), saved once
     moe) python benchmarks/moe_bench.py --threads 1 --prefill-tokens 1024,4096 --pcp-tokens 4096 --repeats 2 \

@@ -6,8 +6,9 @@ tokens, their logprobs and the prompt logprobs, for float32 and float16 K/V, wit
 different lengths and a shared prefix (decode-only steps read each request's own slots, fused or eager). With
 float32 weights (quantization none) the fused matrix-vector loop sums in another order than MKL: greedy tokens
 equal, logprobs within 1e-5 (measured 0 here; 2.2e-5 on SmolLM2 over 120 tokens). Under PCP the ranks run the
-fused steps as one decode team (cpllm/model/decode_team.py), for both KV layouts; those runs must match the
-single-rank engine as the other layout tests do, and a team barrier whose peer never comes must give up. A model the fused layer cannot run (a Q8_0 projection: q|k|v in two kernels),
+fused steps as one decode team (cpllm/model/decode_team.py), for both KV layouts, and under TP (with and without
+DCP) the TP ranks do, each on its weight shards; those runs must match the single-rank engine as the other layout
+tests do, and a team barrier whose peer never comes must give up. A model the fused layer cannot run (a Q8_0 projection: q|k|v in two kernels),
 or kernels turned off, keeps the eager layers.
 """
 
@@ -41,16 +42,22 @@ two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1, prompt_logprobs=1)
 
 
-def _gguf(tmp_path_factory, name: str, types: dict) -> str:
+def _gguf(tmp_path_factory, name: str, types: dict, **overrides) -> str:
     path = str(tmp_path_factory.mktemp(name) / "tiny.gguf")
     tm.save_tiny_gguf(path, "llama", seed=8, tie_word_embeddings=True,
-                      tensor_types=lambda n: next((t for k, t in types.items() if k in n), QType.F32))
+                      tensor_types=lambda n: next((t for k, t in types.items() if k in n), QType.F32), **overrides)
     return path
 
 
 @pytest.fixture(scope="module")
 def four_bit_gguf(tmp_path_factory) -> str:
     return _gguf(tmp_path_factory, "fourbit", FOUR_BIT)
+
+
+@pytest.fixture(scope="module")
+def one_kv_head_gguf(tmp_path_factory) -> str:
+    """One KV head: under TP=2 both ranks hold it, so DCP=2 can shard its cache."""
+    return _gguf(tmp_path_factory, "mqa", FOUR_BIT, num_key_value_heads=1)
 
 
 def _prompts() -> list[dict]:
@@ -81,6 +88,17 @@ def _values(output) -> tuple:
     return output.outputs[0].token_ids, sampled_logprobs(output), prompt_logprob_values(output)
 
 
+def _worst_against(outputs, reference) -> float:
+    """Greedy tokens equal the reference's (asserted); the worst sampled or prompt logprob difference."""
+    worst = 0.0
+    for got, want in zip(outputs, reference):
+        tokens, sampled, prompt = _values(got)
+        want_tokens, want_sampled, want_prompt = _values(want)
+        assert tokens == want_tokens
+        worst = max([worst, *(abs(a - b) for a, b in zip(sampled + prompt, want_sampled + want_prompt))])
+    return worst
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
 def test_fused_steps_equal_the_eager_layers_bit_for_bit(four_bit_gguf, monkeypatch, kv_cache_dtype):
     fused, fused_steps = _run(four_bit_gguf, True, monkeypatch, kv_cache_dtype=kv_cache_dtype)
@@ -103,13 +121,28 @@ def test_pcp_ranks_decode_as_a_team_and_match_one_rank(four_bit_gguf, monkeypatc
         two_ranks = llm.generate(_prompts_for(quantization), PARAMS)
         fused = llm.engine.executor.runner.model.fused_decode
         assert fused is not None and fused.team is not None and fused.steps >= PARAMS.max_tokens - 1
-    worst = 0.0
-    for got, want in zip(two_ranks, one_rank):
-        tokens, sampled, prompt = _values(got)
-        want_tokens, want_sampled, want_prompt = _values(want)
-        assert tokens == want_tokens
-        worst = max([worst, *(abs(a - b) for a, b in zip(sampled + prompt, want_sampled + want_prompt))])
+    worst = _worst_against(two_ranks, one_rank)
     print(f"{layout} PCP=2 team vs one rank ({quantization}): worst logprob difference {worst:.2e}")
+    assert worst <= 1e-3
+
+
+@two_cores
+@pytest.mark.parametrize("kv_heads,dcp,quantization", [(2, 1, "auto"), (1, 2, "auto"), (1, 2, "none")])
+def test_tp_ranks_decode_as_a_team_and_match_one_rank(four_bit_gguf, one_kv_head_gguf, monkeypatch, kv_heads,
+                                                      dcp, quantization):
+    """TP=2 (PCP=1): the TP ranks run each decode step's fused layers as one team, each on its weight shards, the
+    partial sums of the output and down projections and (DCP=2: each rank holding half of the one KV head's cache)
+    the queries and attention parts meeting in shared memory. Greedy tokens equal one rank's, logprobs within 1e-3
+    (sums in another order; measured up to 4e-5)."""
+    path = four_bit_gguf if kv_heads == 2 else one_kv_head_gguf
+    one_rank, _ = _run(path, True, monkeypatch, quantization=quantization)
+    with LLM(path, **ENGINE, tensor_parallel_size=2, decode_context_parallel_size=dcp, quantization=quantization,
+             distributed_timeout=60) as llm:
+        two_ranks = llm.generate(_prompts_for(quantization), PARAMS)
+        fused = llm.engine.executor.runner.model.fused_decode
+        assert fused.tensor_parallel and fused.team is not None and fused.steps >= PARAMS.max_tokens - 1
+    worst = _worst_against(two_ranks, one_rank)
+    print(f"TP=2 DCP={dcp} team vs one rank ({quantization}): worst logprob difference {worst:.2e}")
     assert worst <= 1e-3
 
 

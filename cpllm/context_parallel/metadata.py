@@ -105,8 +105,9 @@ class AttentionMetadata:
     """Every PCP rank holds the same rows in the same order (one PCP rank, or a step of single tokens that are
     not split over PCP): MoE layers then skip gathering tokens over PCP (cpllm/model/moe.py)."""
     decode_team: bool = False
-    """The PCP ranks run this step of single tokens as one decode team (cpllm/model/decode_team.py): every rank
-    holds every row, and each request's context slots are its own (no shared keys)."""
+    """The ranks run this step of single tokens as one decode team (cpllm/model/decode_team.py: the PCP ranks, or
+    with PCP = 1 the TP ranks): every rank holds every row, and each request's context slots are its own (no
+    shared keys)."""
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> "AttentionMetadata":
         """A copy with every tensor on `device` (see `to_device`)."""

@@ -16,6 +16,10 @@
  * the whole rows, so every member ends the layer with the same hidden state. A column's value does not depend on
  * which member computes it, so the linears give the solo layer's bits; only the attention's split into parts
  * rounds differently (merged exactly by log-sum-exp).
+ *
+ * The TP ranks of one host (PCP = 1), each holding its weight shards, run cpllm_decode_layer_tp instead
+ * (decode_layer_tp.h): their partial sums and, with DCP, their attention parts meet in the same kind of shared
+ * buffers.
  */
 #include "decode_attention.c"
 #include "decode_rows.c"
@@ -128,3 +132,5 @@ int cpllm_decode_layer(float *hidden, const layer_spec *L, const step_spec *S, v
     free(work);
     return status ? -1 : 0;
 }
+
+#include "decode_layer_tp.h"

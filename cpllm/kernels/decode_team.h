@@ -39,6 +39,10 @@ typedef struct {
     int member, size;
     int64_t seq;               /* barriers passed so far (the same on every member) */
     team_check_fn check;
+    /* A tensor-parallel team only (decode_layer_tp.h): */
+    float *sums;               /* [2, size, max_batch, hidden]: each member's partial sums of o and down */
+    float *q_group;            /* [max_batch, size, heads * head_dim]: each member's queries, for its DCP group */
+    int dcp;                   /* consecutive members per DCP group (1: none) */
 } team_spec;
 
 static const double TEAM_SPIN_S = 50e-6, TEAM_YIELD_S = 0.02, TEAM_CHECK_S = 0.05;

@@ -9,6 +9,11 @@ of the PCP group's shared-memory transport (`ShmGroup.map_buffer`), so a team ex
 does, and only where every thread of this host's ranks has a core: a member spinning for a peer that waits for a
 core would hold that core in its place.
 
+With tensor parallelism (and PCP = 1) the team is the TP group instead: each rank keeps its weight shards and
+computes its heads and intermediate columns, and what the eager layers all-reduce (the output and down projections'
+partial sums) and, under DCP, all-gather and merge (each DCP group's queries and attention parts) goes through the
+same kind of shared buffers and barriers (cpllm/kernels/decode_layer_tp.h): two barriers per layer, four with DCP.
+
 A wait that lasts goes back to Python every 50 ms: `ShmGroup.wait_problem` (the group's timeout, a member process
 that has exited) decides whether to give up, and the step then raises its message, as the group's own collectives
 do.
@@ -36,7 +41,8 @@ class TeamSpec(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_void_p), ("qkv", ctypes.c_void_p), ("partials", ctypes.c_void_p),
                 ("lses", ctypes.c_void_p), ("hidden_part", ctypes.c_void_p), ("gate_up", ctypes.c_void_p),
                 ("max_batch", ctypes.c_int64), ("member", ctypes.c_int), ("size", ctypes.c_int),
-                ("seq", ctypes.c_int64), ("check", CHECK)]
+                ("seq", ctypes.c_int64), ("check", CHECK), ("sums", ctypes.c_void_p), ("q_group", ctypes.c_void_p),
+                ("dcp", ctypes.c_int)]
 
 
 @dataclass(frozen=True)
@@ -55,34 +61,51 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def _buffer_bytes(shapes: TeamShapes, max_batch: int, size: int, tensor_parallel: bool, dcp: int) -> list[int]:
+    """Bytes of the mapping's buffers, in TeamSpec's order: flags, qkv, partials, lses, hidden_part, gate_up, sums,
+    q_group (a buffer the team's kind does not use takes none)."""
+    rows, f32 = max_batch, 4
+    flags = size * FLAG_STRIDE * 8
+    if not tensor_parallel:  # every member the whole heads: columns of each linear, one attention part each
+        return [flags, rows * shapes.qkv_width * f32, rows * size * shapes.heads * shapes.head_dim * f32,
+                rows * size * shapes.heads * f32, rows * shapes.hidden * f32, rows * 2 * shapes.intermediate * f32,
+                0, 0]
+    group_heads = dcp * shapes.heads  # each member attends its DCP group's heads to its shard
+    attention = [rows * size * group_heads * shapes.head_dim * f32, rows * size * group_heads * f32] if dcp > 1 \
+        else [0, 0]
+    q_group = rows * size * shapes.heads * shapes.head_dim * f32 if dcp > 1 else 0
+    return [flags, 0, *attention, 0, 0, 2 * size * rows * shapes.hidden * f32, q_group]
+
+
 class DecodeTeam:
     """This rank's member of its PCP group's decode team: the shared buffers and the barrier's state."""
 
-    def __init__(self, group: ShmGroup, mapping, spec: TeamSpec, split_context: bool):
+    def __init__(self, group: ShmGroup, mapping, spec: TeamSpec, split_context: bool, tensor_parallel: bool):
         self.group, self._mapping, self.spec = group, mapping, spec
         self.size, self.member = group.size, group.rank
         self.max_batch = spec.max_batch
         self.split_context = split_context
         """Replicated layout: every member holds the whole context and attends its part of each request's."""
+        self.tensor_parallel = tensor_parallel
+        """The members are TP ranks, each with its shard of the weights (decode_layer_tp.h); else PCP ranks."""
         self.error: str | None = None
         """Why the last wait was given up (set by the check the C barrier calls)."""
         self._check = CHECK(self._check_wait)  # kept: the C side holds its address
         spec.check = self._check
 
     @classmethod
-    def open(cls, group, shapes: TeamShapes, max_batch: int, split_context: bool,
-             busy_threads: int) -> "DecodeTeam | None":
-        """Called by every PCP rank alike: the team over `group`, or None on all where there is no shared-memory
+    def open(cls, group, shapes: TeamShapes, max_batch: int, split_context: bool, busy_threads: int,
+             tensor_parallel: bool = False, dcp: int = 1) -> "DecodeTeam | None":
+        """Called by every rank of `group` alike: the team over it, or None on all where there is no shared-memory
         transport, no room for the buffers, or fewer cores than `busy_threads` (every rank's threads on this host:
-        a member waiting for one that has no core would spin in its place)."""
+        a member waiting for one that has no core would spin in its place). `tensor_parallel`: `group` is the TP
+        group (PCP = 1), its consecutive ranks in DCP groups of `dcp`; `shapes` are then one rank's shards."""
         if not isinstance(group, ShmGroup) or group.size < 2:
             return None
         cores = len(os.sched_getaffinity(0))
         if not group.broadcast_object(busy_threads <= cores, group.members[0]):  # group rank 0 decides for all
             return None
-        sizes = [group.size * FLAG_STRIDE * 8, max_batch * shapes.qkv_width * 4,
-                 max_batch * group.size * shapes.heads * shapes.head_dim * 4, max_batch * group.size * shapes.heads * 4,
-                 max_batch * shapes.hidden * 4, max_batch * 2 * shapes.intermediate * 4]
+        sizes = _buffer_bytes(shapes, max_batch, group.size, tensor_parallel, dcp)
         offsets = [0]
         for size in sizes:
             offsets.append(offsets[-1] + _aligned(size))
@@ -90,8 +113,10 @@ class DecodeTeam:
         if mapping is None:
             return None
         base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
-        spec = TeamSpec(*(base + o for o in offsets[:-1]), max_batch, group.rank, group.size, 0)
-        return cls(group, mapping, spec, split_context)
+        flags, qkv, partials, lses, hidden_part, gate_up, sums, q_group = (base + o for o in offsets[:-1])
+        spec = TeamSpec(flags, qkv, partials, lses, hidden_part, gate_up, max_batch, group.rank, group.size, 0,
+                        CHECK(), sums, q_group, dcp)
+        return cls(group, mapping, spec, split_context, tensor_parallel)
 
     def _check_wait(self, waited_s: float) -> int:
         flags = (ctypes.c_int64 * (self.size * FLAG_STRIDE)).from_address(self.spec.flags)
@@ -113,6 +138,9 @@ class DecodeTeam:
         return torch.gather(slots, 1, index), count
 
     def describe(self) -> str:
+        if self.tensor_parallel:
+            return (f"the {self.size} TP ranks decode as one team (each its weight shards; partial sums, and with "
+                    f"DCP the attention parts, meet in shared memory, not collectives; up to {self.max_batch} rows)")
         return (f"the {self.size} PCP ranks decode as one team (each computes 1/{self.size} of every linear's "
                 f"outputs and of the attention; shared-memory barriers, up to {self.max_batch} rows)")
 

@@ -3,14 +3,15 @@
 An eager batch-1 decode step of a small model spends much of its time in Python and the dispatcher (some twenty
 operator calls per layer) around kernels that stream the weights at memory speed. When every layer is a dense
 Llama-family layer whose four linears each run as one kernel (the VNNI int4 kernel, or a float32 weight without bias
-in cpllm/kernels/f32_matmul.c), with no q/k norm and no tensor parallelism, `FusedDecode.build` packs each
+in cpllm/kernels/f32_matmul.c), with no q/k norm, `FusedDecode.build` packs each
 layer's pointers once; `run` then takes the steps of single tokens whose batch the decode attention kernel reads
 (no shared keys, every row a decode row) and calls the layer function per layer. Every other step, and every other
 model, runs the eager layers.
 
 Under PCP the ranks of one host run these steps as a decode team (cpllm/model/decode_team.py), each computing a
 share of every layer; the sharded KV layout fuses only so, the replicated layout also alone (each rank its own
-requests) where no team can be formed.
+requests) where no team can be formed. Under TP (PCP = 1, with or without DCP) the TP ranks of one host form the
+team, each running its weight shards (cpllm/kernels/decode_layer_tp.h); TP with PCP runs eager.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def _library() -> ctypes.CDLL | None:
     p = ctypes.c_void_p
     return load_typed("decode_layer", {
         "cpllm_decode_layer": ([p, ctypes.POINTER(_Layer), ctypes.POINTER(_Step), p, p, p], ctypes.c_int),
+        "cpllm_decode_layer_tp": ([p, ctypes.POINTER(_Layer), ctypes.POINTER(_Step), p, p, p], ctypes.c_int),
         "cpllm_f32_available": (None, ctypes.c_int),
         "cpllm_team_barrier": ([p], ctypes.c_int)})
 
@@ -88,10 +90,10 @@ def _why_not(layer) -> str | None:
         return "not a dense MLP"  # (a decode split of the MLP is left to the eager steps: the team splits its own)
     if attn.q_norm is not None:
         return "q/k norms"
-    if attn.o_proj.tp.size != 1 or mlp.down_proj.tp.size != 1:
-        return "tensor parallelism"
     comm = attn.attn.comm
-    if comm.kv_size not in (1, comm.pcp_size):
+    if attn.o_proj.tp.size != 1 and comm.pcp_size != 1:
+        return "tensor parallelism with PCP"
+    if comm.kv_size not in (1, comm.pcp_size) and attn.o_proj.tp.size == 1:
         return "the KV cache is sharded over DCP ranks"
     if any(_weight(m) is None for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
         return "a linear layer is not one VNNI int4 kernel or one float32 weight without bias"
@@ -105,16 +107,20 @@ class FusedDecode:
     """The model's decode steps, one C call per decoder layer (see the module)."""
 
     def __init__(self, lib: ctypes.CDLL, specs: list[_Layer], keep: list[torch.Tensor], team_size: int,
-                 needs_team: bool):
+                 needs_team: bool, tensor_parallel: bool = False, dcp: int = 1):
         self.lib, self.specs = lib, specs
         self._keep = keep  # the tensors whose addresses the specs hold
         f32 = any(linear.kind == _F32 for spec in specs for linear in (spec.qkv, spec.o, spec.gate_up, spec.down))
         self.max_rows = F32_MAX_ROWS if f32 else None
         """Most rows a step runs fused (None: any number)."""
         self.team_size = team_size
-        """PCP ranks that can run a step as one team (1: a rank alone)."""
+        """Ranks that can run a step as one team (1: a rank alone): the PCP ranks, or the TP ranks."""
         self.needs_team = needs_team
-        """The KV cache is sharded over those ranks: steps run fused only as a team."""
+        """Steps run fused only as a team: the KV cache is sharded over its ranks, or the weights are."""
+        self.tensor_parallel = tensor_parallel
+        """The team is the TP group (PCP = 1), each rank holding its weight shards (decode_layer_tp.h)."""
+        self.dcp = dcp
+        """DCP ranks per group within a TP team."""
         self.team: DecodeTeam | None = None
         """Set by the runner where the PCP ranks formed a team (`DecodeTeam.open`)."""
         self.steps = 0
@@ -156,6 +162,9 @@ class FusedDecode:
         logger.info("decode steps: one fused C call per decoder layer (%s weights; cpllm/model/fused_decode.py)",
                     "/".join(kinds))
         comm = model.layers[0].self_attn.attn.comm
+        tp = model.layers[0].self_attn.o_proj.tp.size
+        if tp > 1:  # the layers hold shards: they run only as a TP team
+            return cls(lib, specs, keep, tp, True, tensor_parallel=True, dcp=comm.dcp_size)
         return cls(lib, specs, keep, comm.pcp_size, comm.kv_size > 1)
 
     def takes(self, meta: AttentionMetadata) -> bool:
@@ -209,9 +218,10 @@ class FusedDecode:
         spec, _ = step  # the second part keeps the index tensors alive
         hidden = hidden.clone()
         team = ctypes.byref(self.team.spec) if self.team is not None else None
+        layer_call = self.lib.cpllm_decode_layer_tp if self.tensor_parallel else self.lib.cpllm_decode_layer
         for layer, (k_pool, v_pool) in zip(self.specs, kv_caches):
-            status = self.lib.cpllm_decode_layer(hidden.data_ptr(), ctypes.byref(layer), ctypes.byref(spec),
-                                                 k_pool.data_ptr(), v_pool.data_ptr(), team)
+            status = layer_call(hidden.data_ptr(), ctypes.byref(layer), ctypes.byref(spec), k_pool.data_ptr(),
+                                v_pool.data_ptr(), team)
             if status == _TEAM_ABORTED:
                 raise RuntimeError(self.team.error or "decode team barrier given up")
             if status != 0:

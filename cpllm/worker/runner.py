@@ -74,20 +74,24 @@ class ModelRunner:
         self.compiled_decode = CompiledDecode(self.model, device) if config.compile_decode else None
 
     def _form_decode_team(self) -> None:
-        """PCP ranks on one host run fused decode steps as one team (cpllm/model/decode_team.py); every PCP rank
-        calls this alike. Without a team, a sharded layout's decode steps run eager."""
+        """The PCP ranks (or, with TP and PCP = 1, the TP ranks) of one host run fused decode steps as one team
+        (cpllm/model/decode_team.py); every rank of the group calls this alike. Without a team, a sharded layout's
+        decode steps and tensor-parallel ones run eager."""
         fused = self.model.fused_decode
         if fused is None or fused.team_size < 2:
             return
         ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", self.groups.world_size))  # torchrun's, else one host
-        fused.team = DecodeTeam.open(self.groups.pcp_group, fused.shapes, self.config.scheduler.max_num_seqs,
-                                     split_context=self.replicated,
-                                     busy_threads=ranks_here * torch.get_num_threads())
+        group = self.groups.tp_group if fused.tensor_parallel else self.groups.pcp_group
+        fused.team = DecodeTeam.open(group, fused.shapes, self.config.scheduler.max_num_seqs,
+                                     split_context=self.replicated, busy_threads=ranks_here * torch.get_num_threads(),
+                                     tensor_parallel=fused.tensor_parallel, dcp=fused.dcp)
         if fused.team is not None:
             logger.info("decode steps: %s", fused.team.describe())
         elif fused.needs_team:
-            logger.info("decode steps: eager layers (the sharded K/V layout fuses only as a team of PCP ranks, which "
-                        "needs the shared-memory transport and a core for every thread of the ranks on this host)")
+            kind = "TP" if fused.tensor_parallel else "PCP"
+            logger.info("decode steps: eager layers (sharded weights or K/V fuse only as a team of %s ranks, which "
+                        "needs the shared-memory transport and a core for every thread of the ranks on this host)",
+                        kind)
             self.model.fused_decode = None
 
     def _count_blocks(self) -> int:
