@@ -40,16 +40,16 @@ for step in "${steps[@]}"; do
     # issue 12: fp32 weights (--quantization none), the format the planner's figures are for
     chunk) bench chunk --context 7900 --chunk 256 --layouts 1x1x1@2,1x2x1@1 --strategies ring,pass-q,auto \
              --repeats 5 --quantization none --json "$R/chunk_pcp.json" ;;
-    # three rounds per layout, in rotated order; every ratio compares PCP=2 with the one-rank run of its round
+    # five rounds per layout, in rotated order; every ratio compares PCP=2 with the one-rank run of its round
     decode_layouts) bench decode --layouts 1x1x1@1,1x1x1@2,1x2x1@1 --batch-sizes 1,16 --context-lengths 2048 \
-          --shared-prefix --steps 32 --rounds 3 --cp-kv-cache-layout sharded --json "$R/decode_pcp_sharded.json"
+          --shared-prefix --steps 32 --rounds 5 --cp-kv-cache-layout sharded --json "$R/decode_pcp_sharded.json"
         bench decode --layouts 1x1x1@2,1x2x1@1 --batch-sizes 1,16 --context-lengths 2048 --shared-prefix \
-          --steps 32 --rounds 3 --cp-kv-cache-layout replicated --json "$R/decode_pcp_replicated.json"
+          --steps 32 --rounds 5 --cp-kv-cache-layout replicated --json "$R/decode_pcp_replicated.json"
         # the same sharded run over gloo alone (as before the shared-memory transport), single rank for reference
         bench decode --layouts 1x1x1@2,1x2x1@1 --batch-sizes 1,16 --context-lengths 2048 --shared-prefix \
           --steps 32 --collective-transport gloo --json "$R/decode_pcp_gloo.json" ;;
-    # issue 10: DCP=2 (with TP=2) on SmolLM2's shape with one KV head, against one rank; three rounds
-    dcp) python benchmarks/dcp_decode.py --rounds 3 --out "$R/decode_dcp.json" ;;
+    # issue 10: DCP=2 (with TP=2) on SmolLM2's shape with one KV head, against one rank; five rounds
+    dcp) python benchmarks/dcp_decode.py --rounds 5 --out "$R/decode_dcp.json" ;;
     transport) python benchmarks/collective_latency.py --ranks 2 --json "$R/collective_latency.json" ;;
     # issue 11: random Qwen3-MoE-shaped model (16 layers, hidden 1024, 64 experts of 256, top-8), saved once
     moe) python benchmarks/moe_bench.py --threads 1 --prefill-tokens 1024,4096 --pcp-tokens 4096 --repeats 2 \
