@@ -127,17 +127,18 @@ def test_pcp_ranks_decode_as_a_team_and_match_one_rank(four_bit_gguf, monkeypatc
 
 
 @two_cores
-@pytest.mark.parametrize("kv_heads,dcp,quantization", [(2, 1, "auto"), (1, 2, "auto"), (1, 2, "none")])
+@pytest.mark.parametrize("kv_heads,dcp,quantization,layout", [(2, 1, "auto", "sharded"), (1, 2, "auto", "sharded"),
+                                                              (1, 2, "none", "sharded"), (1, 2, "auto", "replicated")])
 def test_tp_ranks_decode_as_a_team_and_match_one_rank(four_bit_gguf, one_kv_head_gguf, monkeypatch, kv_heads,
-                                                      dcp, quantization):
+                                                      dcp, quantization, layout):
     """TP=2 (PCP=1): the TP ranks run each decode step's fused layers as one team, each on its weight shards, the
     partial sums of the output and down projections and (DCP=2: each rank holding half of the one KV head's cache)
     the queries and attention parts meeting in shared memory. Greedy tokens equal one rank's, logprobs within 1e-3
-    (sums in another order; measured up to 4e-5)."""
+    (sums in another order; measured up to 4e-5). With PCP=1 the replicated layout holds the same shards (DCP's)."""
     path = four_bit_gguf if kv_heads == 2 else one_kv_head_gguf
     one_rank, _ = _run(path, True, monkeypatch, quantization=quantization)
     with LLM(path, **ENGINE, tensor_parallel_size=2, decode_context_parallel_size=dcp, quantization=quantization,
-             distributed_timeout=60) as llm:
+             cp_kv_cache_layout=layout, distributed_timeout=60) as llm:
         two_ranks = llm.generate(_prompts_for(quantization), PARAMS)
         fused = llm.engine.executor.runner.model.fused_decode
         assert fused.tensor_parallel and fused.team is not None and fused.steps >= PARAMS.max_tokens - 1

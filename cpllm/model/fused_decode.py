@@ -122,7 +122,7 @@ class FusedDecode:
         self.dcp = dcp
         """DCP ranks per group within a TP team."""
         self.team: DecodeTeam | None = None
-        """Set by the runner where the PCP ranks formed a team (`DecodeTeam.open`)."""
+        """Set by the runner where the ranks formed a team (`DecodeTeam.open`)."""
         self.steps = 0
         """Steps run fused (for tests and the log)."""
 

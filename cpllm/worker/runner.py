@@ -83,7 +83,8 @@ class ModelRunner:
         ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", self.groups.world_size))  # torchrun's, else one host
         group = self.groups.tp_group if fused.tensor_parallel else self.groups.pcp_group
         fused.team = DecodeTeam.open(group, fused.shapes, self.config.scheduler.max_num_seqs,
-                                     split_context=self.replicated, busy_threads=ranks_here * torch.get_num_threads(),
+                                     split_context=self.replicated and not fused.tensor_parallel,  # PCP copies only
+                                     busy_threads=ranks_here * torch.get_num_threads(),
                                      tensor_parallel=fused.tensor_parallel, dcp=fused.dcp)
         if fused.team is not None:
             logger.info("decode steps: %s", fused.team.describe())
