@@ -78,7 +78,7 @@ def _buffer_bytes(shapes: TeamShapes, max_batch: int, size: int, tensor_parallel
 
 
 class DecodeTeam:
-    """This rank's member of its PCP group's decode team: the shared buffers and the barrier's state."""
+    """This rank's member of its decode team (PCP or TP group): the shared buffers and the barrier's state."""
 
     def __init__(self, group: ShmGroup, mapping, spec: TeamSpec, split_context: bool, tensor_parallel: bool):
         self.group, self._mapping, self.spec = group, mapping, spec
