@@ -265,8 +265,8 @@ def bounds_section(results: Results, images: str, rel: str) -> list[str]:
         "context 128 a step is within a few percent of the weight-streaming bound. The bound counts weights only: "
         "at context 2,048 each step also reads the request's float32 K/V (94 MB over 30 layers, a sixth of the "
         "weights' 538 MB), which caps the ratio near 0.85 with perfect streaming; the attention kernel reads it at "
-        "about half the weights' rate on one thread (8 GB/s, scattered 16-slot blocks: section 'Decode attention') "
-        "and at about their rate on two. `--quantization auto` runs the GGUF's "
+        "about the weights' rate (about 16 GB/s on one thread since it prefetches into L2, section 'Decode "
+        "attention'; 8 GB/s before). `--quantization auto` runs the GGUF's "
         "Q4_1 blocks as stored and reads a sixth of the bytes (issue 10's section below).",
         "- **Decode under PCP=2 against one rank with both cores**: on this machine the two cores share one memory "
         "system (the matrix-vector rate is the same with one thread and two, `bench ceiling`), and a decode step "
@@ -277,11 +277,11 @@ def bounds_section(results: Results, images: str, rel: str) -> list[str]:
         "(scheduling, the step's broadcast and metadata, sampling): about 2 ms at batch 1, as long as the fused "
         "layers themselves at context 128. So batch-1 and batch-16 decode land at one rank's rate, give or take "
         "this machine's run-to-run noise. The same holds for TP=2 x DCP=2 (the tensor-parallel team, measured on "
-        "a one-KV-head model of SmolLM2's shape whose batch-1 step takes 5 ms): its fused layers ran 15% faster "
-        "than one rank's with two threads (3.65 against 4.27 ms per step), but the vocabulary-parallel embedding "
-        "and LM head add a collective each and the driver broadcasts the step, about 0.5 ms more of undivided "
-        "time per step. TP=2 without DCP reads the one KV head's whole cache on both ranks, twice one rank's "
-        "K/V traffic.",
+        "a one-KV-head model of SmolLM2's shape whose batch-1 step takes 5 ms): in a batch-1 probe its fused layers "
+        "ran 15% faster than one rank's with two threads (3.65 against 4.27 ms per step), and the "
+        "vocabulary-parallel embedding and LM head (a collective each) and the driver's step broadcast took about "
+        "0.5 ms of undivided time per step back. TP=2 without DCP reads the one KV head's whole cache on both "
+        "ranks, twice one rank's K/V traffic.",
         "- **16-request decode** at context 2,048 is bound by attention: 16 queries each read 2,048 positions of "
         "K/V per layer (2.3 GFLOP per step). Where the C decode kernel runs, requests that share a prefix read it "
         "once each, from cache, which runs faster than gathering the union of their slots once and computing it "
