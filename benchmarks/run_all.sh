@@ -30,7 +30,7 @@ for step in "${steps[@]}"; do
     compare) python benchmarks/compare.py --lengths 2048 --threads 1,2 --prefill-repeats 3 \
                --decode-contexts 128,2048 --decode-batches 1,16 --decode-threads 1,2 --out "$R/compare.json" ;;
     # issue 10: approximate formats against fp32, and the decode step against the commit before the decode work
-    quality) python benchmarks/quality.py --threads 2 --out "$R/quality.json" ;;
+    quality) python benchmarks/quality.py --threads 2 --formats auto,int8,int4 --out "$R/quality.json" ;;
     attention) python benchmarks/decode_attention.py --json "$R/decode_attention.json" ;;
     int4) python benchmarks/int4_kernel.py --json "$R/int4_kernel.json" ;;
     profile) python benchmarks/profile_before_after.py --before e89de9e --threads 2 --pairs 2 \
