@@ -65,19 +65,22 @@ def usage_section(results: Results, images: str, rel: str) -> list[str]:
     return ["## The bench commands", "", "```",
             "cpllm bench prefill --model M --lengths 1024,2048 --layouts 1x1x1@1,1x1x1@2,1x2x1@1 \\",
             "    --strategies allgather,ring --repeats 3 --json out.json --plot out.png",
-            "cpllm bench decode --layouts 1x1x1@2 --batch-sizes 1,16 --context-lengths 128,2048 [--shared-prefix]",
+            "cpllm bench decode --layouts 1x1x1@2 --batch-sizes 1,16 --context-lengths 128,2048 [--shared-prefix] [--rounds 5]",
             "cpllm bench serve [--url http://127.0.0.1:8000] --num-requests 32 --concurrency 8 \\",
             "    --prompt-tokens 256 --output-tokens 64      # without --url it starts `cpllm serve` itself",
             "cpllm bench memory --cp-sizes 1,2,4 --budget 64MiB",
             "cpllm bench comm --lengths 2048,8000 -pcp 2",
             "cpllm bench ceiling --threads 1,2",
             "python benchmarks/compare.py --threads 1,2      # cpllm vs transformers vs llama.cpp",
+            "python benchmarks/dcp_decode.py --rounds 5      # DCP=2 (with TP=2) on a one-KV-head SmolLM2 shape",
             "```", "",
             "A layout is `TPxPCPxDCP`, optionally `@threads_per_rank`; without it the threads come from "
             "`--threads-per-rank`, else the cores are shared out evenly. Always give threads explicitly: with more "
             "busy threads than cores, OpenMP spin-waiting makes small ops very slow. Each command prints a table "
             "and, with `--json`, writes the rows plus the machine (CPU, cores, load average, versions); every engine "
-            "flag of `cpllm generate` is accepted (e.g. `--model`, `--block-size`, `--kv-cache-memory-bytes`)."]
+            "flag of `cpllm generate` is accepted (e.g. `--model`, `--block-size`, `--kv-cache-memory-bytes`). "
+            "`bench decode --rounds N` runs every layout N times in rotated order, so that layouts compared with "
+            "each other are measured close together in time (compare them within a round)."]
 
 
 # ---- targets ------------------------------------------------------------------------------------------
