@@ -17,8 +17,6 @@ import argparse
 import os
 import sys
 
-import torch
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the tiny tokenizer
 
@@ -30,24 +28,13 @@ LAYOUTS = "1x1x1@1,1x1x1@2,2x1x1@1,2x1x2@1"
 
 def build_folder(cache: str) -> str:
     """Save the random model once (reused while it exists)."""
-    from tiny_models import tiny_hf_tokenizer, tiny_vocab
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tiny_models import save_random_hf_folder, tiny_vocab
+    from transformers import LlamaConfig
 
-    folder = os.path.join(cache, "smollm2-mqa-l30-h576")
-    if os.path.exists(os.path.join(folder, "config.json")):
-        return folder
     config = LlamaConfig(vocab_size=len(tiny_vocab().tokens), hidden_size=576, intermediate_size=1536,
                          num_hidden_layers=30, num_attention_heads=8, num_key_value_heads=1, head_dim=64,
                          max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if not name.endswith("norm.weight"):
-                param.normal_(0.0, 0.02)
-    model.save_pretrained(folder)
-    tiny_hf_tokenizer().save_pretrained(folder)
-    return folder
+    return save_random_hf_folder(config, os.path.join(cache, "smollm2-mqa-l30-h576"))
 
 
 def main() -> None:

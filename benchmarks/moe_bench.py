@@ -53,23 +53,11 @@ def model_config(args):
 
 def build_folder(args) -> str:
     """Save the random model once (reused while its config is unchanged)."""
-    from tiny_models import tiny_hf_tokenizer
-    from transformers import AutoModelForCausalLM
+    from tiny_models import save_random_hf_folder
 
-    config = model_config(args)
     folder = os.path.join(args.cache, f"qwen3moe-l{args.layers}-h{args.hidden}-e{args.experts}-k{args.top_k}-"
                                       f"i{args.expert_size}")
-    if os.path.exists(os.path.join(folder, "config.json")):
-        return folder
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if not name.endswith("norm.weight"):
-                param.normal_(0.0, 0.02)
-    model.save_pretrained(folder)
-    tiny_hf_tokenizer().save_pretrained(folder)
-    return folder
+    return save_random_hf_folder(model_config(args), folder)
 
 
 def timed(run, prompt: list[int]) -> tuple[float, float]:

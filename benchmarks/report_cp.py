@@ -143,7 +143,7 @@ def dcp_decode_section(results: Results, images: str, rel: str) -> list[str]:
              "DCP each group's queries and attention parts) meet in shared memory instead of collectives.", ""]
     data = results.get("decode_dcp")
     if not data:
-        return lines + ["Not measured yet: `python benchmarks/dcp_decode.py`."]
+        return lines + _missing("dcp")
     return lines + md_table(_median_rows(data)) + ["", f"Load average at the start and end: {_loads(data)}."]
 
 

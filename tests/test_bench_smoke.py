@@ -133,7 +133,7 @@ def test_bench_decode_rounds_rotate_the_layouts(monkeypatch):
     assert ran == [(layout, r) for r in range(3) for layout in layouts[r:] + layouts[:r]]
 
 
-def test_bench_decode_rejects_zero_rounds(capsys):
+def test_bench_decode_rejects_zero_rounds():
     with pytest.raises(SystemExit, match="--rounds must be at least 1, got 0"):
         main(["bench", "decode", "--rounds", "0"])
 

@@ -219,6 +219,24 @@ def save_tiny_hf_model(
     return folder
 
 
+def save_random_hf_folder(config, folder: str) -> str:
+    """A benchmark-sized random model of `config` (seed 0, every weight but the norms drawn from N(0, 0.02), norms
+    ones) written as a Hugging Face folder with the tiny tokenizer; an existing folder is reused as it is."""
+    from transformers import AutoModelForCausalLM
+
+    if os.path.exists(os.path.join(folder, "config.json")):
+        return folder
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                param.normal_(0.0, 0.02)
+    model.save_pretrained(folder)
+    tiny_hf_tokenizer().save_pretrained(folder)
+    return folder
+
+
 # --- GGUF ---------------------------------------------------------------------------------
 
 _GGUF_GLOBAL = {

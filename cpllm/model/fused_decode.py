@@ -92,9 +92,7 @@ def _why_not(layer) -> str | None:
         return "q/k norms"
     comm = attn.attn.comm
     if attn.o_proj.tp.size != 1 and comm.pcp_size != 1:
-        return "tensor parallelism with PCP"
-    if comm.kv_size not in (1, comm.pcp_size) and attn.o_proj.tp.size == 1:
-        return "the KV cache is sharded over DCP ranks"
+        return "tensor parallelism with PCP"  # (DCP needs TP, so a PCP team never meets a DCP shard)
     if any(_weight(m) is None for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
         return "a linear layer is not one VNNI int4 kernel or one float32 weight without bias"
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
