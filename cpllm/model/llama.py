@@ -72,7 +72,8 @@ class LlamaAttention(torch.nn.Module):
             self.q_norm = RMSNorm(f"{prefix}.q_norm.weight", d, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(f"{prefix}.k_norm.weight", d, config.rms_norm_eps, dtype)
 
-    def forward(self, hidden, rope_tables, kv_cache, meta: AttentionMetadata):
+    def forward(self, hidden, rope_tables, kv_cache, meta: AttentionMetadata, keep: torch.Tensor | None = None):
+        """`keep`: the rows whose output is needed (every row's K/V is still stored and attended); None: all."""
         n, d = hidden.shape[0], self.head_dim
         qkv = self.qkv_proj(hidden)  # [N, (Hq + 2 Hkv) * D]
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
@@ -83,8 +84,12 @@ class LlamaAttention(torch.nn.Module):
             q = apply_rope(rope_tables, q)  # [N, Hq, D]
             k = apply_rope(rope_tables, k)  # [N, Hkv, D]
         v = v.reshape(n, self.num_kv_heads, d)
-        out = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta)  # [N, Hq, D]
-        return self.o_proj(out.reshape(n, self.num_heads * d))
+        out = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta).reshape(n, self.num_heads * d)  # [N, Hq * D]
+        if keep is not None:
+            if keep.numel() == 0:
+                return out[:0]  # no row wanted: no projection (nor its all-reduce) on any rank
+            out = out.index_select(0, keep)
+        return self.o_proj(out)
 
 
 class LlamaMLP(torch.nn.Module):
@@ -152,8 +157,12 @@ class LlamaDecoderLayer(torch.nn.Module):
                 split = moe
             self.mlp = LlamaMLP(config, f"{prefix}.mlp", tp, dtype, split)
 
-    def forward(self, hidden, rope_tables, kv_cache, meta):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope_tables, kv_cache, meta)
+    def forward(self, hidden, rope_tables, kv_cache, meta, keep: torch.Tensor | None = None):
+        """`keep`: the rows to compute past attention (the last layer of a step that samples from a few rows)."""
+        attn = self.self_attn(self.input_layernorm(hidden), rope_tables, kv_cache, meta, keep)
+        if keep is not None and keep.numel() == 0:  # no row wanted: the K/V store was all there was to do
+            return hidden[:0]
+        hidden = attn + (hidden if keep is None else hidden.index_select(0, keep))
         return hidden + self.mlp(self.post_attention_layernorm(hidden), meta)
 
 
@@ -200,20 +209,27 @@ class LlamaForCausalLM(torch.nn.Module):
         self.fused_decode = FusedDecode.build(self)
 
     @torch.inference_mode()
-    def forward(self, token_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
-        # token_ids, positions [N] -> hidden [N, hidden_size] (before the final norm)
-        return self.decoder_stack(token_ids, positions, kv_caches, meta, call_layer, self.fused_decode)
+    def forward(self, token_ids, positions, kv_caches, meta: AttentionMetadata,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """token_ids, positions [N] -> hidden [N, hidden_size] (before the final norm), or [len(keep), hidden_size]:
+        the rows `keep` names, in its order, with the last layer's projections and MLP run on those rows only
+        (each row's result is independent of the others', so the kept rows come out as in the full forward)."""
+        return self.decoder_stack(token_ids, positions, kv_caches, meta, call_layer, self.fused_decode, keep)
 
     def decoder_stack(self, token_ids, positions, kv_caches, meta: AttentionMetadata, run_layer,
-                      fused: FusedDecode | None = None) -> torch.Tensor:
+                      fused: FusedDecode | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
         """The forward with each layer run by `run_layer` (`call_layer`, or its compiled form:
         cpllm/model/decode_graph.py), or by `fused` (one C call per layer) for the steps it takes."""
         hidden = self.embed_tokens(token_ids)
         rope_tables = self.rope.tables(positions, hidden.dtype)  # once per step, for every layer
         step = fused.step_spec(hidden, rope_tables, kv_caches, meta) if fused is not None else None
         if step is not None:
-            return fused.run(hidden, step, kv_caches)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = fused.run(hidden, step, kv_caches)
+            return hidden if keep is None else hidden.index_select(0, keep)
+        last = len(self.layers) - 1
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if index == last and keep is not None:
+                return layer(hidden, rope_tables, kv_cache, meta, keep)
             hidden = run_layer(layer, hidden, rope_tables, kv_cache, meta)
         return hidden
 

@@ -135,16 +135,25 @@ class ModelRunner:
         if self.compiled_decode is not None and self.compiled_decode.applies(batch.attention) \
                 and not (fused is not None and fused.takes(batch.attention)):
             forward = self.compiled_decode
-        hidden = forward(batch.token_ids, batch.positions, self.kv_caches, batch.attention)
+        keep = self._rows_kept(batch) if forward is self.model else None
+        args = (batch.token_ids, batch.positions, self.kv_caches, batch.attention)
+        hidden = forward(*args) if keep is None else forward(*args, keep)  # keep: the sampled rows, in order
         if batch.replica_sync is not None:  # decode K/V computed on one PCP rank reach the other copies
             sync_replicas(self.kv_caches, batch.replica_sync, self.groups.pcp_group, self.groups.pcp_rank)
         if not batch.output_rows:
             return None
-        rows = self._gather_output_rows(hidden, batch)
+        rows = hidden if keep is not None else self._gather_output_rows(hidden, batch)
         if self.groups.pcp_rank != 0 and self.model.lm_head.pcp is None:
             return None  # the LM head runs on PCP rank 0's TP group only
         logits = self.model.logits(rows)  # split over PCP: every PCP rank computes a share of the vocabulary
         return logits if self.is_driver else None
+
+    def _rows_kept(self, batch: StepBatch) -> torch.Tensor | None:
+        """The rows the driver samples from, where the last layer can skip the others: one PCP rank (over PCP the
+        MoE and LM-head collectives want every rank's rows), and fewer output rows than rows."""
+        if self.groups.pcp_size > 1 or len(batch.output_rows) == batch.token_ids.shape[0]:
+            return None
+        return torch.tensor([row for _, row in batch.output_rows], dtype=torch.long, device=self.device)
 
     def _gather_output_rows(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """Hidden states of the rows the driver samples from, collected on every PCP rank in driver order."""
