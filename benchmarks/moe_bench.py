@@ -144,12 +144,13 @@ def matmul_ceiling(args) -> float:
 
 def dense_loop(experts: LocalExperts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The baseline: every expert on every token, weighted by its routing weight (0 where not chosen)."""
-    dense = torch.zeros(x.shape[0], experts.gate_up.shape[0], dtype=x.dtype).scatter_(1, ids, weights)
+    gate_up, down = experts.plain_weights()
+    dense = torch.zeros(x.shape[0], gate_up.shape[0], dtype=x.dtype).scatter_(1, ids, weights)
     out = torch.zeros_like(x)
     rows = experts.held.rows
-    for e in range(experts.gate_up.shape[0]):
-        gate, up = (x @ experts.gate_up[e]).split(rows, dim=-1)
-        out += dense[:, e : e + 1] * ((torch.nn.functional.silu(gate) * up) @ experts.down[e])
+    for e in range(gate_up.shape[0]):
+        gate, up = (x @ gate_up[e]).split(rows, dim=-1)
+        out += dense[:, e : e + 1] * ((torch.nn.functional.silu(gate) * up) @ down[e])
     return out
 
 

@@ -217,16 +217,17 @@ def test_expert_bytes_per_rank_and_placement(launches, ep, caplog):
     assert placed in caplog.text
     mib = f"{expert_bytes(single) / 4 / 2**20:.2f} MiB"
     assert f"expert weight bytes on this rank (MoE group rank 3 of 4): {mib}" in caplog.text
-    for layer, whole in enumerate(moe_blocks(single)):
-        parts = [moe_blocks(m)[layer].experts for m in ranks]
+    for layer, block in enumerate(moe_blocks(single)):
+        whole_gate_up, whole_down = block.experts.plain_weights()
+        parts = [moe_blocks(m)[layer].experts.plain_weights() for m in ranks]
         if ep:  # experts [2m, 2m+2) on rank m
-            assert torch.equal(torch.cat([p.gate_up for p in parts]), whole.experts.gate_up)
-            assert torch.equal(torch.cat([p.down for p in parts]), whole.experts.down)
+            assert torch.equal(torch.cat([g for g, _ in parts]), whole_gate_up)
+            assert torch.equal(torch.cat([d for _, d in parts]), whole_down)
         else:  # intermediate rows [8m, 8m+8) of every expert on rank m
-            rows = whole.experts.held.rows // 4
-            gates = torch.cat([p.gate_up[:, :, :rows] for p in parts], dim=2)
-            assert torch.equal(gates, whole.experts.gate_up[:, :, : 4 * rows])
-            assert torch.equal(torch.cat([p.down for p in parts], dim=1), whole.experts.down)
+            rows = block.experts.held.rows // 4
+            gates = torch.cat([g[:, :, :rows] for g, _ in parts], dim=2)
+            assert torch.equal(gates, whole_gate_up[:, :, : 4 * rows])
+            assert torch.equal(torch.cat([d for _, d in parts], dim=1), whole_down)
 
 
 @pytest.mark.parametrize("options, message", [

@@ -9,10 +9,15 @@ import torch
 from cpllm.context_parallel.sdpa import attention_with_lse
 from cpllm.kernels.decode_attention import applies as kernel_applies
 from cpllm.kernels.decode_attention import paged_decode_attention
+from cpllm.kernels.prefill_attention import prefill_attention
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):
     # q [L, Hq, D], k/v [S, Hkv, D] -> out [L, Hq, D], lse [L, Hq]
+    if q.shape[0] and k.shape[0]:
+        fast = prefill_attention(q, k, v, scale, causal)  # the C kernel on CPU float32, else None
+        if fast is not None:
+            return fast
     out, lse = attention_with_lse(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
         scale=scale, causal=causal,

@@ -2,7 +2,8 @@
 
 Token-expert pairs are sorted by expert; each held expert gathers its run of tokens, multiplies them (one matmul
 for gate|up, one for down), and adds the weighted results back to their tokens with index_add. The output is
-this rank's partial sum; the MoE block (moe.py) sums the partials over the MoE group.
+this rank's partial sum; the MoE block (moe.py) sums the partials over the MoE group. On the CPU the loaded
+weights are repacked for oneDNN's matmul (packed_weights.py), which replaces the plain copy.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cpllm.model import packed_weights
 from cpllm.model.loader import WeightSource
 from cpllm.model.moe_placement import ExpertSlice
 
@@ -25,6 +27,10 @@ class LocalExperts(torch.nn.Module):
         # Stored transposed ([in, out]) like the dense layers: x @ W
         self.gate_up = torch.nn.Parameter(torch.empty(n, hidden, 2 * rows, dtype=dtype), requires_grad=False)
         self.down = torch.nn.Parameter(torch.empty(n, rows, hidden, dtype=dtype), requires_grad=False)
+        self.dtype = dtype
+        self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        """Once loaded, where oneDNN packs: per expert (gate|up [2 * rows, hidden], down [hidden, rows]) in its
+        layout; the plain parameters are then dropped (None)."""
 
     def load(self, source: WeightSource) -> None:
         gate, up, down = self.names
@@ -37,10 +43,28 @@ class LocalExperts(torch.nn.Module):
             # HF down [hidden, I]: the same rows, as its columns
             w = source.get(f"{name}.{down}.weight", dim=1, start=held.row_start, end=held.row_end, dtype=dtype)
             self.down[i] = w.t()
+        if packed_weights.packs(dtype, self.gate_up.device):
+            self.packed = [(packed_weights.pack(self.gate_up[i].t()), packed_weights.pack(self.down[i].t()))
+                           for i in range(held.num_experts)]
+            self.gate_up = self.down = None
+
+    def plain_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate|up [n, hidden, 2 * rows], down [n, rows, hidden]) as loaded, whichever way they are held."""
+        if self.packed is None:
+            return self.gate_up, self.down
+        return (torch.stack([packed_weights.unpack(g).t() for g, _ in self.packed]),
+                torch.stack([packed_weights.unpack(d).t() for _, d in self.packed]))
 
     @property
     def nbytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in (self.gate_up, self.down))
+        held = [w for pair in self.packed for w in pair] if self.packed is not None else [self.gate_up, self.down]
+        return sum(w.numel() * w.element_size() for w in held)
+
+    def _expert(self, e: int, x: torch.Tensor, which: int) -> torch.Tensor:
+        # x [count, in] -> expert e's gate|up (which = 0) or down (1) product
+        if self.packed is not None:
+            return packed_weights.matmul(x, self.packed[e][which])
+        return x @ (self.gate_up if which == 0 else self.down)[e]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         # x [T, hidden], weights / ids [T, k] -> partial output [T, hidden]
@@ -62,10 +86,10 @@ class LocalExperts(torch.nn.Module):
         for e, count in enumerate(counts):
             if count:
                 mine = tokens[start : start + count]
-                h = x.index_select(0, mine) @ self.gate_up[e]  # [count, 2 * rows] = gate | up
+                h = self._expert(e, x.index_select(0, mine), 0)  # [count, 2 * rows] = gate | up
                 # silu(gate) * up written over gate: no new [count, rows] buffers (same values, same rounding)
                 act = F.silu(h[:, :rows], inplace=True).mul_(h[:, rows:])
-                y = act @ self.down[e]  # [count, hidden]
+                y = self._expert(e, act, 1)  # [count, hidden]
                 out.index_add_(0, mine, y.mul_(scale[start : start + count]))
                 start += count
         return out

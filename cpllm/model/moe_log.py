@@ -14,7 +14,7 @@ def moe_summary_lines(model: torch.nn.Module) -> list[str]:
     if not blocks:
         return []
     config, shard = model.config, blocks[0].shard
-    dtype = str(blocks[0].experts.gate_up.dtype).removeprefix("torch.")
+    dtype = str(blocks[0].experts.dtype).removeprefix("torch.")
     lines = [describe_placement(config.moe, tp=shard.tp.size, pcp=shard.pcp_size,
                                 expert_parallel=shard.expert_parallel)]
     lines.append(f"  expert weight bytes on this rank (MoE group rank {shard.rank} of {shard.size}): "

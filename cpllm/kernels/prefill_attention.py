@@ -1,0 +1,61 @@
+"""Prefill attention with its log-sum-exp in one C call (cpllm/kernels/prefill_attention.c).
+
+Many query positions against a run of keys, causal (top-left aligned, as the flash kernel's flag) or not, float32
+on the CPU, every KV head read once for the query heads that share it. Measured 1.3-1.7x the throughput of
+PyTorch's CPU flash-attention kernel on one thread (docs/benchmarks.md). Where it cannot run (kernels off, no
+compiler or no AVX-512, another device or dtype, a head size it does not take) `prefill_attention` returns None
+and the caller runs PyTorch's kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from cpllm.kernels.build import load_typed
+
+MAX_HEAD_DIM = 256
+"""Widest head the kernel's per-thread tile holds (its head size must also be a multiple of 4)."""
+
+
+def _library() -> ctypes.CDLL | None:
+    p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    return load_typed("prefill_attention",
+                      {"cpllm_prefill_attention": ([p, i64, p, p, i64, i, i, i, i, i, i, f, i, i, p, p], i)})
+
+
+def _rows_in_place(x: torch.Tensor) -> bool:
+    """[N, H, D] with each row's [H, D] contiguous (rows may sit at any stride, as q inside the fused qkv)."""
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.stride(0) >= x.shape[1] * x.shape[2]
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      causal: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """out [L, Hq, D] float32 and lse [L, Hq] float32, or None where the kernel does not apply.
+
+    q [L, Hq, D], k and v [S, Hkv, D], L and S > 0; causal: query i sees keys j <= i."""
+    length, hq, d = q.shape
+    keys, hkv = k.shape[0], k.shape[1]
+    if not (q.device.type == k.device.type == v.device.type == "cpu"
+            and q.dtype == k.dtype == v.dtype == torch.float32
+            and d % 4 == 0 and d <= MAX_HEAD_DIM and hq % hkv == 0 and length > 0 and keys > 0):
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    if not _rows_in_place(q):
+        q = q.contiguous()
+    if not (_rows_in_place(k) and _rows_in_place(v) and k.stride(0) == v.stride(0)):
+        k, v = k.contiguous(), v.contiguous()
+    out = torch.empty(length, hq, d, dtype=torch.float32)
+    lse = torch.empty(length, hq, dtype=torch.float32)
+    status = lib.cpllm_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), length,
+                                         keys, 0, hq, hkv, d, scale, int(causal), torch.get_num_threads(),
+                                         out.data_ptr(), lse.data_ptr())
+    if status == 2:
+        return None  # built without AVX-512
+    if status != 0:
+        raise MemoryError(f"prefill attention kernel failed (status {status}) on q {tuple(q.shape)}, "
+                          f"k {tuple(k.shape)}")
+    return out, lse
