@@ -37,7 +37,7 @@ REGIONS = {  # module class -> region; both systems' names
     "LocalExperts": "experts", "Qwen3MoeExperts": "experts",
     "RMSNorm": "norm", "Qwen3MoeRMSNorm": "norm",
 }
-MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm", "aten::baddbmm"}
+MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm", "aten::baddbmm", "mkldnn::_linear_pointwise"}
 ATTENTION_KERNELS = ("scaled_dot_product", "flash_attention", "aten::_softmax")
 INDEXING = ("index", "sort", "gather", "scatter", "nonzero", "bincount", "histc", "cumsum", "one_hot", "topk",
             "where", "unique", "searchsorted", "masked", "repeat_interleave")
@@ -107,7 +107,7 @@ def profile_run(run) -> dict[str, float]:
         hooks.remove()
     out: dict[str, float] = {}
     for event in prof.events():
-        if event.name.startswith(MARK) or not event.name.startswith("aten::"):
+        if event.name.startswith(MARK) or not event.name.startswith(("aten::", "mkldnn::", "cpllm::")):
             continue
         key = category(region_of(event), event.name)
         out[key] = out.get(key, 0.0) + event.self_cpu_time_total / 1e6

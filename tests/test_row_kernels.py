@@ -73,6 +73,17 @@ def test_rms_norm_matches_torch(shape):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+def test_rms_norm_of_heads_inside_fused_rows():
+    """Per-head q/k norms (Qwen3) read the heads in place inside the fused q|k|v rows, and return them packed."""
+    gen = torch.Generator().manual_seed(3)
+    qkv, w = torch.randn(9, 6 * 64 + 2 * 2 * 64, generator=gen), torch.randn(64, generator=gen)
+    q = qkv[:, : 6 * 64].view(9, 6, 64)  # rows 640 floats apart
+    got = rms_norm(q, w, 1e-6)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, F.rms_norm(q.contiguous(), (64,), w, 1e-6), rtol=1e-6, atol=1e-6)
+    assert rms_norm(qkv[:, ::2], torch.randn(qkv.shape[1] // 2), 1e-6) is None  # columns apart: torch's path
+
+
 def test_rms_norm_leaves_other_dtypes_to_torch():
     x = torch.randn(2, 64, dtype=torch.bfloat16)
     assert rms_norm(x, torch.ones(64, dtype=torch.bfloat16), 1e-5) is None

@@ -112,7 +112,7 @@ int cpllm_decode_layer(float *hidden, const layer_spec *L, const step_spec *S, v
     int status = 0;
 #define STEP(call) do { const int s_ = (call); if (s_ == TEAM_ABORTED) { free(work); return s_; } status |= s_; } while (0)
 
-    cpllm_rms_norm(hidden, L->input_norm, L->eps, B, H, normed, S->threads);
+    cpllm_rms_norm(hidden, L->input_norm, L->eps, B, H, 1, H, normed, S->threads);
     STEP(linear(L->qkv, normed, B, H, qkv_width, qkv_out, S->threads, T));
     if (T) memcpy(qkv, qkv_out, sizeof(float) * B * qkv_width); /* rotary works in place: on this member's copy */
     status |= cpllm_rope_qk(qkv, L->heads, qkv_width, qkv + qd, L->kv_heads, qkv_width, B, L->head_dim, S->cos, S->sin);
@@ -123,7 +123,7 @@ int cpllm_decode_layer(float *hidden, const layer_spec *L, const step_spec *S, v
     STEP(linear(L->o, attn, B, qd, H, proj_out, S->threads, T));
     add_rows(hidden, proj_out, B * H);
 
-    cpllm_rms_norm(hidden, L->post_norm, L->eps, B, H, normed, S->threads);
+    cpllm_rms_norm(hidden, L->post_norm, L->eps, B, H, 1, H, normed, S->threads);
     STEP(linear(L->gate_up, normed, B, H, 2 * I, gate_up_out, S->threads, T));
     cpllm_silu_mul(gate_up_out, B, I, act, S->threads);
     STEP(linear(L->down, act, B, I, H, proj_out, S->threads, T));

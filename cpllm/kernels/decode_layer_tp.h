@@ -84,7 +84,7 @@ int cpllm_decode_layer_tp(float *hidden, const layer_spec *L, const step_spec *S
     int status = 0;
 #define STEP(call) do { const int s_ = (call); if (s_ == TEAM_ABORTED) { free(work); return s_; } status |= s_; } while (0)
 
-    cpllm_rms_norm(hidden, L->input_norm, L->eps, B, H, normed, S->threads);
+    cpllm_rms_norm(hidden, L->input_norm, L->eps, B, H, 1, H, normed, S->threads);
     STEP(linear(L->qkv, normed, B, H, qkv_width, qkv, S->threads, NULL));
     status |= cpllm_rope_qk(qkv, L->heads, qkv_width, qkv + qd, L->kv_heads, qkv_width, B, L->head_dim, S->cos, S->sin);
     cpllm_store_rows(qkv + qd, qkv_width, S->write_rows, S->write_slots, S->writes, kvd, k_pool, S->pool_dtype);
@@ -94,7 +94,7 @@ int cpllm_decode_layer_tp(float *hidden, const layer_spec *L, const step_spec *S
     STEP(linear(L->o, attn, B, qd, H, proj, S->threads, NULL));
     STEP(tp_add_sum(T, 0, proj, B, H, hidden, sum));
 
-    cpllm_rms_norm(hidden, L->post_norm, L->eps, B, H, normed, S->threads);
+    cpllm_rms_norm(hidden, L->post_norm, L->eps, B, H, 1, H, normed, S->threads);
     STEP(linear(L->gate_up, normed, B, H, 2 * I, gate_up, S->threads, NULL));
     cpllm_silu_mul(gate_up, B, I, act, S->threads);
     STEP(linear(L->down, act, B, I, H, proj, S->threads, NULL));

@@ -22,8 +22,11 @@ static void norm_row(const float *restrict x, const float *restrict w, float eps
     for (int64_t j = 0; j < width; j++) out[j] = w[j] * (x[j] * scale);
 }
 
-void cpllm_rms_norm(const float *x, const float *w, float eps, int64_t rows, int64_t width, float *out,
-                    int threads) {
+/* Row r of x starts at (r / groups) * stride + (r % groups) * width: groups = 1, stride = width for contiguous
+ * rows; groups = heads for per-head norms of q or k still inside the fused q|k|v rows (no copy out first). */
+void cpllm_rms_norm(const float *x, const float *w, float eps, int64_t rows, int64_t width, int64_t groups,
+                    int64_t stride, float *out, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows > 64)
-    for (int64_t r = 0; r < rows; r++) norm_row(x + r * width, w, eps, width, out + r * width);
+    for (int64_t r = 0; r < rows; r++)
+        norm_row(x + (r / groups) * stride + (r % groups) * width, w, eps, width, out + r * width);
 }

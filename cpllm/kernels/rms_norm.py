@@ -21,20 +21,34 @@ def _library() -> ctypes.CDLL | None:
     global _lib
     if _lib is None:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        _lib = load_typed("rms_norm", {"cpllm_rms_norm": ([p, p, ctypes.c_float, i64, i64, p, ctypes.c_int], None)})
+        _lib = load_typed("rms_norm",
+                          {"cpllm_rms_norm": ([p, p, ctypes.c_float, i64, i64, i64, i64, p, ctypes.c_int], None)})
     return _lib
 
 
+def _row_layout(x: torch.Tensor) -> tuple[int, int] | None:
+    """(groups, stride) the kernel reads x's rows with: contiguous x, or [N, G, D] with each [G, D] contiguous
+    (per-head q or k inside the fused q|k|v rows); None otherwise."""
+    width = x.shape[-1]
+    if x.is_contiguous():
+        return 1, width
+    if x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == width:
+        return x.shape[1], x.stride(0)
+    return None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """weight * x / sqrt(mean(x^2, -1) + eps) for float32 CPU tensors, or None where the kernel does not apply."""
+    """weight * x / sqrt(mean(x^2, -1) + eps) for float32 CPU tensors (contiguous out), or None where the kernel
+    does not apply."""
     if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
-            or torch.compiler.is_compiling() or not x.is_contiguous()):
+            or torch.compiler.is_compiling()):
         return None
-    lib = _library()
+    layout = _row_layout(x)
+    lib = _library() if layout is not None else None
     if lib is None:
         return None
-    out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=x.dtype)
     width = x.shape[-1]
-    lib.cpllm_rms_norm(x.data_ptr(), weight.data_ptr(), eps, x.numel() // width if width else 0, width,
+    lib.cpllm_rms_norm(x.data_ptr(), weight.data_ptr(), eps, x.numel() // width if width else 0, width, *layout,
                        out.data_ptr(), torch.get_num_threads())
     return out

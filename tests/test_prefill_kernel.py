@@ -1,0 +1,75 @@
+"""The prefill attention kernel (cpllm/kernels/prefill_attention.c) against float64 attention, and where it steps
+aside.
+
+Engine and layout tests run it wherever it builds; these check the kernel alone: causal (top-left, as the flash
+kernel's flag) and not, query counts that do not fill a tile of 64 rows, more queries than keys and fewer, grouped
+queries (1, 3 and 4 heads per KV head), head sizes 32, 64 and 128, q read in place inside the fused q|k|v rows,
+one and two threads; and that other dtypes and head sizes go back to PyTorch's kernel.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpllm.context_parallel.local_attention import attend
+from cpllm.context_parallel.sdpa import reference_attention
+from cpllm.kernels import build
+from cpllm.kernels.prefill_attention import prefill_attention
+
+pytestmark = pytest.mark.skipif(build.load("prefill_attention") is None, reason="no C compiler on this machine")
+
+
+def _qkv(length: int, keys: int, hq: int, hkv: int, d: int, seed: int = 0):
+    """q as a view into fused q|k|v rows (as the model hands it over), k and v contiguous."""
+    gen = torch.Generator().manual_seed(seed)
+    fused = torch.randn(length, (hq + 2 * hkv) * d, generator=gen) * 2
+    q = fused[:, : hq * d].view(length, hq, d)
+    return q, torch.randn(keys, hkv, d, generator=gen) * 2, torch.randn(keys, hkv, d, generator=gen)
+
+
+def _reference(q, k, v, scale, causal):
+    out, lse = reference_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                   scale=scale, causal=causal)
+    return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("length, keys, hq, hkv, d, causal", [
+    (1, 1, 4, 1, 64, True),
+    (5, 5, 9, 3, 64, True),  # SmolLM2's grouping
+    (130, 130, 16, 4, 64, True),  # rows past two tiles, keys past two blocks
+    (70, 200, 16, 4, 64, False),  # queries against earlier context
+    (200, 120, 4, 2, 64, True),  # more queries than keys: the last rows see every key
+    (97, 97, 8, 8, 128, True),
+    (33, 33, 6, 2, 32, True),
+])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matches_float64_attention(length, keys, hq, hkv, d, causal, threads):
+    q, k, v = _qkv(length, keys, hq, hkv, d)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse = prefill_attention(q, k, v, d**-0.5, causal)
+    finally:
+        torch.set_num_threads(previous)
+    want_out, want_lse = _reference(q, k, v, d**-0.5, causal)
+    torch.testing.assert_close(out.double(), want_out, rtol=0, atol=2e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=2e-5)
+
+
+def test_attend_takes_the_kernel_and_agrees_with_torch_flash():
+    q, k, v = _qkv(80, 80, 9, 3, 64, seed=1)
+    got = attend(q, k, v, 0.125, causal=True)
+    flash_out, flash_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], 0.0, True, scale=0.125)
+    torch.testing.assert_close(got[0], flash_out[0].transpose(0, 1), rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[1], flash_lse[0].transpose(0, 1), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, d", [(torch.bfloat16, 64), (torch.float64, 64), (torch.float32, 6),
+                                      (torch.float32, 512)])
+def test_other_inputs_go_to_torch(dtype, d):
+    q, k, v = (t.to(dtype) for t in _qkv(4, 4, 2, 1, d))
+    assert prefill_attention(q, k, v, 0.1, True) is None
+    out, lse = attend(q, k, v, 0.1, causal=True)  # PyTorch's kernel, same contract
+    assert out.shape == (4, 2, d) and lse.shape == (4, 2)
