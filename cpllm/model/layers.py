@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from cpllm.distributed.comm import all_gather, all_reduce
 from cpllm.kernels.rms_norm import rms_norm
+from cpllm.model import packed_weights
 from cpllm.model.loader import WeightSource
 from cpllm.model.quant_kernels import FloatLinear, Int4Linear, Int8Rows
 from cpllm.model.quant_lm_head import RefinedInt8Head
@@ -66,6 +67,8 @@ class ColumnParallelLinear(torch.nn.Module):
         )
         self.pieces: torch.nn.ModuleList | None = None
         """Quantized: one linear per run of parts sharing a format, outputs concatenated; `weight` is then None."""
+        self.packed: torch.Tensor | None = None
+        """The float weight in oneDNN's layout, after pack_plain_weight; `weight` is then None."""
         self.plans: list[tuple[str, WeightPlan]] = []
         """(tensor name, plan) per packed part, for the start-up log."""
 
@@ -113,6 +116,9 @@ class ColumnParallelLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [N, in] -> [N, out]
+        if self.packed is not None:
+            y = packed_weights.matmul(x, self.packed)
+            return y + self.bias if self.bias is not None else y
         if self.pieces is None:
             return torch.addmm(self.bias, x, self.weight) if self.bias is not None else x @ self.weight
         y = self.pieces[0](x) if len(self.pieces) == 1 else torch.cat([p(x) for p in self.pieces], dim=-1)
@@ -130,6 +136,8 @@ class RowParallelLinear(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(self.shard, out_features, dtype=dtype), requires_grad=False)
         self.kernel: Int4Linear | None = None
         """The quantized shard, when the plan is int4 / int8; `weight` is then None."""
+        self.packed: torch.Tensor | None = None
+        """The float shard in oneDNN's layout, after pack_plain_weight; `weight` is then None."""
         self.plans: list[tuple[str, WeightPlan]] = []
         """(tensor name, plan), for the start-up log."""
 
@@ -148,7 +156,17 @@ class RowParallelLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [N, in / TP] -> [N, out], summed over TP
+        if self.packed is not None:
+            return self.tp.all_reduce(packed_weights.matmul(x, self.packed))
         return self.tp.all_reduce(x @ self.weight if self.kernel is None else self.kernel(x))
+
+
+def pack_plain_weight(linear: ColumnParallelLinear | RowParallelLinear) -> None:
+    """Swap a linear's plain float [in, out] weight for oneDNN's packed layout (packed_weights.py), where it packs;
+    quantized linears keep their kernels. Only for weights nothing else reads in place (the fused decode layers do)."""
+    weight = linear.weight
+    if weight is not None and packed_weights.packs(weight.dtype, weight.device):
+        linear.packed, linear.weight = packed_weights.pack(weight.t()), None
 
 
 def vocab_shard(vocab_size: int, tp: TPShard) -> tuple[int, int]:

@@ -25,6 +25,7 @@ from cpllm.model.layers import (
     RowRange,
     TPShard,
     VocabParallelEmbedding,
+    pack_plain_weight,
 )
 from cpllm.model.fused_decode import FusedDecode
 from cpllm.model.loader import WeightSource
@@ -207,6 +208,17 @@ class LlamaForCausalLM(torch.nn.Module):
         for line in summary_lines(self, self.config.quantization) + moe_summary_lines(self):
             logger.info("%s", line)
         self.fused_decode = FusedDecode.build(self)
+
+    def pack_weights(self) -> None:
+        """Attention projections and shared experts in oneDNN's layout (the routed experts pack at load): for models
+        whose float weights no fused decode layer reads in place, and outside compiled graphs (packed_weights.py)."""
+        for layer in self.layers:
+            linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+            shared = getattr(layer.mlp, "shared_expert", None)
+            if shared is not None:
+                linears += [shared.gate_up_proj, shared.down_proj]
+            for linear in linears:
+                pack_plain_weight(linear)
 
     @torch.inference_mode()
     def forward(self, token_ids, positions, kv_caches, meta: AttentionMetadata,

@@ -72,6 +72,8 @@ class ModelRunner:
         """Decode attention reads each request's own slots in place (cpllm/kernels/decode_attention.c): decode-only
         steps then skip the shared-key form (its gathered union runs slower, docs/benchmarks.md)."""
         self.compiled_decode = CompiledDecode(self.model, device) if config.compile_decode else None
+        if self.model.fused_decode is None and self.compiled_decode is None:
+            self.model.pack_weights()
 
     def _form_decode_team(self) -> None:
         """The PCP ranks (or, with TP and PCP = 1, the TP ranks) of one host run fused decode steps as one team
