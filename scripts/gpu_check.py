@@ -17,7 +17,7 @@ non-zero when any check fails. Checks, on the chosen device:
   all-gather and ring, DCP 2, prefill chunks with context plus decodes, against
   a float64 reference over each request's whole sequence; also the KV writes;
 - engine_*: the single-rank engine (`LLM`) in fp32 and bf16 on a tiny random
-  Llama (tests/tiny_models.py) against transformers, teacher-forced: each
+  Llama (tests/tiny_models.py) and a tiny random Qwen3-MoE (tests/tiny_moe_models.py) against transformers, teacher-forced: each
   greedy token is within a tolerance of the best token under transformers,
   its logprob and the prompt logprobs agree within it;
 - with --compare FILE (written by a --cpu --dump FILE run): the same engine
@@ -65,6 +65,10 @@ from cpllm.context_parallel.sdpa import attention_with_lse, reference_attention 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ENGINE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+ENGINE_MODELS = {"llama": "", "qwen3_moe": "qwen3_moe_"}
+"""Tiny random models the engine checks run on (tests/tiny_models.py, tests/tiny_moe_models.py), with the prefix of
+their check names: a dense Llama, and Qwen3-MoE (per-head q/k norms, routed experts, one dense layer)."""
 
 SDPA_TOL = {"fp32": 2e-5, "bf16": 2e-2}
 """Max |out - float64 reference| of one attention call (values of order 1; bf16 keeps 8 bits)."""
@@ -452,9 +456,9 @@ def compare_with_hf(results, hf_model, tol: float):
     return worst_diff, worst_margin
 
 
-def check_engine(device: torch.device, dtype_name: str, folder: str, hf_model, prompts, store: dict):
+def check_engine(device: torch.device, dtype_name: str, folder: str, hf_model, prompts, store: dict, key: str):
     results, device_types, hits = run_engine(folder, dtype_name, prompts)
-    store[dtype_name] = results
+    store[key] = results
     if device_types != {device.type}:
         return False, f"runner, KV cache or weights on {sorted(device_types)}, expected {device.type}"
     tol = ENGINE_TOL[dtype_name]
@@ -533,14 +537,21 @@ def main(argv=None) -> int:
     if not args.skip_engine:
         _ensure_gguf_importable()
         from tiny_models import make_tiny_hf_model, save_tiny_hf_model
+        from tiny_moe_models import make_tiny_moe_model, save_tiny_moe_model
 
         store: dict = {}
         with tempfile.TemporaryDirectory() as tmp:
-            folder = save_tiny_hf_model(os.path.join(tmp, "tiny"), "llama", seed=1)
-            hf_model = make_tiny_hf_model("llama", seed=1)
-            prompts = engine_prompts(hf_model.config.vocab_size)
-            for dtype_name in DTYPES:
-                report.run(f"engine_{dtype_name}", check_engine, device, dtype_name, folder, hf_model, prompts, store)
+            for model_name, prefix in ENGINE_MODELS.items():
+                if model_name == "llama":
+                    folder = save_tiny_hf_model(os.path.join(tmp, model_name), "llama", seed=1)
+                    hf_model = make_tiny_hf_model("llama", seed=1)
+                else:
+                    folder = save_tiny_moe_model(os.path.join(tmp, model_name), model_name, seed=1)
+                    hf_model = make_tiny_moe_model(model_name, seed=1)
+                prompts = engine_prompts(hf_model.config.vocab_size)
+                for dtype_name in DTYPES:
+                    report.run(f"engine_{prefix}{dtype_name}", check_engine, device, dtype_name, folder, hf_model,
+                               prompts, store, f"{prefix}{dtype_name}")
         if args.dump:
             with open(args.dump, "w") as f:
                 json.dump(store, f)
@@ -551,9 +562,11 @@ def main(argv=None) -> int:
             except (OSError, ValueError) as exc:
                 theirs = {}
                 report.line(False, "cpu_engine_outputs", f"cannot read {args.compare}: {exc}")
-            for dtype_name in DTYPES:
-                report.run(f"engine_{dtype_name}_vs_cpu_engine", check_cross, dtype_name, store.get(dtype_name, []),
-                           theirs.get(dtype_name, []))
+            for prefix in ENGINE_MODELS.values():
+                for dtype_name in DTYPES:
+                    key = f"{prefix}{dtype_name}"
+                    report.run(f"engine_{key}_vs_cpu_engine", check_cross, dtype_name, store.get(key, []),
+                               theirs.get(key, []))
 
     # A fused kernel must have served every call: the matmul path is announced by a WARNING (logged once per reason).
     report.line(not fallback.messages, "no_matmul_fallback",
