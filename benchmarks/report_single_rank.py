@@ -173,6 +173,18 @@ def decode_attention_section(results: Results, images: str, rel: str) -> list[st
         "`kernel_gb_per_s` is the K/V bytes over the kernel's time.")
 
 
+def prefill_attention_section(results: Results, images: str, rel: str) -> list[str]:
+    return _kernel_bench_section(
+        results, "Prefill attention: cpllm's kernel against PyTorch's flash kernel", "prefill_attention",
+        "`benchmarks/prefill_attention.py`: one layer's causal attention of a prompt over itself, q read in place "
+        "inside the fused q|k|v rows, for SmolLM2's heads (9 query, 3 KV of 64) and the MoE benchmark's (16 "
+        "query, 4 KV of 64). `kernel_ms`: cpllm/kernels/prefill_attention.c (tiles of 64 (position, query head) "
+        "rows of one KV head, everything transposed so the online softmax runs lane-wise, each key and value "
+        "element broadcast once per tile); `torch_flash_ms`: PyTorch's CPU flash kernel, which transformers' sdpa "
+        "path also runs and which cpllm falls back to. Both through the engine's `attend`, alternating in "
+        "rounds, median round; `gflops` counts the multiply-adds over the visible half of the score matrix.")
+
+
 def int4_kernel_section(results: Results, images: str, rel: str) -> list[str]:
     return _kernel_bench_section(
         results, "The int4 matmul: cpllm's VNNI kernel against aten's", "int4_kernel",
@@ -185,4 +197,4 @@ def int4_kernel_section(results: Results, images: str, rel: str) -> list[str]:
 
 
 SINGLE_RANK_SECTIONS = [single_rank_targets_section, decode_profile_section, decode_attention_section,
-                        int4_kernel_section, quality_section]
+                        prefill_attention_section, int4_kernel_section, quality_section]

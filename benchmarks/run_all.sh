@@ -31,7 +31,8 @@ for step in "${steps[@]}"; do
                --decode-contexts 128,2048 --decode-batches 1,16 --decode-threads 1,2 --out "$R/compare.json" ;;
     # issue 10: approximate formats against fp32, and the decode step against the commit before the decode work
     quality) python benchmarks/quality.py --threads 2 --formats auto,int8,int4 --out "$R/quality.json" ;;
-    attention) python benchmarks/decode_attention.py --json "$R/decode_attention.json" ;;
+    attention) python benchmarks/decode_attention.py --json "$R/decode_attention.json"
+               python benchmarks/prefill_attention.py --json "$R/prefill_attention.json" ;;
     int4) python benchmarks/int4_kernel.py --json "$R/int4_kernel.json" ;;
     profile) python benchmarks/profile_before_after.py --before e89de9e --threads 2 --pairs 2 \
                --out "$R/decode_profile.json" ;;
@@ -52,7 +53,7 @@ for step in "${steps[@]}"; do
     dcp) python benchmarks/dcp_decode.py --rounds 5 --out "$R/decode_dcp.json" ;;
     transport) python benchmarks/collective_latency.py --ranks 2 --json "$R/collective_latency.json" ;;
     # issue 11: random Qwen3-MoE-shaped model (16 layers, hidden 1024, 64 experts of 256, top-8), saved once
-    moe) python benchmarks/moe_bench.py --threads 1 --prefill-tokens 1024,4096 --pcp-tokens 4096 --repeats 2 \
+    moe) python benchmarks/moe_bench.py --threads 1 --prefill-tokens 1024,4096 --pcp-tokens 4096 --repeats 3 \
            --pcp-repeats 2 --out "$R/moe.json"
          python benchmarks/profile_moe.py --tokens 1024,4096 --json "$R/moe_profile.json" ;;
     plan) bench plan --lengths 4096,8000 --repeats 3 --quantization none --json "$R/plan_check.json" ;;

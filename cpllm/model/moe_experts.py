@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cpllm.kernels.decode_rows import silu_mul
 from cpllm.model import packed_weights
 from cpllm.model.loader import WeightSource
 from cpllm.model.moe_placement import ExpertSlice
@@ -87,8 +88,9 @@ class LocalExperts(torch.nn.Module):
             if count:
                 mine = tokens[start : start + count]
                 h = self._expert(e, x.index_select(0, mine), 0)  # [count, 2 * rows] = gate | up
-                # silu(gate) * up written over gate: no new [count, rows] buffers (same values, same rounding)
-                act = F.silu(h[:, :rows], inplace=True).mul_(h[:, rows:])
+                act = silu_mul(h, rows)  # one C pass on CPU float32 (as the dense MLP), else torch's two ops
+                if act is None:  # silu(gate) * up written over gate: no new [count, rows] buffer
+                    act = F.silu(h[:, :rows], inplace=True).mul_(h[:, rows:])
                 y = self._expert(e, act, 1)  # [count, hidden]
                 out.index_add_(0, mine, y.mul_(scale[start : start + count]))
                 start += count
