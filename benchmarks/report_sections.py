@@ -297,8 +297,10 @@ def bounds_section(results: Results, images: str, rel: str) -> list[str]:
         "What remains is mostly the matmuls and attention running slower while both cores compute (the calibrated "
         "`busy_node_fraction` in (c): the cores share memory bandwidth and clocks) and a rank waiting at the ring "
         "for the other, which any other process on the machine makes worse.",
-        "- **Prefill vs transformers at 8K**: attention dominates at long prompts and both use the same CPU "
-        "flash-attention kernel, so the gain from skipping the LM head over every prompt position shrinks.",
+        "- **Prefill vs transformers at long prompts**: attention's share grows with the prompt, and cpllm's "
+        "prefill attention kernel gains less over the CPU flash kernel transformers runs at 4K tokens (1.3x) "
+        "than at 1K (1.6-1.7x, section 'Prefill attention'), while the gain from skipping the LM head (and the "
+        "last layer's unsampled rows) over every prompt position shrinks.",
     ]
 
 
@@ -365,9 +367,13 @@ def moe_section(results: Results, images: str, rel: str) -> list[str]:
                   "Time to first token, expert-TP (PCP=2: each rank holds half of every expert's rows), allgather "
                   "strategy. PCP=2 over PCP=1 with one thread per rank: "
                   f"**{pcp['pcp2_vs_pcp1_same_threads_per_rank']}x**; over PCP=1 with the same two threads in one "
-                  f"rank: **{pcp['pcp2_vs_pcp1_same_total_threads']}x**. PCP=2 gains only when both ranks get a "
-                  "core; with other users' load on this machine's two cores they seldom do, and two threads of one "
-                  "process then also lose time waiting for each other.", ""] + md_table(pcp["rows"])
+                  f"rank: **{pcp['pcp2_vs_pcp1_same_total_threads']}x**. What PCP=2 adds over one rank "
+                  "splitting the same matmuls over two threads: per MoE layer an all-gather of the PCP group's "
+                  "tokens and a reduce-scatter of the expert outputs (16 MB each at 4K tokens), the attention "
+                  "pieces' merges, and a full last layer (the skip of unsampled rows runs on one PCP rank only). "
+                  "On an idle machine two threads of one rank therefore come out ahead; under other users' load, "
+                  "when a thread loses its core, the other thread of its rank waits for it at every operator, and "
+                  "the ranks only at the collectives.", ""] + md_table(pcp["rows"])
     return lines
 
 
