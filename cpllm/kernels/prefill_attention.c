@@ -1,8 +1,8 @@
 /* Prefill attention: many query positions against a run of keys, causal or not, float32, with the log-sum-exp.
  *
  * q[i, h, :] sits at q + i * q_stride + h * d (heads contiguous inside a row), k/v[j, g, :] at k + j * kv_stride +
- * g * d; query head h reads KV head h / (hq / hkv). Causal: query i (at position q_offset + i of the keys' run)
- * sees keys j <= q_offset + i; otherwise it sees every key. out [n_q, hq, d] and lse [n_q, hq] are contiguous.
+ * g * d; query head h reads KV head h / (hq / hkv). Causal (top-left aligned, as PyTorch's flash kernel's flag): query
+ * i sees keys j <= i; otherwise it sees every key. out [n_q, hq, d] and lse [n_q, hq] are contiguous.
  *
  * Work item: one KV head and 64 "rows", a row being one (query position, query head of the group) pair; the rows
  * of the group's heads at neighbouring positions share every key they read. Everything runs transposed, rows in
@@ -31,7 +31,7 @@ enum { ROWS = 64, VECS = ROWS / 16, BLOCK_KEYS = 64, MAX_D = 256 };
 typedef struct {
     const float *q, *k, *v;
     int64_t q_stride, kv_stride;
-    int n_q, n_k, q_offset, hq, hkv, d, causal;
+    int n_q, n_k, hq, hkv, d, causal;
     float scale;
     float *out, *lse;
 } Problem;
@@ -53,7 +53,7 @@ static void load_tile(const Problem *p, int g, int r0, Tile *t) {
             const int i = row / group, h = g * group + row % group;
             const float *src = p->q + i * p->q_stride + (int64_t)h * p->d;
             for (int c = 0; c < p->d; c++) t->qt[c][r] = src[c] * p->scale;
-            t->pos[r] = p->causal ? p->q_offset + i : p->n_k - 1;
+            t->pos[r] = p->causal ? i : p->n_k - 1;
         } else {  /* padding: sees key 0 only, its output is never written */
             for (int c = 0; c < p->d; c++) t->qt[c][r] = 0.0f;
             t->pos[r] = 0;
@@ -187,11 +187,11 @@ static void run_tile(const Problem *p, int g, int r0, Tile *t) {
 }
 
 int cpllm_prefill_attention(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
-                            int n_q, int n_k, int q_offset, int hq, int hkv, int d, float scale, int causal,
+                            int n_q, int n_k, int hq, int hkv, int d, float scale, int causal,
                             int threads, float *out, float *lse) {
-    if (d > MAX_D || d % 4 || hq % hkv || n_k <= 0 || (causal && q_offset < 0)) return 1;
+    if (d > MAX_D || d % 4 || hq % hkv || n_k <= 0) return 1;
     const Problem p = {.q = q, .k = k, .v = v, .q_stride = q_stride, .kv_stride = kv_stride, .n_q = n_q,
-                       .n_k = n_k, .q_offset = q_offset, .hq = hq, .hkv = hkv, .d = d, .causal = causal,
+                       .n_k = n_k, .hq = hq, .hkv = hkv, .d = d, .causal = causal,
                        .scale = scale, .out = out, .lse = lse};
     int failed = 0;
     const int tiles_per_head = (n_q * (hq / hkv) + ROWS - 1) / ROWS, items = tiles_per_head * hkv;
@@ -215,7 +215,7 @@ int cpllm_prefill_attention(const float *q, int64_t q_stride, const float *k, co
 
 #else
 int cpllm_prefill_attention(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
-                            int n_q, int n_k, int q_offset, int hq, int hkv, int d, float scale, int causal,
+                            int n_q, int n_k, int hq, int hkv, int d, float scale, int causal,
                             int threads, float *out, float *lse) {
     return 2;  /* no AVX-512 on this machine: the caller runs its torch path */
 }

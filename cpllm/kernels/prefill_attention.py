@@ -22,7 +22,7 @@ MAX_HEAD_DIM = 256
 def _library() -> ctypes.CDLL | None:
     p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
     return load_typed("prefill_attention",
-                      {"cpllm_prefill_attention": ([p, i64, p, p, i64, i, i, i, i, i, i, f, i, i, p, p], i)})
+                      {"cpllm_prefill_attention": ([p, i64, p, p, i64, i, i, i, i, i, f, i, i, p, p], i)})
 
 
 def _rows_in_place(x: torch.Tensor) -> bool:
@@ -52,7 +52,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     lse = torch.empty(length, hq, dtype=torch.float32)
     with torch.profiler.record_function("cpllm::prefill_flash_attention"):  # named in profiles as an op would be
         status = lib.cpllm_prefill_attention(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0),
-                                             length, keys, 0, hq, hkv, d, scale, int(causal), torch.get_num_threads(),
+                                             length, keys, hq, hkv, d, scale, int(causal), torch.get_num_threads(),
                                              out.data_ptr(), lse.data_ptr())
     if status == 2:
         return None  # built without AVX-512
