@@ -411,8 +411,9 @@ def test_worker_failing_at_start_is_reported_at_once_with_its_error():
     port = find_free_port()
     handles = spawn_workers(3, _failing_worker, (), master_port=port)
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"(?s)while starting: worker rank \d \(pid \d+\) exited with code 1:\n"
-                                           r".*ValueError: bad input on rank \d"):
+    # A rank still exiting past the grace period (a loaded machine) is named as having reported its error.
+    with pytest.raises(RuntimeError, match=r"(?s)while starting: worker rank \d \(pid \d+\) "
+                                           r"(exited with code 1|reported an error):\n.*ValueError: bad input on rank \d"):
         init_distributed(ParallelConfig(tensor_parallel_size=3), rank=0, world_size=3, master_addr="127.0.0.1",
                          master_port=port, timeout_s=timeout_s, workers=handles)
     assert time.monotonic() - start < timeout_s / 2  # not a store timeout

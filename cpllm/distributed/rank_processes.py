@@ -139,7 +139,7 @@ class WorkerHandles:
             for proc in self.processes.values():
                 proc.read_control()
             if any(proc.exitcode is not None or proc.last_error is not None for proc in self.processes.values()):
-                self.wait_for_any_exit(DEATH_GRACE_S)  # a rank that reported its error is about to exit
+                self.wait_for_reporters_exit(DEATH_GRACE_S)
                 failed = {rank: proc.exitcode for rank, proc in self.processes.items()
                           if proc.exitcode is not None or proc.last_error is not None}
                 self.terminate_all()
@@ -149,6 +149,14 @@ class WorkerHandles:
                 missing = [rank for rank in self.processes if not store.check([joined_key(rank)])]
                 raise RuntimeError(f"worker ranks {missing} did not join the driver within {timeout_s}s")
             connection.wait(watched, timeout=POLL_S)
+
+    def wait_for_reporters_exit(self, timeout_s: float) -> None:
+        """Give every rank that reported an error up to `timeout_s` (shared) to exit, so its code can be named."""
+        deadline = _Deadline(timeout_s)
+        for proc in self.processes.values():
+            proc.read_control()
+            if proc.last_error is not None:
+                proc.join(deadline.left())
 
     def wait_for_any_exit(self, timeout_s: float) -> None:
         """Block until some worker exits or `timeout_s` passes."""
