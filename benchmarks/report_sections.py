@@ -115,7 +115,7 @@ def targets_section(results: Results, images: str, rel: str) -> list[str]:
     if compare:
         rows += _compare_targets(compare)
     lines = ["## Targets", "", "Computed from the results below (targets from the benchmarks issue; ceilings "
-             "in DESIGN §8). Nothing here is asserted by tests.", ""]
+             "in docs/platform.md). Nothing here is asserted by tests.", ""]
     return lines + (md_table(rows) if rows else _missing(""))
 
 
