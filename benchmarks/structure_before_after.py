@@ -62,7 +62,9 @@ def run_case(case: Case, tree: str, out: str) -> dict[str, float]:
     """Figures of one run, keyed by the result row (layout, batch, context, prompt length)."""
     env = {**os.environ, "PYTHONPATH": tree}
     argv = [out if a == "{json}" else a for a in case.argv]
-    subprocess.run(argv, env=env, check=True, capture_output=True, cwd=ROOT)
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, cwd=os.path.dirname(out))
+    if done.returncode != 0:
+        raise RuntimeError(f"{case.name} failed on {tree}:\n{done.stderr[-3000:]}")
     with open(out) as f:
         results = json.load(f)["results"]
     figures = {}
