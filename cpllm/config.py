@@ -312,7 +312,7 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous-batching limits."""
 
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 8192
     """Tokens computed in one step, over all requests (the chunked-prefill budget)."""
     max_num_seqs: int = 64
     """Requests running at once."""

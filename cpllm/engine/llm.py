@@ -7,85 +7,44 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from cpllm.config import DEFAULT_QUANTIZATION, CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from cpllm.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from cpllm.engine.outputs import RequestOutput
 from cpllm.engine.sampling_params import SamplingParams
+from cpllm.engine_options import CONFIG_OPTIONS, config_fields, keyword_signature, resolve_options
 from cpllm.launch import create_engine
 from cpllm.model.default_model import default_model_path
 from cpllm.model.loader import open_weights
 from cpllm.model.tokenizer import Tokenizer, load_tokenizer
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
-
-def build_engine_config(
-    model: str | None = None,
-    *,
-    dtype: str = "float32",
-    quantization: str = DEFAULT_QUANTIZATION,
-    block_size: int = 16,
-    max_model_len: int | None = None,
-    max_num_batched_tokens: int | None = None,
-    max_num_seqs: int = 64,
-    enable_prefix_caching: bool = True,
-    kv_cache_dtype: str = "auto",
-    kv_cache_memory_bytes: int | None = None,
-    seed: int = 0,
-    tensor_parallel_size: int = 1,
-    prefill_context_parallel_size: int = 1,
-    decode_context_parallel_size: int = 1,
-    data_parallel_size: int = 1,
-    cp_kv_cache_interleave_size: int = 1,
-    cp_prefill_strategy: str = "auto",
-    cp_kv_cache_layout: str = "sharded",
-    distributed_timeout: float = 120.0,
-    collective_transport: str = "auto",
-    enable_expert_parallel: bool = False,
-    compile_decode: bool = False,
-) -> EngineConfig:
-    """Validate every engine option together, before any process starts."""
+def build_engine_config(model: str | None = None, **options: Any) -> EngineConfig:
+    """Validate every engine option together, before any process starts (options: cpllm.engine_options)."""
+    sections = config_fields(resolve_options(options, "build_engine_config", CONFIG_OPTIONS))
     path = model or default_model_path()
-    parallel = ParallelConfig(
-        tensor_parallel_size=tensor_parallel_size,
-        prefill_context_parallel_size=prefill_context_parallel_size,
-        decode_context_parallel_size=decode_context_parallel_size,
-        data_parallel_size=data_parallel_size,
-        cp_kv_cache_interleave_size=cp_kv_cache_interleave_size,
-        cp_prefill_strategy=cp_prefill_strategy,
-        cp_kv_cache_layout=cp_kv_cache_layout,
-        distributed_timeout_s=distributed_timeout,
-        collective_transport=collective_transport,
-        enable_expert_parallel=enable_expert_parallel,
-    )
+    parallel = ParallelConfig(**sections["parallel"])  # refused before the model is read
     # quantization lives in ModelConfig (as in vLLM): every rank builds its model from that config alone
-    model_config = dataclasses.replace(open_weights(path).config, quantization=quantization)
-    max_len = model_config.max_position_embeddings if max_model_len is None else max_model_len
-    return EngineConfig(
-        model_path=path,
-        model=model_config,
-        dtype=dtype,
-        seed=seed,
-        parallel=parallel,
-        cache=CacheConfig(block_size=block_size, kv_cache_memory_bytes=kv_cache_memory_bytes,
-                          enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype),
-        scheduler=SchedulerConfig(
-            max_num_batched_tokens=(DEFAULT_MAX_NUM_BATCHED_TOKENS if max_num_batched_tokens is None
-                                    else max_num_batched_tokens),
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_len,
-        ),
-        compile_decode=compile_decode,
-    )
+    model_config = dataclasses.replace(open_weights(path).config, **sections["model"])
+    scheduler = {"max_model_len": model_config.max_position_embeddings, **sections["scheduler"]}
+    return EngineConfig(model_path=path, model=model_config, parallel=parallel,
+                        cache=CacheConfig(**sections["cache"]), scheduler=SchedulerConfig(**scheduler),
+                        **sections["engine"])
+
+
+build_engine_config.__signature__ = keyword_signature(build_engine_config, CONFIG_OPTIONS)
 
 
 class LLM:
     """Offline batch inference: build once, call `generate` or `chat`, then `shutdown` (or use `with`)."""
 
-    def __init__(self, model: str | None = None, *, threads_per_rank: int | None = None, **engine_options: Any):
-        config = build_engine_config(model, **engine_options)
+    def __init__(self, model: str | None = None, **engine_options: Any):
+        values = resolve_options(engine_options, "LLM")
+        threads_per_rank = values.pop("threads_per_rank")
+        config = build_engine_config(model, **values)
         self.tokenizer: Tokenizer = load_tokenizer(config.model_path)
         self.engine = create_engine(config, self.tokenizer, threads_per_rank=threads_per_rank)
         self._ids = itertools.count()
+
+    __init__.__signature__ = keyword_signature(__init__)
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer

@@ -1,0 +1,137 @@
+"""One table of engine options (cpllm/engine_options.py): the CLI, `LLM(...)` and the config agree on every option.
+
+No process starts: `build_engine_config` reads only the tiny model's config.json.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from cpllm.cli import build_parser
+from cpllm.engine.llm import LLM, build_engine_config
+from cpllm.engine_args import engine_kwargs
+from cpllm.engine_options import CONFIG_OPTIONS, ENGINE_OPTIONS, OPTIONS, config_field_default, resolve_options
+from tiny_models import save_tiny_hf_model
+
+COMMANDS = (["generate", "--prompt", "hi"], ["serve"], ["bench", "decode"])
+
+CHANGED: dict[str, tuple[list[str], object, dict]] = {
+    "dtype": (["--dtype", "bfloat16"], "bfloat16", {}),
+    "quantization": (["-q", "none"], "none", {}),
+    "block_size": (["--block-size", "8"], 8, {}),
+    "max_model_len": (["--max-model-len", "128"], 128, {}),
+    "max_num_batched_tokens": (["--max-num-batched-tokens", "512"], 512, {}),
+    "max_num_seqs": (["--max-num-seqs", "3"], 3, {}),
+    "enable_prefix_caching": (["--no-enable-prefix-caching"], False, {}),
+    "kv_cache_memory_bytes": (["--kv-cache-memory-bytes", "1MiB"], 2**20, {}),
+    "kv_cache_dtype": (["--kv-cache-dtype", "float16"], "float16", {}),
+    "seed": (["--seed", "7"], 7, {}),
+    "tensor_parallel_size": (["-tp", "2"], 2, {}),
+    "prefill_context_parallel_size": (["-pcp", "2"], 2, {}),
+    "decode_context_parallel_size": (["-dcp", "2"], 2, {"tensor_parallel_size": 4}),  # 2 KV heads over 4 ranks
+    "data_parallel_size": (["-dp", "3"], 3, {}),
+    "cp_kv_cache_interleave_size": (["--cp-kv-cache-interleave-size", "4"], 4, {}),
+    "cp_prefill_strategy": (["--cp-prefill-strategy", "ring"], "ring", {}),
+    "cp_kv_cache_layout": (["--cp-kv-cache-layout", "replicated"], "replicated", {}),
+    "enable_expert_parallel": (["--enable-expert-parallel"], True, {}),
+    "compile_decode": (["--compile-decode"], True, {}),
+    "distributed_timeout": (["--distributed-timeout", "5.5"], 5.5, {}),
+    "collective_transport": (["--collective-transport", "gloo"], "gloo", {}),
+    "threads_per_rank": (["--threads-per-rank", "2"], 2, {}),
+}
+"""option -> (flags that change it, the value they give, other options the value needs)."""
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    """The default tiny Llama: 4 heads, 2 KV heads, 256 positions."""
+    return save_tiny_hf_model(str(tmp_path_factory.mktemp("tiny")), "llama", seed=0)
+
+
+def llm_defaults() -> dict[str, object]:
+    return {name: p.default for name, p in inspect.signature(LLM).parameters.items()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0] + (c[1] if c[0] == "bench" else ""))
+def test_cli_defaults_are_the_llm_defaults(command):
+    args = build_parser().parse_args(command)
+    llm, resolved = llm_defaults(), resolve_options({}, "LLM")
+    for option in ENGINE_OPTIONS:
+        assert getattr(args, option.name) is llm[option.name] is resolved[option.name] is option.default, option.name
+    assert engine_kwargs(args).keys() == llm.keys() == OPTIONS.keys()
+
+
+def test_config_options_default_to_their_config_field():
+    """An option that fills a config field has that field's default, or None ("the field's own default", or for
+    max_model_len the model's), so the dataclass, the CLI and LLM cannot disagree."""
+    for option in CONFIG_OPTIONS:
+        assert option.default is None or option.default is config_field_default(option.fills), option.name
+    assert OPTIONS["max_num_batched_tokens"].default is None
+    assert config_field_default("scheduler.max_num_batched_tokens") == 8192
+
+
+def test_every_option_is_in_the_table_test():
+    assert CHANGED.keys() == OPTIONS.keys(), "give the new option a row in CHANGED"
+
+
+@pytest.mark.parametrize("name", list(CHANGED))
+def test_every_option_reaches_the_engine_from_the_cli_and_from_llm(folder, name):
+    flags, value, needs = CHANGED[name]
+    option = OPTIONS[name]
+    for command in COMMANDS:
+        assert engine_kwargs(build_parser().parse_args([*command, *flags]))[name] == value, (command, flags)
+    assert name in inspect.signature(LLM).parameters
+    if option.fills is None:  # acts at launch: not a config option
+        with pytest.raises(TypeError, match=name):
+            build_engine_config(folder, **{name: value})
+        return
+    config = build_engine_config(folder, **needs, **{name: value})
+    section, field = option.fills.split(".")
+    filled = config if section == "engine" else getattr(config, section)
+    assert getattr(filled, field) == value
+
+
+def test_defaults_fill_the_config(folder):
+    config = build_engine_config(folder)
+    assert config.scheduler.max_num_batched_tokens == 8192
+    assert config.scheduler.max_model_len == config.model.max_position_embeddings == 256
+    assert config.parallel.distributed_timeout_s == 120.0 and config.cache.block_size == 16
+
+
+@pytest.mark.parametrize("flags, values", [
+    (["-tp", "0"], ["tensor_parallel_size", "0", ">= 1"]),
+    (["--max-num-seqs", "0"], ["max_num_seqs", "0", ">= 1"]),
+    (["--block-size", "-4"], ["block_size", "-4", ">= 1"]),
+    (["--distributed-timeout", "0"], ["distributed_timeout_s", "0", "> 0"]),
+    (["--kv-cache-memory-bytes", "0"], ["kv_cache_memory_bytes", "0", "> 0"]),
+    (["--max-model-len", "1000"], ["max_model_len=1000", "max_position_embeddings=256"]),
+    (["--cp-kv-cache-interleave-size", "32"], ["cp_kv_cache_interleave_size=32", "block_size=16"]),
+])
+def test_a_bad_value_names_the_value_and_the_limit(folder, flags, values):
+    """The same message whether the value came from the command line or from LLM(...) keywords."""
+    from_cli = engine_kwargs(build_parser().parse_args(["serve", *flags]))
+    del from_cli["threads_per_rank"]
+    name = next(option.name for option in ENGINE_OPTIONS if option.flag in flags or option.short in flags)
+    for options in (from_cli, {name: from_cli[name]}):
+        with pytest.raises(ValueError) as error:
+            build_engine_config(folder, **options)
+        for value in values:
+            assert value in str(error.value), (value, str(error.value))
+
+
+def test_a_value_outside_the_choices_is_refused_by_the_cli(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"])
+    message = capsys.readouterr().err
+    assert "'fp8'" in message and "bfloat16" in message
+
+
+def test_an_unknown_keyword_is_refused_naming_it_and_the_closest_option(folder):
+    with pytest.raises(TypeError, match=r"LLM\(\) got an unknown engine option 'tensor_paralel_size'; did you mean "
+                                        r"'tensor_parallel_size'\?"):
+        LLM(folder, tensor_paralel_size=2)
+    with pytest.raises(TypeError, match="unknown engine option 'threads_per_rank'"):
+        build_engine_config(folder, threads_per_rank=2)
