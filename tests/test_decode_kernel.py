@@ -16,10 +16,10 @@ import torch
 from cpllm.context_parallel.local_attention import attend_decode
 from cpllm.context_parallel.metadata import DecodeBatch
 from cpllm.context_parallel.sdpa import reference_attention
-from cpllm.kernels import build
+from cpllm.kernels import library
 from cpllm.kernels.decode_attention import paged_decode_attention
 
-pytestmark = pytest.mark.skipif(build.load("decode_attention") is None, reason="no C compiler on this machine")
+pytestmark = pytest.mark.skipif(library.load("decode_attention") is None, reason="no C compiler on this machine")
 
 
 def _case(pool_dtype, head_dim: int, hq: int, hkv: int, lengths: list[int], num_slots: int = 6000, seed: int = 0):
@@ -94,7 +94,7 @@ def test_engine_entry_gives_the_same_numbers_with_the_kernel_off(monkeypatch):
 def test_a_failed_build_falls_back_with_one_warning(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("CPLLM_KERNEL_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(build, "_loaded", {})
+    monkeypatch.setattr(library, "_loaded", {})
     q, k_pool, v_pool, slots, lengths = _case(torch.float32, 64, 2, 1, [10])
     with caplog.at_level(logging.WARNING, logger="cpllm.kernels.build"):
         assert paged_decode_attention(q, k_pool, v_pool, slots, lengths, 0.125) is None

@@ -14,14 +14,14 @@ import torch
 
 from cpllm.context_parallel.local_attention import attend
 from cpllm.context_parallel.sdpa import reference_attention
-from cpllm.kernels import build
+from cpllm.kernels import library
 from cpllm.kernels.prefill_attention import prefill_attention
 
 
 def _kernel_runs() -> bool:
     """Built, and built with AVX-512 (without it the kernel declines every call)."""
     one = torch.ones(1, 1, 4)
-    return build.load("prefill_attention") is not None and prefill_attention(one, one, one, 1.0, True) is not None
+    return library.load("prefill_attention") is not None and prefill_attention(one, one, one, 1.0, True) is not None
 
 
 pytestmark = pytest.mark.skipif(not _kernel_runs(), reason="no C compiler or no AVX-512 on this machine")

@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpllm.kernels import build
+from cpllm.kernels import library
 from cpllm.kernels.decode_rows import rope_qk_, silu_mul, store_rows_
 from cpllm.kernels.rms_norm import rms_norm
 from cpllm.model.rope import apply_rope
 
-pytestmark = pytest.mark.skipif(build.load("decode_rows") is None, reason="no C compiler on this machine")
+pytestmark = pytest.mark.skipif(library.load("decode_rows") is None, reason="no C compiler on this machine")
 
 N, HQ, HKV, D = 5, 9, 3, 64
 

@@ -1,4 +1,4 @@
-"""Compile a C kernel of this package for this machine on first use, and load it with ctypes.
+"""Compile a C kernel of this package for this machine, and open it with ctypes (cpllm/kernels/library.py asks).
 
 The shared library is built with the system C compiler (`$CC`, else `cc`) at `-O3 -march=native -fopenmp` into a
 cache directory (`$CPLLM_KERNEL_CACHE`, else `~/.cache/cpllm/kernels`), under a name that hashes the sources and
@@ -8,8 +8,8 @@ compiles to a private name and renames it into place (atomic), so a reader never
 links libgomp; loaded after torch, it shares the OpenMP runtime (and thread pool) torch already loaded, because the
 runtime's soname is the same.
 
-`CPLLM_KERNELS=0` turns every kernel off (the torch fallbacks run); a missing compiler or a failed build logs
-one WARNING with the reason and falls back the same way.
+A missing compiler or a failed build logs a WARNING with the reason, and the kernel's callers run their torch
+fallbacks (library.py asks once per process and library).
 """
 
 from __future__ import annotations
@@ -26,15 +26,6 @@ logger = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-std=gnu11")
 """Compiler flags; `-march=native` is why each machine builds its own library."""
-
-_loaded: dict[str, ctypes.CDLL | None] = {}
-"""Kernel name -> its library, or None when it could not be built (the reason was logged once)."""
-
-
-def enabled() -> bool:
-    """False when CPLLM_KERNELS=0 asks for the torch fallbacks."""
-    return os.environ.get("CPLLM_KERNELS", "1") != "0"
-
 
 def _cache_dir() -> Path:
     default = Path.home() / ".cache" / "cpllm" / "kernels"
@@ -80,30 +71,15 @@ def _compile(source_path: Path, target: Path) -> None:
             os.unlink(private)
 
 
-def load_typed(name: str, signatures: dict[str, tuple[list | None, object]]) -> ctypes.CDLL | None:
-    """`load(name)` with each named function's (argtypes, restype) declared, once per loaded library."""
-    lib = load(name)
-    if lib is not None and not hasattr(lib, "_cpllm_typed"):
-        for function, (argtypes, restype) in signatures.items():
-            if argtypes is not None:
-                getattr(lib, function).argtypes = argtypes
-            getattr(lib, function).restype = restype
-        lib._cpllm_typed = True
-    return lib
-
-
-def load(name: str) -> ctypes.CDLL | None:
-    """The library built from cpllm/kernels/<name>.c, or None (kernels off, or no build: logged once)."""
-    if not enabled():
+def open_built(name: str) -> ctypes.CDLL | None:
+    """The library built from cpllm/kernels/<name>.c (compiled first where this machine has none yet), or None
+    where it cannot be built (logged)."""
+    source_path = Path(__file__).with_name(f"{name}.c")
+    try:
+        target = _cache_dir() / f"{name}-{_build_key(source_path.read_bytes())}.so"
+        if not target.exists():
+            _compile(source_path, target)
+        return ctypes.CDLL(str(target))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        logger.warning("kernel %s not built (%s); using its torch fallback. Logged once.", name, error)
         return None
-    if name not in _loaded:
-        source_path = Path(__file__).with_name(f"{name}.c")
-        try:
-            target = _cache_dir() / f"{name}-{_build_key(source_path.read_bytes())}.so"
-            if not target.exists():
-                _compile(source_path, target)
-            _loaded[name] = ctypes.CDLL(str(target))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
-            logger.warning("kernel %s not built (%s); using its torch fallback. Logged once.", name, error)
-            _loaded[name] = None
-    return _loaded[name]

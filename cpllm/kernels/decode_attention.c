@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernel_status.h"
 #include "vector_exp.h"
 
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
@@ -228,14 +229,19 @@ static void merge_partials(const float *outs, const float *lses, int parts, int 
     }
 }
 
-/* q [B, Hq, D] float32; k_pool/v_pool [S, Hkv, D] of `dtype`; slots [B, slot_stride] int64; lengths [B] int64;
- * out [B, Hq, D] float32; lse [B, Hq] float32. `chunk`: positions per unit. Returns 0, or -1 if out of memory. */
-int cpllm_paged_decode_attention(const float *q, const void *k_pool, const void *v_pool, int dtype,
+/* q [B, Hq, D] float32; k_pool/v_pool [num_slots, Hkv, D] of `dtype`; slots [B, slot_stride] int64; lengths [B]
+ * int64; out [B, Hq, D] float32; lse [B, Hq] float32. `chunk`: positions per unit. Returns 0; CPLLM_NO_MEMORY;
+ * CPLLM_LENGTH_OUT_OF_RANGE (a length outside [0, slot_stride], before any work); CPLLM_SLOT_OUT_OF_RANGE (a slot of
+ * a request's context outside [0, num_slots): each unit checks its slots as it starts, and one with a bad slot reads
+ * no row, leaving (0, -inf)). */
+int cpllm_paged_decode_attention(const float *q, const void *k_pool, const void *v_pool, int dtype, int64_t num_slots,
                                  const int64_t *slots, int64_t slot_stride, const int64_t *lengths, int batch,
                                  int hq, int hkv, int d, float scale, int chunk, int threads, float *out,
                                  float *lse) {
+    for (int b = 0; b < batch; b++)
+        if (lengths[b] < 0 || lengths[b] > slot_stride) return CPLLM_LENGTH_OUT_OF_RANGE;
     int64_t *first_unit = malloc(sizeof(int64_t) * (batch + 1));
-    if (!first_unit) return -1;
+    if (!first_unit) return CPLLM_NO_MEMORY;
     first_unit[0] = 0;
     for (int b = 0; b < batch; b++) {
         const int64_t units = (lengths[b] + chunk - 1) / chunk;
@@ -244,7 +250,7 @@ int cpllm_paged_decode_attention(const float *q, const void *k_pool, const void 
     const int64_t total_units = first_unit[batch];
     float *part_out = malloc(sizeof(float) * (size_t)total_units * hq * d);
     float *part_lse = malloc(sizeof(float) * (size_t)total_units * hq);
-    int failed = part_out == NULL || part_lse == NULL;
+    int failed = part_out == NULL || part_lse == NULL, bad_slot = 0;
     if (!failed) {
 #pragma omp parallel num_threads(threads)
         {
@@ -268,12 +274,17 @@ int cpllm_paged_decode_attention(const float *q, const void *k_pool, const void 
                     const int64_t left = lengths[b] - start;
                     const int count = left < chunk ? (int)left : chunk;
                     float *o = part_out + (size_t)u * hq * d, *l = part_lse + (size_t)u * hq;
-                    if (count <= 0) {
+                    const int64_t *s = slots + b * slot_stride + start;
+                    const int outside = count > 0 && cpllm_any_outside(s, count, num_slots);
+                    if (outside) {
+#pragma omp atomic write
+                        bad_slot = 1;
+                    }
+                    if (count <= 0 || outside) {
                         memset(o, 0, sizeof(float) * (size_t)hq * d);
                         for (int j = 0; j < hq; j++) l[j] = -INFINITY;
                         continue;
                     }
-                    const int64_t *s = slots + b * slot_stride + start;
                     const float *qb = q + (size_t)b * hq * d;
 #if defined(__AVX512F__)
                     if (d == 64 || d == 128) {  /* constants at each call: the row stays in registers */
@@ -305,5 +316,5 @@ int cpllm_paged_decode_attention(const float *q, const void *k_pool, const void 
     free(first_unit);
     free(part_out);
     free(part_lse);
-    return failed ? -1 : 0;
+    return failed ? CPLLM_NO_MEMORY : bad_slot ? CPLLM_SLOT_OUT_OF_RANGE : CPLLM_OK;
 }

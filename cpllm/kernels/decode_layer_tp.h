@@ -23,7 +23,7 @@ static int tp_add_sum(team_spec *T, int which, const float *part, int64_t B, int
     const size_t n = (size_t)B * H, stride = (size_t)T->max_batch * H;
     float *slots = T->sums + (size_t)which * T->size * stride;
     memcpy(slots + T->member * stride, part, sizeof(float) * n);
-    if (team_barrier(T)) return TEAM_ABORTED;
+    if (team_barrier(T)) return CPLLM_TEAM_ABORTED;
     memcpy(sum, slots, sizeof(float) * n);
     for (int m = 1; m < T->size; m++) add_rows(sum, slots + m * stride, (int64_t)n);
     add_rows(hidden, sum, (int64_t)n);
@@ -37,25 +37,26 @@ static int tp_attention(const layer_spec *L, const step_spec *S, const float *q,
     const int64_t B = S->batch;
     const int hq = L->heads, d = L->head_dim, dcp = T->dcp;
     if (dcp == 1)
-        return cpllm_paged_decode_attention(q, k_pool, v_pool, S->pool_dtype, S->slots, S->slot_stride, S->lengths,
-                                            B, hq, L->kv_heads, d, L->scale, S->chunk, S->threads, out, lse);
+        return cpllm_paged_decode_attention(q, k_pool, v_pool, S->pool_dtype, S->num_slots, S->slots,
+                                            S->slot_stride, S->lengths, B, hq, L->kv_heads, d, L->scale, S->chunk,
+                                            S->threads, out, lse);
     const int ghq = dcp * hq, first = T->member - T->member % dcp, mine = T->member % dcp;
     const size_t qd = (size_t)hq * d;
     for (int64_t b = 0; b < B; b++) memcpy(T->q_group + ((size_t)b * T->size + T->member) * qd, q + b * qd,
                                            sizeof(float) * qd);
-    if (team_barrier(T)) return TEAM_ABORTED;
+    if (team_barrier(T)) return CPLLM_TEAM_ABORTED;
     float *gq = work, *gout = gq + (size_t)B * ghq * d, *glse = gout + (size_t)B * ghq * d;
     for (int64_t b = 0; b < B; b++)  /* the group's members' heads in member order: the eager all-gather's order */
         memcpy(gq + (size_t)b * ghq * d, T->q_group + ((size_t)b * T->size + first) * qd, sizeof(float) * dcp * qd);
-    const int status = cpllm_paged_decode_attention(gq, k_pool, v_pool, S->pool_dtype, S->slots, S->slot_stride,
-                                                    S->lengths, B, ghq, L->kv_heads, d, L->scale, S->chunk,
-                                                    S->threads, gout, glse);
+    const int status = cpllm_paged_decode_attention(gq, k_pool, v_pool, S->pool_dtype, S->num_slots, S->slots,
+                                                    S->slot_stride, S->lengths, B, ghq, L->kv_heads, d, L->scale,
+                                                    S->chunk, S->threads, gout, glse);
     const size_t part = (size_t)ghq * d;
     for (int64_t b = 0; b < B; b++) {
         memcpy(T->partials + ((size_t)b * T->size + T->member) * part, gout + b * part, sizeof(float) * part);
         memcpy(T->lses + ((size_t)b * T->size + T->member) * ghq, glse + b * ghq, sizeof(float) * ghq);
     }
-    if (team_barrier(T)) return TEAM_ABORTED;
+    if (team_barrier(T)) return CPLLM_TEAM_ABORTED;
     for (int64_t b = 0; b < B; b++) {  /* this member's heads from each group member's part, then merged */
         for (int p = 0; p < dcp; p++) {
             const size_t src = (size_t)b * T->size + first + p;
@@ -68,7 +69,7 @@ static int tp_attention(const layer_spec *L, const step_spec *S, const float *q,
 }
 
 /* hidden [batch, hidden] float32, updated in place; L holds this member's shards (its heads, KV heads and
- * intermediate columns). Returns 0; -1 when a kernel could not allocate; TEAM_ABORTED when a barrier gave up. */
+ * intermediate columns). Returns what cpllm_decode_layer returns. */
 int cpllm_decode_layer_tp(float *hidden, const layer_spec *L, const step_spec *S, void *k_pool, void *v_pool,
                           team_spec *T) {
     const int64_t B = S->batch;
@@ -77,18 +78,18 @@ int cpllm_decode_layer_tp(float *hidden, const layer_spec *L, const step_spec *S
     const size_t group = (size_t)B * ghq * (2 * L->head_dim + 1);
     const size_t floats = (size_t)B * (3 * H + qkv_width + 2 * qd + L->heads + 3 * I) + group;
     float *work = malloc(sizeof(float) * floats);
-    if (!work) return -1;
+    if (!work) return CPLLM_NO_MEMORY;
     float *normed = work, *qkv = normed + B * H, *q = qkv + B * qkv_width, *attn = q + B * qd;
     float *lse = attn + B * qd, *proj = lse + B * L->heads, *sum = proj + B * H, *gate_up = sum + B * H;
     float *act = gate_up + B * 2 * I, *group_work = act + B * I;
     int status = 0;
-#define STEP(call) do { const int s_ = (call); if (s_ == TEAM_ABORTED) { free(work); return s_; } status |= s_; } while (0)
+#define STEP(call) do { const int s_ = (call); if (s_ == CPLLM_TEAM_ABORTED) { free(work); return s_; } \
+                             if (status == CPLLM_OK) status = s_; } while (0)
 
     cpllm_rms_norm(hidden, L->input_norm, L->eps, B, H, 1, H, normed, S->threads);
     STEP(linear(L->qkv, normed, B, H, qkv_width, qkv, S->threads, NULL));
-    status |= cpllm_rope_qk(qkv, L->heads, qkv_width, qkv + qd, L->kv_heads, qkv_width, B, L->head_dim, S->cos, S->sin);
-    cpllm_store_rows(qkv + qd, qkv_width, S->write_rows, S->write_slots, S->writes, kvd, k_pool, S->pool_dtype);
-    cpllm_store_rows(qkv + qd + kvd, qkv_width, S->write_rows, S->write_slots, S->writes, kvd, v_pool, S->pool_dtype);
+    STEP(cpllm_rope_qk(qkv, L->heads, qkv_width, qkv + qd, L->kv_heads, qkv_width, B, L->head_dim, S->cos, S->sin));
+    STEP(store_kv(S, qkv + qd, qkv_width, kvd, k_pool, v_pool));
     for (int64_t b = 0; b < B; b++) memcpy(q + b * qd, qkv + b * qkv_width, sizeof(float) * qd);
     STEP(tp_attention(L, S, q, k_pool, v_pool, attn, lse, group_work, T));
     STEP(linear(L->o, attn, B, qd, H, proj, S->threads, NULL));
@@ -101,7 +102,7 @@ int cpllm_decode_layer_tp(float *hidden, const layer_spec *L, const step_spec *S
     STEP(tp_add_sum(T, 1, proj, B, H, hidden, sum));
 #undef STEP
     free(work);
-    return status ? -1 : 0;
+    return status;
 }
 
 #endif

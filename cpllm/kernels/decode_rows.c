@@ -8,6 +8,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernel_status.h"
 #include "vector_exp.h"
 
 enum { POOL_F32 = 0, POOL_F16 = 1, POOL_BF16 = 2 };
@@ -28,10 +29,10 @@ static void rotate_heads(float *restrict x, int heads, int head_dim, const float
 }
 
 /* Token t's q_heads heads of head_dim at q + t * q_stride (contiguous), its k_heads at k + t * k_stride;
- * cos, sin [tokens, head_dim]. Returns -1 for a head_dim over 512. */
+ * cos, sin [tokens, head_dim]. Returns CPLLM_UNSUPPORTED_SHAPE for an odd head_dim or one over 512. */
 int cpllm_rope_qk(float *q, int q_heads, int64_t q_stride, float *k, int k_heads, int64_t k_stride, int64_t tokens,
                   int head_dim, const float *cos, const float *sin) {
-    if (head_dim > 512 || head_dim % 2) return -1;
+    if (head_dim > 512 || head_dim % 2) return CPLLM_UNSUPPORTED_SHAPE;
     for (int64_t t = 0; t < tokens; t++) {
         const float *c = cos + t * head_dim, *s = sin + t * head_dim;
         rotate_heads(q + t * q_stride, q_heads, head_dim, c, s);
@@ -47,9 +48,14 @@ static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch's 
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* rows[i] of src (row_elems floats at src + rows[i] * src_stride) into slot slots[i] of the pool. */
-void cpllm_store_rows(const float *src, int64_t src_stride, const int64_t *rows, const int64_t *slots, int64_t n,
-                      int64_t row_elems, void *pool, int pool_dtype) {
+/* rows[i] of src (row_elems floats at src + rows[i] * src_stride, rows[i] < src_rows) into slot slots[i] of the pool
+ * [num_slots, row_elems]. Every index is checked before the first write: CPLLM_ROW_OUT_OF_RANGE or
+ * CPLLM_SLOT_OUT_OF_RANGE, and nothing written. */
+int cpllm_store_rows(const float *src, int64_t src_stride, int64_t src_rows, const int64_t *rows,
+                     const int64_t *slots, int64_t n, int64_t row_elems, void *pool, int64_t num_slots,
+                     int pool_dtype) {
+    if (cpllm_any_outside(rows, n, src_rows)) return CPLLM_ROW_OUT_OF_RANGE;
+    if (cpllm_any_outside(slots, n, num_slots)) return CPLLM_SLOT_OUT_OF_RANGE;
     for (int64_t i = 0; i < n; i++) {
         const float *s = src + rows[i] * src_stride;
         if (pool_dtype == POOL_F32) {
@@ -62,6 +68,7 @@ void cpllm_store_rows(const float *src, int64_t src_stride, const int64_t *rows,
             for (int64_t j = 0; j < row_elems; j++) d[j] = to_bf16(s[j]);
         }
     }
+    return CPLLM_OK;
 }
 
 /* silu(g) = g * sigmoid(g), sigmoid from e = exp(-|g|): 1 / (1 + e) for g >= 0, e / (1 + e) below (no overflow).

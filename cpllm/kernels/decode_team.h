@@ -20,6 +20,8 @@
 #include <sched.h>
 #include <stdint.h>
 #include <time.h>
+
+#include "kernel_status.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -59,7 +61,8 @@ static inline void team_pause(void) {
 #endif
 }
 
-/* Wait for every member to reach this point. Returns 0, or -2 when the Python check aborted the wait. */
+/* Wait for every member to reach this point. Returns 0, or CPLLM_TEAM_ABORTED when the Python check aborted
+ * the wait. */
 static int team_barrier(team_spec *T) {
     const int64_t seq = ++T->seq;
     __atomic_store_n(&T->flags[T->member * TEAM_FLAG_STRIDE], seq, __ATOMIC_RELEASE);
@@ -80,7 +83,7 @@ static int team_barrier(team_spec *T) {
                 sched_yield();
             }
             if (waited > next_check) {
-                if (T->check && T->check(waited)) return -2;
+                if (T->check && T->check(waited)) return CPLLM_TEAM_ABORTED;
                 next_check = waited + TEAM_CHECK_S;
             }
         }

@@ -2,39 +2,29 @@
 
 `available()` says whether the kernel was built for this CPU; where it was not, the int4 layers run aten's int4
 kernel instead (cpllm/model/quant_kernels.py). `pack` lays a weight out once at load; `int4_matmul` is the
-matmul, a torch custom op so a compiled decode graph calls it without a graph break.
+matmul, a torch custom op so a compiled decode graph calls it without a graph break. An activation width or an
+output count that the packed weight does not hold raises ValueError naming both.
+
+A layer packs its weight for this kernel when it is built, if the kernels are on then; `CPLLM_KERNELS=0` set later
+does not reach it (the packed layout has no other kernel), so `matmul` opens the library whatever the switch says
+(`library.load_bound`).
 """
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from cpllm.config import QUANT_GROUP
-from cpllm.kernels.build import load_typed
+from cpllm.kernels.library import load, load_bound
 
 BLOCK_ROWS = 16
 """Output rows per block of the packed layout (one AVX-512 register of float32 results)."""
 
 
-_built: ctypes.CDLL | None = None
-"""The library once built: layers packed for this kernel call it without a lookup per call."""
-
-
-def _library() -> ctypes.CDLL | None:
-    global _built
-    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib = load_typed("int4_matmul", {"cpllm_int4_matmul": ([p, i64, i, p, i, p, i], i),
-                                     "cpllm_int4_available": (None, i)})
-    if lib is not None:
-        _built = lib
-    return lib
-
-
 def available() -> bool:
-    """The kernel is built and this CPU has AVX-512 VNNI (builds it on the first call; asked once per layer)."""
-    lib = _library()
+    """The kernels are on, this one is built and this CPU has AVX-512 VNNI (builds it on the first call; asked once
+    per layer, when it packs its weight)."""
+    lib = load("int4_matmul")
     return lib is not None and lib.cpllm_int4_available() == 1
 
 
@@ -72,13 +62,19 @@ def matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Te
 
 def _run(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     x32 = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
-    y = torch.empty(x32.shape[0], out_features, dtype=torch.float32)
-    if x32.shape[0] == 0:
+    rows, width = x32.shape
+    blocks, groups, _ = packed.shape
+    if width != groups * QUANT_GROUP or not blocks * BLOCK_ROWS - BLOCK_ROWS < out_features <= blocks * BLOCK_ROWS:
+        raise ValueError(f"int4 matmul: activations of width {width} and {out_features} outputs against a weight "
+                         f"packed for {groups * QUANT_GROUP} inputs and {blocks * BLOCK_ROWS - BLOCK_ROWS + 1} to "
+                         f"{blocks * BLOCK_ROWS} outputs")
+    y = torch.empty(rows, out_features, dtype=torch.float32)
+    if rows == 0:
         return y
-    status = _built.cpllm_int4_matmul(x32.data_ptr(), x32.shape[0], x32.shape[1], packed.data_ptr(),
-                                          out_features, y.data_ptr(), torch.get_num_threads())
+    status = load_bound("int4_matmul").cpllm_int4_matmul(x32.data_ptr(), rows, width, packed.data_ptr(),
+                                                         out_features, y.data_ptr(), torch.get_num_threads())
     if status != 0:
-        raise MemoryError(f"int4 matmul kernel could not allocate its scratch for {x32.shape[0]} rows")
+        raise MemoryError(f"int4 matmul kernel could not allocate its scratch for {rows} rows")
     return y
 
 

@@ -4,25 +4,18 @@ Many query positions against a run of keys, causal (top-left aligned, as the fla
 on the CPU, every KV head read once for the query heads that share it. Measured 1.3-1.7x the throughput of
 PyTorch's CPU flash-attention kernel on one thread (docs/benchmarks.md). Where it cannot run (kernels off, no
 compiler or no AVX-512, another device or dtype, a head size it does not take) `prefill_attention` returns None
-and the caller runs PyTorch's kernel.
+and the caller runs PyTorch's kernel. Keys and values of other shapes than each other, or another head size than
+the queries', raise ValueError.
 """
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
-from cpllm.kernels.build import load_typed
+from cpllm.kernels.library import load
 
 MAX_HEAD_DIM = 256
 """Widest head the kernel's per-thread tile holds (its head size must also be a multiple of 4)."""
-
-
-def _library() -> ctypes.CDLL | None:
-    p, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-    return load_typed("prefill_attention",
-                      {"cpllm_prefill_attention": ([p, i64, p, p, i64, i, i, i, i, i, f, i, i, p, p], i)})
 
 
 def _rows_in_place(x: torch.Tensor) -> bool:
@@ -41,9 +34,12 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
             and q.dtype == k.dtype == v.dtype == torch.float32
             and d % 4 == 0 and d <= MAX_HEAD_DIM and hq % hkv == 0 and length > 0 and keys > 0):
         return None
-    lib = _library()
+    lib = load("prefill_attention")
     if lib is None:
         return None
+    if v.shape != k.shape or k.shape[2] != d:
+        raise ValueError(f"prefill attention: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} do not "
+                         f"fit together")
     if not _rows_in_place(q):
         q = q.contiguous()
     if not (_rows_in_place(k) and _rows_in_place(v) and k.stride(0) == v.stride(0)):

@@ -28,21 +28,11 @@ from dataclasses import dataclass
 import torch
 
 from cpllm.distributed.shm_group import ShmGroup
+from cpllm.kernels.structs import TeamCheck, TeamSpec
 
-CHECK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_double)
 FLAG_STRIDE = 8
 """int64s between members' flags (decode_team.h's TEAM_FLAG_STRIDE)."""
 ALIGN = 64
-
-
-class TeamSpec(ctypes.Structure):
-    """decode_team.h's team_spec."""
-
-    _fields_ = [("flags", ctypes.c_void_p), ("qkv", ctypes.c_void_p), ("partials", ctypes.c_void_p),
-                ("lses", ctypes.c_void_p), ("hidden_part", ctypes.c_void_p), ("gate_up", ctypes.c_void_p),
-                ("max_batch", ctypes.c_int64), ("member", ctypes.c_int), ("size", ctypes.c_int),
-                ("seq", ctypes.c_int64), ("check", CHECK), ("sums", ctypes.c_void_p), ("q_group", ctypes.c_void_p),
-                ("dcp", ctypes.c_int)]
 
 
 @dataclass(frozen=True)
@@ -90,7 +80,7 @@ class DecodeTeam:
         """The members are TP ranks, each with its shard of the weights (decode_layer_tp.h); else PCP ranks."""
         self.error: str | None = None
         """Why the last wait was given up (set by the check the C barrier calls)."""
-        self._check = CHECK(self._check_wait)  # kept: the C side holds its address
+        self._check = TeamCheck(self._check_wait)  # kept: the C side holds its address
         spec.check = self._check
 
     @classmethod
@@ -115,7 +105,7 @@ class DecodeTeam:
         base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
         flags, qkv, partials, lses, hidden_part, gate_up, sums, q_group = (base + o for o in offsets[:-1])
         spec = TeamSpec(flags, qkv, partials, lses, hidden_part, gate_up, max_batch, group.rank, group.size, 0,
-                        CHECK(), sums, q_group, dcp)
+                        TeamCheck(), sums, q_group, dcp)
         return cls(group, mapping, spec, split_context, tensor_parallel)
 
     def _check_wait(self, waited_s: float) -> int:

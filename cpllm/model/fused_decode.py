@@ -22,8 +22,11 @@ import logging
 import torch
 
 from cpllm.context_parallel.metadata import AttentionMetadata
-from cpllm.kernels.build import load_typed
-from cpllm.kernels.decode_attention import POOL_DTYPES, positions_per_unit
+from cpllm.kernels import decode_layer
+from cpllm.kernels.checks import TEAM_ABORTED, decode_layer_error
+from cpllm.kernels.decode_attention import POOL_DTYPES
+from cpllm.kernels.library import load
+from cpllm.kernels.structs import LayerSpec, LinearSpec
 from cpllm.model.decode_team import DecodeTeam, TeamShapes
 from cpllm.model.quant_kernels import Int4Linear
 
@@ -32,38 +35,17 @@ logger = logging.getLogger(__name__)
 
 _INT4, _F32 = 0, 1
 """Weight kinds of decode_layer.c's linear_spec."""
-_TEAM_ABORTED = -2
 F32_MAX_ROWS = 4
 """Rows a step with float32 weights runs fused: f32_matmul.c streams each weight once per block of 4 rows, so a
 bigger batch reads them several times, where the eager layers' MKL GEMM reads them once (measured: 16 rows of
 SmolLM2 `none` at 1 thread and context 2,048, 11% slower fused)."""
 
 
-class _Linear(ctypes.Structure):
-    _fields_ = [("weight", ctypes.c_void_p), ("kind", ctypes.c_int)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _Linear),
-                ("o", _Linear), ("gate_up", _Linear), ("down", _Linear), ("hidden", ctypes.c_int),
-                ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
-                ("intermediate", ctypes.c_int), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
-
-
-class _Step(ctypes.Structure):
-    _fields_ = [("batch", ctypes.c_int64), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
-                ("write_rows", ctypes.c_void_p), ("write_slots", ctypes.c_void_p), ("writes", ctypes.c_int64),
-                ("slots", ctypes.c_void_p), ("lengths", ctypes.c_void_p), ("slot_stride", ctypes.c_int64),
-                ("pool_dtype", ctypes.c_int), ("chunk", ctypes.c_int), ("threads", ctypes.c_int)]
-
-
 def _library() -> ctypes.CDLL | None:
-    p = ctypes.c_void_p
-    return load_typed("decode_layer", {
-        "cpllm_decode_layer": ([p, ctypes.POINTER(_Layer), ctypes.POINTER(_Step), p, p, p], ctypes.c_int),
-        "cpllm_decode_layer_tp": ([p, ctypes.POINTER(_Layer), ctypes.POINTER(_Step), p, p, p], ctypes.c_int),
-        "cpllm_f32_available": (None, ctypes.c_int),
-        "cpllm_team_barrier": ([p], ctypes.c_int)})
+    """The fused layers' library (cpllm/kernels/library.py), where the kernels are on and it is built. Asked once,
+    when the model loads: the specs then point into the weights as packed for it, so `CPLLM_KERNELS=0` set later
+    does not reach the layers built."""
+    return load("decode_layer")
 
 
 def _weight(module) -> tuple[int, torch.Tensor] | None:
@@ -104,7 +86,7 @@ def _why_not(layer) -> str | None:
 class FusedDecode:
     """The model's decode steps, one C call per decoder layer (see the module)."""
 
-    def __init__(self, lib: ctypes.CDLL, specs: list[_Layer], keep: list[torch.Tensor], team_size: int,
+    def __init__(self, lib: ctypes.CDLL, specs: list[LayerSpec], keep: list[torch.Tensor], team_size: int,
                  needs_team: bool, tensor_parallel: bool = False, dcp: int = 1):
         self.lib, self.specs = lib, specs
         self._keep = keep  # the tensors whose addresses the specs hold
@@ -151,8 +133,8 @@ class FusedDecode:
                 logger.info("decode steps: eager layers (float32 weights and no AVX-512 for the fused matmul)")
                 return None
             keep += [*norms, *(t for _, t in linears)]
-            specs.append(_Layer(norms[0].data_ptr(), norms[1].data_ptr(),
-                                *(_Linear(t.data_ptr(), kind) for kind, t in linears),
+            specs.append(LayerSpec(norms[0].data_ptr(), norms[1].data_ptr(),
+                                *(LinearSpec(t.data_ptr(), kind) for kind, t in linears),
                                 norms[0].shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.shard,
                                 layer.input_layernorm.eps, attn.attn.scale))
         kinds = sorted({"int4" if linear.kind == _INT4 else "float32"
@@ -190,8 +172,9 @@ class FusedDecode:
     def fits_pools(kv_caches) -> bool:
         """The K/V pools are ones the C code reads: contiguous, one dtype it takes (checked once, at allocation)."""
         dtype = kv_caches[0][0].dtype
+        shape = kv_caches[0][0].shape  # the step's one num_slots bounds every layer's slots
         return dtype in POOL_DTYPES and all(k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == dtype
-                                             for k, v in kv_caches)
+                                             and k.shape == v.shape == shape for k, v in kv_caches)
 
     def step_spec(self, hidden: torch.Tensor, rope_tables, kv_caches, meta: AttentionMetadata):
         """The step's arguments (with the tensors they point into), or None where this step runs eager."""
@@ -204,11 +187,8 @@ class FusedDecode:
         slots, lengths = meta.decode.slots, meta.decode.lengths
         if self.team is not None and self.team.split_context:
             slots, lengths = self.team.context_part(slots, lengths)
-        batch, width = slots.shape
-        threads = torch.get_num_threads()
-        spec = _Step(batch, cos.data_ptr(), sin.data_ptr(), meta.write_rows.data_ptr(), meta.write_slots.data_ptr(),
-                     meta.write_slots.shape[0], slots.data_ptr(), lengths.data_ptr(), width,
-                     POOL_DTYPES[kv_caches[0][0].dtype], positions_per_unit(batch, width, threads), threads)
+        spec = decode_layer.step_spec(rope_tables, meta.write_rows, meta.write_slots, slots, lengths, kv_caches[0][0],
+                                      torch.get_num_threads())
         return spec, (slots, lengths)
 
     def run(self, hidden: torch.Tensor, step, kv_caches) -> torch.Tensor:
@@ -220,9 +200,9 @@ class FusedDecode:
         for layer, (k_pool, v_pool) in zip(self.specs, kv_caches):
             status = layer_call(hidden.data_ptr(), ctypes.byref(layer), ctypes.byref(spec), k_pool.data_ptr(),
                                 v_pool.data_ptr(), team)
-            if status == _TEAM_ABORTED:
+            if status == TEAM_ABORTED:
                 raise RuntimeError(self.team.error or "decode team barrier given up")
             if status != 0:
-                raise MemoryError(f"fused decode layer could not allocate its buffers (batch {spec.batch})")
+                raise decode_layer_error(status, spec)
         self.steps += 1
         return hidden
