@@ -20,85 +20,87 @@ the layer's result is converted to it once, at the end.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from cpllm.context_parallel.backend import AttentionBackend, attention_backend
 from cpllm.context_parallel.local_attention import accumulate as _accumulate
-from cpllm.context_parallel.local_attention import accumulator_dtype
-from cpllm.context_parallel.local_attention import attend as _attend
-from cpllm.context_parallel.local_attention import attend_decode, attend_pooled_single_tokens
-from cpllm.context_parallel.local_attention import key_runs
+from cpllm.context_parallel.local_attention import accumulator_dtype, key_runs
 from cpllm.context_parallel.merge import merge_attention_partials, merge_two
 from cpllm.context_parallel.metadata import AttentionMetadata, RequestAttention
 from cpllm.context_parallel.pass_q import pass_q_attention
+from cpllm.context_parallel.plan import StepPlan
 from cpllm.distributed.comm import all_gather, all_to_all, ring_exchange
-from cpllm.kernels.decode_rows import store_rows_
+from cpllm.distributed.parallel_dims import ParallelDims
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class CPComm:
     """The groups context-parallel attention talks over."""
 
+    dims: ParallelDims = ParallelDims()
+    """The parallel sizes and the KV layout ("sharded": the cached context is spread over the cp group;
+    replicated: every PCP rank holds all of it, spread over the DCP group only, so context attention talks over
+    the DCP group alone)."""
     pcp_group: dist.ProcessGroup | None = None
     """Prefill CP group: holds the other parts of each prompt chunk."""
-    pcp_size: int = 1
     pcp_rank: int = 0
     cp_group: dist.ProcessGroup | None = None
-    """KV-shard group (PCP x DCP ranks), group rank = cp_rank."""
-    cp_size: int = 1
+    """PCP x DCP ranks sharing this rank's KV heads, group rank = cp_rank."""
     cp_rank: int = 0
     strategy: str = "allgather"
     """How prefill moves data over PCP when a step's metadata does not say: "allgather" or "ring" (new K/V
     travel), "pass-q" (queries travel, pass_q.py)."""
     dcp_group: dist.ProcessGroup | None = None
     """Decode CP group (the TP ranks of this PCP rank sharing its KV heads), group rank = dcp rank."""
-    kv_cache_layout: str = "sharded"
-    """"sharded": the cached context is spread over the CP group; "replicated": every PCP rank holds all of it,
-    spread over the DCP group only, so context attention talks over the DCP group alone."""
+    pcp_size: int = field(init=False)
+    """dims.pcp, kept as a field: read by every layer of every step."""
+    cp_size: int = field(init=False)
+    """dims.cp_size, as pcp_size."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pcp_size", self.dims.pcp)
+        object.__setattr__(self, "cp_size", self.dims.cp_size)
 
     @property
     def dcp_size(self) -> int:
-        return self.cp_size // self.pcp_size
+        return self.dims.dcp
 
     @property
     def kv_group(self) -> dist.ProcessGroup | None:
-        """The ranks one request's cached context is divided over."""
-        return self.dcp_group if self.kv_cache_layout == "replicated" else self.cp_group
+        """The ranks one request's cached context is divided over (the dims' KV-shard group)."""
+        return self.dcp_group if self.dims.kv_replicated else self.cp_group
 
     @property
     def kv_size(self) -> int:
-        return self.dcp_size if self.kv_cache_layout == "replicated" else self.cp_size
+        return self.dims.kv_shard_size
 
     def piece_pcp_rank(self, piece: int) -> int:
         """PCP rank whose rows piece `piece` of a query gather over `kv_group` holds."""
-        return self.pcp_rank if self.kv_cache_layout == "replicated" else piece // self.dcp_size
+        return self.pcp_rank if self.dims.kv_replicated else piece // self.dims.dcp
 
 
-def _store_owned(k, v, k_pool, v_pool, meta: AttentionMetadata) -> None:
-    """A step of single tokens: store the new K/V this rank owns, in the pools' dtype (one C call per pool on eager
-    CPU steps; else index_copy_, several times cheaper than advanced indexing here)."""
-    if not store_rows_(k_pool, meta.write_slots, k, meta.write_rows):
-        k_pool.index_copy_(0, meta.write_slots, k.index_select(0, meta.write_rows).to(k_pool.dtype))
-    if not store_rows_(v_pool, meta.write_slots, v, meta.write_rows):
-        v_pool.index_copy_(0, meta.write_slots, v.index_select(0, meta.write_rows).to(v_pool.dtype))
+_ONE_SHARD, _COMPILED, _PCP_DECODE = StepPlan.ONE_SHARD, StepPlan.COMPILED, StepPlan.PCP_DECODE
 
 
 class PagedCPAttention(torch.nn.Module):
-    """Stores this rank's share of the new K/V and returns attention outputs for its query rows."""
+    """Stores this rank's share of the new K/V and returns attention outputs for its query rows; the attention on
+    this rank is the backend's (backend.py), every collective and merge is this layer's."""
 
-    def __init__(self, comm: CPComm, scale: float):
+    def __init__(self, comm: CPComm, scale: float, backend: AttentionBackend | None = None):
         super().__init__()
         self.comm, self.scale = comm, scale
+        self.backend = backend if backend is not None else attention_backend()
 
     def forward(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata) -> torch.Tensor:
         # q [N, Hq, D]; k, v [N, Hkv, D]; k_pool, v_pool [num_slots, Hkv, D]
-        if not meta.has_new and meta.decode is not None:  # these paths read the new K/V only from the pools
-            if self.comm.kv_size == 1:
-                return self._one_shard_decode(q, k, v, k_pool, v_pool, meta)
-            if self.comm.dcp_size == 1:
-                return self._pcp_decode(q, k, v, k_pool, v_pool, meta)
+        plan = meta.plan  # the runner's (plan.py); these decode paths read the new K/V only from the pools
+        if plan is _ONE_SHARD or plan is _COMPILED:
+            return self._one_shard_decode(q, k, v, k_pool, v_pool, meta)
+        if plan is _PCP_DECODE:
+            return self._pcp_decode(q, k, v, k_pool, v_pool, meta)
         if k_pool.dtype != k.dtype:
             # A narrower --kv-cache-dtype: new tokens attend to the rounded K/V too, exactly what they read back from
             # the pool in later steps, so outputs do not depend on which tokens shared a chunk (nor on the layout).
@@ -108,7 +110,7 @@ class PagedCPAttention(torch.nn.Module):
             if meta.pass_q is None:
                 raise ValueError("strategy 'pass-q' needs the step's K/V store plan: build the metadata with "
                                  "build_step_batch(..., strategy='pass-q')")
-            out, _ = pass_q_attention(self.comm, self.scale, q, k, v, k_pool, v_pool, meta)
+            out, _ = pass_q_attention(self.comm, self.backend, self.scale, q, k, v, k_pool, v_pool, meta)
             return out.to(q.dtype)
         out = torch.zeros(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
@@ -127,10 +129,13 @@ class PagedCPAttention(torch.nn.Module):
         faster than advanced indexing here). The general path computes the same numbers: its merge with the empty
         new-token partial multiplies by exactly 1."""
         decode = meta.decode
-        _store_owned(k, v, k_pool, v_pool, meta)
+        self.backend.store_kv(k_pool, v_pool, meta.write_slots, k, v, meta.write_rows)
+        if decode is None:  # replicated layout: the other PCP copies compute this step's few tokens
+            return torch.zeros_like(q)
         rows = decode.rows[self.comm.pcp_rank]  # [B]
         whole = rows.numel() == meta.num_rows  # rows run 0..N-1 in order: every row is a decode row here
-        o, _ = attend_pooled_single_tokens(q if whole else q.index_select(0, rows), k_pool, v_pool, decode, self.scale)
+        o = self.backend.attend_decode_whole(q if whole else q.index_select(0, rows), k_pool, v_pool, decode,
+                                             self.scale)
         if whole:
             return o
         out = torch.zeros_like(q)  # padding rows (a PCP rank holding fewer single tokens) stay 0
@@ -141,7 +146,7 @@ class PagedCPAttention(torch.nn.Module):
         same rows; each stores the new K/V it owns, attends all queries to its shard, and one all-gather brings the
         partials to merge. The general path computes the same numbers, plus a merge with the empty new-token
         partial that multiplies by exactly 1."""
-        _store_owned(k, v, k_pool, v_pool, meta)
+        self.backend.store_kv(k_pool, v_pool, meta.write_slots, k, v, meta.write_rows)
         out, _ = self._replicated_query_context(q, k_pool, v_pool, meta)
         return out.to(q.dtype)
 
@@ -152,8 +157,7 @@ class PagedCPAttention(torch.nn.Module):
         else:  # only single tokens: every PCP rank holds them at the same rows, so PCP rank 0's rows are local
             k_all, v_all = k, v
             rows = meta.write_rows
-        k_pool[meta.write_slots] = k_all[rows].to(k_pool.dtype)  # the pools may hold a narrower --kv-cache-dtype
-        v_pool[meta.write_slots] = v_all[rows].to(v_pool.dtype)
+        self.backend.store_kv(k_pool, v_pool, meta.write_slots, k_all, v_all, rows)  # in the pools' dtype
         for request in meta.requests:
             if request.num_new > 1:
                 self._new_token_attention(q, k_all, v_all, request, out, lse)
@@ -163,10 +167,11 @@ class PagedCPAttention(torch.nn.Module):
         for chunk in request.local_chunks:
             rows = slice(chunk.row, chunk.row + chunk.length)
             own = request.new_kv_rows[chunk.new_start : chunk.new_start + chunk.length]
-            out[rows], lse[rows] = _attend(q[rows], k_all[own], v_all[own], self.scale, causal=True)
+            out[rows], lse[rows] = self.backend.attend(q[rows], k_all[own], v_all[own], self.scale, causal=True)
             if chunk.new_start > 0:
                 before = request.new_kv_rows[: chunk.new_start]
-                _accumulate(out, lse, rows, *_attend(q[rows], k_all[before], v_all[before], self.scale, False))
+                _accumulate(out, lse, rows,
+                            *self.backend.attend(q[rows], k_all[before], v_all[before], self.scale, False))
 
     def _ring_new_tokens(self, q, k, v, k_pool, v_pool, meta, out, lse) -> None:
         """Pass-KV ring: the block of PCP rank (me - i) arrives at step i while step i-1's attention runs."""
@@ -177,8 +182,7 @@ class PagedCPAttention(torch.nn.Module):
             transfer = ring_exchange(block, comm.pcp_group) if step < comm.pcp_size - 1 else None
             mine = (meta.write_rows >= source * n) & (meta.write_rows < (source + 1) * n)
             rows = meta.write_rows[mine] - source * n
-            k_pool[meta.write_slots[mine]] = block[0][rows].to(k_pool.dtype)
-            v_pool[meta.write_slots[mine]] = block[1][rows].to(v_pool.dtype)
+            self.backend.store_kv(k_pool, v_pool, meta.write_slots[mine], block[0], block[1], rows)
             for request in meta.requests:
                 if request.num_new > 1:
                     self._ring_pair(q, block, source, request, out, lse)
@@ -189,7 +193,8 @@ class PagedCPAttention(torch.nn.Module):
         for chunk in request.local_chunks:
             rows = slice(chunk.row, chunk.row + chunk.length)
             for keys, causal in key_runs(request.source_rank_rows[source], chunk.new_start):
-                _accumulate(out, lse, rows, *_attend(q[rows], block[0][keys], block[1][keys], self.scale, causal))
+                _accumulate(out, lse, rows,
+                            *self.backend.attend(q[rows], block[0][keys], block[1][keys], self.scale, causal))
 
     def _decode_context(self, q_all, k_pool, v_pool, meta: AttentionMetadata, o_part, lse_part, dcp_size,
                         num_pieces: int) -> None:
@@ -202,7 +207,8 @@ class PagedCPAttention(torch.nn.Module):
             rows = decode.rows[self.comm.piece_pcp_rank(piece)] + piece * n  # [B]
             if piece % dcp_size not in by_dcp_rank:
                 # Every PCP rank holds the same single-token queries: attend once per DCP rank, copy for the rest.
-                by_dcp_rank[piece % dcp_size] = attend_decode(q_all[rows], k_pool, v_pool, decode, self.scale)
+                by_dcp_rank[piece % dcp_size] = self.backend.attend_decode(q_all[rows], k_pool, v_pool, decode,
+                                                                           self.scale)
             o_piece, lse_piece = by_dcp_rank[piece % dcp_size]
             o_part[rows], lse_part[rows] = o_piece.to(o_part.dtype), lse_piece  # index_put wants equal dtypes
 
@@ -210,8 +216,6 @@ class PagedCPAttention(torch.nn.Module):
         """Queries of the whole KV shard group against this rank's shard, merged back on their owners."""
         comm, n = self.comm, meta.num_rows
         dcp_size, pieces = comm.dcp_size, comm.kv_size
-        if pieces > 1 and dcp_size == 1 and not meta.has_new:
-            return self._replicated_query_context(q, k_pool, v_pool, meta)
         # [pieces * N, Hq, D]: piece c from group rank c (no call at all when this rank holds the whole context)
         q_all = all_gather(q, comm.kv_group) if pieces > 1 else q
         o_part = torch.zeros(q_all.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
@@ -222,15 +226,15 @@ class PagedCPAttention(torch.nn.Module):
         for index, request in enumerate(meta.requests):
             if index in batched or request.context_len == 0 or request.context_slots.numel() == 0:
                 continue
-            if comm.kv_cache_layout == "replicated" and not request.local_chunks:
+            if comm.dims.kv_replicated and not request.local_chunks:
                 continue  # every piece holds this PCP rank's rows, and it holds none of this request
-            k_ctx = k_pool.index_select(0, request.context_slots).to(q.dtype)  # [S, Hkv, D]
-            v_ctx = v_pool.index_select(0, request.context_slots).to(q.dtype)
+            k_ctx, v_ctx = self.backend.context_keys(k_pool, v_pool, request.context_slots, q.dtype)
             for piece in range(pieces):
                 start, end = request.pcp_rows[comm.piece_pcp_rank(piece)]
                 if end > start:
                     rows = slice(piece * n + start, piece * n + end)
-                    o_part[rows], lse_part[rows] = _attend(q_all[rows], k_ctx, v_ctx, self.scale, causal=False)
+                    o_part[rows], lse_part[rows] = self.backend.attend(q_all[rows], k_ctx, v_ctx, self.scale,
+                                                                       causal=False)
         if pieces == 1:
             return o_part, lse_part
         # Send piece c's partial back to group rank c; receive every rank's partial of this rank's queries.
@@ -246,7 +250,7 @@ class PagedCPAttention(torch.nn.Module):
         decode = meta.decode
         rows = decode.rows[self.comm.pcp_rank]  # [B]
         if decode.max_local_context > 0 and rows.numel() == meta.num_rows:  # rows 0..N-1: every row a query
-            o_part, lse_part = attend_decode(q, k_pool, v_pool, decode, self.scale)
+            o_part, lse_part = self.backend.attend_decode(q, k_pool, v_pool, decode, self.scale)
         else:
             o_part = torch.zeros(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
             lse_part = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)

@@ -20,6 +20,7 @@ import torch
 from cpllm.context_parallel.kv_layout import KVLayout, local_context_slots
 from cpllm.context_parallel.partition import rank_token_ranges
 from cpllm.context_parallel.pass_q_plan import PassQPlan, build_pass_q_plan
+from cpllm.context_parallel.plan import StepPlan, eager_decode_plan
 from cpllm.context_parallel.replica_sync import ReplicaSync, build_replica_sync
 
 
@@ -104,10 +105,9 @@ class AttentionMetadata:
     rows_same_over_pcp: bool = False
     """Every PCP rank holds the same rows in the same order (one PCP rank, or a step of single tokens that are
     not split over PCP): MoE layers then skip gathering tokens over PCP (cpllm/model/moe.py)."""
-    decode_team: bool = False
-    """The ranks run this step of single tokens as one decode team (cpllm/model/decode_team.py: the PCP ranks, or
-    with PCP = 1 the TP ranks): every rank holds every row, and each request's context slots are its own (no
-    shared keys)."""
+    plan: StepPlan = StepPlan.PREFILL
+    """The path the step takes (cpllm/context_parallel/plan.py), chosen once by the runner: a decode team's plan
+    keeps every row on every member and each request's own context slots (no shared keys)."""
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> "AttentionMetadata":
         """A copy with every tensor on `device` (see `to_device`)."""
@@ -232,20 +232,25 @@ def _rank_runs(num_new: int, pcp_size: int, row_offsets: list[int],
 def build_step_batch(chunks, layout: KVLayout, pcp_size: int, pcp_rank: int, output_plan,
                      device: torch.device | str | None = None, non_blocking: bool = False,
                      strategy: str | None = None, split_single_tokens: bool = False,
-                     decode_team: bool = False, shared_keys: bool = True) -> StepBatch:
+                     plan: StepPlan | None = None, shared_keys: bool = True) -> StepBatch:
     """Lay out one step for this rank; `output_plan(chunk) -> new-token indices whose hidden state is needed`.
 
     `strategy` is the step's prefill strategy (None: the layer's own); "pass-q" adds the plan of its K/V
     stores. `split_single_tokens` (replicated KV layout: every PCP rank holds every token's K/V) computes each
-    single-token chunk on one PCP rank instead of all; `decode_team` (a step of single tokens only) keeps every row on
-    every PCP rank and each request's own context slots, as the decode team reads them. `shared_keys=False` gives
-    every decode batch each request's own slots (where the decode kernel reads them: faster than the shared-key
-    form's gathered union, docs/benchmarks.md). With `device`, every tensor of the result (token ids,
-    positions, all metadata) is on it."""
-    split_single_tokens = split_single_tokens and not decode_team
+    single-token chunk on one PCP rank instead of all. `plan` is the runner's choice of path (None: the eager
+    layers' one for this layout, `eager_decode_plan`); a team's plan keeps every row on every PCP rank and a fused
+    plan each request's own context slots, as the C layers read them. `shared_keys=False` gives every decode
+    batch each request's own slots (where the backend reads them in place: faster than the shared-key form's
+    gathered union, docs/benchmarks.md). With `device`, every tensor of the result (token ids, positions, all
+    metadata) is on it."""
+    has_new = any(len(c.token_ids) > 1 for c in chunks)
+    if plan is None:
+        plan = StepPlan.PREFILL if has_new else eager_decode_plan(layout.cp_size, pcp_size, split_single_tokens)
+    elif has_new and plan is not StepPlan.PREFILL:
+        raise ValueError(f"plan {plan.value!r} is for steps of single tokens; this step has a prompt chunk")
+    split_single_tokens = split_single_tokens and not plan.team
     row_offsets = [0] * pcp_size
     runs_per_chunk = [_rank_runs(len(c.token_ids), pcp_size, row_offsets, split_single_tokens) for c in chunks]
-    has_new = any(len(c.token_ids) > 1 for c in chunks)
     # Without a prompt chunk nothing is gathered: each rank stores what it holds, from its own rows.
     local_writes = None if has_new else pcp_rank
     num_rows = max(row_offsets) if chunks else 0
@@ -272,11 +277,11 @@ def build_step_batch(chunks, layout: KVLayout, pcp_size: int, pcp_rank: int, out
         write_slots=torch.tensor(write_slots, dtype=torch.long),
         has_context=any(r.context_len > 0 for r in requests),
         has_new=has_new,
-        decode=_decode_batch(requests, shared_keys=shared_keys and not decode_team),
+        decode=_decode_batch(requests, shared_keys=shared_keys and not plan.own_slots),
         strategy=strategy,
         pass_q=pass_q,
         rows_same_over_pcp=pcp_size == 1 or not (has_new or split_single_tokens),
-        decode_team=decode_team and not has_new,
+        plan=plan,
     )
     replica_sync = None
     if split_single_tokens and not has_new and pcp_size > 1:

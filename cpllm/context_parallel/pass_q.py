@@ -32,27 +32,21 @@ from __future__ import annotations
 
 import torch
 
-from cpllm.context_parallel.local_attention import (
-    accumulate,
-    accumulator_dtype,
-    attend,
-    attend_single_tokens,
-    key_runs,
-)
+from cpllm.context_parallel.local_attention import accumulate, accumulator_dtype, key_runs
 from cpllm.context_parallel.merge import merge_attention_partials
 from cpllm.context_parallel.metadata import AttentionMetadata, RequestAttention
 from cpllm.distributed.comm import all_to_all, ring_exchange
 
 
-def pass_q_attention(comm, scale: float, q, k, v, k_pool, v_pool, meta: AttentionMetadata):
-    """Attention of this rank's query rows over new tokens and cached context; (out, lse) in float32.
+def pass_q_attention(comm, backend, scale: float, q, k, v, k_pool, v_pool, meta: AttentionMetadata):
+    """Attention of this rank's query rows over new tokens and cached context; (out, lse) in float32. `backend`
+    (an `AttentionBackend`) stores and attends on this rank.
 
     q [N, Hq, D]; k, v [N, Hkv, D]; k_pool, v_pool [num_slots, Hkv, D]; `meta.pass_q` is set."""
     plan = meta.pass_q
     ring = _Ring(comm, meta.has_context)
-    k_pool[plan.local_slots] = k[plan.local_rows].to(k_pool.dtype)
-    v_pool[plan.local_slots] = v[plan.local_rows].to(v_pool.dtype)
-    piece = _PieceAttention(comm, scale, k, v, k_pool, v_pool, meta)
+    backend.store_kv(k_pool, v_pool, plan.local_slots, k, v, plan.local_rows)
+    piece = _PieceAttention(comm, backend, scale, k, v, k_pool, v_pool, meta)
     o_part = torch.zeros((ring.size, *q.shape), dtype=accumulator_dtype(q.dtype), device=q.device)  # [R, N, Hq, D]
     lse_part = torch.full((ring.size, *q.shape[:2]), float("-inf"), dtype=torch.float32, device=q.device)
     block = q
@@ -62,7 +56,7 @@ def pass_q_attention(comm, scale: float, q, k, v, k_pool, v_pool, meta: Attentio
         piece(block, *ring.coords(source), o_part[source], lse_part[source])
         if transfer is not None:
             block = transfer.wait()
-    return _return_partials(ring, o_part, lse_part, k, v, k_pool, v_pool, plan)
+    return _return_partials(ring, backend, o_part, lse_part, k, v, k_pool, v_pool, plan)
 
 
 class _Ring:
@@ -93,21 +87,20 @@ class _PieceAttention:
     """Attends one visiting query block (the rows of PCP rank `src_pcp`, heads of DCP rank `src_dcp`) to the
     keys this rank holds; the cached context is read from the pools once per layer, not once per block."""
 
-    def __init__(self, comm, scale, k, v, k_pool, v_pool, meta: AttentionMetadata):
-        self.scale, self.k, self.v, self.meta = scale, k, v, meta
+    def __init__(self, comm, backend, scale, k, v, k_pool, v_pool, meta: AttentionMetadata):
+        self.backend, self.scale, self.k, self.v, self.meta = backend, scale, k, v, meta
         self.my_pcp = comm.pcp_rank
         self.my_dcp = comm.cp_rank % (comm.cp_size // comm.pcp_size)
         batched = set(meta.decode.requests) if meta.decode is not None else set()
         self.contexts = [
-            (request, k_pool[request.context_slots].to(k.dtype), v_pool[request.context_slots].to(v.dtype))
+            (request, *backend.context_keys(k_pool, v_pool, request.context_slots, k.dtype))
             for index, request in enumerate(meta.requests)
             if index not in batched and request.context_len > 0 and request.context_slots.numel() > 0
         ]
         self.decode_ctx = None
         if meta.decode is not None and meta.decode.max_local_context > 0:
-            slots = meta.decode.slots
-            self.decode_ctx = (k_pool[slots].to(k.dtype).transpose(1, 2),
-                               v_pool[slots].to(v.dtype).transpose(1, 2))  # [B, Hkv, L, D]
+            self.decode_ctx = (backend.decode_context(k_pool, meta.decode, k.dtype),
+                               backend.decode_context(v_pool, meta.decode, v.dtype))
         self._decode_by_dcp: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, q_block, src_pcp: int, src_dcp: int, out, lse) -> None:
@@ -115,7 +108,8 @@ class _PieceAttention:
         for request, k_ctx, v_ctx in self.contexts:
             start, end = request.pcp_rows[src_pcp]
             if end > start:
-                accumulate(out, lse, slice(start, end), *attend(q_block[start:end], k_ctx, v_ctx, self.scale, False))
+                accumulate(out, lse, slice(start, end),
+                           *self.backend.attend(q_block[start:end], k_ctx, v_ctx, self.scale, False))
         if src_dcp == self.my_dcp:
             for request in self.meta.requests:
                 if request.num_new > 1:
@@ -127,18 +121,20 @@ class _PieceAttention:
         for q_row, q_start, q_len in request.source_rank_rows[src_pcp]:
             rows = slice(q_row, q_row + q_len)
             for keys, causal in key_runs(request.source_rank_rows[self.my_pcp], q_start):
-                accumulate(out, lse, rows, *attend(q_block[rows], self.k[keys], self.v[keys], self.scale, causal))
+                accumulate(out, lse, rows,
+                           *self.backend.attend(q_block[rows], self.k[keys], self.v[keys], self.scale, causal))
 
     def _single_tokens(self, q_block, src_pcp: int, src_dcp: int, out, lse) -> None:
         decode = self.meta.decode
         rows = decode.rows[src_pcp]  # [B]
         if src_dcp not in self._decode_by_dcp:  # the same queries on every PCP rank: attend once per DCP rank
-            self._decode_by_dcp[src_dcp] = attend_single_tokens(q_block[rows], *self.decode_ctx, decode, self.scale)
+            self._decode_by_dcp[src_dcp] = self.backend.attend_gathered_decode(q_block[rows], *self.decode_ctx,
+                                                                               decode, self.scale)
         o_piece, lse_piece = self._decode_by_dcp[src_dcp]
         out[rows], lse[rows] = o_piece.to(out.dtype), lse_piece  # the only partial of these rows so far
 
 
-def _return_partials(ring: _Ring, o_part, lse_part, k, v, k_pool, v_pool, plan):
+def _return_partials(ring: _Ring, backend, o_part, lse_part, k, v, k_pool, v_pool, plan):
     """One all-to-all: slot s of the partials (and the new K/V rows ring member s owns) go to member s."""
     size_r, n, heads, dim = o_part.shape
     kv_width = 2 * k.shape[1] * k.shape[2]
@@ -160,7 +156,7 @@ def _return_partials(ring: _Ring, o_part, lse_part, k, v, k_pool, v_pool, plan):
         kv_rows.append(part[size:])
     if plan.recv_slots.numel():
         kv = torch.cat(kv_rows).view(-1, 2, *k.shape[1:])  # [n_recv, 2, Hkv, D]
-        k_pool[plan.recv_slots] = kv[:, 0].to(k_pool.dtype)
-        v_pool[plan.recv_slots] = kv[:, 1].to(v_pool.dtype)
+        every = torch.arange(kv.shape[0], device=kv.device)
+        backend.store_kv(k_pool, v_pool, plan.recv_slots, kv[:, 0], kv[:, 1], every)
     packed = torch.stack(partials).view(size_r, n, heads, dim + 1)
     return merge_attention_partials(packed[..., :-1], packed[..., -1])  # float32

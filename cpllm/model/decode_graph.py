@@ -7,8 +7,8 @@ decode attention kernel reading each request's K/V in place from the pool (cpllm
 where that kernel was not built, inductor's own loop over one request's context and the fused SDPA kernel for
 several (cpllm/context_parallel/local_attention.py, `attend_pooled_single_tokens`).
 
-Only steps whose tokens are all single decode tokens on a rank holding the whole context take this path (the fast
-path of PagedCPAttention); prompt steps run eager. Shapes are dynamic (batch and context length are symbols), so
+Only steps whose tokens are all single decode tokens on a rank holding the whole context take this path (the
+runner's plan `StepPlan.COMPILED`; PagedCPAttention's one-shard decode); prompt steps run eager. Shapes are dynamic (batch and context length are symbols), so
 a few graphs serve every step: one per branch the step metadata selects (one request or several, contiguous slots
 or gathered ones, with or without a padding mask), each compiled on first use and cached on disk by inductor. A
 change of torch's thread count compiles them again (inductor's loops are built for one).
@@ -45,11 +45,6 @@ class CompiledDecode:
         self._run_layer = torch.compile(call_layer, dynamic=True)
         self.steps = 0
         """Steps run compiled (for tests and the log)."""
-
-    @staticmethod
-    def applies(meta: AttentionMetadata) -> bool:
-        """True for steps of single tokens only (no prompt chunk)."""
-        return meta.decode is not None and not meta.has_new
 
     def __call__(self, token_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         # token_ids, positions [B] -> hidden [B, hidden_size]
