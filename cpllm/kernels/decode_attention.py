@@ -62,7 +62,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if v_pool.dtype != k_pool.dtype or v_pool.shape != k_pool.shape or hq % hkv or k_pool.shape[2] != d:
         raise ValueError(f"decode attention: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)} {k_pool.dtype}, "
                          f"v_pool {tuple(v_pool.shape)} {v_pool.dtype} do not fit together")
-    if slots.dim() != 2 or slots.shape[0] != batch or lengths.shape != (batch,):
+    requests, width = slots.shape
+    if requests != batch or lengths.numel() != batch:
         raise ValueError(f"decode attention: slots {tuple(slots.shape)} and lengths {tuple(lengths.shape)} do not "
                          f"hold the {batch} requests of q {tuple(q.shape)}")
     if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
@@ -76,7 +77,6 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if batch == 0:
         return out.to(q.dtype), lse
     threads = torch.get_num_threads()
-    width = slots.shape[1]
     status = lib.cpllm_paged_decode_attention(
         q32.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), POOL_DTYPES[k_pool.dtype], num_slots, slots.data_ptr(),
         width, lengths.data_ptr(), batch, hq, hkv, d, scale, positions_per_unit(batch, width, threads), threads,

@@ -34,8 +34,9 @@ def rope_qk_(tables: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torc
     if lib is None:
         return False
     tokens, _, head_dim = q.shape
-    if k.shape[0] != tokens or k.shape[2] != head_dim or cos.shape != sin.shape \
-            or cos.numel() != tokens * head_dim:
+    k_tokens, _, k_head_dim = k.shape
+    if k_tokens != tokens or k_head_dim != head_dim or cos.numel() != tokens * head_dim \
+            or sin.numel() != tokens * head_dim:
         raise ValueError(f"rotary kernel: q {tuple(q.shape)}, k {tuple(k.shape)} and tables {tuple(cos.shape)}, "
                          f"{tuple(sin.shape)} do not fit together")
     return lib.cpllm_rope_qk(q.data_ptr(), q.shape[1], q.stride(0), k.data_ptr(), k.shape[1], k.stride(0),
@@ -54,8 +55,8 @@ def store_rows_(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, rows: 
     lib = load("decode_rows")
     if lib is None:
         return False
-    writes = slots.shape[0]
-    if slots.dim() != 1 or rows.shape != (writes,):
+    writes = slots.numel()
+    if rows.numel() != writes:
         raise ValueError(f"K/V store: slots {tuple(slots.shape)} and rows {tuple(rows.shape)} are not one of each")
     num_slots, num_rows = pool.shape[0], x.shape[0]
     status = lib.cpllm_store_rows(x.data_ptr(), x.stride(0), num_rows, rows.data_ptr(), slots.data_ptr(), writes,

@@ -45,9 +45,6 @@ STRUCTS: dict[str, dict[str, type[ctypes.Structure]]] = {"decode_layer": DECODE_
 _loaded: dict[str, ctypes.CDLL | None] = {}
 """Library name -> the opened library, or None where it could not be built (the reason was logged once)."""
 
-_UNOPENED = object()
-"""What `_loaded` gives for a library not asked for yet."""
-
 _environment = os.environ._data
 """The process environment as os.environ keeps it (bytes on POSIX), updated by every os.environ assignment:
 os.environ.get encodes its key on each call (0.5 us, at every kernel call of a step); this lookup takes 40 ns."""
@@ -62,23 +59,31 @@ def load(name: str) -> ctypes.CDLL | None:
     """The library `name`, or None: kernels switched off now, or not built on this machine."""
     if _environment.get(b"CPLLM_KERNELS") == b"0":
         return None
-    lib = _loaded.get(name, _UNOPENED)
-    return _open(name) if lib is _UNOPENED else lib
+    try:
+        return _loaded[name]
+    except KeyError:
+        return _open(name)
 
 
 def load_bound(name: str) -> ctypes.CDLL | None:
     """The library `name` whatever the switch says now, for data a caller laid out for it at load (see the
     module); None where it is not built."""
-    lib = _loaded.get(name, _UNOPENED)
-    return _open(name) if lib is _UNOPENED else lib
+    try:
+        return _loaded[name]
+    except KeyError:
+        return _open(name)
+
+
+def prepare(name: str, lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib`, built from <name>.c, with its functions typed and its structs checked (LayoutMismatch)."""
+    for function, (argtypes, restype) in SIGNATURES[name].items():
+        getattr(lib, function).argtypes = argtypes
+        getattr(lib, function).restype = restype
+    check_layouts(lib, STRUCTS.get(name, {}))
+    return lib
 
 
 def _open(name: str) -> ctypes.CDLL | None:
     lib = open_built(name)
-    if lib is not None:
-        for function, (argtypes, restype) in SIGNATURES[name].items():
-            getattr(lib, function).argtypes = argtypes
-            getattr(lib, function).restype = restype
-        check_layouts(lib, STRUCTS.get(name, {}))
-    _loaded[name] = lib
-    return lib
+    _loaded[name] = None if lib is None else prepare(name, lib)
+    return _loaded[name]
