@@ -28,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the tiny tokenizer
 
 from cpllm.bench.ceiling import prefill_flops  # noqa: E402
-from cpllm.bench.common import Layout, machine_info, random_prompt  # noqa: E402
+from cpllm.bench.common import BenchLayout, machine_info, random_prompt  # noqa: E402
 from cpllm.bench.engines import build_llm  # noqa: E402
 from cpllm.bench.prefill import time_prefill  # noqa: E402
 from cpllm.model.loader import open_weights  # noqa: E402
@@ -85,7 +85,7 @@ def prefill_vs_transformers(folder: str, args) -> dict:
     torch.set_num_threads(args.threads)
     lengths = [int(n) for n in str(args.prefill_tokens).split(",")]
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    llm, _ = build_llm(folder, Layout(tp=1, pcp=1, dcp=1, threads_per_rank=args.threads), strategy=None,
+    llm, _ = build_llm(folder, BenchLayout.of(tp=1, pcp=1, dcp=1, threads_per_rank=args.threads), strategy=None,
                        threads_per_rank=args.threads, context_tokens=max(lengths) + 64,
                        batch_tokens=max(lengths) + 64, engine_options=dict(quantization="none"))
     vocab, experts_impl = hf.config.vocab_size, hf.config._experts_implementation  # transformers' default choice
@@ -185,9 +185,9 @@ def grouped_vs_dense(folder: str, args) -> dict:
 
 def pcp_ttft(folder: str, args) -> dict:
     """TTFT of one `pcp_tokens` prompt: PCP=1 (1 thread, and 2 threads) vs PCP=2 (1 thread per rank)."""
-    layouts = {"1x1x1@1": Layout(tp=1, pcp=1, dcp=1, threads_per_rank=1),
-               "1x1x1@2": Layout(tp=1, pcp=1, dcp=1, threads_per_rank=2),
-               "1x2x1@1": Layout(tp=1, pcp=2, dcp=1, threads_per_rank=1)}
+    layouts = {"1x1x1@1": BenchLayout.of(tp=1, pcp=1, dcp=1, threads_per_rank=1),
+               "1x1x1@2": BenchLayout.of(tp=1, pcp=1, dcp=1, threads_per_rank=2),
+               "1x2x1@1": BenchLayout.of(tp=1, pcp=2, dcp=1, threads_per_rank=1)}
     vocab = open_weights(folder).config.vocab_size
     times: dict[str, list[float]] = {name: [] for name in layouts}
     for repeat in range(args.pcp_repeats):

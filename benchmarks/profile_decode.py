@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from cpllm.bench.common import Layout, machine_info, random_prompt
+from cpllm.bench.common import BenchLayout, machine_info, random_prompt
 from cpllm.bench.engines import build_llm, model_config_of
 from cpllm.engine.sampling_params import SamplingParams
 
@@ -92,7 +92,7 @@ def main() -> None:
         options["compile_decode"] = True
     if args.kv_cache_dtype != "auto":
         options["kv_cache_dtype"] = args.kv_cache_dtype
-    llm, _ = build_llm(args.model, Layout(tp=1, pcp=1, dcp=1), strategy=None, threads_per_rank=args.threads,
+    llm, _ = build_llm(args.model, BenchLayout.of(tp=1, pcp=1, dcp=1), strategy=None, threads_per_rank=args.threads,
                        context_tokens=longest * args.batch, batch_tokens=max(4096, longest), engine_options=options)
     torch.set_num_threads(args.threads)
     prompts = [random_prompt(args.context, config.vocab_size, seed=args.context * 1000 + i)

@@ -25,7 +25,7 @@ sys.path.insert(0, HERE)
 
 from moe_bench import build_folder  # noqa: E402
 
-from cpllm.bench.common import Layout, machine_info, random_prompt  # noqa: E402
+from cpllm.bench.common import BenchLayout, machine_info, random_prompt  # noqa: E402
 from cpllm.bench.engines import build_llm  # noqa: E402
 from cpllm.bench.prefill import time_prefill  # noqa: E402
 from cpllm.model.loader import open_weights  # noqa: E402
@@ -138,7 +138,7 @@ def main() -> None:
         runs[f"transformers ({hf.config._experts_implementation})"] = hf_run
     llm = None
     if "cpllm" in args.systems:
-        llm, _ = build_llm(folder, Layout(tp=1, pcp=1, dcp=1, threads_per_rank=args.threads), strategy=None,
+        llm, _ = build_llm(folder, BenchLayout.of(tp=1, pcp=1, dcp=1, threads_per_rank=args.threads), strategy=None,
                            threads_per_rank=args.threads, context_tokens=max(lengths) + 64,
                            batch_tokens=max(lengths) + 64, engine_options=dict(quantization="none"))
         runs["cpllm"] = lambda prompt: time_prefill(llm, prompt)

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from cpllm.bench.common import Layout, machine_info, random_prompt
+from cpllm.bench.common import BenchLayout, machine_info, random_prompt
 from cpllm.bench.engines import build_llm, model_config_of
 from cpllm.bench.prefill import WARMUP_TOKENS, time_prefill
 from cpllm.context_parallel.partition import rank_token_ranges
@@ -76,8 +76,8 @@ def partition_counts(tokens: int, pcp: int) -> dict[str, float]:
 def run(lengths: list[int], repeats: int, engine_options: dict) -> list[dict]:
     config = model_config_of(None)
     rows = []
-    for layout in (Layout(tp=1, pcp=1, dcp=1, threads_per_rank=1), Layout(tp=1, pcp=2, dcp=1, threads_per_rank=1)):
-        llm, _ = build_llm(None, layout, strategy="auto" if layout.pcp > 1 else None, threads_per_rank=1,
+    for layout in (BenchLayout.of(tp=1, pcp=1, threads_per_rank=1), BenchLayout.of(tp=1, pcp=2, threads_per_rank=1)):
+        llm, _ = build_llm(None, layout, strategy="auto" if layout.dims.pcp > 1 else None, threads_per_rank=1,
                            context_tokens=max(lengths) + 16, batch_tokens=max(lengths) + 16,
                            engine_options=engine_options)
         try:
@@ -87,8 +87,8 @@ def run(lengths: list[int], repeats: int, engine_options: dict) -> list[dict]:
                            for r in range(repeats))
                 profiled = profile_once(llm, random_prompt(length, config.vocab_size, seed=-length))
                 rows.append({"layout": layout.label(), "prompt_tokens": length, "ttft_s": round(ttft, 4),
-                             "rank0_profile_s": profiled, "partition": partition_counts(length, layout.pcp),
-                             "strategies_ran": llm.engine.executor.runner.strategy_counts})
+                             "rank0_profile_s": profiled, "partition": partition_counts(length, layout.dims.pcp),
+                             "strategies_ran": dict(llm.engine.executor.rank_stats().strategy_counts)})
                 print(json.dumps(rows[-1]), flush=True)
         finally:
             llm.shutdown()

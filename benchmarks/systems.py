@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from cpllm.bench.common import Layout
+from cpllm.bench.common import BenchLayout
 from cpllm.bench.decode import time_decode
 from cpllm.bench.engines import build_llm
 from cpllm.bench.prefill import time_prefill
@@ -39,9 +39,9 @@ class CpllmRunner:
         self.name = "cpllm" + (f" ({', '.join(extras)})" if extras else "")
         self.decode_only = compile_decode
         self.prefill_llm = None if compile_decode else build_llm(
-            model_path, Layout(tp=1, pcp=1, dcp=1), strategy=None, threads_per_rank=1, context_tokens=max_tokens,
+            model_path, BenchLayout.of(), strategy=None, threads_per_rank=1, context_tokens=max_tokens,
             batch_tokens=max(max_tokens, 8192), engine_options={"quantization": quantization})[0]
-        self.decode_llm, _ = build_llm(model_path, Layout(tp=1, pcp=1, dcp=1), strategy=None, threads_per_rank=1,
+        self.decode_llm, _ = build_llm(model_path, BenchLayout.of(), strategy=None, threads_per_rank=1,
                                        context_tokens=decode_tokens * max_batch, batch_tokens=8192,
                                        engine_options={"max_model_len": decode_tokens, "max_num_seqs": max_batch,
                                                        "quantization": quantization, "compile_decode": compile_decode,

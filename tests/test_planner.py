@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from cpllm.cli import main
-from cpllm.planner.cost_model import CostModel, Layout, Precision
+from cpllm.distributed.parallel_dims import ParallelDims
+from cpllm.planner.cost_model import CostModel, Precision
 from cpllm.planner.hardware import builtin_hardware
 from cpllm.planner.models import load_model_shape
 from cpllm.planner.paper_check import fitted_efficiency, paper_cost, table7_predictions
@@ -50,7 +51,7 @@ def test_table7_within_15_percent_with_one_factor_fitted_on_cp1():
 
 def test_table4_crossover_on_the_right_side():
     cost = paper_cost(fitted_efficiency())
-    cp4 = Layout(tp=8, pcp=4)
+    cp4 = ParallelDims(tp=8, pcp=4)
     hq, hkv = cost.local_heads(cp4.tp)
     rule = HeuristicInputs(pcp=4, flops=cost.hw.peak_flops, bandwidth=cost.hw.inter_node_bw, kv_heads=hkv,
                            query_heads=hq, element_bytes=2)
@@ -67,7 +68,7 @@ def test_table4_crossover_on_the_right_side():
 def test_auto_on_cpllms_strategies_for_the_papers_cluster():
     """cpllm's ring serves a cached context with a blocking query gather: with any cached context on four nodes
     pass-Q is predicted faster; a fresh prompt takes the ring."""
-    cost, cp4 = paper_cost(fitted_efficiency()), Layout(tp=8, pcp=4)
+    cost, cp4 = paper_cost(fitted_efficiency()), ParallelDims(tp=8, pcp=4)
     for miss in (0.01, 0.10, 0.5):
         assert auto_strategy(cost, cp4, PlanRequest(context=TABLE4_TOTAL, prefix_hit=1 - miss)) == "pass-q", miss
     assert auto_strategy(cost, cp4, PlanRequest(context=TABLE4_TOTAL)) == "ring"
@@ -135,7 +136,7 @@ def test_layouts_are_the_ones_the_engine_accepts():
 
 def test_replicated_layout_trades_capacity_for_decode():
     cost = paper_cost(fitted_efficiency())
-    sharded, replicated = Layout(tp=8, pcp=4), Layout(tp=8, pcp=4, kv_layout="replicated")
+    sharded, replicated = ParallelDims(tp=8, pcp=4), ParallelDims(tp=8, pcp=4, kv_replicated=True)
     assert cost.memory(sharded).kv_capacity_tokens == 4 * cost.memory(replicated).kv_capacity_tokens
     assert cost.decode_step(replicated, TOKENS_128K, batch=16) < cost.decode_step(sharded, TOKENS_128K, batch=16)
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cpllm.bench.common import Layout, random_prompt
+from cpllm.bench.common import BenchLayout, random_prompt
 from cpllm.bench.engines import build_llm, model_config_of
 from cpllm.bench.prefill import layout_runs, time_prefill
 
@@ -40,7 +40,7 @@ class ChunkResult:
                 "ttft_all_s": [round(t, 4) for t in self.ttft_s]}
 
 
-def run_chunk_bench(model: str | None, *, context: int, chunk: int, layouts: list[Layout], strategies: list[str],
+def run_chunk_bench(model: str | None, *, context: int, chunk: int, layouts: list[BenchLayout], strategies: list[str],
                     threads_per_rank: int | None = None, repeats: int = 3,
                     engine_options: dict[str, Any] | None = None,
                     progress: Callable[[str], None] | None = None) -> list[ChunkResult]:
@@ -53,15 +53,15 @@ def run_chunk_bench(model: str | None, *, context: int, chunk: int, layouts: lis
                                  engine_options=engine_options, prefix_caching=True)
         try:
             time_prefill(llm, base)  # the context, computed once and kept by the prefix cache
-            runner, scheduler = llm.engine.executor.runner, llm.engine.scheduler
-            before, hits_before = runner.strategy_counts, scheduler.num_prefix_hit_tokens
+            executor, scheduler = llm.engine.executor, llm.engine.scheduler
+            before, hits_before = executor.rank_stats().strategy_counts, scheduler.num_prefix_hit_tokens
             times = []
             for repeat in range(repeats):
                 new = random_prompt(chunk, config.vocab_size, seed=1000 + repeat)
                 times.append(time_prefill(llm, base + new))
                 if progress:
                     progress(f"{layout.label(threads)} {strategy or ''}")
-            after = runner.strategy_counts
+            after = executor.rank_stats().strategy_counts
             results.append(ChunkResult(layout=layout.label(threads), strategy=strategy, context_tokens=context,
                                        chunk_tokens=chunk, ttft_s=times,
                                        ran={k: after[k] - before[k] for k in after},

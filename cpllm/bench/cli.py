@@ -7,7 +7,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from cpllm.bench.common import Layout, machine_info, parse_int_list, parse_layout, parse_str_list, threads_for
+from cpllm.bench.common import BenchLayout, machine_info, parse_int_list, parse_layout, parse_str_list, threads_for
 from cpllm.bench.report import print_table, write_json
 
 from cpllm.config import PREFILL_STRATEGIES as STRATEGIES
@@ -129,10 +129,10 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return engine_kwargs(args)
 
 
-def _layouts(args: argparse.Namespace) -> list[Layout]:
+def _layouts(args: argparse.Namespace) -> list[BenchLayout]:
     if args.layouts:
         return [parse_layout(text) for text in args.layouts.split(",") if text.strip()]
-    return [Layout(tp=args.tensor_parallel_size, pcp=args.prefill_context_parallel_size,
+    return [BenchLayout.of(tp=args.tensor_parallel_size, pcp=args.prefill_context_parallel_size,
                    dcp=args.decode_context_parallel_size)]
 
 
@@ -163,7 +163,7 @@ def _prefill(args: argparse.Namespace) -> dict[str, Any]:
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     progress = _Progress(len(layout_runs(layouts, strategies)) * len(lengths) * args.repeats, "prefill")
-    thread_counts = sorted({threads_for(layout, args.threads_per_rank) * layout.world_size for layout in layouts})
+    thread_counts = sorted({threads_for(layout, args.threads_per_rank) * layout.dims.world_size for layout in layouts})
     # the ceiling is measured before and after the runs and the better kept: other load only lowers it
     before = measure_ceilings(thread_counts) if args.ceiling else {}
     try:

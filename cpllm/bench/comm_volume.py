@@ -144,13 +144,13 @@ def run_comm_bench(
     threads_per_rank: int | None = 1,
 ) -> list[dict[str, Any]]:
     """Per strategy and length: measured attention bytes per layer on rank 0 vs the formula."""
-    from cpllm.bench.common import Layout, random_prompt
+    from cpllm.bench.common import BenchLayout, random_prompt
     from cpllm.bench.engines import build_llm, model_config_of
 
     config = model_config_of(model)
     rows = []
     for strategy in strategies:
-        llm, _ = build_llm(model, Layout(tp=tp, pcp=pcp, dcp=1), strategy=strategy,
+        llm, _ = build_llm(model, BenchLayout.of(tp=tp, pcp=pcp, dcp=1), strategy=strategy,
                            threads_per_rank=threads_per_rank, context_tokens=max(lengths) + 16,
                            batch_tokens=max(lengths) + 16)
         try:

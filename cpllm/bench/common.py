@@ -8,32 +8,30 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from cpllm.distributed.parallel_dims import ParallelDims
+
 
 @dataclass(kw_only=True, frozen=True, slots=True)
-class Layout:
-    """One parallel layout of the engine, written TPxPCPxDCP[@threads] on the command line."""
+class BenchLayout:
+    """One measured layout: the engine's parallel dims and each rank's threads, written TPxPCPxDCP[@threads]."""
 
-    tp: int
-    """Tensor-parallel size."""
-    pcp: int
-    """Prefill context-parallel size."""
-    dcp: int
-    """Decode context-parallel size."""
+    dims: ParallelDims
+    """The parallel sizes (one replica)."""
     threads_per_rank: int | None = None
     """torch threads in each rank's process; None = the bench's --threads-per-rank (or cores / ranks)."""
 
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pcp
+    @classmethod
+    def of(cls, *, tp: int = 1, pcp: int = 1, dcp: int = 1, threads_per_rank: int | None = None) -> "BenchLayout":
+        return cls(dims=ParallelDims(tp=tp, pcp=pcp, dcp=dcp), threads_per_rank=threads_per_rank)
 
     def label(self, threads: int | None = None) -> str:
+        """The dims' label, with '@threads' when the threads per rank are known."""
         threads = threads if threads is not None else self.threads_per_rank
-        base = f"{self.tp}x{self.pcp}x{self.dcp}"
-        return base if threads is None else f"{base}@{threads}"
+        return self.dims.label() if threads is None else f"{self.dims.label()}@{threads}"
 
 
-def parse_layout(text: str) -> Layout:
-    """'1x2x1' or '1x1x1@2' (two threads per rank) -> Layout."""
+def parse_layout(text: str) -> BenchLayout:
+    """'1x2x1' or '1x1x1@2' (two threads per rank) -> BenchLayout."""
     spec, _, threads = text.strip().partition("@")
     parts = spec.lower().split("x")
     if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
@@ -41,7 +39,10 @@ def parse_layout(text: str) -> Layout:
     if threads and (not threads.isdigit() or int(threads) < 1):
         raise ValueError(f"layout {text!r}: threads after '@' must be a positive integer")
     tp, pcp, dcp = (int(p) for p in parts)
-    return Layout(tp=tp, pcp=pcp, dcp=dcp, threads_per_rank=int(threads) if threads else None)
+    try:
+        return BenchLayout.of(tp=tp, pcp=pcp, dcp=dcp, threads_per_rank=int(threads) if threads else None)
+    except ValueError as error:  # a size rule of the engine, refused before any engine starts
+        raise ValueError(f"layout {text!r}: {error}") from None
 
 
 def parse_int_list(text: str, name: str) -> list[int]:
@@ -63,7 +64,7 @@ def parse_str_list(text: str, name: str, allowed: tuple[str, ...]) -> list[str]:
     return values
 
 
-def threads_for(layout: Layout, default: int | None) -> int:
+def threads_for(layout: BenchLayout, default: int | None) -> int:
     """Threads per rank: the layout's, else the bench-wide option, else the cores shared out evenly.
 
     Always explicit: with more busy threads than cores, OpenMP spin-waiting makes small ops very slow.
@@ -72,7 +73,7 @@ def threads_for(layout: Layout, default: int | None) -> int:
         return layout.threads_per_rank
     if default is not None:
         return default
-    return max(1, (os.cpu_count() or 1) // layout.world_size)
+    return max(1, (os.cpu_count() or 1) // layout.dims.world_size)
 
 
 def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cpllm.bench.common import Layout, random_prompt
+from cpllm.bench.common import BenchLayout, random_prompt
 from cpllm.bench.engines import build_llm, model_config_of
 from cpllm.engine.sampling_params import SamplingParams
 
@@ -97,7 +97,7 @@ def run_decode_bench(
     *,
     batch_sizes: list[int],
     context_lengths: list[int],
-    layouts: list[Layout],
+    layouts: list[BenchLayout],
     strategy: str = "allgather",
     steps: int = 32,
     threads_per_rank: int | None = None,
@@ -130,7 +130,7 @@ def run_decode_bench(
     return results
 
 
-def _decode_layout(model: str | None, vocab_size: int, layout: Layout, round_index: int, *, batch_sizes: list[int],
+def _decode_layout(model: str | None, vocab_size: int, layout: BenchLayout, round_index: int, *, batch_sizes: list[int],
                    context_lengths: list[int], longest: int, strategy: str, steps: int,
                    threads_per_rank: int | None, engine_options: dict[str, Any] | None, shared_prefix: bool,
                    progress: Callable[[str], None] | None) -> list[DecodeResult]:
@@ -147,7 +147,7 @@ def _decode_layout(model: str | None, vocab_size: int, layout: Layout, round_ind
                 prompts = _batch_prompts(vocab_size, context, batch, shared_prefix)
                 seconds = time_decode(llm.engine, prompts, steps, f"b{batch}c{context}")
                 results.append(DecodeResult(system="cpllm", layout=layout.label(threads),
-                                            total_threads=threads * layout.world_size, batch_size=batch,
+                                            total_threads=threads * layout.dims.world_size, batch_size=batch,
                                             context_tokens=context, steps=steps, seconds=seconds,
                                             round_index=round_index))
                 if progress:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cpllm.bench.common import Layout, kv_budget_for, threads_for
+from cpllm.bench.common import BenchLayout, kv_budget_for, threads_for
 from cpllm.engine.llm import LLM
 from cpllm.model.default_model import default_model_path
 from cpllm.model.loader import open_weights
@@ -22,7 +22,7 @@ def model_config_of(model: str | None):
 
 def build_llm(
     model: str | None,
-    layout: Layout,
+    layout: BenchLayout,
     *,
     strategy: str | None,
     threads_per_rank: int | None,
@@ -40,18 +40,17 @@ def build_llm(
     for key in ("model", "threads_per_rank"):
         options.pop(key, None)
     threads = threads_for(layout, threads_per_rank)
-    cp_size = layout.pcp * layout.dcp
     config = model_config_of(model)
     if options.get("kv_cache_memory_bytes") is None:
-        options["kv_cache_memory_bytes"] = kv_budget_for(config, context_tokens, cp_size)
+        options["kv_cache_memory_bytes"] = kv_budget_for(config, context_tokens, layout.dims.kv_shard_size)
     if options.get("max_model_len") is None:
         options["max_model_len"] = min(context_tokens, config.max_position_embeddings)
     if options.get("max_num_batched_tokens") is None:
         options["max_num_batched_tokens"] = batch_tokens
     options.update(
-        tensor_parallel_size=layout.tp,
-        prefill_context_parallel_size=layout.pcp,
-        decode_context_parallel_size=layout.dcp,
+        tensor_parallel_size=layout.dims.tp,
+        prefill_context_parallel_size=layout.dims.pcp,
+        decode_context_parallel_size=layout.dims.dcp,
         cp_prefill_strategy=strategy or "allgather",
         enable_prefix_caching=prefix_caching,
     )

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cpllm.bench.common import Layout, kv_bytes_per_token
+from cpllm.bench.common import BenchLayout, kv_bytes_per_token
 from cpllm.bench.engines import build_llm, model_config_of
 from cpllm.engine.sampling_params import SamplingParams
 
@@ -63,14 +63,14 @@ def run_memory_bench(
     for cp in cp_sizes:
         options = {"kv_cache_memory_bytes": budget_bytes, "max_model_len": config.max_position_embeddings,
                    "block_size": block_size}
-        llm, _ = build_llm(model, Layout(tp=1, pcp=cp, dcp=1), strategy="allgather",
+        llm, _ = build_llm(model, BenchLayout.of(tp=1, pcp=cp, dcp=1), strategy="allgather",
                            threads_per_rank=threads_per_rank, context_tokens=0, batch_tokens=2048,
                            engine_options=options)
         try:
             engine = llm.engine
             blocks = budget_bytes // (per_token * block_size)
             results.append(MemoryResult(
-                cp_size=cp, budget_bytes=budget_bytes, kv_bytes_per_rank=engine.executor.runner.kv_bytes,
+                cp_size=cp, budget_bytes=budget_bytes, kv_bytes_per_rank=engine.executor.rank_info.kv.bytes,
                 capacity_tokens=engine.kv_capacity_tokens, longest_prompt=longest_accepted_prompt(engine),
                 formula_capacity_tokens=blocks * block_size * cp))
         finally:

@@ -19,36 +19,37 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from cpllm.bench.common import Layout, random_prompt
+from cpllm.bench.common import BenchLayout, random_prompt
+from cpllm.distributed.parallel_dims import ParallelDims
 from cpllm.bench.engines import build_llm, model_config_of
 from cpllm.bench.prefill import WARMUP_TOKENS, time_prefill
-from cpllm.planner.cost_model import CostModel, Layout as PlanLayout, Precision
+from cpllm.planner.cost_model import CostModel, Precision
 from cpllm.planner.hardware import HardwareSpec
 from cpllm.planner.plan import PlanRequest, auto_strategy
 
-LAYOUTS = (Layout(tp=1, pcp=1, dcp=1, threads_per_rank=1), Layout(tp=1, pcp=2, dcp=1, threads_per_rank=1))
+LAYOUTS = (BenchLayout.of(tp=1, pcp=1, threads_per_rank=1), BenchLayout.of(tp=1, pcp=2, threads_per_rank=1))
 FP32 = Precision(weight_format="fp32", activation_bytes=4, kv_bytes=4)
 
 
 def predict(config, hw: HardwareSpec, pcp: int, tokens: int) -> tuple[str, float]:
     """(strategy auto picks, predicted TTFT) of a fresh `tokens` prompt on PCP=`pcp` with one thread per rank."""
-    cost, layout = CostModel(config, hw, FP32), PlanLayout(tp=1, pcp=pcp)
+    cost, layout = CostModel(config, hw, FP32), ParallelDims(tp=1, pcp=pcp)
     strategy = auto_strategy(cost, layout, PlanRequest(context=tokens))
     return strategy, cost.prefill(layout, tokens, 0, "ring" if strategy == "-" else strategy).total_s
 
 
-def _measure_layout(model, layout: Layout, lengths: list[int], repeat: int, config,
+def _measure_layout(model, layout: BenchLayout, lengths: list[int], repeat: int, config,
                     engine_options: dict[str, Any] | None) -> tuple[dict[int, float], dict[str, int]]:
     """TTFT per length on one fresh engine, and the prompt steps per strategy the engine ran."""
-    llm, _ = build_llm(model, layout, strategy="auto" if layout.pcp > 1 else None, threads_per_rank=1,
+    llm, _ = build_llm(model, layout, strategy="auto" if layout.dims.pcp > 1 else None, threads_per_rank=1,
                        context_tokens=max(lengths) + 16, batch_tokens=max(lengths) + 16,
                        engine_options=engine_options)
     try:
         time_prefill(llm, random_prompt(WARMUP_TOKENS, config.vocab_size, seed=-1))
-        before = llm.engine.executor.runner.strategy_counts
+        before = llm.engine.executor.rank_stats().strategy_counts
         times = {length: time_prefill(llm, random_prompt(length, config.vocab_size, seed=repeat * 1_000_003 + length))
                  for length in lengths}
-        after = llm.engine.executor.runner.strategy_counts
+        after = llm.engine.executor.rank_stats().strategy_counts
     finally:
         llm.shutdown()
     return times, {k: after[k] - before[k] for k in after if after[k] > before[k]}
@@ -75,9 +76,9 @@ def run_plan_check(model: str | None, *, lengths: list[int], repeats: int,
             for name, count in counts.items():
                 ran[name] = ran.get(name, 0) + count
             for length, seconds in times.items():
-                strategies[layout.pcp], prediction = predict(config, hw, layout.pcp, length)
-                measured.setdefault((layout.pcp, length), []).append(seconds)
-                predicted.setdefault((layout.pcp, length), []).append(prediction)
+                strategies[layout.dims.pcp], prediction = predict(config, hw, layout.dims.pcp, length)
+                measured.setdefault((layout.dims.pcp, length), []).append(seconds)
+                predicted.setdefault((layout.dims.pcp, length), []).append(prediction)
             if progress:
                 progress(f"repeat {repeat + 1}: {layout.label()}")
     return {"points": _points(measured, predicted, strategies), "auto_ran_pcp2": ran,

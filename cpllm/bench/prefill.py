@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cpllm.bench.ceiling import prefill_flops
-from cpllm.bench.common import Layout, random_prompt
+from cpllm.bench.common import BenchLayout, random_prompt
 from cpllm.bench.engines import build_llm, model_config_of
 from cpllm.engine.sampling_params import SamplingParams
 
@@ -56,11 +56,11 @@ class PrefillResult:
         }
 
 
-def layout_runs(layouts: list[Layout], strategies: list[str]) -> list[tuple[Layout, str | None]]:
+def layout_runs(layouts: list[BenchLayout], strategies: list[str]) -> list[tuple[BenchLayout, str | None]]:
     """Every (layout, strategy) pair to measure; a layout without PCP runs once (strategy unused)."""
-    runs: list[tuple[Layout, str | None]] = []
+    runs: list[tuple[BenchLayout, str | None]] = []
     for layout in layouts:
-        if layout.pcp == 1:
+        if layout.dims.pcp == 1:
             runs.append((layout, None))
         else:
             runs.extend((layout, strategy) for strategy in strategies)
@@ -78,7 +78,7 @@ def run_prefill_bench(
     model: str | None,
     *,
     lengths: list[int],
-    layouts: list[Layout],
+    layouts: list[BenchLayout],
     strategies: list[str],
     threads_per_rank: int | None = None,
     repeats: int = 1,
@@ -111,7 +111,7 @@ def run_prefill_bench(
                 llm.shutdown()
     return [
         PrefillResult(system="cpllm", layout=layout.label(threads_of[i]), strategy=strategy,
-                      total_threads=threads_of[i] * layout.world_size, prompt_tokens=length,
+                      total_threads=threads_of[i] * layout.dims.world_size, prompt_tokens=length,
                       ttft_s=times[(i, length)], flops=prefill_flops(config, length).total)
         for i, (layout, strategy) in enumerate(runs)
         for length in lengths

@@ -1,9 +1,8 @@
-"""Which ranks form each parallel group, and the process groups built from that.
+"""The process groups of every parallel dimension, built from the named dims.
 
-`RankLayout` is pure arithmetic (no torch.distributed) so that it can be tested
-exhaustively and used by code that never starts a process. `ParallelGroups` is the
-per-process runtime object: this rank's coordinates plus one process group per
-parallel dimension (DESIGN section 2).
+Which ranks form each group is `ParallelDims` arithmetic (cpllm/distributed/parallel_dims.py: no
+torch.distributed, tested exhaustively). `ParallelGroups` is the per-process runtime object: the dims, this
+rank's coordinates and one process group per group kind.
 
 Size-1 groups: a group of one rank is stored as `None` and no process group is
 created for it. The helpers in `cpllm.distributed.comm` treat `None` as "this rank
@@ -21,112 +20,8 @@ import torch.distributed as dist
 
 from cpllm.config import ParallelConfig
 from cpllm.distributed.comm import Group
+from cpllm.distributed.parallel_dims import GROUP_KINDS, ParallelDims
 from cpllm.distributed.shm_group import available, host_key, open_shm_group
-
-GROUP_KINDS = ("tp", "pcp", "dcp", "cp", "dp", "replica")
-"""Every kind of group `RankLayout.all_groups` knows, in the order they are created."""
-
-
-@dataclass(kw_only=True, frozen=True, slots=True)
-class RankLayout:
-    """Global ranks laid out as `arange(world).reshape(DP, PCP, TP)`."""
-
-    dp: int
-    """Data-parallel replicas (slowest-varying coordinate)."""
-    pcp: int
-    """Prefill context-parallel ranks within a replica."""
-    tp: int
-    """Tensor-parallel ranks (fastest-varying coordinate)."""
-    dcp: int
-    """Decode context-parallel ranks: consecutive TP ranks that share KV heads."""
-
-    def __post_init__(self) -> None:
-        for name in ("dp", "pcp", "tp", "dcp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"RankLayout.{name} must be an integer >= 1, got {value!r}")
-        if self.tp % self.dcp != 0:
-            raise ValueError(f"RankLayout: dcp={self.dcp} must divide tp={self.tp}")
-
-    @classmethod
-    def from_config(cls, parallel: ParallelConfig) -> "RankLayout":
-        return cls(
-            dp=parallel.data_parallel_size,
-            pcp=parallel.prefill_context_parallel_size,
-            tp=parallel.tensor_parallel_size,
-            dcp=parallel.decode_context_parallel_size,
-        )
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.pcp * self.tp
-
-    @property
-    def cp_size(self) -> int:
-        return self.pcp * self.dcp
-
-    def rank_of(self, dp_rank: int, pcp_rank: int, tp_rank: int) -> int:
-        """Global rank at coordinates (dp_rank, pcp_rank, tp_rank)."""
-        return (dp_rank * self.pcp + pcp_rank) * self.tp + tp_rank
-
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(dp_rank, pcp_rank, tp_rank) of a global rank."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank={rank} is outside the world of size {self.world_size}")
-        return rank // (self.pcp * self.tp), (rank // self.tp) % self.pcp, rank % self.tp
-
-    def dcp_rank(self, rank: int) -> int:
-        return self.coords(rank)[2] % self.dcp
-
-    def cp_rank(self, rank: int) -> int:
-        """Position in the KV-shard group: pcp_rank * DCP + dcp_rank."""
-        _, pcp_rank, tp_rank = self.coords(rank)
-        return pcp_rank * self.dcp + tp_rank % self.dcp
-
-    def tp_group(self, rank: int) -> list[int]:
-        dp_rank, pcp_rank, _ = self.coords(rank)
-        return [self.rank_of(dp_rank, pcp_rank, t) for t in range(self.tp)]
-
-    def pcp_group(self, rank: int) -> list[int]:
-        dp_rank, _, tp_rank = self.coords(rank)
-        return [self.rank_of(dp_rank, p, tp_rank) for p in range(self.pcp)]
-
-    def dcp_group(self, rank: int) -> list[int]:
-        dp_rank, pcp_rank, tp_rank = self.coords(rank)
-        first = tp_rank - tp_rank % self.dcp
-        return [self.rank_of(dp_rank, pcp_rank, first + d) for d in range(self.dcp)]
-
-    def cp_group(self, rank: int) -> list[int]:
-        """All PCP x DCP ranks that share this rank's KV heads, ordered by cp_rank."""
-        dp_rank, _, tp_rank = self.coords(rank)
-        first = tp_rank - tp_rank % self.dcp
-        return [self.rank_of(dp_rank, p, first + d) for p in range(self.pcp) for d in range(self.dcp)]
-
-    def dp_group(self, rank: int) -> list[int]:
-        _, pcp_rank, tp_rank = self.coords(rank)
-        return [self.rank_of(d, pcp_rank, tp_rank) for d in range(self.dp)]
-
-    def replica_group(self, rank: int) -> list[int]:
-        """Every rank of this rank's DP replica (PCP x TP of them), driver first."""
-        first = self.coords(rank)[0] * self.pcp * self.tp
-        return list(range(first, first + self.pcp * self.tp))
-
-    def group(self, kind: str, rank: int) -> list[int]:
-        if kind not in GROUP_KINDS:
-            raise ValueError(f"unknown group kind {kind!r}; choose one of {GROUP_KINDS}")
-        return getattr(self, f"{kind}_group")(rank)
-
-    def all_groups(self, kind: str) -> list[list[int]]:
-        """Every group of this kind, ordered by its lowest rank (the same on all ranks)."""
-        groups: list[list[int]] = []
-        seen: set[int] = set()
-        for rank in range(self.world_size):
-            if rank not in seen:
-                members = self.group(kind, rank)
-                seen.update(members)
-                groups.append(members)
-        return groups
-
 
 COMMAND_TIMEOUT_S = 365 * 24 * 3600.0
 """Time limit of the control groups' collectives (the step broadcast to a replica's ranks, the DP ticks): they wait
@@ -139,13 +34,26 @@ def _timeout(timeout_s: float) -> timedelta:
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
+class PCPSplit:
+    """This rank's place in its PCP group, for the work a decode-only step splits over the PCP ranks (each holds
+    the same rows then): the dense MLP's columns (cpllm/model/mlp_split.py) and the LM head's rows."""
+
+    rank: int = 0
+    """Rank inside the PCP group: which 1/size share this rank computes."""
+    size: int = 1
+    """PCP ranks the work is split over."""
+    group: Group = None
+    """The PCP group the shares are gathered over (None when alone)."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
 class ParallelGroups:
-    """This process's place in the layout and its process groups (None = group of one)."""
+    """This process's place in the dims and its process groups (None = group of one)."""
 
     rank: int
     """Global rank of this process."""
-    layout: RankLayout
-    """The layout every rank shares."""
+    dims: ParallelDims
+    """The parallel dims every rank shares."""
     backend: str | None
     """Backend of the default group ("gloo" or "nccl"); None for a single process."""
     tp_group: Group
@@ -155,7 +63,10 @@ class ParallelGroups:
     dcp_group: Group
     """Decode context-parallel group (a slice of the TP group)."""
     cp_group: Group
-    """KV-shard group (PCP x DCP ranks); its group rank equals cp_rank."""
+    """PCP x DCP ranks sharing KV heads; its group rank equals cp_rank."""
+    kv_shard_group: Group
+    """The ranks one request's cached K/V is divided over (cp_group, or dcp_group under the replicated layout;
+    the same group object); its group rank equals kv_shard_rank."""
     dp_group: dist.ProcessGroup | None
     """Same (pcp, tp) coordinates across replicas."""
     dp_cpu_group: dist.ProcessGroup | None
@@ -167,143 +78,137 @@ class ParallelGroups:
     world_cpu_group: dist.ProcessGroup | None
     """All ranks on gloo, for control messages across replicas."""
     moe_group: Group = None
-    """The replica's ranks (flattened TP x PCP) on the default backend: the MoE layers' group (DESIGN section 9),
-    and the replica's bounded group for tensors (the replica group, for control messages, has no time limit)."""
+    """The replica's ranks (flattened TP x PCP) on the default backend: the MoE layers' group, and the
+    replica's bounded group for tensors (the replica group, for control messages, has no time limit)."""
 
-    # Coordinates and sizes, derived from the layout so they can never disagree with it.
+    # Coordinates, derived from the dims so they can never disagree with them.
     @property
     def world_size(self) -> int:
-        return self.layout.world_size
+        return self.dims.world_size
 
     @property
     def dp_rank(self) -> int:
-        return self.layout.coords(self.rank)[0]
+        return self.dims.coords(self.rank)[0]
 
     @property
     def pcp_rank(self) -> int:
-        return self.layout.coords(self.rank)[1]
+        return self.dims.coords(self.rank)[1]
 
     @property
     def tp_rank(self) -> int:
-        return self.layout.coords(self.rank)[2]
+        return self.dims.coords(self.rank)[2]
 
     @property
     def dcp_rank(self) -> int:
-        return self.layout.dcp_rank(self.rank)
+        return self.dims.dcp_rank(self.rank)
 
     @property
     def cp_rank(self) -> int:
-        return self.layout.cp_rank(self.rank)
+        return self.dims.cp_rank(self.rank)
+
+    @property
+    def kv_shard_rank(self) -> int:
+        return self.dims.kv_shard_rank(self.rank)
 
     @property
     def tp_size(self) -> int:
-        return self.layout.tp
+        return self.dims.tp
 
     @property
     def pcp_size(self) -> int:
-        return self.layout.pcp
+        return self.dims.pcp
 
     @property
     def dcp_size(self) -> int:
-        return self.layout.dcp
+        return self.dims.dcp
 
     @property
     def cp_size(self) -> int:
-        return self.layout.cp_size
+        return self.dims.cp_size
 
     @property
     def dp_size(self) -> int:
-        return self.layout.dp
+        return self.dims.dp
 
     @property
     def replica_size(self) -> int:
-        return self.layout.pcp * self.layout.tp
+        return self.dims.replica_size
+
+    @property
+    def pcp_split(self) -> PCPSplit:
+        return PCPSplit(rank=self.pcp_rank, size=self.pcp_size, group=self.pcp_group)
+
+    @property
+    def replica_ranks(self) -> list[int]:
+        """Global ranks of this rank's replica, driver first."""
+        return self.dims.members("replica", self.rank)
 
     @property
     def replica_driver(self) -> int:
         """Global rank that runs this replica's scheduler (its lowest rank)."""
-        return self.layout.replica_group(self.rank)[0]
+        return self.replica_ranks[0]
 
     @property
     def is_replica_driver(self) -> bool:
         return self.rank == self.replica_driver
 
     @classmethod
-    def single(cls) -> "ParallelGroups":
-        """A world of one process; needs no torch.distributed initialisation."""
-        return cls(
-            rank=0,
-            layout=RankLayout(dp=1, pcp=1, tp=1, dcp=1),
-            backend=None,
-            tp_group=None,
-            pcp_group=None,
-            dcp_group=None,
-            cp_group=None,
-            dp_group=None,
-            dp_cpu_group=None,
-            replica_group=None,
-            world_cpu_group=None,
-        )
+    def single(cls, dims: ParallelDims | None = None) -> "ParallelGroups":
+        """A world of one process (dims of world size 1, default all ones); needs no torch.distributed."""
+        dims = dims or ParallelDims()
+        if dims.world_size != 1:
+            raise ValueError(f"ParallelGroups.single needs a world of one rank, got {dims}")
+        return cls(rank=0, dims=dims, backend=None, tp_group=None, pcp_group=None, dcp_group=None, cp_group=None,
+                   kv_shard_group=None, dp_group=None, dp_cpu_group=None, replica_group=None, world_cpu_group=None)
 
     @classmethod
     def build(cls, parallel: ParallelConfig, *, timeout_s: float) -> "ParallelGroups":
         """Create every group on every rank in the same order (torch.distributed requires it)."""
-        layout = RankLayout.from_config(parallel)
+        dims = parallel.dims
         if not dist.is_initialized():
-            if layout.world_size == 1:
-                return cls.single()
+            if dims.world_size == 1:
+                return cls.single(dims)
             raise RuntimeError(
-                f"torch.distributed is not initialised but the layout needs {layout.world_size} ranks "
-                f"(DP={layout.dp} x PCP={layout.pcp} x TP={layout.tp}); call init_distributed first"
+                f"torch.distributed is not initialised but the layout needs {dims.world_size} ranks "
+                f"(DP={dims.dp} x PCP={dims.pcp} x TP={dims.tp}); call init_distributed first"
             )
         world = dist.get_world_size()
-        if world != layout.world_size:
+        if world != dims.world_size:
             raise ValueError(
-                f"the process group has {world} processes but DP={layout.dp} x PCP={layout.pcp} x "
-                f"TP={layout.tp} needs {layout.world_size}"
+                f"the process group has {world} processes but DP={dims.dp} x PCP={dims.pcp} x "
+                f"TP={dims.tp} needs {dims.world_size}"
             )
         rank = dist.get_rank()
         backend = str(dist.get_backend())
         maker = _GroupMaker(timeout_s=timeout_s, default_backend=backend)
-        mine: dict[str, dist.ProcessGroup | None] = {}
-        for kind in GROUP_KINDS:
-            group_backend = "gloo" if kind == "replica" else None
-            limit = COMMAND_TIMEOUT_S if kind == "replica" else None
-            for members in layout.all_groups(kind):
-                group = maker.make(members, group_backend, limit)
-                if rank in members:
-                    mine[kind] = group
+        mine = {kind: _make_kind(maker, dims, kind, rank) for kind in GROUP_KINDS}
         world_cpu = maker.make(list(range(world)), "gloo")
-        moe = None
-        for members in layout.all_groups("replica"):
-            group = maker.make(members, None)  # tensor collectives: the default backend
-            if rank in members:
-                moe = group
-        dp_cpu = None
-        for members in layout.all_groups("dp"):
-            group = maker.make(members, "gloo", COMMAND_TIMEOUT_S)
-            if rank in members:
-                dp_cpu = group
+        dp_cpu = _make_kind(maker, dims, "dp", rank, "gloo", COMMAND_TIMEOUT_S)
         fast = _SharedMemoryGroups.open(parallel, world_cpu, rank, timeout_s)
         # dp_group carries no tensor collectives (the DP front uses dp_cpu_group's gloo object calls)
-        mine = {kind: group if kind == "dp" else fast.wrap(group, layout.group(kind, rank),
+        mine = {kind: group if kind == "dp" else fast.wrap(group, dims.members(kind, rank),
                                                            COMMAND_TIMEOUT_S if kind == "replica" else timeout_s)
                 for kind, group in mine.items()}
-        moe = fast.wrap(moe, layout.replica_group(rank), timeout_s)
-        return cls(
-            rank=rank,
-            layout=layout,
-            backend=backend,
-            tp_group=mine["tp"],
-            pcp_group=mine["pcp"],
-            dcp_group=mine["dcp"],
-            cp_group=mine["cp"],
-            dp_group=mine["dp"],
-            dp_cpu_group=dp_cpu,
-            replica_group=mine["replica"],
-            world_cpu_group=world_cpu,
-            moe_group=moe,
-        )
+        return cls(rank=rank, dims=dims, backend=backend, dp_cpu_group=dp_cpu, world_cpu_group=world_cpu,
+                   **{f"{kind}_group": group for kind, group in mine.items()})
+
+
+_CONTROL_KINDS = ("replica",)
+"""Group kinds for control messages: gloo, no time limit (COMMAND_TIMEOUT_S); the others carry tensors on the
+default backend and time out after --distributed-timeout."""
+
+
+def _make_kind(maker: "_GroupMaker", dims: ParallelDims, kind: str, rank: int, backend: str | None = None,
+               limit: float | None = None) -> dist.ProcessGroup | None:
+    """Every group of `kind` (all ranks create all of them, in the same order); returns this rank's."""
+    if kind in _CONTROL_KINDS:
+        backend, limit = "gloo", COMMAND_TIMEOUT_S
+    mine = None
+    for members in dims.all_groups(kind):
+        group = maker.make(members, backend, limit)
+        if rank in members:
+            mine = group
+    return mine
 
 
 class _SharedMemoryGroups:

@@ -66,22 +66,22 @@ def init_distributed(
 ) -> ParallelGroups:
     """Join the process group as `rank` and build every parallel group.
 
-    A world of one initialises nothing and returns `ParallelGroups.single()`.
+    A world of one initialises nothing and returns `ParallelGroups.single(parallel.dims)`.
     Outside torchrun, rank 0 hosts the TCP store at `master_port`; given the
     `workers` it spawned, it waits for them to join (failing fast on a dead one)
     before it enters the process group. With NCCL, this process's GPU is its
     local rank (LOCAL_RANK, else rank).
     """
-    if world_size != parallel.world_size:
+    if world_size != parallel.dims.world_size:
         raise ValueError(
             f"{world_size} processes started but DP={parallel.data_parallel_size} x "
             f"PCP={parallel.prefill_context_parallel_size} x TP={parallel.tensor_parallel_size} "
-            f"needs {parallel.world_size}"
+            f"needs {parallel.dims.world_size}"
         )
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is outside the world of size {world_size}")
     if world_size == 1:
-        return ParallelGroups.single()
+        return ParallelGroups.single(parallel.dims)
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     backend = backend or choose_backend(local_world)

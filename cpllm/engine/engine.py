@@ -36,7 +36,7 @@ class LLMEngine:
         self.config, self.tokenizer = config, tokenizer
         self.executor = executor
         # A virtual block spans the ranks one request's KV is divided over (PCP x DCP, or DCP when replicated).
-        self.tokens_per_block = config.cache.block_size * config.parallel.kv_shard_size
+        self.tokens_per_block = config.cache.block_size * config.parallel.dims.kv_shard_size
         num_blocks = self.executor.num_blocks
         self.kv_capacity_tokens = num_blocks * self.tokens_per_block
         self.max_model_len = min(config.scheduler.max_model_len, self.kv_capacity_tokens)
@@ -55,12 +55,12 @@ class LLMEngine:
         self._sequences: dict[str, tuple[RequestState, Sequence]] = {}
 
     def _log_layout(self, num_blocks: int) -> None:
-        p = self.config.parallel
+        p, dims = self.config.parallel, self.config.parallel.dims
         logger.info(
             "layout: world=%d dp=%d pcp=%d tp=%d dcp=%d cp_size=%d interleave=%d prefill_strategy=%s "
             "kv_cache_layout=%s",
-            p.world_size, p.data_parallel_size, p.prefill_context_parallel_size, p.tensor_parallel_size,
-            p.decode_context_parallel_size, p.cp_size, p.cp_kv_cache_interleave_size, p.cp_prefill_strategy,
+            dims.world_size, p.data_parallel_size, p.prefill_context_parallel_size, p.tensor_parallel_size,
+            p.decode_context_parallel_size, dims.cp_size, p.cp_kv_cache_interleave_size, p.cp_prefill_strategy,
             p.cp_kv_cache_layout,
         )
         logger.info(
@@ -68,13 +68,13 @@ class LLMEngine:
             "over %d ranks, so the replica holds %d tokens",
             num_blocks, self.config.cache.block_size, self.executor.runner.kv_bytes / 2**20,
             str(self.executor.runner.kv_dtype).removeprefix("torch."), p.cp_kv_cache_layout,
-            p.kv_shard_size, self.kv_capacity_tokens,
+            dims.kv_shard_size, self.kv_capacity_tokens,
         )
         if p.prefill_context_parallel_size > 1:
             per_rank = num_blocks * self.config.cache.block_size
             logger.info("KV capacity by layout with these blocks: sharded %d tokens (over PCP x DCP = %d ranks), "
                         "replicated %d tokens (a copy per PCP rank, over DCP = %d ranks)",
-                        per_rank * p.cp_size, p.cp_size, per_rank * p.decode_context_parallel_size,
+                        per_rank * dims.cp_size, dims.cp_size, per_rank * p.decode_context_parallel_size,
                         p.decode_context_parallel_size)
 
     # ---- requests -------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cpllm.distributed.comm import all_gather, all_reduce
+from cpllm.distributed.groups import PCPSplit
 from cpllm.kernels.rms_norm import rms_norm
 from cpllm.model import packed_weights
 from cpllm.model.loader import WeightSource
@@ -169,7 +170,7 @@ def pack_plain_weight(linear: ColumnParallelLinear | RowParallelLinear) -> None:
         linear.packed, linear.weight = packed_weights.pack(weight.t()), None
 
 
-def vocab_shard(vocab_size: int, tp: TPShard) -> tuple[int, int]:
+def vocab_shard(vocab_size: int, tp: TPShard | PCPSplit) -> tuple[int, int]:
     """Vocabulary rows [start, end) of this rank (the last rank may hold fewer)."""
     per_rank = -(-vocab_size // tp.size)
     start = min(tp.rank * per_rank, vocab_size)
@@ -219,7 +220,7 @@ class ParallelLMHead(torch.nn.Module):
     see cpllm/model/quant_plan.py)."""
 
     def __init__(self, embedding: VocabParallelEmbedding | None, name: str, vocab_size: int, hidden: int,
-                 tp: TPShard, dtype: torch.dtype, quantization: str = "none", pcp: TPShard | None = None):
+                 tp: TPShard, dtype: torch.dtype, quantization: str = "none", pcp: PCPSplit | None = None):
         """`pcp`: this rank's place in its PCP group when the PCP ranks split the head (each computes 1/PCP of
         this TP shard's rows, for rows every PCP rank holds; cpllm/worker/runner.py); None: one rank computes."""
         super().__init__()

@@ -12,10 +12,12 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from cpllm.config import ModelConfig, kv_heads_of_tp_rank
+from cpllm.config import ModelConfig
 from cpllm.context_parallel.attention import CPComm, PagedCPAttention
 from cpllm.context_parallel.metadata import AttentionMetadata
 from cpllm.distributed.comm import low_latency
+from cpllm.distributed.groups import PCPSplit
+from cpllm.distributed.parallel_dims import kv_heads_of_tp_rank
 from cpllm.kernels.decode_rows import rope_qk_, silu_mul
 from cpllm.model.layers import (
     ColumnParallelLinear,
@@ -95,8 +97,8 @@ class LlamaAttention(torch.nn.Module):
 
 class LlamaMLP(torch.nn.Module):
     def __init__(self, config: ModelConfig, prefix: str, tp: TPShard, dtype: torch.dtype,
-                 decode_split: MoEShard | None = None):
-        """`decode_split`: this rank's TP and PCP place, to split decode-only steps over the PCP ranks (sharded KV
+                 decode_split: PCPSplit | None = None):
+        """`decode_split`: this rank's place in its PCP group, to split decode-only steps over the PCP ranks (sharded KV
         layout, PCP > 1, cheap collectives; cpllm/model/mlp_split.py); None: always the whole shard."""
         super().__init__()
         shard = config.intermediate_size // tp.size
@@ -115,8 +117,8 @@ class LlamaMLP(torch.nn.Module):
         self.down_proj = RowParallelLinear(f"{prefix}.down_proj", config.intermediate_size, config.hidden_size, tp,
                                            dtype, config.quantization)
         self.decode_split = None
-        if decode_split is not None and can_split(shard, config.hidden_size, decode_split.pcp_size):
-            self.decode_split = DecodeSplitMLP(prefix, config.hidden_size, start, shard, decode_split, dtype,
+        if decode_split is not None and can_split(shard, config.hidden_size, decode_split.size):
+            self.decode_split = DecodeSplitMLP(prefix, config.hidden_size, start, shard, tp, decode_split, dtype,
                                                config.quantization)
 
     def after_load(self, source: WeightSource) -> None:
@@ -138,7 +140,7 @@ class LlamaMLP(torch.nn.Module):
 
 class LlamaDecoderLayer(torch.nn.Module):
     def __init__(self, config: ModelConfig, index: int, tp: TPShard, comm: CPComm, dtype: torch.dtype,
-                 moe: MoEShard | None = None):
+                 moe: MoEShard | None = None, pcp: PCPSplit | None = None):
         super().__init__()
         prefix = f"model.layers.{index}"
         eps = config.rms_norm_eps
@@ -154,8 +156,8 @@ class LlamaDecoderLayer(torch.nn.Module):
             # Replicated layout: PCP ranks hold different tokens. Over gloo's TCP the extra collectives cost more
             # than the halved weight streaming saves.
             split = None
-            if comm.kv_cache_layout == "sharded" and moe is not None and low_latency(moe.pcp_group):
-                split = moe
+            if not comm.dims.kv_replicated and pcp is not None and low_latency(pcp.group):
+                split = pcp
             self.mlp = LlamaMLP(config, f"{prefix}.mlp", tp, dtype, split)
 
     def forward(self, hidden, rope_tables, kv_cache, meta, keep: torch.Tensor | None = None):
@@ -176,21 +178,22 @@ class LlamaForCausalLM(torch.nn.Module):
     """Decoder stack; `forward` returns final hidden states, `logits` applies the LM head to chosen rows."""
 
     def __init__(self, config: ModelConfig, tp: TPShard, comm: CPComm, dtype: torch.dtype, max_positions: int,
-                 moe: MoEShard | None = None):
-        """`moe`: this rank's place in the MoE group (MoE models; None = this TP group alone)."""
+                 moe: MoEShard | None = None, pcp: PCPSplit | None = None):
+        """`moe`: this rank's place in the MoE group (MoE models; None = this TP group alone). `pcp`: this rank's
+        place in its PCP group, which decode-only steps may split the dense MLPs and the LM head over (None: no
+        split)."""
         super().__init__()
         self.config = config
         h = config.hidden_size
         self.embed_tokens = VocabParallelEmbedding("model.embed_tokens.weight", config.vocab_size, h, tp, dtype,
                                                    config.quantization)
         self.layers = torch.nn.ModuleList(
-            LlamaDecoderLayer(config, i, tp, comm, dtype, moe) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, tp, comm, dtype, moe, pcp=pcp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm("model.norm.weight", h, config.rms_norm_eps, dtype)
         tied = self.embed_tokens if config.tie_word_embeddings else None
-        head_pcp = None  # the head split adds one collective per step: only where collectives are cheap
-        if moe is not None and low_latency(moe.pcp_group):
-            head_pcp = TPShard(rank=moe.pcp_rank, size=moe.pcp_size, group=moe.pcp_group)
+        # the head split adds one collective per step: only where collectives are cheap
+        head_pcp = pcp if pcp is not None and low_latency(pcp.group) else None
         self.lm_head = ParallelLMHead(tied, "lm_head.weight", config.vocab_size, h, tp, dtype, config.quantization,
                                       pcp=head_pcp)
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, max_positions)

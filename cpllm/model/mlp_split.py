@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from cpllm.distributed.comm import all_gather
-from cpllm.model.layers import ColumnParallelLinear, RowParallelLinear, RowRange
+from cpllm.distributed.groups import PCPSplit
+from cpllm.model.layers import ColumnParallelLinear, RowParallelLinear, RowRange, TPShard
 from cpllm.model.loader import WeightSource
-from cpllm.model.moe_placement import MoEShard
 
 
 def can_split(shard_rows: int, hidden: int, pcp_size: int) -> bool:
@@ -39,16 +39,16 @@ def can_split(shard_rows: int, hidden: int, pcp_size: int) -> bool:
 class DecodeSplitMLP(torch.nn.Module):
     """This PCP rank's columns of one TP shard's gate, up and down projections, for decode-only steps."""
 
-    def __init__(self, prefix: str, hidden: int, shard_start: int, shard_rows: int, moe: MoEShard,
+    def __init__(self, prefix: str, hidden: int, shard_start: int, shard_rows: int, tp: TPShard, pcp: PCPSplit,
                  dtype: torch.dtype, quantization: str):
         super().__init__()
         self.prefix, self.hidden, self.dtype, self.quantization = prefix, hidden, dtype, quantization
-        self.shard_start, self.shard_rows, self.tp = shard_start, shard_rows, moe.tp
-        self.rows = shard_rows // moe.pcp_size
-        self.offset = moe.pcp_rank * self.rows  # first intermediate column of this rank, within the TP shard
-        self.out_cols = hidden // moe.pcp_size
-        self.out_offset = moe.pcp_rank * self.out_cols
-        self.group = moe.pcp_group
+        self.shard_start, self.shard_rows, self.tp = shard_start, shard_rows, tp
+        self.rows = shard_rows // pcp.size
+        self.offset = pcp.rank * self.rows  # first intermediate column of this rank, within the TP shard
+        self.out_cols = hidden // pcp.size
+        self.out_offset = pcp.rank * self.out_cols
+        self.group = pcp.group
         self.usable = True
         """False when a quantized projection cannot be sliced here (TP > 1): decode then runs the whole shard."""
         self.gate_up: ColumnParallelLinear | None = None

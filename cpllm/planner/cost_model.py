@@ -1,4 +1,5 @@
-"""Predicted time of prefill and decode for a model, a device and a TP x PCP x DCP layout.
+"""Predicted time of prefill and decode for a model, a device and a TP x PCP x DCP layout (the `ParallelDims` of
+one replica: its DP size plays no part).
 
 Per layer and per rank (T new tokens, P cached, N = PCP, C = KV shard group, local heads Hq_l = Hq / TP and
 Hkv_l = max(1, Hkv / TP), head width D, element size e):
@@ -31,6 +32,7 @@ import math
 from dataclasses import dataclass, field
 
 from cpllm.config import ModelConfig
+from cpllm.distributed.parallel_dims import ParallelDims
 from cpllm.planner.hardware import HardwareSpec
 
 WEIGHT_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
@@ -39,32 +41,6 @@ PARTIAL_BYTES = 4
 USABLE_MEMORY = 0.9
 """Share of device memory for weights and KV (the rest: activations, workspace, fragmentation)."""
 STRATEGIES = ("allgather", "ring", "pass-kv", "pass-q")
-
-
-@dataclass(kw_only=True, frozen=True, slots=True)
-class Layout:
-    """Devices of one replica: world = TP x PCP, ranks laid out as arange(world).reshape(PCP, TP)."""
-
-    tp: int
-    """Tensor-parallel ranks (consecutive devices, so inside a node while TP <= devices per node)."""
-    pcp: int
-    """Prefill context-parallel ranks (stride TP)."""
-    dcp: int = 1
-    """Decode context-parallel ranks (inside the TP group)."""
-    kv_layout: str = "sharded"
-    """"sharded" (KV over PCP x DCP) or "replicated" (a copy per PCP rank, sharded over DCP)."""
-
-    @property
-    def devices(self) -> int:
-        return self.tp * self.pcp
-
-    @property
-    def kv_shards(self) -> int:
-        return self.dcp if self.kv_layout == "replicated" else self.pcp * self.dcp
-
-    def label(self) -> str:
-        suffix = "-repl" if self.kv_layout == "replicated" else ""
-        return f"{self.tp}x{self.pcp}x{self.dcp}{suffix}"
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -192,7 +168,7 @@ class CostModel:
 
     # ---- prefill ------------------------------------------------------------------------------------------
 
-    def prefill(self, layout: Layout, new: int, cached: int = 0, strategy: str = "ring") -> PrefillCost:
+    def prefill(self, layout: ParallelDims, new: int, cached: int = 0, strategy: str = "ring") -> PrefillCost:
         """Time of one prefill step of `new` tokens after `cached` ones, whole model."""
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy={strategy!r}; the cost model knows {STRATEGIES}")
@@ -216,12 +192,12 @@ class CostModel:
                            tp_comm_s=tp_comm_s,
                            cp_exposed_s=exposed * layers, cp_blocking_s=blocking * layers)
 
-    def _cp_per_layer(self, layout: Layout, new: int, cached: int, strategy: str,
+    def _cp_per_layer(self, layout: ParallelDims, new: int, cached: int, strategy: str,
                       attention_layer_s: float) -> tuple[float, float]:
         """(exposed ring time, blocking collective time) of one layer."""
         m, prec = self.model, self.precision
         n, tp = layout.pcp, layout.tp
-        cp = layout.pcp * layout.dcp
+        cp = layout.cp_size
         hq, hkv = self.local_heads(tp)
         d, e = m.head_dim, prec.activation_bytes
         rows = new / n
@@ -268,29 +244,29 @@ class CostModel:
         _, hkv = self.local_heads(tp)
         return 2 * self.model.num_hidden_layers * hkv * self.model.head_dim * self.precision.kv_bytes
 
-    def decode_step(self, layout: Layout, context: int, batch: int = 1) -> float:
+    def decode_step(self, layout: ParallelDims, context: int, batch: int = 1) -> float:
         """Seconds of one decode step of `batch` requests of `context` tokens each (the time per output token)."""
         m, hw = self.model, self.hw
         tp, n = layout.tp, layout.pcp
         hq, _ = self.local_heads(tp)
-        local_batch = math.ceil(batch / n) if layout.kv_layout == "replicated" else batch
+        local_batch = math.ceil(batch / n) if layout.kv_replicated else batch
         weights = self.weight_bytes() / tp / hw.memory_bw
-        kv = local_batch * context / layout.kv_shards * self.kv_bytes_per_token(tp) / hw.memory_bw
+        kv = local_batch * context / layout.kv_shard_size * self.kv_bytes_per_token(tp) / hw.memory_bw
         hidden = local_batch * m.hidden_size * self.precision.activation_bytes
         per_layer = 2 * self.all_reduce_time(hidden, tp)
-        shard_group = layout.kv_shards
+        shard_group = layout.kv_shard_size
         if shard_group > 1:  # partials of every query over the KV shard group (one collective per layer)
-            inter = self._crosses_nodes(n, tp) and layout.kv_layout == "sharded"
+            inter = self._crosses_nodes(n, tp) and not layout.kv_replicated
             per_layer += self.exchange_time(local_batch * hq * (m.head_dim + 1) * PARTIAL_BYTES, shard_group - 1,
                                             inter=inter)
         return weights + kv + per_layer * m.num_hidden_layers
 
     # ---- memory -------------------------------------------------------------------------------------------
 
-    def memory(self, layout: Layout) -> MemoryCost:
+    def memory(self, layout: ParallelDims) -> MemoryCost:
         weights = self.weight_bytes() / layout.tp
         per_token = self.kv_bytes_per_token(layout.tp)
         free = self.hw.memory_bytes * USABLE_MEMORY - weights
-        tokens = int(max(free, 0) // per_token) * layout.kv_shards
+        tokens = int(max(free, 0) // per_token) * layout.kv_shard_size
         return MemoryCost(weights_bytes=weights, kv_bytes_per_token=per_token, kv_capacity_tokens=tokens,
                           fits_weights=free > 0)

@@ -5,7 +5,8 @@ Used by tests/test_planner.py (which asserts the errors) and by the benchmark pa
 
 from __future__ import annotations
 
-from cpllm.planner.cost_model import CostModel, Layout, Precision
+from cpllm.distributed.parallel_dims import ParallelDims
+from cpllm.planner.cost_model import CostModel, Precision
 from cpllm.planner.hardware import builtin_hardware
 from cpllm.planner.models import load_model_shape
 from cpllm.planner.plan import PlanRequest, fit_efficiency, plan
@@ -21,7 +22,7 @@ def paper_cost(efficiency: float = 1.0) -> CostModel:
 
 def fitted_efficiency() -> float:
     """The one factor, from the CP1 point alone (one node: TP8, nothing to overlap)."""
-    return fit_efficiency(paper_cost(), Layout(tp=8, pcp=1), TABLE7_TOKENS, TABLE7[(1, "8x1x1")])
+    return fit_efficiency(paper_cost(), ParallelDims(tp=8, pcp=1), TABLE7_TOKENS, TABLE7[(1, "8x1x1")])
 
 
 def table7_predictions() -> list[dict]:

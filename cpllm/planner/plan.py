@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cpllm.config import ModelConfig, ParallelConfig, valid_dcp_sizes
-from cpllm.planner.cost_model import CostModel, Layout
+from cpllm.config import ModelConfig
+from cpllm.distributed.parallel_dims import ParallelDims, valid_dcp_sizes
+from cpllm.planner.cost_model import CostModel
 from cpllm.planner.strategy import StepSizes, choose
 
 
@@ -51,7 +52,7 @@ class PlanRequest:
 class LayoutPrediction:
     """What the cost model expects of one layout."""
 
-    layout: Layout
+    layout: ParallelDims
     strategy: str
     """Prefill strategy auto picks ("-" without PCP)."""
     ttft_s: float
@@ -66,7 +67,7 @@ class LayoutPrediction:
     def row(self) -> dict:
         return {
             "layout": self.layout.label(), "tp": self.layout.tp, "pcp": self.layout.pcp, "dcp": self.layout.dcp,
-            "kv_layout": self.layout.kv_layout, "strategy": self.strategy, "ttft_s": round(self.ttft_s, 4),
+            "kv_layout": self.layout.kv_cache_layout, "strategy": self.strategy, "ttft_s": round(self.ttft_s, 4),
             "decode_ms_per_token": round(self.decode_s_per_token * 1e3, 3),
             "kv_capacity_tokens": self.kv_capacity_tokens,
             "weights_gib_per_device": round(self.weights_per_device_bytes / 2**30, 3),
@@ -75,36 +76,36 @@ class LayoutPrediction:
         }
 
 
-def valid_layouts(model: ModelConfig, devices: int) -> list[Layout]:
+def valid_layouts(model: ModelConfig, devices: int) -> list[ParallelDims]:
     """Every TP x PCP = `devices` layout the engine accepts for `model`, each DCP size, both KV layouts."""
     layouts = []
     for tp in (t for t in range(1, devices + 1) if devices % t == 0):
         pcp = devices // tp
         try:
-            ParallelConfig(tensor_parallel_size=tp, prefill_context_parallel_size=pcp).validate_for_model(model)
+            ParallelDims(tp=tp, pcp=pcp).validate(model)
         except ValueError:
             continue
         for dcp in valid_dcp_sizes(tp, model.num_key_value_heads):
-            for kv_layout in ("sharded", "replicated") if pcp > 1 else ("sharded",):
-                layouts.append(Layout(tp=tp, pcp=pcp, dcp=dcp, kv_layout=kv_layout))
+            for replicated in (False, True) if pcp > 1 else (False,):
+                layouts.append(ParallelDims(tp=tp, pcp=pcp, dcp=dcp, kv_replicated=replicated))
     return layouts
 
 
-def auto_strategy(cost: CostModel, layout: Layout, request: PlanRequest) -> str:
+def auto_strategy(cost: CostModel, layout: ParallelDims, request: PlanRequest) -> str:
     """What `--cp-prefill-strategy auto` runs for this request on this layout (the engine's own decision,
     strategy.choose, on this cost model)."""
     if layout.pcp == 1:
         return "-"
-    if layout.kv_layout == "replicated":
+    if layout.kv_replicated:
         return "ring"
     return choose(cost, layout, StepSizes(new=request.new, cached=request.cached)).strategy
 
 
-def predict(cost: CostModel, layout: Layout, request: PlanRequest) -> LayoutPrediction:
+def predict(cost: CostModel, layout: ParallelDims, request: PlanRequest) -> LayoutPrediction:
     strategy = auto_strategy(cost, layout, request)
     ttft = cost.prefill(layout, request.new, request.cached, "ring" if strategy == "-" else strategy).total_s
     memory = cost.memory(layout)
-    kv_shard = -(-request.context // layout.kv_shards) * memory.kv_bytes_per_token
+    kv_shard = -(-request.context // layout.kv_shard_size) * memory.kv_bytes_per_token
     fits = memory.fits_weights and request.context <= memory.kv_capacity_tokens
     return LayoutPrediction(
         layout=layout, strategy=strategy, ttft_s=ttft,
@@ -131,7 +132,8 @@ def recommend(predictions: list[LayoutPrediction], request: PlanRequest) -> Layo
     return min(candidates, key=lambda p: (p.ttft_s, p.decode_s_per_token))
 
 
-def fit_efficiency(cost: CostModel, layout: Layout, tokens: int, measured_s: float, strategy: str = "ring") -> float:
+def fit_efficiency(cost: CostModel, layout: ParallelDims, tokens: int, measured_s: float,
+                   strategy: str = "ring") -> float:
     """The compute efficiency that makes the model's prefill of `tokens` on `layout` take `measured_s`: the
     communication terms do not depend on it when nothing overlaps (one node, TP only), so it is closed form."""
     at_peak = CostModel(cost.model, cost.hw.with_efficiency(1.0), cost.precision).prefill(layout, tokens, 0, strategy)

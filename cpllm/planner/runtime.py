@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from cpllm.config import ModelConfig, ParallelConfig
-from cpllm.planner.cost_model import CostModel, Layout, Precision
+from cpllm.distributed.parallel_dims import ParallelDims
+from cpllm.planner.cost_model import CostModel, Precision
 from cpllm.planner.hardware import HardwareSpec, builtin_hardware
 from cpllm.planner.strategy import PASS_KV, choose, step_sizes
 
@@ -37,7 +38,7 @@ class EngineCost:
     """The cost model `auto` consults and the engine's layout in its terms."""
 
     cost: CostModel
-    layout: Layout
+    layout: ParallelDims
 
 
 def engine_cost(parallel: ParallelConfig, model: ModelConfig, element_bytes: int,
@@ -46,9 +47,7 @@ def engine_cost(parallel: ParallelConfig, model: ModelConfig, element_bytes: int
     scales the linear layers, the same under every strategy) does not move the choice."""
     precision = Precision(weight_format="fp32" if element_bytes == 4 else "bf16",
                           activation_bytes=element_bytes, kv_bytes=element_bytes)
-    layout = Layout(tp=parallel.tensor_parallel_size, pcp=parallel.prefill_context_parallel_size,
-                    dcp=parallel.decode_context_parallel_size, kv_layout=parallel.cp_kv_cache_layout)
-    return EngineCost(cost=CostModel(model, hardware, precision), layout=layout)
+    return EngineCost(cost=CostModel(model, hardware, precision), layout=parallel.dims)
 
 
 class StepStrategy:
@@ -57,7 +56,7 @@ class StepStrategy:
 
     def __init__(self, parallel: ParallelConfig, engine: EngineCost):
         self.configured = parallel.cp_prefill_strategy
-        self.replicated = parallel.cp_kv_cache_layout == "replicated"
+        self.replicated = parallel.dims.kv_replicated
         self.engine = engine
         self.counts: dict[str, int] = {name: 0 for name in COUNTED_STRATEGIES}
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cpllm.planner.cost_model import CostModel, Layout
+from cpllm.distributed.parallel_dims import ParallelDims
+from cpllm.planner.cost_model import CostModel
 
 PASS_KV = "ring"
 PASS_Q = "pass-q"
@@ -60,7 +61,7 @@ class StrategyChoice:
     """Predicted prefill seconds of the step (whole model) per candidate."""
 
 
-def choose(cost: CostModel, layout: Layout, sizes: StepSizes,
+def choose(cost: CostModel, layout: ParallelDims, sizes: StepSizes,
            candidates: tuple[str, ...] = ENGINE_CHOICES) -> StrategyChoice:
     """The candidate with the smallest predicted prefill time (the first one on a tie)."""
     if sizes.new <= 0:

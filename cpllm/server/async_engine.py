@@ -73,7 +73,7 @@ class AsyncEngine:
         self.error: BaseException | None = None
         """Why the step loop died, or None while it is healthy."""
         groups = engine.executor.groups
-        self._ranks = groups.layout.replica_group(groups.rank)
+        self._ranks = groups.replica_ranks
         self._pcp = parallel.prefill_context_parallel_size
 
     # ---- event-loop side ------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ def available_memory_bytes(device: torch.device) -> int:
 def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
     if config.cache.kv_cache_memory_bytes is not None:
         return config.cache.kv_cache_memory_bytes
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", config.parallel.world_size))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", config.parallel.dims.world_size))
     if device.type == "cuda":
         local_ranks = 1  # one process per GPU
     budget = int(available_memory_bytes(device) * DEFAULT_MEMORY_FRACTION / local_ranks)

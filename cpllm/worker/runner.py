@@ -40,22 +40,20 @@ class ModelRunner:
         self.dtype = DTYPES[config.dtype]
         self.kv_dtype = self.dtype if config.cache.kv_cache_dtype == "auto" else DTYPES[config.cache.kv_cache_dtype]
         tp = TPShard(rank=groups.tp_rank, size=groups.tp_size, group=groups.tp_group)
-        self.replicated = config.parallel.cp_kv_cache_layout == "replicated"
+        self.replicated = groups.dims.kv_replicated
         comm = CPComm(
-            pcp_group=groups.pcp_group, pcp_size=groups.pcp_size, pcp_rank=groups.pcp_rank,
-            cp_group=groups.cp_group, cp_size=groups.cp_size, cp_rank=groups.cp_rank,
-            strategy=config.parallel.cp_prefill_strategy, dcp_group=groups.dcp_group,
-            kv_cache_layout=config.parallel.cp_kv_cache_layout,
+            dims=groups.dims, pcp_group=groups.pcp_group, pcp_rank=groups.pcp_rank, cp_group=groups.cp_group,
+            cp_rank=groups.cp_rank, strategy=config.parallel.cp_prefill_strategy, dcp_group=groups.dcp_group,
         )
         # Replicated: every PCP rank keeps a whole copy, divided over the DCP group only.
-        self.layout = KVLayout(cp_size=config.parallel.kv_shard_size,
-                               cp_rank=groups.dcp_rank if self.replicated else groups.cp_rank,
+        self.layout = KVLayout(cp_size=groups.dims.kv_shard_size, cp_rank=groups.kv_shard_rank,
                                interleave=config.parallel.cp_kv_cache_interleave_size,
                                block_size=config.cache.block_size)
         moe = MoEShard(tp=tp, pcp_rank=groups.pcp_rank, pcp_size=groups.pcp_size, pcp_group=groups.pcp_group,
-                       group=groups.moe_group, expert_parallel=config.parallel.enable_expert_parallel)
+                       group=groups.moe_group, expert_parallel=groups.dims.expert_parallel)
         with torch.device(device):
-            self.model = LlamaForCausalLM(config.model, tp, comm, self.dtype, config.scheduler.max_model_len, moe)
+            self.model = LlamaForCausalLM(config.model, tp, comm, self.dtype, config.scheduler.max_model_len, moe,
+                                          groups.pcp_split)
         self.model.load_weights(open_weights(config.model_path))
         _, self.num_kv_heads = local_kv_heads(config.model, tp)
         element_bytes = torch.empty((), dtype=self.dtype).element_size()
