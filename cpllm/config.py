@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cpllm.config_moe import MOE_ARCHITECTURES, MoEConfig
-from cpllm.distributed.parallel_dims import KV_CACHE_LAYOUTS, REPLICATED, ParallelDims
+from cpllm.distributed.parallel_dims import KV_CACHE_LAYOUTS, REPLICATED, SHARDED, ParallelDims
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            *MOE_ARCHITECTURES)
@@ -161,7 +161,7 @@ class ParallelConfig:
     """Consecutive tokens stored on one CP rank before moving to the next."""
     cp_prefill_strategy: str = "auto"
     """How prefill moves data over PCP ranks, one of PREFILL_STRATEGIES."""
-    cp_kv_cache_layout: str = "sharded"
+    cp_kv_cache_layout: str = SHARDED
     """Where each token's K/V live, one of KV_CACHE_LAYOUTS."""
     distributed_timeout_s: float = 120.0
     """A collective that waits longer than this fails with an error naming the rank."""

@@ -1,9 +1,10 @@
 """Mixture-of-experts shape and placement checks (no I/O, no torch).
 
-A MoE model's experts are placed over the MoE group: the flattened TP x PCP ranks of one replica (size M), as
-DESIGN section 9 says. Expert-TP (default) splits every expert's intermediate dimension over M; expert
-parallelism (`enable_expert_parallel`) gives each rank E / M whole experts. What cannot be placed is refused here,
-with the values, before any process starts.
+A MoE model's experts are placed over the MoE group: the flattened TP x PCP ranks of one replica (size M; the
+`moe` group of cpllm/distributed/parallel_dims.py, docs/context_parallel.md "Mixture of experts under PCP").
+Expert-TP (default) splits every expert's intermediate dimension over M; expert parallelism
+(`enable_expert_parallel`) gives each rank E / M whole experts. What cannot be placed is refused here (called by
+`ParallelDims.validate`), with the values, before any process starts.
 """
 
 from __future__ import annotations

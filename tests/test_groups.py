@@ -31,7 +31,7 @@ def _layouts(max_world: int):
 
 
 def _brute_force(dp: int, pcp: int, tp: int, dcp: int, replicated: bool = False) -> dict[str, dict[int, list[int]]]:
-    """Group members per rank, written from the DESIGN table with no shared code."""
+    """Group members per rank, written from the rank-group table of docs/context_parallel.md with no shared code."""
     coords = {}
     for rank, (d, p, t) in enumerate(itertools.product(range(dp), range(pcp), range(tp))):
         coords[rank] = (d, p, t)

@@ -187,7 +187,7 @@ class ParallelGroups:
         fast = _SharedMemoryGroups.open(parallel, world_cpu, rank, timeout_s)
         # dp_group carries no tensor collectives (the DP front uses dp_cpu_group's gloo object calls)
         mine = {kind: group if kind == "dp" else fast.wrap(group, dims.members(kind, rank),
-                                                           COMMAND_TIMEOUT_S if kind == "replica" else timeout_s)
+                                                           COMMAND_TIMEOUT_S if kind in _CONTROL_KINDS else timeout_s)
                 for kind, group in mine.items()}
         return cls(rank=rank, dims=dims, backend=backend, dp_cpu_group=dp_cpu, world_cpu_group=world_cpu,
                    **{f"{kind}_group": group for kind, group in mine.items()})

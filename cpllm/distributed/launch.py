@@ -1,4 +1,4 @@
-"""Joining the world: under torchrun, or as the driver / a worker it spawned (DESIGN section 1).
+"""Joining the world: under torchrun, or as the driver / a worker it spawned (docs/architecture.md "Starting ranks").
 
 Both paths end in `init_distributed`, so the rest of the engine cannot tell them
 apart. Every collective is bounded by `timeout_s` (given to init_process_group

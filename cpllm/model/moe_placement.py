@@ -1,6 +1,6 @@
 """Where a MoE layer's experts live: the MoE group (flattened TP x PCP ranks of a replica) and this rank's share.
 
-The group rank is `m = pcp_rank * TP + tp_rank` (the replica's rank order, DESIGN section 2), M = TP x PCP.
+The group rank is `m = pcp_rank * TP + tp_rank` (the replica's rank order: `ParallelDims.moe_rank`), M = TP x PCP.
 - expert-TP (default): rank m holds rows [m*I/M, (m+1)*I/M) of every expert's gate and up projections and the
   same columns of its down projection; each rank's partial outputs sum to the expert's output.
 - expert parallel: rank m holds experts [m*E/M, (m+1)*E/M) whole; a token's partials come from the ranks

@@ -37,7 +37,7 @@ from cpllm.planner.hardware import HardwareSpec
 
 WEIGHT_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
 PARTIAL_BYTES = 4
-"""cpllm returns attention partials in float32 (DESIGN section 5)."""
+"""cpllm returns attention partials in float32 (docs/context_parallel.md "Exact merge")."""
 USABLE_MEMORY = 0.9
 """Share of device memory for weights and KV (the rest: activations, workspace, fragmentation)."""
 STRATEGIES = ("allgather", "ring", "pass-kv", "pass-q")

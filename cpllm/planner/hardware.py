@@ -90,7 +90,7 @@ BUILTIN: dict[str, HardwareSpec] = {
     # one 200 Gb/s HDR NIC per GPU (DGX A100).
     "a100": HardwareSpec(name="a100", peak_flops=312e12, memory_bytes=80 * GB, memory_bw=2.039e12,
                          intra_node_bw=300 * GB, inter_node_bw=25 * GB, devices_per_node=8),
-    # This 2-core CPU machine, one rank per core (DESIGN section 8): fp32 matmul ~90 GFLOP/s on one thread,
+    # This 2-core CPU machine, one rank per core (docs/platform.md "The CPUs"): fp32 matmul ~90 GFLOP/s on one thread,
     # memory copy ~11 GB/s, gloo point-to-point ~810 MiB/s, collective latency ~0.1 ms.
     "cpu": HardwareSpec(name="cpu", peak_flops=90e9, memory_bytes=16 * GB, memory_bw=11 * GB,
                         intra_node_bw=0.85 * GB, inter_node_bw=0.85 * GB, devices_per_node=2,
