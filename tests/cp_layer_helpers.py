@@ -25,6 +25,7 @@ from cpllm.config import ParallelConfig
 from cpllm.context_parallel import attention as attention_module
 from cpllm.context_parallel.attention import CPComm, PagedCPAttention
 from cpllm.context_parallel.kv_layout import KVLayout
+from cpllm.context_parallel.gqa_backend import GQAPagedBackend
 from cpllm.context_parallel.metadata import build_step_batch
 from cpllm.context_parallel.sdpa import reference_attention
 from cpllm.distributed.groups import ParallelGroups
@@ -236,10 +237,11 @@ class _LoggedTransfer:
         return self._transfer.wait()
 
 
-def logged_ring(module, attend_name: str, run) -> tuple[list, dict]:
-    """Run `run()` with `module.ring_exchange` and `module.<attend_name>` logging post / wait / attend events."""
+def logged_ring(module, run) -> tuple[list, dict]:
+    """Run `run()` with `module.ring_exchange` and the GQA backend's `attend` (every local attention call of the
+    CP layer) logging post / wait / attend events."""
     events: list = []
-    real_exchange, real_attend = module.ring_exchange, getattr(module, attend_name)
+    real_exchange, real_attend = module.ring_exchange, GQAPagedBackend.attend
 
     def exchange(tensor, group, **kwargs):
         step = sum(1 for e in events if e[0] == "post")
@@ -251,18 +253,18 @@ def logged_ring(module, attend_name: str, run) -> tuple[list, dict]:
         return real_attend(*args, **kwargs)
 
     module.ring_exchange = exchange
-    setattr(module, attend_name, attend)
+    GQAPagedBackend.attend = staticmethod(attend)
     try:
         result = run()
     finally:
         module.ring_exchange = real_exchange
-        setattr(module, attend_name, real_attend)
+        GQAPagedBackend.attend = staticmethod(real_attend)
     return events, result
 
 
 def ring_events(groups: ParallelGroups, seed: int) -> tuple[list, dict]:
-    """A ring step of fresh prompts with ring_exchange and _attend instrumented: the event order and the result."""
-    return logged_ring(attention_module, "_attend", lambda: run_case(groups, "ring", 1, "ring_order", seed))
+    """A ring step of fresh prompts with ring_exchange and attend instrumented: the event order and the result."""
+    return logged_ring(attention_module, lambda: run_case(groups, "ring", 1, "ring_order", seed))
 
 
 def case_keys() -> list[tuple[str, int, str]]:

@@ -34,7 +34,7 @@ def run_pass_q_case(groups: ParallelGroups, interleave: int, name: str, seed: in
 
 def ring_events(groups: ParallelGroups, seed: int) -> tuple[list, dict]:
     """A pass-Q step of fresh prompts with the query ring and the attention calls logged, and its result."""
-    return helpers.logged_ring(pass_q_module, "attend", lambda: run_pass_q_case(groups, 1, "ring_order", seed))
+    return helpers.logged_ring(pass_q_module, lambda: run_pass_q_case(groups, 1, "ring_order", seed))
 
 
 def run_world(rank: int, world: int, port: int, pcp: int, dcp: int) -> dict:

@@ -11,8 +11,8 @@ the new tokens it owns.
 Tolerance: q and k are 4 x unit normals (peaked softmax, outputs of order 1, a wrong key moves them by O(1));
 fp32 outputs must be within ATOL = 2e-5 (max abs) of the float64 reference (measured worst: about 6e-6).
 
-A second test pins the ring's overlap: with ring_exchange and _attend instrumented, block i's transfer is posted
-before block i's attention and waited for after it.
+A second test pins the ring's overlap: with ring_exchange and the backend's attend instrumented, block i's transfer
+is posted before block i's attention and waited for after it.
 """
 
 from __future__ import annotations

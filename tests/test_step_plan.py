@@ -108,3 +108,22 @@ def test_step_plan_kinds():
     assert {p for p in StepPlan if p.fused} == {StepPlan.FUSED, StepPlan.PCP_TEAM, StepPlan.TP_TEAM}
     assert {p for p in StepPlan if p.team} == {StepPlan.PCP_TEAM, StepPlan.TP_TEAM}
     assert StepPlan("one-shard") is StepPlan.ONE_SHARD
+
+
+def test_the_runner_counts_one_plan_per_step(tmp_path):
+    """One rank: prompt steps plan "prefill", decode steps the fused layers' plan where they were built, else the
+    one-shard eager path; every step is counted once, and the fused layers ran exactly the steps planned fused."""
+    import tiny_models as tm  # tests/ is on sys.path under pytest
+    from cpllm import LLM, SamplingParams
+
+    folder = tm.save_tiny_hf_model(str(tmp_path / "tiny"), seed=5)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(folder, block_size=4, max_model_len=128, threads_per_rank=1) as llm:
+        llm.generate([{"prompt_token_ids": [5 + i] * (3 + i)} for i in range(2)], params)
+        executor = llm.engine.executor
+        stats, fused = executor.rank_stats(), executor.rank_info.decode.fused
+    counts = dict(stats.plan_counts)
+    decode = StepPlan.FUSED.value if fused else StepPlan.ONE_SHARD.value
+    assert set(counts) == {StepPlan.PREFILL.value, decode} and counts[StepPlan.PREFILL.value] >= 1
+    assert counts[decode] >= params.max_tokens - 1
+    assert stats.fused_steps == (counts[decode] if fused else 0)

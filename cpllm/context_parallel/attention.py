@@ -1,4 +1,5 @@
-"""Attention over a paged, CP-sharded KV cache (DESIGN sections 4 and 5).
+"""Attention over a paged, CP-sharded KV cache (docs/context_parallel.md: "Prefill partition",
+"Decode", "Exact merge").
 
 For each layer, a rank's queries see two disjoint key sets whose results merge
 exactly by log-sum-exp:
@@ -13,8 +14,14 @@ both key sets, and the step's metadata says which strategy a step uses.
 With one rank every collective is skipped and the same code is the plain paged
 attention of the single-rank engine.
 
+Steps of single tokens take the path the runner planned (`AttentionMetadata.plan`,
+plan.py): one-shard (and compiled) decode, PCP decode, or the general path above.
+Every call on this rank's own data (storing K/V, attending rows to keys, decode
+rows read from the pools) goes to the layer's `AttentionBackend` (backend.py),
+so this module is written once for every attention kind.
+
 Partial outputs are merged and accumulated in float32 whatever the model dtype
-(DESIGN section 5): only the kernels' own outputs are in the model dtype, and
+(docs/context_parallel.md, "Exact merge"): only the kernels' own outputs are in the model dtype, and
 the layer's result is converted to it once, at the end.
 """
 

@@ -29,10 +29,6 @@ def _context_keys(k_pool, v_pool, slots, dtype):
     return k_pool.index_select(0, slots).to(dtype), v_pool.index_select(0, slots).to(dtype)  # [S, Hkv, D] each
 
 
-def _attend_decode_whole(q, k_pool, v_pool, decode, scale: float) -> torch.Tensor:
-    return local_attention.attend_pooled_single_tokens(q, k_pool, v_pool, decode, scale)[0]
-
-
 class GQAPagedBackend:
     """Query heads in groups over shared K/V heads, K/V rows of [Hkv, D] in the pools (see the module)."""
 
@@ -42,7 +38,7 @@ class GQAPagedBackend:
     attend = staticmethod(local_attention.attend)
     context_keys = staticmethod(_context_keys)
     attend_decode = staticmethod(local_attention.attend_decode)
-    attend_decode_whole = staticmethod(_attend_decode_whole)
+    attend_decode_whole = staticmethod(local_attention.attend_pooled_single_tokens)
     decode_context = staticmethod(local_attention.gather_context)
     attend_gathered_decode = staticmethod(local_attention.attend_single_tokens)
 

@@ -1,6 +1,6 @@
 """Where each token's K/V lives when the KV cache is sharded over a CP group.
 
-DESIGN section 3. With `C = cp_size` and `I = interleave`, token `pos` belongs to
+docs/context_parallel.md, "KV layout". With `C = cp_size` and `I = interleave`, token `pos` belongs to
 rank `(pos // I) % C`, at index `(pos // (C*I))*I + pos % I` of that rank's local
 sequence. The scheduler counts virtual blocks of `block_size * C` tokens; one
 block id names the same physical block index on every CP rank, and each rank

@@ -1,4 +1,5 @@
-"""The attention calls every prefill strategy makes on its own rank, and the float32 accumulation of partials."""
+"""The GQA backend's implementations (gqa_backend.py: the C kernels, SDPA, the compiled-graph forms), and the
+float32 accumulation of partials and the ring's key runs, which the CP layer uses for every backend."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def accumulate(out, lse, rows, o_part, lse_part) -> None:
-    """Merge a partial into rows of a float32 accumulator, in place (DESIGN section 5 for two partials).
+    """Merge a partial into rows of a float32 accumulator, in place (docs/context_parallel.md, "Exact merge").
 
     The accumulator rows may be empty (out 0, lse -inf: their weight is exp(-inf) = 0). Prefill merges several
     partials per query run and layer, so this avoids merge_two's stacked copies: about four passes over the
@@ -89,12 +90,13 @@ def attend_decode(q, k_pool, v_pool, decode, scale: float, every_row_sees_a_key:
     return attend_single_tokens(q, k_ctx, v_ctx, decode, scale, every_row_sees_a_key)
 
 
-def attend_pooled_single_tokens(q, k_pool, v_pool, decode, scale: float):
-    """Single-token queries against their whole context in these pools: each query sees at least itself."""
+def attend_pooled_single_tokens(q, k_pool, v_pool, decode, scale: float) -> torch.Tensor:
+    """Single-token queries against their whole context in these pools: each query sees at least itself, so no
+    partial is merged and only out [B, Hq, D] returns."""
     if torch.compiler.is_compiling():  # the compiled decode step (cpllm/model/decode_graph.py)
         if _kernel_applies(q, k_pool, decode):  # the C kernel, as one opaque op of the graph
             return pooled_decode_attention(q, k_pool, v_pool, decode.slots, decode.lengths, decode.key_mask,
-                                           decode.shared_keys, scale), None
+                                           decode.shared_keys, scale)
         if decode.slots.shape[0] == 1 and decode.key_mask is None:  # one request: inductor fuses this into one
             # pass over the context in the pool's dtype: a view of the pool, or rows gathered by an opaque op (fused
             # into the loops, the gather would become indirect loads, measured several times slower)
@@ -102,12 +104,12 @@ def attend_pooled_single_tokens(q, k_pool, v_pool, decode, scale: float):
                 k_ctx, v_ctx = gather_context(k_pool, decode), gather_context(v_pool, decode)
             else:
                 k_ctx, v_ctx = (gather_slots(pool, decode.slots).transpose(1, 2) for pool in (k_pool, v_pool))
-            return reduction_attention(q.unsqueeze(2), k_ctx, v_ctx, scale, None)[:, :, 0], None
+            return reduction_attention(q.unsqueeze(2), k_ctx, v_ctx, scale, None)[:, :, 0]
         # Several requests: the fused kernel, as one opaque op of the graph (written as sums, a batch of queries
         # computes poorly, and shared keys would be read once per query: measured several times slower).
         return pooled_decode_attention(q, k_pool, v_pool, decode.slots, decode.lengths, decode.key_mask,
-                                       decode.shared_keys, scale), None
-    return attend_decode(q, k_pool, v_pool, decode, scale, every_row_sees_a_key=True)
+                                       decode.shared_keys, scale)
+    return attend_decode(q, k_pool, v_pool, decode, scale, every_row_sees_a_key=True)[0]
 
 
 def _kernel_applies(q, k_pool, decode) -> bool:

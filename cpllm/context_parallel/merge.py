@@ -6,7 +6,7 @@ If partial `r` attended to key set `K_r` and returned its normalised output
     lse = log sum_r exp(lse_r)
     o   = sum_r exp(lse_r - lse) * o_r
 
-(DESIGN section 5). Evaluated max-shifted in float32 so nothing overflows. An
+(docs/context_parallel.md, "Exact merge"). Evaluated max-shifted in float32 so nothing overflows. An
 empty key set has `lse_r = -inf` and contributes nothing, whatever its `o_r`
 holds; a row where every partial is empty yields `o = 0`, `lse = -inf`.
 

@@ -296,7 +296,7 @@ def build_step_batch(chunks, layout: KVLayout, pcp_size: int, pcp_rank: int, out
 def _request_attention(chunk, runs, layout: KVLayout, pcp_rank: int, num_rows: int) -> RequestAttention:
     num_new = len(chunk.token_ids)
     # A single new token is not split: every PCP rank holds it, its owner stores it first, and it then
-    # attends to the cached context including itself (DESIGN section 5).
+    # attends to the cached context including itself (docs/context_parallel.md, "Decode").
     context_len = chunk.start_pos + (1 if num_new == 1 else 0)
     block_table = torch.tensor(chunk.block_table, dtype=torch.long)
     new_kv_rows = None

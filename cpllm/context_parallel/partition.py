@@ -4,7 +4,7 @@ Causal attention makes late tokens more expensive than early ones (they see more
 keys). Cutting the new tokens into `2 * pcp_size` equal chunks and giving rank
 `p` both chunk `p` (cheap, near the head) and chunk `2 * pcp_size - 1 - p`
 (expensive, near the tail) evens out the attention work across ranks
-(DESIGN section 4). Pure Python, no torch: the scheduler side may use it too.
+(docs/context_parallel.md, "Prefill partition"). Pure Python, no torch: the scheduler side may use it too.
 
 Worked example, `T = 10`, `pcp_size = 2`: chunk length 3, chunks
 `[0,3) [3,6) [6,9) [9,10)`; rank 0 computes tokens 0-2 and 9, rank 1 tokens 3-8.

@@ -4,7 +4,7 @@ Context parallelism merges partial attentions (merge.py), which needs each
 partial's log-sum-exp. Backends:
 - CPU: `aten._scaled_dot_product_flash_attention_for_cpu`. It takes GQA
   directly, float masks only, its causal flag is top-left aligned, and a row
-  whose keys are all masked comes back with lse = 0 (DESIGN section 8). It
+  whose keys are all masked comes back with lse = 0 (docs/context_parallel.md, "Exact merge"). It
   crashes the process (SIGFPE) on an empty query or key dimension, so those
   cases never reach it.
 - CUDA: `aten._scaled_dot_product_efficient_attention` (masks, fp32, returns

@@ -4,9 +4,10 @@ An eager batch-1 decode step of a small model spends much of its time in Python 
 operator calls per layer) around kernels that stream the weights at memory speed. When every layer is a dense
 Llama-family layer whose four linears each run as one kernel (the VNNI int4 kernel, or a float32 weight without bias
 in cpllm/kernels/f32_matmul.c), with no q/k norm, `FusedDecode.build` packs each
-layer's pointers once; `run` then takes the steps of single tokens whose batch the decode attention kernel reads
-(no shared keys, every row a decode row) and calls the layer function per layer. Every other step, and every other
-model, runs the eager layers.
+layer's pointers once. `plan` tells the runner which steps of single tokens run fused (`StepPlan.FUSED`, or a
+team's plan): the runner then lays their metadata out as the C layers read it (each request's own slots, every
+row a decode row), and `run` calls the layer function per layer. Every other step, and every other model, runs
+the eager layers.
 
 Under PCP the ranks of one host run these steps as a decode team (cpllm/model/decode_team.py), each computing a
 share of every layer; the sharded KV layout fuses only so, the replicated layout also alone (each rank its own
@@ -22,6 +23,7 @@ import logging
 import torch
 
 from cpllm.context_parallel.metadata import AttentionMetadata
+from cpllm.context_parallel.plan import StepPlan
 from cpllm.kernels import decode_layer
 from cpllm.kernels.checks import TEAM_ABORTED, decode_layer_error
 from cpllm.kernels.decode_attention import POOL_DTYPES
@@ -147,26 +149,22 @@ class FusedDecode:
             return cls(lib, specs, keep, tp, True, tensor_parallel=True, dcp=comm.dcp_size)
         return cls(lib, specs, keep, comm.pcp_size, comm.kv_size > 1)
 
-    def takes(self, meta: AttentionMetadata) -> bool:
-        """This step runs fused: with a team, the steps laid out for it (`AttentionMetadata.decode_team`), and
-        only those; alone, single tokens only, every row a decode row, each request with its own slots (no shared
-        keys), index tensors as the C code reads them (the pools were checked once, `fits_pools`)."""
-        if (self.team is not None or self.needs_team) != meta.decode_team or not self.fits_rows(meta.num_rows):
-            return False
-        decode = meta.decode
-        if decode is None or meta.has_new or decode.shared_keys or decode.lengths is None \
-                or decode.slots.shape[0] != meta.num_rows or torch.compiler.is_compiling():
-            return False
-        indices = (decode.slots, decode.lengths, meta.write_rows, meta.write_slots)
-        return all(t.is_contiguous() and t.dtype == torch.long for t in indices)
+    def plan(self, tokens: int, rows_here: int, rows: int) -> StepPlan | None:
+        """The fused plan for a step of `tokens` single tokens (`rows_here` computed by this rank, `rows` in every
+        rank's batch: `single_token_rows`), or None where it runs otherwise. Decided from the step alone, so every
+        member of a team decides alike: a team takes the steps its buffers hold and only the team does where the
+        layout needs one; alone, every row must be a decode row (no padding)."""
+        if self.team is not None:
+            if not (self.team.takes(tokens) and self.fits_rows(tokens)):
+                return None
+            return StepPlan.TP_TEAM if self.tensor_parallel else StepPlan.PCP_TEAM
+        if self.needs_team or not 0 < rows_here == rows or not self.fits_rows(rows):
+            return None
+        return StepPlan.FUSED
 
     def fits_rows(self, rows: int) -> bool:
         """A step of `rows` rows is not too big to run fused (`max_rows`)."""
         return self.max_rows is None or rows <= self.max_rows
-
-    def team_takes(self, rows: int) -> bool:
-        """The team runs a step of `rows` single tokens (decided from the step alone: every member alike)."""
-        return self.team is not None and self.team.takes(rows) and self.fits_rows(rows)
 
     @staticmethod
     def fits_pools(kv_caches) -> bool:
@@ -177,14 +175,16 @@ class FusedDecode:
                                              and k.shape == v.shape == shape for k, v in kv_caches)
 
     def step_spec(self, hidden: torch.Tensor, rope_tables, kv_caches, meta: AttentionMetadata):
-        """The step's arguments (with the tensors they point into), or None where this step runs eager."""
+        """The arguments of a step the runner planned fused (with the tensors they point into). The plan laid the
+        metadata out for the C layers; a step not in that form is a bug, and raises (a team's other members would
+        otherwise wait in its barriers)."""
         cos, sin = rope_tables
-        if not self.takes(meta) or hidden.dtype != torch.float32 or cos.dtype != torch.float32 \
+        decode = meta.decode
+        if decode is None or decode.lengths is None or decode.shared_keys or decode.slots.shape[0] != meta.num_rows \
+                or hidden.dtype != torch.float32 or cos.dtype != torch.float32 \
                 or not (cos.is_contiguous() and sin.is_contiguous()):
-            if meta.decode_team:  # the other members wait in the team's barriers: never leave them there
-                raise RuntimeError("decode team step not in the form the fused layers run on this rank")
-            return None
-        slots, lengths = meta.decode.slots, meta.decode.lengths
+            raise RuntimeError(f"step planned {meta.plan.value!r} is not in the form the fused layers run")
+        slots, lengths = decode.slots, decode.lengths
         if self.team is not None and self.team.split_context:
             slots, lengths = self.team.context_part(slots, lengths)
         spec = decode_layer.step_spec(rope_tables, meta.write_rows, meta.write_slots, slots, lengths, kv_caches[0][0],

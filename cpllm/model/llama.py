@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from cpllm.config import ModelConfig
 from cpllm.context_parallel.attention import CPComm, PagedCPAttention
+from cpllm.context_parallel.backend import AttentionBackend, attention_backend
 from cpllm.context_parallel.metadata import AttentionMetadata
 from cpllm.distributed.comm import low_latency
 from cpllm.distributed.groups import PCPSplit
@@ -40,6 +41,9 @@ from cpllm.model.rope import RotaryEmbedding, apply_rope
 
 logger = logging.getLogger(__name__)
 
+ATTENTION_KIND = "gqa"
+"""The family's attention: grouped-query heads over the paged K/V pools (`BACKENDS` in backend.py)."""
+
 
 def local_kv_heads(config: ModelConfig, tp: TPShard) -> tuple[int, int]:
     """(first KV head, count) held by this rank: split when there are >= TP of them, else replicated."""
@@ -47,7 +51,8 @@ def local_kv_heads(config: ModelConfig, tp: TPShard) -> tuple[int, int]:
 
 
 class LlamaAttention(torch.nn.Module):
-    def __init__(self, config: ModelConfig, prefix: str, tp: TPShard, comm: CPComm, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, prefix: str, tp: TPShard, comm: CPComm, dtype: torch.dtype,
+                 backend: AttentionBackend | None = None):
         super().__init__()
         d = config.head_dim
         self.num_heads = config.num_attention_heads // tp.size
@@ -68,7 +73,7 @@ class LlamaAttention(torch.nn.Module):
         self.o_proj = RowParallelLinear(
             f"{prefix}.o_proj", config.num_attention_heads * d, config.hidden_size, tp, dtype, config.quantization
         )
-        self.attn = PagedCPAttention(comm, scale=d**-0.5)
+        self.attn = PagedCPAttention(comm, scale=d**-0.5, backend=backend)
         self.head_dim = d
         self.q_norm = self.k_norm = None  # Qwen3: RMSNorm over each head's width before rotary
         if config.qk_norm:
@@ -140,12 +145,12 @@ class LlamaMLP(torch.nn.Module):
 
 class LlamaDecoderLayer(torch.nn.Module):
     def __init__(self, config: ModelConfig, index: int, tp: TPShard, comm: CPComm, dtype: torch.dtype,
-                 moe: MoEShard | None = None, pcp: PCPSplit | None = None):
+                 moe: MoEShard | None = None, backend: AttentionBackend | None = None, pcp: PCPSplit | None = None):
         super().__init__()
         prefix = f"model.layers.{index}"
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(f"{prefix}.input_layernorm.weight", config.hidden_size, eps, dtype)
-        self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", tp, comm, dtype)
+        self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", tp, comm, dtype, backend)
         self.post_attention_layernorm = RMSNorm(
             f"{prefix}.post_attention_layernorm.weight", config.hidden_size, eps, dtype
         )
@@ -185,10 +190,13 @@ class LlamaForCausalLM(torch.nn.Module):
         super().__init__()
         self.config = config
         h = config.hidden_size
+        self.attention_backend = attention_backend(ATTENTION_KIND)
+        """Every layer's attention on this rank (cpllm/context_parallel/backend.py)."""
         self.embed_tokens = VocabParallelEmbedding("model.embed_tokens.weight", config.vocab_size, h, tp, dtype,
                                                    config.quantization)
         self.layers = torch.nn.ModuleList(
-            LlamaDecoderLayer(config, i, tp, comm, dtype, moe, pcp=pcp) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, tp, comm, dtype, moe, self.attention_backend, pcp)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm("model.norm.weight", h, config.rms_norm_eps, dtype)
         tied = self.embed_tokens if config.tie_word_embeddings else None
@@ -234,12 +242,13 @@ class LlamaForCausalLM(torch.nn.Module):
     def decoder_stack(self, token_ids, positions, kv_caches, meta: AttentionMetadata, run_layer,
                       fused: FusedDecode | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
         """The forward with each layer run by `run_layer` (`call_layer`, or its compiled form:
-        cpllm/model/decode_graph.py), or by `fused` (one C call per layer) for the steps it takes."""
+        cpllm/model/decode_graph.py), or by `fused` (one C call per layer) for the steps planned fused."""
         hidden = self.embed_tokens(token_ids)
         rope_tables = self.rope.tables(positions, hidden.dtype)  # once per step, for every layer
-        step = fused.step_spec(hidden, rope_tables, kv_caches, meta) if fused is not None else None
-        if step is not None:
-            hidden = fused.run(hidden, step, kv_caches)
+        if meta.plan.fused:
+            if fused is None:
+                raise RuntimeError(f"step planned {meta.plan.value!r} but these layers run without fused decode")
+            hidden = fused.run(hidden, fused.step_spec(hidden, rope_tables, kv_caches, meta), kv_caches)
             return hidden if keep is None else hidden.index_select(0, keep)
         last = len(self.layers) - 1
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):

@@ -12,11 +12,10 @@ from cpllm.config import EngineConfig
 from cpllm.context_parallel.attention import CPComm
 from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.context_parallel.metadata import StepBatch, build_step_batch
+from cpllm.context_parallel.plan import StepPlan, eager_decode_plan, single_token_rows
 from cpllm.context_parallel.replica_sync import sync_replicas
 from cpllm.distributed.comm import all_reduce
 from cpllm.distributed.groups import ParallelGroups
-from cpllm.kernels import decode_attention
-from cpllm.kernels.decode_attention import POOL_DTYPES
 from cpllm.model.decode_graph import CompiledDecode
 from cpllm.model.decode_team import DecodeTeam
 from cpllm.model.layers import TPShard
@@ -66,10 +65,14 @@ class ModelRunner:
             logger.info("decode steps: eager layers (K/V pools the fused layers do not read)")
             self.model.fused_decode = None
         self._form_decode_team()
-        self.decode_kernel = device.type == "cpu" and self.kv_dtype in POOL_DTYPES and decode_attention.built()
-        """Decode attention reads each request's own slots in place (cpllm/kernels/decode_attention.c): decode-only
-        steps then skip the shared-key form (its gathered union runs slower, docs/benchmarks.md)."""
+        self.decode_rows_in_place = self.model.attention_backend.reads_decode_rows_in_place(device, self.kv_dtype)
+        """Decode-only steps lay out each request's own slots, never the shared-key union (the backend reads them
+        faster in place)."""
         self.compiled_decode = CompiledDecode(self.model, device) if config.compile_decode else None
+        self.eager_decode_plan = eager_decode_plan(comm.kv_size, groups.pcp_size, self.replicated)
+        """The eager layers' path for a step of single tokens on this layout."""
+        self.plan_counts: dict[str, int] = {}
+        """Steps run with each plan since start (`StepPlan` values), counted once per step."""
         if self.model.fused_decode is None and self.compiled_decode is None:
             self.model.pack_weights()
 
@@ -123,18 +126,15 @@ class ModelRunner:
         if not step.chunks:
             return None
         strategy = self.step_strategy(step.step_id, step.chunks)  # the same choice on every rank
-        fused = self.model.fused_decode  # faster than the compiled step where it applies (docs/benchmarks.md)
-        decode_only = all(len(chunk.token_ids) == 1 for chunk in step.chunks)
-        team = decode_only and fused is not None and fused.team_takes(len(step.chunks))
+        plan = self._plan(step.chunks)
+        self.plan_counts[plan.value] = self.plan_counts.get(plan.value, 0) + 1
+        logger.debug("step %d: plan %s", step.step_id, plan.value)
         # Every tensor of the step (token ids, positions, all attention metadata) on this rank's device.
         batch = build_step_batch(step.chunks, self.layout, self.groups.pcp_size, self.groups.pcp_rank,
                                  output_positions, device=self.device, non_blocking=True, strategy=strategy,
-                                 split_single_tokens=self.replicated, decode_team=team,
-                                 shared_keys=not (decode_only and self.decode_kernel))
-        forward = self.model
-        if self.compiled_decode is not None and self.compiled_decode.applies(batch.attention) \
-                and not (fused is not None and fused.takes(batch.attention)):
-            forward = self.compiled_decode
+                                 split_single_tokens=self.replicated, plan=plan,
+                                 shared_keys=plan is StepPlan.PREFILL or not self.decode_rows_in_place)
+        forward = self.compiled_decode if plan is StepPlan.COMPILED else self.model
         keep = self._rows_kept(batch) if forward is self.model else None
         args = (batch.token_ids, batch.positions, self.kv_caches, batch.attention)
         hidden = forward(*args) if keep is None else forward(*args, keep)  # keep: the sampled rows, in order
@@ -148,6 +148,21 @@ class ModelRunner:
         logits = self.model.logits(rows)  # split over PCP: every PCP rank computes a share of the vocabulary
         return logits if self.is_driver else None
 
+    def _plan(self, chunks) -> StepPlan:
+        """The step's path, decided here once (every later stage follows `AttentionMetadata.plan`): fused layers,
+        as a team or alone, where they take the step (faster than the compiled step: docs/benchmarks.md), else the
+        compiled step, else the eager layers' path for this layout."""
+        if any(len(chunk.token_ids) > 1 for chunk in chunks):
+            return StepPlan.PREFILL
+        fused = self.model.fused_decode
+        if fused is not None:
+            split = self.replicated and fused.team is None  # outside a team each PCP copy computes its own tokens
+            plan = fused.plan(len(chunks), *single_token_rows(len(chunks), self.groups.pcp_size,
+                                                                self.groups.pcp_rank, split))
+            if plan is not None:
+                return plan
+        return StepPlan.COMPILED if self.compiled_decode is not None else self.eager_decode_plan
+
     def _rows_kept(self, batch: StepBatch) -> torch.Tensor | None:
         """The rows the driver samples from, where the last layer can skip the others: one PCP rank (over PCP the
         MoE and LM-head collectives want every rank's rows), and fewer output rows than rows."""
@@ -158,7 +173,7 @@ class ModelRunner:
     def _gather_output_rows(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """Hidden states of the rows the driver samples from, collected on every PCP rank in driver order."""
         me = self.groups.pcp_rank
-        if self.groups.pcp_size == 1 or batch.attention.decode_team:  # a team's ranks all hold every row's state
+        if self.groups.pcp_size == 1 or batch.attention.plan.team:  # a team's ranks all hold every row's state
             return hidden[torch.tensor([row for _, row in batch.output_rows], device=hidden.device)]
         out = torch.zeros(len(batch.output_rows), hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
         mine = [(i, row) for i, (p, row) in enumerate(batch.output_rows) if p == me]
