@@ -19,8 +19,7 @@ from cpllm.engine.data_parallel import DataParallelFront, serve_replica
 from cpllm.engine.engine import LLMEngine
 from cpllm.model.tokenizer import Tokenizer, load_tokenizer
 from cpllm.worker.executor import Executor
-from cpllm.worker.runner import ModelRunner
-from cpllm.worker.worker import device_for, run_worker_loop
+from cpllm.worker.worker import run_worker
 
 
 def create_engine(config: EngineConfig, tokenizer: Tokenizer, *, threads_per_rank: int | None = None):
@@ -34,7 +33,7 @@ def create_engine(config: EngineConfig, tokenizer: Tokenizer, *, threads_per_ran
             shutdown_distributed()
         raise SystemExit(0)
     engine = LLMEngine(config, tokenizer, Executor(config, groups, workers))
-    return DataParallelFront(engine) if groups.dp_size > 1 else engine
+    return DataParallelFront(engine, groups) if groups.dp_size > 1 else engine
 
 
 def start_ranks(config: EngineConfig, threads_per_rank: int | None) -> tuple[ParallelGroups, WorkerHandles | None]:
@@ -62,9 +61,9 @@ def serve_rank(config: EngineConfig, groups: ParallelGroups) -> None:
     """Everything a rank other than global rank 0 does until the front shuts the world down."""
     if groups.is_replica_driver:
         engine = LLMEngine(config, load_tokenizer(config.model_path), Executor(config, groups))
-        serve_replica(engine)
+        serve_replica(engine, groups)
     else:
-        run_worker_loop(ModelRunner(config, groups, device_for(groups)))
+        run_worker(config, groups)
 
 
 def worker_main(rank: int, config: EngineConfig, master_addr: str, master_port: int, threads: int | None) -> None:

@@ -423,9 +423,7 @@ def run_engine(folder: str, dtype_name: str, prompts: list[list[int]]):
     results = []
     with LLM(folder, dtype=ENGINE_DTYPES[dtype_name], max_model_len=128, block_size=4,
              max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 22) as llm:
-        runner = llm.engine.executor.runner
-        device_types = {runner.device.type, *(k.device.type for k, _ in runner.kv_caches),
-                        *(p.device.type for p in runner.model.parameters())}
+        device_types = set(llm.engine.executor.rank_info.devices)
         for params in rounds:
             for output in llm.generate([{"prompt_token_ids": p} for p in prompts], params):
                 completion = output.outputs[0]

@@ -57,8 +57,7 @@ def _generate(folder: str, rounds, compile_decode: bool, kv_cache_dtype: str):
              kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=24) as llm:  # 24: the 33-token prompt is chunked while others decode
         outputs = [out.outputs[0] for prompts in rounds
                    for out in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-        compiled_steps = llm.engine.executor.runner.compiled_decode
-        return outputs, (compiled_steps.steps if compiled_steps is not None else 0)
+        return outputs, llm.engine.executor.rank_stats().compiled_steps
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])

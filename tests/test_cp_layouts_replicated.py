@@ -119,8 +119,7 @@ class Launches(LaunchCache):
                       blocks_per_rank=blocks)
             if layout == PCP2:
                 run.decode, run.decode_calls = decode_batch(engine, {n: prompts[n] for n in DECODE_BATCH}, layout)
-                fused = engine.executor.runner.model.fused_decode
-                run.team = fused is not None and fused.team is not None
+                run.team = engine.executor.rank_info.decode.team is not None
         return run
 
 

@@ -90,9 +90,9 @@ class Launches(LaunchCache):
         prompts = workload_prompts(layout.pcp)
         with LLM(self.folder(model), kv_cache_memory_bytes=kv_bytes, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                  **COMMON, **layout.engine_options()) as llm:
-            scheduler, runner = llm.engine.scheduler, llm.engine.executor.runner
+            scheduler, executor = llm.engine.scheduler, llm.engine.executor
             first = generate_counted(llm, prompts, greedy_params(layout.max_tokens, prompt_logprobs=True), "p1")
-            counts_first = runner.strategy_counts
+            counts_first = executor.rank_stats().strategy_counts
             hits_before = scheduler.num_prefix_hit_tokens
             second = generate_counted(llm, prompts, greedy_params(layout.max_tokens, prompt_logprobs=False), "p2")
             run = Run(first=first, second=second, prefix_hits=scheduler.num_prefix_hit_tokens - hits_before,
@@ -107,12 +107,12 @@ class Launches(LaunchCache):
         out = {}
         with LLM(self.folder(model), kv_cache_memory_bytes=kv_bytes, max_num_batched_tokens=ROOMY_BUDGET,
                  **COMMON, **layout.engine_options()) as llm:
-            runner, scheduler = llm.engine.executor.runner, llm.engine.scheduler
+            executor, scheduler = llm.engine.executor, llm.engine.scheduler
             for name, prompt in long_prompts().items():
-                before, hits_before = runner.strategy_counts, scheduler.num_prefix_hit_tokens
+                before, hits_before = executor.rank_stats().strategy_counts, scheduler.num_prefix_hit_tokens
                 params = greedy_params(layout.max_tokens, prompt_logprobs=False)
                 output = generate_counted(llm, {name: prompt}, params, name)[name]
-                after = runner.strategy_counts
+                after = executor.rank_stats().strategy_counts
                 out[name] = (output, {k: after[k] - before[k] for k in after},
                              scheduler.num_prefix_hit_tokens - hits_before)
         return out

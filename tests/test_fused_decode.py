@@ -80,8 +80,8 @@ def _run(path: str, fused: bool, monkeypatch, **options):
             patch.setattr(fused_decode.FusedDecode, "build", classmethod(lambda cls, model: None))
         with LLM(path, **ENGINE, **options) as llm:
             outputs = llm.generate(_prompts_for(options.get("quantization", "auto")), PARAMS)
-            model = llm.engine.executor.runner.model
-            return outputs, (model.fused_decode.steps if model.fused_decode is not None else None)
+            executor = llm.engine.executor
+            return outputs, (executor.rank_stats().fused_steps if executor.rank_info.decode.fused else None)
 
 
 def _values(output) -> tuple:
@@ -119,8 +119,8 @@ def test_pcp_ranks_decode_as_a_team_and_match_one_rank(four_bit_gguf, monkeypatc
     with LLM(four_bit_gguf, **ENGINE, prefill_context_parallel_size=2, cp_kv_cache_layout=layout,
              quantization=quantization, distributed_timeout=60) as llm:
         two_ranks = llm.generate(_prompts_for(quantization), PARAMS)
-        fused = llm.engine.executor.runner.model.fused_decode
-        assert fused is not None and fused.team is not None and fused.steps >= PARAMS.max_tokens - 1
+        decode, steps = llm.engine.executor.rank_info.decode, llm.engine.executor.rank_stats().fused_steps
+        assert decode.fused and decode.team is not None and steps >= PARAMS.max_tokens - 1
     worst = _worst_against(two_ranks, one_rank)
     print(f"{layout} PCP=2 team vs one rank ({quantization}): worst logprob difference {worst:.2e}")
     assert worst <= 1e-3
@@ -140,8 +140,8 @@ def test_tp_ranks_decode_as_a_team_and_match_one_rank(four_bit_gguf, one_kv_head
     with LLM(path, **ENGINE, tensor_parallel_size=2, decode_context_parallel_size=dcp, quantization=quantization,
              cp_kv_cache_layout=layout, distributed_timeout=60) as llm:
         two_ranks = llm.generate(_prompts_for(quantization), PARAMS)
-        fused = llm.engine.executor.runner.model.fused_decode
-        assert fused.tensor_parallel and fused.team is not None and fused.steps >= PARAMS.max_tokens - 1
+        decode, steps = llm.engine.executor.rank_info.decode, llm.engine.executor.rank_stats().fused_steps
+        assert decode.fused_tensor_parallel and decode.team is not None and steps >= PARAMS.max_tokens - 1
     worst = _worst_against(two_ranks, one_rank)
     print(f"TP=2 DCP={dcp} team vs one rank ({quantization}): worst logprob difference {worst:.2e}")
     assert worst <= 1e-3
@@ -155,7 +155,7 @@ def test_a_member_killed_during_team_decode_fails_the_driver_naming_it(four_bit_
     timeout_s = 10
     llm = LLM(four_bit_gguf, **ENGINE, prefill_context_parallel_size=2, distributed_timeout=timeout_s)
     try:
-        assert llm.engine.executor.runner.model.fused_decode.team is not None
+        assert llm.engine.executor.rank_info.decode.team is not None
         pid = llm.engine.executor.workers.pids[1]
         long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
         killer = threading.Timer(0.3, os.kill, (pid, signal.SIGKILL))
@@ -211,17 +211,17 @@ def test_float_weights_fuse_within_float32_rounding(four_bit_gguf, monkeypatch):
 def test_float_weights_leave_batches_over_four_rows_to_the_eager_layers(four_bit_gguf):
     """f32_matmul.c streams the weights once per 4 rows: bigger float32 batches run eager (MKL reads them once)."""
     with LLM(four_bit_gguf, **ENGINE, quantization="none") as llm:
-        fused = llm.engine.executor.runner.model.fused_decode
-        assert fused.max_rows == fused_decode.F32_MAX_ROWS
+        assert llm.engine.executor.rank_info.decode.fused_max_rows == fused_decode.F32_MAX_ROWS
         outputs = llm.generate(_prompts()[: fused_decode.F32_MAX_ROWS + 1], PARAMS)
-        assert all(len(o.outputs[0].token_ids) == PARAMS.max_tokens for o in outputs) and fused.steps == 0
+        assert all(len(o.outputs[0].token_ids) == PARAMS.max_tokens for o in outputs)
+        assert llm.engine.executor.rank_stats().fused_steps == 0
 
 
 def test_layers_the_fused_call_cannot_run_stay_eager(tmp_path_factory, monkeypatch):
     path = _gguf(tmp_path_factory, "mixed", {**FOUR_BIT, "v_proj": QType.Q8_0})  # q|k|v in two kernels
     with LLM(path, **ENGINE) as llm:
-        assert llm.engine.executor.runner.model.fused_decode is None
+        assert not llm.engine.executor.rank_info.decode.fused
         assert llm.generate(_prompts()[:2], PARAMS)[0].outputs[0].token_ids
     monkeypatch.setenv("CPLLM_KERNELS", "0")
     with LLM(path, **ENGINE, quantization="none") as llm:
-        assert llm.engine.executor.runner.model.fused_decode is None
+        assert not llm.engine.executor.rank_info.decode.fused

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from cpllm.distributed.comm import broadcast_object
+from cpllm.distributed.groups import ParallelGroups
 from cpllm.engine.engine import LLMEngine
 from cpllm.engine.outputs import RequestOutput
 from cpllm.engine.sampling_params import SamplingParams
@@ -48,9 +49,8 @@ def _step_and_gather(engine: LLMEngine, group, front: int) -> list[list[RequestO
     return gathered
 
 
-def serve_replica(engine: LLMEngine) -> None:
+def serve_replica(engine: LLMEngine, groups: ParallelGroups) -> None:
     """Loop of a replica driver other than the front: apply commands, step, send outputs, until shutdown."""
-    groups = engine.executor.groups
     front = dist.get_global_rank(groups.dp_cpu_group, 0)
     while True:
         tick: Tick = broadcast_object(None, src=front, group=groups.dp_cpu_group)
@@ -62,25 +62,46 @@ def serve_replica(engine: LLMEngine) -> None:
 
 
 class DataParallelFront:
-    """The LLMEngine interface over DP replicas; runs replica 0 itself."""
+    """The LLMEngine interface over DP replicas; runs replica 0 itself. Every replica is built from one config,
+    so replica 0's limits (max_model_len, KV capacity) and tokenizer are every replica's."""
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, groups: ParallelGroups):
         self.local = engine
-        self.groups = engine.executor.groups
-        self.num_replicas = self.groups.dp_size
+        """Replica 0, run in this process."""
+        self.groups = groups
+        self.num_replicas = groups.dp_size
+        self.config = engine.config
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.kv_capacity_tokens = engine.kv_capacity_tokens
+        """Tokens one replica's KV cache holds (a request runs on one replica)."""
         self._pending = [ReplicaCommands() for _ in range(self.num_replicas)]
         self._owner: dict[str, int] = {}
         self._load = [0] * self.num_replicas
 
-    def __getattr__(self, name):
-        # tokenizer, max_model_len, config, scheduler stats ...: those of replica 0
-        return getattr(self.local, name)
+    @property
+    def executor(self):
+        """Replica 0's executor (its ranks and their stats; the other replicas' stay on their drivers)."""
+        return self.local.executor
+
+    @property
+    def structured(self):
+        """Replica 0's grammar cache (the server compiles a request's grammar ahead of adding it)."""
+        return self.local.structured
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Replica 0's fraction of KV blocks in use."""
+        return self.local.kv_cache_usage
+
+    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.local.check_prompt(prompt_token_ids, params)  # same limits on every replica
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     prompt: str | None = None, arrival_time: float | None = None) -> None:
         if request_id in self._owner:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.local.check_prompt(prompt_token_ids, params)  # same limits on every replica
+        self.check_prompt(prompt_token_ids, params)
         replica = min(range(self.num_replicas), key=lambda r: self._load[r])
         self._pending[replica].adds.append((request_id, list(prompt_token_ids), params, prompt, arrival_time))
         self._owner[request_id] = replica

@@ -56,6 +56,7 @@ class LLMEngine:
 
     def _log_layout(self, num_blocks: int) -> None:
         p, dims = self.config.parallel, self.config.parallel.dims
+        kv = self.executor.rank_info.kv
         logger.info(
             "layout: world=%d dp=%d pcp=%d tp=%d dcp=%d cp_size=%d interleave=%d prefill_strategy=%s "
             "kv_cache_layout=%s",
@@ -66,9 +67,8 @@ class LLMEngine:
         logger.info(
             "KV cache: %d blocks x %d tokens per rank (%.1f MiB per rank, %s); the %s layout divides each request "
             "over %d ranks, so the replica holds %d tokens",
-            num_blocks, self.config.cache.block_size, self.executor.runner.kv_bytes / 2**20,
-            str(self.executor.runner.kv_dtype).removeprefix("torch."), p.cp_kv_cache_layout,
-            dims.kv_shard_size, self.kv_capacity_tokens,
+            num_blocks, self.config.cache.block_size, kv.bytes / 2**20, kv.dtype,
+            p.cp_kv_cache_layout, dims.kv_shard_size, self.kv_capacity_tokens,
         )
         if p.prefill_context_parallel_size > 1:
             per_rank = num_blocks * self.config.cache.block_size
@@ -150,6 +150,11 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks in use: every rank's (block ids are shared over the replica's ranks)."""
+        return self.pool.usage()
 
     # ---- the step -------------------------------------------------------------------------------------
 

@@ -72,8 +72,7 @@ class AsyncEngine:
         """Makes "is the thread still taking requests?" and the put into its inbox one step."""
         self.error: BaseException | None = None
         """Why the step loop died, or None while it is healthy."""
-        groups = engine.executor.groups
-        self._ranks = groups.replica_ranks
+        self._ranks = list(engine.executor.replica_ranks)
         self._pcp = parallel.prefill_context_parallel_size
 
     # ---- event-loop side ------------------------------------------------------------------------------
@@ -227,9 +226,9 @@ class AsyncEngine:
     def _publish_state(self) -> None:
         if self.metrics is not None:
             self.metrics.set_engine_state(self.engine.num_running, self.engine.num_waiting,
-                                          self.engine.pool.usage(), self._ranks)
+                                          self.engine.kv_cache_usage, self._ranks)
             if self._pcp > 1:  # without PCP no step chooses a strategy
-                self.metrics.set_strategy_counts(self.engine.executor.runner.strategy_counts)
+                self.metrics.set_strategy_counts(self.engine.executor.rank_stats().strategy_counts)
 
 
 def _raise_if_error(item) -> None:

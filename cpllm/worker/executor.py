@@ -1,4 +1,8 @@
-"""The replica driver's handle on every rank of its replica: runs a step everywhere, returns the logits."""
+"""The replica driver's handle on every rank of its replica: runs a step everywhere, returns the logits.
+
+It is the driver side's only door to the ranks: what the engine, the server and the tests learn of a rank comes
+out of it as plain data (cpllm/worker/rank_stats.py), never as the runner or the model.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from cpllm.distributed.groups import ParallelGroups
 from cpllm.distributed.launch import shutdown_distributed
 from cpllm.distributed.rank_processes import WorkerHandles
 from cpllm.step import SchedulerOutput
+from cpllm.worker.rank_stats import RankInfo, RankStats
 from cpllm.worker.runner import ModelRunner
 from cpllm.worker.worker import device_for
 
@@ -20,14 +25,23 @@ class Executor:
     """Owns this rank's ModelRunner and broadcasts each step to the other ranks of the replica."""
 
     def __init__(self, config: EngineConfig, groups: ParallelGroups, workers: WorkerHandles | None = None):
-        self.config, self.groups, self.workers = config, groups, workers
+        self.config, self._groups, self.workers = config, groups, workers
         with self._watch():
-            self.runner = ModelRunner(config, groups, device_for(groups))
+            self._runner = ModelRunner(config, groups, device_for(groups))
+        self.rank_info: RankInfo = self._runner.info()
+        """What this driver rank built; its KV cache is every rank's (the block count is agreed at start)."""
+        self.replica_ranks: tuple[int, ...] = tuple(groups.replica_ranks)
+        """Global ranks of this replica, its driver first."""
         self._closed = False
 
     @property
     def num_blocks(self) -> int:
-        return self.runner.num_blocks
+        return self.rank_info.kv.num_blocks
+
+    def rank_stats(self) -> RankStats:
+        """This driver rank's step counters (by prefill strategy, by plan, fused and compiled decode steps); the
+        replica's ranks run every step alike."""
+        return self._runner.stats()
 
     def _watch(self):
         """Turns a dead spawned worker into an error naming its rank (torchrun watches its own processes)."""
@@ -35,8 +49,8 @@ class Executor:
 
     def execute(self, step: SchedulerOutput) -> torch.Tensor | None:
         with self._watch():
-            broadcast_object(step, src=self.groups.replica_driver, group=self.groups.replica_group)
-            return self.runner.execute(step)
+            broadcast_object(step, src=self._groups.replica_driver, group=self._groups.replica_group)
+            return self._runner.execute(step)
 
     def shutdown(self) -> None:
         """Stop this replica's workers (the shutdown step), then wait for the processes this driver spawned."""
@@ -44,10 +58,10 @@ class Executor:
             return
         self._closed = True
         try:
-            if self.groups.replica_size > 1:
+            if self._groups.replica_size > 1:
                 with self._watch():
-                    broadcast_object(SchedulerOutput(step_id=-1, shutdown=True), src=self.groups.replica_driver,
-                                     group=self.groups.replica_group)
+                    broadcast_object(SchedulerOutput(step_id=-1, shutdown=True), src=self._groups.replica_driver,
+                                     group=self._groups.replica_group)
             if self.workers is not None:
                 self.workers.join(self.config.parallel.distributed_timeout_s)
         finally:

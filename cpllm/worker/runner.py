@@ -25,6 +25,7 @@ from cpllm.model.moe_placement import MoEShard
 from cpllm.planner.runtime import StepStrategy, device_hardware, engine_cost
 from cpllm.step import SchedulerOutput, output_positions
 from cpllm.worker.kv_cache import allocate_kv_cache, bytes_per_block, kv_budget_bytes
+from cpllm.worker.rank_stats import DecodeLayers, KVCapacity, RankInfo, RankStats
 
 logger = logging.getLogger(__name__)
 
@@ -182,3 +183,24 @@ class ModelRunner:
             out[idx] = hidden[torch.tensor([row for _, row in mine], device=hidden.device)]
         # Each row is non-zero on exactly one rank, so the sum is exact.
         return all_reduce(out, self.groups.pcp_group)
+
+    def info(self) -> RankInfo:
+        """What this rank built, as plain data (what the driver, the server and the tests may know of it)."""
+        fused = self.model.fused_decode
+        team = fused.team if fused is not None else None
+        decode = DecodeLayers(fused=fused is not None, fused_max_rows=fused.max_rows if fused is not None else None,
+                              fused_tensor_parallel=fused is not None and fused.tensor_parallel,
+                              team=team.describe() if team is not None else None,
+                              compiled=self.compiled_decode is not None)
+        kv = KVCapacity(num_blocks=self.num_blocks, block_size=self.config.cache.block_size, bytes=self.kv_bytes,
+                        dtype=str(self.kv_caches[0][0].dtype).removeprefix("torch."))
+        devices = {self.device.type, *(k.device.type for k, _ in self.kv_caches),
+                   *(p.device.type for p in self.model.parameters())}
+        return RankInfo(rank=self.groups.rank, devices=frozenset(devices), kv=kv, decode=decode)
+
+    def stats(self) -> RankStats:
+        """This rank's step counters, as plain data."""
+        fused, compiled = self.model.fused_decode, self.compiled_decode
+        return RankStats(strategy_counts=self.strategy_counts, plan_counts=dict(self.plan_counts),
+                         fused_steps=fused.steps if fused is not None else 0,
+                         compiled_steps=compiled.steps if compiled is not None else 0)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from cpllm.config import EngineConfig
 from cpllm.distributed.comm import broadcast_object
 from cpllm.distributed.groups import ParallelGroups
+from cpllm.worker.runner import ModelRunner
 
 
 def device_for(groups: ParallelGroups) -> torch.device:
@@ -16,9 +18,9 @@ def device_for(groups: ParallelGroups) -> torch.device:
     return torch.device("cpu")
 
 
-def run_worker_loop(runner) -> None:
-    """SPMD loop of a non-driver rank; the driver of its replica sends every step."""
-    groups = runner.groups
+def run_worker(config: EngineConfig, groups: ParallelGroups) -> None:
+    """A non-driver rank: build its runner, then run the steps its replica driver sends until the shutdown step."""
+    runner = ModelRunner(config, groups, device_for(groups))
     while True:
         step = broadcast_object(None, src=groups.replica_driver, group=groups.replica_group)
         if step.shutdown:
