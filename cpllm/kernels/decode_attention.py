@@ -58,8 +58,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if lib is None:
         return None
     batch, hq, d = q.shape
-    num_slots, hkv = k_pool.shape[0], k_pool.shape[1]
-    if v_pool.dtype != k_pool.dtype or v_pool.shape != k_pool.shape or hq % hkv or k_pool.shape[2] != d:
+    num_slots, hkv, pool_head_dim = k_pool.shape
+    if v_pool.dtype != k_pool.dtype or v_pool.shape != k_pool.shape or hq % hkv or pool_head_dim != d:
         raise ValueError(f"decode attention: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)} {k_pool.dtype}, "
                          f"v_pool {tuple(v_pool.shape)} {v_pool.dtype} do not fit together")
     requests, width = slots.shape

@@ -33,14 +33,14 @@ def rope_qk_(tables: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torc
     lib = load("decode_rows")
     if lib is None:
         return False
-    tokens, _, head_dim = q.shape
-    k_tokens, _, k_head_dim = k.shape
+    tokens, q_heads, head_dim = q.shape
+    k_tokens, k_heads, k_head_dim = k.shape
     if k_tokens != tokens or k_head_dim != head_dim or cos.numel() != tokens * head_dim \
             or sin.numel() != tokens * head_dim:
         raise ValueError(f"rotary kernel: q {tuple(q.shape)}, k {tuple(k.shape)} and tables {tuple(cos.shape)}, "
                          f"{tuple(sin.shape)} do not fit together")
-    return lib.cpllm_rope_qk(q.data_ptr(), q.shape[1], q.stride(0), k.data_ptr(), k.shape[1], k.stride(0),
-                             q.shape[0], q.shape[2], cos.data_ptr(), sin.data_ptr()) == 0
+    return lib.cpllm_rope_qk(q.data_ptr(), q_heads, q.stride(0), k.data_ptr(), k_heads, k.stride(0), tokens,
+                             head_dim, cos.data_ptr(), sin.data_ptr()) == 0
 
 
 def store_rows_(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, rows: torch.Tensor) -> bool:
