@@ -35,6 +35,7 @@ from cpllm.engine.llm import build_engine_config
 from cpllm.engine_args import engine_kwargs
 from cpllm.model.default_model import default_model_path
 from cpllm.model.layers import TPShard
+from cpllm.model.linear_methods import FloatWeight, GroupedWeight
 from cpllm.model.llama import LlamaForCausalLM
 from cpllm.model.loader import open_weights
 from cpllm.model.quant_gguf import decode_int4_blocks
@@ -323,8 +324,9 @@ def test_auto_falls_back_per_tensor_and_logs(quantized_gguf, caplog):
             "multiple of 32: dequantized) x2") in caplog.text
     assert "self_attn.q_proj: int4 (stored Q4_0, run as stored) x2" in caplog.text
     assert "mlp.down_proj: int4 (stored Q4_0, run as stored) x2" in caplog.text
-    assert model.layers[0].self_attn.o_proj.kernel is None
-    assert isinstance(model.layers[0].mlp.down_proj.kernel, Int4Linear)
+    assert isinstance(model.layers[0].self_attn.o_proj.method, FloatWeight)
+    down = model.layers[0].mlp.down_proj.method
+    assert isinstance(down, GroupedWeight) and isinstance(down.kernel, Int4Linear)
 
 
 def test_plan_table():

@@ -30,7 +30,6 @@ from cpllm.kernels.decode_attention import POOL_DTYPES
 from cpllm.kernels.library import load
 from cpllm.kernels.structs import LayerSpec, LinearSpec
 from cpllm.model.decode_team import DecodeTeam, TeamShapes
-from cpllm.model.quant_kernels import Int4Linear
 
 logger = logging.getLogger(__name__)
 
@@ -50,19 +49,15 @@ def _library() -> ctypes.CDLL | None:
     return load("decode_layer")
 
 
-def _weight(module) -> tuple[int, torch.Tensor] | None:
-    """(kind, tensor) of a linear the fused layer runs as one kernel: a one-piece VNNI int4 kernel, or a float32
-    [in, out] weight without bias; None otherwise."""
-    pieces = getattr(module, "pieces", None)
-    inner = pieces[0] if pieces is not None and len(pieces) == 1 else getattr(module, "kernel", None)
-    if isinstance(inner, Int4Linear):
-        return (_INT4, inner.packed) if inner.backend == "vnni" and inner.repeat_input == 1 else None
-    if pieces is not None and len(pieces) != 1 or getattr(module, "bias", None) is not None:
-        return None
-    weight = getattr(inner if inner is not None else module, "weight", None)
-    if weight is None or weight.dtype != torch.float32 or weight.dim() != 2 or not weight.is_contiguous():
-        return None
-    return _F32, weight
+_KINDS = {"int4": _INT4, "float32": _F32}
+"""linear_spec kinds of the linear methods' `FusedWeight.kind`."""
+
+
+def _weight(linear) -> tuple[int, torch.Tensor] | None:
+    """(kind, tensor) of a linear the fused layer runs as one kernel, as its method says (one VNNI int4 kernel, or
+    a float32 [in, out] weight, without bias: cpllm/model/linear_methods/); None otherwise."""
+    spec = linear.fused_spec()
+    return None if spec is None else (_KINDS[spec.kind], spec.tensor)
 
 
 def _why_not(layer) -> str | None:
@@ -77,8 +72,11 @@ def _why_not(layer) -> str | None:
     comm = attn.attn.comm
     if attn.o_proj.tp.size != 1 and comm.pcp_size != 1:
         return "tensor parallelism with PCP"  # (DCP needs TP, so a PCP team never meets a DCP shard)
-    if any(_weight(m) is None for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
-        return "a linear layer is not one VNNI int4 kernel or one float32 weight without bias"
+    for name, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate|up", mlp.gate_up_proj),
+                         ("down", mlp.down_proj)):
+        if _weight(linear) is None:
+            return (f"a linear layer is not one VNNI int4 kernel or one float32 weight without bias "
+                    f"({name}: {linear.describe()})")
     norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
     if any(w.dtype != torch.float32 for w in norms):
         return "norm weights are not float32"

@@ -28,7 +28,6 @@ from cpllm.model.layers import (
     RowRange,
     TPShard,
     VocabParallelEmbedding,
-    pack_plain_weight,
 )
 from cpllm.model.fused_decode import FusedDecode
 from cpllm.model.loader import WeightSource
@@ -134,7 +133,7 @@ class LlamaMLP(torch.nn.Module):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
         split = self.decode_split
         if split is not None and split.usable and meta is not None and meta.rows_same_over_pcp and not meta.has_new:
-            return split(x, self.gate_up_proj, self.down_proj)
+            return split(x)
         gate_up = self.gate_up_proj(x)
         act = silu_mul(gate_up, self.shard)  # one C call on eager CPU float32 steps (as the fused decode layer)
         if act is None:
@@ -229,7 +228,7 @@ class LlamaForCausalLM(torch.nn.Module):
             if shared is not None:
                 linears += [shared.gate_up_proj, shared.down_proj]
             for linear in linears:
-                pack_plain_weight(linear)
+                linear.prepack()
 
     @torch.inference_mode()
     def forward(self, token_ids, positions, kv_caches, meta: AttentionMetadata,

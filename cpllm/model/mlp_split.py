@@ -15,9 +15,10 @@ along the reduction instead would round each partial on its own: the int4 kernel
 decoding drifted within 20 tokens). Each rank streams 1/PCP of its MLP weights. Prefill steps (each PCP rank
 holds different tokens) run the whole shard.
 
-Float weights are read through column views of the loaded shard (nothing copied). Quantized projections get their
-own copy of the slice, loaded in the same format from the same stored blocks (1/PCP of their bytes more per rank);
-that needs the down projection's whole input on this rank, i.e. TP = 1 (otherwise the split is not used).
+Plain float weights are read through column views of the loaded shard (nothing copied; `LinearMethod.columns`).
+Other formats get their own copy of the slice, loaded in the same format from the same stored blocks (1/PCP of
+their bytes more per rank); that needs the down projection's whole input on this rank, i.e. TP = 1 (otherwise the
+split is not used).
 """
 
 from __future__ import annotations
@@ -51,22 +52,31 @@ class DecodeSplitMLP(torch.nn.Module):
         self.group = pcp.group
         self.usable = True
         """False when a quantized projection cannot be sliced here (TP > 1): decode then runs the whole shard."""
+        self.gate_cols: torch.Tensor | None = None
+        """[hidden, rows]: this rank's gate columns, a view of a plain float gate|up shard (else `gate_up`)."""
+        self.up_cols: torch.Tensor | None = None
+        """[hidden, rows]: the same for up."""
         self.gate_up: ColumnParallelLinear | None = None
-        """The quantized slice of gate|up (None: views of the float shard)."""
+        """This rank's slice of gate|up loaded in its format, where the shard's method has no plain view."""
+        self.down_cols: torch.Tensor | None = None
+        """[shard_rows, out_cols]: this rank's output columns of down, a view of a plain float shard (else `down`)."""
         self.down: ColumnParallelLinear | None = None
-        """The quantized output columns of down (None: a view of the float shard)."""
+        """This rank's output columns of down loaded in its format, where the shard's method has no plain view."""
 
     def load_from(self, source: WeightSource, gate_up: ColumnParallelLinear, down: RowParallelLinear) -> None:
-        """After the whole shard is loaded: quantized projections get their slice, in the same format."""
-        if down.weight is None and self.tp.size > 1:
+        """After the whole shard is loaded: views of plain float weights, the other formats' slices loaded."""
+        self.down_cols = down.method.columns(self.out_offset, self.out_offset + self.out_cols)
+        if self.down_cols is None and self.tp.size > 1:
             self.usable = False  # its input is a TP shard of a quantized tensor: no 2-D slice to load
             return
-        if gate_up.weight is None:
+        self.gate_cols = gate_up.method.columns(self.offset, self.offset + self.rows)
+        self.up_cols = gate_up.method.columns(self.shard_rows + self.offset, self.shard_rows + self.offset + self.rows)
+        if self.gate_cols is None:
             start = self.shard_start + self.offset
             parts = [RowRange(name=f"{self.prefix}.{proj}", start=start, end=start + self.rows)
                      for proj in ("gate_proj", "up_proj")]
             self.gate_up = self._load_columns(source, self.hidden, parts)
-        if down.weight is None:
+        if self.down_cols is None:
             part = RowRange(name=f"{self.prefix}.down_proj", start=self.out_offset,
                             end=self.out_offset + self.out_cols)
             self.down = self._load_columns(source, self.shard_rows, [part])
@@ -77,17 +87,12 @@ class DecodeSplitMLP(torch.nn.Module):
         linear.plans = []  # the start-up log lists each weight once (these bytes still count)
         return linear
 
-    def forward(self, x: torch.Tensor, gate_up: ColumnParallelLinear, down: RowParallelLinear) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [N, hidden] -> MLP output [N, hidden], the same columns as the whole shard computes
         if self.gate_up is None:
-            w = gate_up.weight  # [hidden, 2 * shard_rows]: gate columns, then up columns
-            gate = x @ w[:, self.offset: self.offset + self.rows]
-            up = x @ w[:, self.shard_rows + self.offset: self.shard_rows + self.offset + self.rows]
+            gate, up = x @ self.gate_cols, x @ self.up_cols
         else:
             gate, up = self.gate_up(x).split(self.rows, dim=-1)
         h = all_gather(F.silu(gate) * up, self.group, dim=-1)  # [N, shard_rows]
-        if self.down is None:
-            y = h @ down.weight[:, self.out_offset: self.out_offset + self.out_cols]
-        else:
-            y = self.down(h)
+        y = h @ self.down_cols if self.down is None else self.down(h)
         return self.tp.all_reduce(all_gather(y, self.group, dim=-1))  # [N, hidden]

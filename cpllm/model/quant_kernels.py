@@ -1,4 +1,4 @@
-"""Linear layers over 4-bit and 8-bit groups; int8 rows for a token embedding.
+"""Kernels over 4-bit and 8-bit groups (a linear's int4 / int8 formats); int8 rows for a token embedding.
 
 Two kernels run the 4-bit groups:
 - where this CPU has AVX-512 VNNI, cpllm's own (cpllm/kernels/int4_matmul.c): activations quantized to int8 per
@@ -47,6 +47,8 @@ class Int4Linear(torch.nn.Module):
             raise ValueError("backend='vnni': the VNNI int4 kernel is not built on this machine")
         self.backend = backend or ("vnni" if int4_matmul.available() else "aten")
         """Which kernel runs this layer (see the module)."""
+        self.weight_format = "int8" if repeat_input == 2 else "int4"
+        """What the groups hold, for the start-up log's weight bytes (cpllm/model/quant_report.py)."""
         if self.backend == "vnni":
             self.register_buffer("packed", int4_matmul.pack(groups.codes, groups.d, groups.m))
             return
@@ -80,6 +82,8 @@ class Int4Linear(torch.nn.Module):
 class Int8Rows(torch.nn.Module):
     """Rows of an int8 grouped weight (a Q8_0 token embedding), looked up exactly: d q in float32."""
 
+    weight_format = "int8"
+
     def __init__(self, groups: Int8Groups):
         super().__init__()
         self.register_buffer("codes", groups.codes.contiguous())  # int8 [rows, cols]
@@ -90,14 +94,3 @@ class Int8Rows(torch.nn.Module):
         codes = F.embedding(ids, self.codes).float()  # [N, cols]
         d = F.embedding(ids, self.d).repeat_interleave(QUANT_GROUP, dim=1)
         return (codes * d).to(dtype)
-
-
-class FloatLinear(torch.nn.Module):
-    """y = x W with W stored [in, out] (the layout the float path uses): a float piece of a mixed packed linear."""
-
-    def __init__(self, weight_in_out: torch.Tensor):
-        super().__init__()
-        self.weight = torch.nn.Parameter(weight_in_out, requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.weight

@@ -51,6 +51,10 @@ class WeightPlan:
     """Why, for the start-up log (e.g. "stored Q4_1, run as stored")."""
 
 
+NOT_QUANTIZED = WeightPlan("float", "quantization=none")
+"""The plan of every weight under quantization=none."""
+
+
 def wanted_plan(mode: str, stored: str, *, cpu: bool = True) -> WeightPlan:
     """The format `mode` asks for a linear weight stored as `stored`, before its shape is checked."""
     if mode == "none":

@@ -7,7 +7,6 @@ from collections import Counter, defaultdict
 
 import torch
 
-from cpllm.model.quant_kernels import Int4Linear, Int8Rows
 from cpllm.model.rope import RotaryEmbedding
 
 _LAYER = re.compile(r"^model\.layers\.\d+\.")
@@ -29,17 +28,14 @@ def format_counts(model: torch.nn.Module) -> dict[str, Counter]:
 
 def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
     """Bytes of this rank's weights by format ("float", "int8", "int4"), each tensor counted once; rotary tables
-    are not weights."""
+    are not weights. A module holding quantized tensors says which in its `weight_format` (the linear methods and
+    their kernels, cpllm/model/linear_methods/); the rest are float."""
     totals: Counter = Counter()
     seen: set[int] = set()
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             continue
-        kind = "float"
-        if isinstance(module, Int4Linear):
-            kind = "int8" if module.repeat_input == 2 else "int4"
-        elif isinstance(module, Int8Rows):
-            kind = "int8"
+        kind = getattr(module, "weight_format", "float")
         for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
             if tensor is not None and id(tensor) not in seen:
                 seen.add(id(tensor))

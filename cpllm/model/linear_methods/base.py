@@ -1,0 +1,51 @@
+"""The interface every weight format of a linear layer implements (see the package docstring)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class FusedWeight:
+    """How the fused decode layer (cpllm/model/fused_decode.py) reads one linear: a single kernel over one tensor."""
+
+    kind: str
+    """"int4" (the VNNI kernel's packed 4-bit groups) or "float32" (a plain [in, out] float32 weight)."""
+    tensor: torch.Tensor
+    """The tensor whose address the C layer reads in place."""
+
+
+class LinearMethod(torch.nn.Module):
+    """One weight format of one linear: it holds the weight in that format and multiplies by it.
+
+    A module, so that its tensors move, count and compile as the model's (a graph compiled for one layer serves every
+    layer: their methods' tensors are inputs). The multiply is `matmul`, not `forward` or `apply`: a linear calls it
+    directly, without the module-call machinery, and `torch.nn.Module.apply` keeps its meaning.
+    """
+
+    weight_format = "float"
+    """"float", "int8" or "int4": the bucket of the start-up log's weight bytes (cpllm/model/quant_report.py)."""
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, in] -> x W^T (+ bias) [N, out]."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """What this method runs, for logs (e.g. "float32 [576, 1536]", "int4, VNNI kernel")."""
+        raise NotImplementedError
+
+    def fused_spec(self) -> FusedWeight | None:
+        """The weight as the fused decode layer reads it, or None where it cannot (the default)."""
+        return None
+
+    def columns(self, start: int, end: int) -> torch.Tensor | None:
+        """A view [in, end - start] of output columns [start, end) of a plain weight, or None where the format holds
+        none (the default): a caller then loads the slice in the same format itself."""
+        return None
+
+    def prepacked(self) -> "LinearMethod":
+        """The same weight in the layout that multiplies fastest here, for a weight nothing else reads in place (the
+        fused decode layers read theirs); `self` where there is none (the default)."""
+        return self
