@@ -7,7 +7,7 @@ from typing import Any
 
 from cpllm.engine_options import ENGINE_OPTIONS, EngineOption, parse_bytes
 
-__all__ = ["add_engine_arguments", "engine_kwargs", "parse_bytes"]
+__all__ = ["add_engine_arguments", "engine_flags", "engine_kwargs", "parse_bytes"]
 
 
 class _DeprecatedAlias(argparse.Action):
@@ -53,3 +53,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, model_option: bool 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """LLM(...) keyword arguments from parsed options (every option; the model is passed on its own)."""
     return {option.name: getattr(args, option.name) for option in ENGINE_OPTIONS}
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine options of `args` that differ from their defaults, spelled back as flags (for a child server)."""
+    flags = ["--model", args.model] if getattr(args, "model", None) else []
+    for option in ENGINE_OPTIONS:
+        value = getattr(args, option.name)
+        if value is option.default or value == option.default:
+            continue
+        if option.type is bool:
+            flags.append(option.flag if value else "--no-" + option.flag.removeprefix("--"))
+        else:
+            flags += [option.flag, str(value)]
+    return flags

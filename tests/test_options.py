@@ -11,7 +11,7 @@ import pytest
 
 from cpllm.cli import build_parser
 from cpllm.engine.llm import LLM, build_engine_config
-from cpllm.engine_args import engine_kwargs
+from cpllm.engine_args import engine_flags, engine_kwargs
 from cpllm.engine_options import CONFIG_OPTIONS, ENGINE_OPTIONS, OPTIONS, config_field_default, resolve_options
 from tiny_models import save_tiny_hf_model
 
@@ -135,3 +135,17 @@ def test_an_unknown_keyword_is_refused_naming_it_and_the_closest_option(folder):
         LLM(folder, tensor_paralel_size=2)
     with pytest.raises(TypeError, match="unknown engine option 'threads_per_rank'"):
         build_engine_config(folder, threads_per_rank=2)
+
+
+def test_changed_options_spell_back_as_flags_that_parse_to_the_same_options():
+    """`cpllm bench serve` starts its server with the flags of the options it was given."""
+    given = ["--model", "m.gguf", "-tp", "2", "--no-enable-prefix-caching", "--compile-decode",
+             "--kv-cache-memory-bytes", "1MiB", "--distributed-timeout", "5.5", "--dcp-kv-cache-interleave-size", "4"]
+    with pytest.warns(Warning, match="deprecated"):
+        args = build_parser().parse_args(["bench", "serve", *given])
+    flags = engine_flags(args)
+    assert flags[:2] == ["--model", "m.gguf"] and "--no-enable-prefix-caching" in flags
+    assert "--compile-decode" in flags and "True" not in flags  # an on/off flag takes no value
+    again = build_parser().parse_args(["serve", *flags])
+    assert engine_kwargs(again) == engine_kwargs(args) and again.model == "m.gguf"
+    assert engine_flags(build_parser().parse_args(["serve"])) == []

@@ -19,19 +19,12 @@ def _add_output_options(parser: argparse.ArgumentParser, *, plot: bool = True) -
         parser.add_argument("--plot", default=None, help="draw the figure to this PNG")
 
 
-def _capture_engine_actions(parser: argparse.ArgumentParser, add_engine_arguments: Callable) -> None:
-    """Register the engine options and remember them (bench serve passes changed ones to its server)."""
-    before = len(parser._actions)
-    add_engine_arguments(parser)
-    parser.set_defaults(engine_actions=parser._actions[before:])
-
-
 def add_bench_parser(parser: argparse.ArgumentParser, add_engine_arguments: Callable) -> None:
     """Add the bench sub-commands to `parser` (the `cpllm bench` parser)."""
     commands = parser.add_subparsers(dest="bench_command", required=True)
 
     prefill = commands.add_parser("prefill", help="time to first token vs prompt length, per layout and strategy")
-    _capture_engine_actions(prefill, add_engine_arguments)
+    add_engine_arguments(prefill)
     prefill.add_argument("--lengths", default="1024,2048", help="prompt lengths, comma-separated")
     prefill.add_argument("--layouts", default=None,
                          help="TPxPCPxDCP[@threads_per_rank], comma-separated (default: from -tp/-pcp/-dcp)")
@@ -43,7 +36,7 @@ def add_bench_parser(parser: argparse.ArgumentParser, add_engine_arguments: Call
     _add_output_options(prefill)
 
     chunk = commands.add_parser("chunk", help="TTFT of a short chunk on a cached context, per layout and strategy")
-    _capture_engine_actions(chunk, add_engine_arguments)
+    add_engine_arguments(chunk)
     chunk.add_argument("--context", type=int, default=8000, help="cached context tokens")
     chunk.add_argument("--chunk", type=int, default=256, help="new tokens on top of it")
     chunk.add_argument("--layouts", default=None, help="TPxPCPxDCP[@threads], comma-separated")
@@ -53,13 +46,13 @@ def add_bench_parser(parser: argparse.ArgumentParser, add_engine_arguments: Call
 
     planner = commands.add_parser("plan", help="cpllm plan --calibrate's TTFT against measured PCP=1 and PCP=2 "
                                   "prefills (one thread per rank, auto strategy), and PCP=2's parallel efficiency")
-    _capture_engine_actions(planner, add_engine_arguments)
+    add_engine_arguments(planner)
     planner.add_argument("--lengths", default="4096,8000", help="prompt lengths, comma-separated")
     planner.add_argument("--repeats", type=int, default=3, help="calibrations and runs per point")
     _add_output_options(planner, plot=False)
 
     decode = commands.add_parser("decode", help="steady decode tokens/s per batch size and context length")
-    _capture_engine_actions(decode, add_engine_arguments)
+    add_engine_arguments(decode)
     decode.add_argument("--batch-sizes", default="1,16")
     decode.add_argument("--context-lengths", default="128,2048")
     decode.add_argument("--layouts", default=None, help="TPxPCPxDCP[@threads], comma-separated")
@@ -71,7 +64,7 @@ def add_bench_parser(parser: argparse.ArgumentParser, add_engine_arguments: Call
     _add_output_options(decode)
 
     serve = commands.add_parser("serve", help="concurrent streamed requests against a server")
-    _capture_engine_actions(serve, add_engine_arguments)
+    add_engine_arguments(serve)
     serve.add_argument("--url", default=None,
                        help="base URL of a running server (default: start `cpllm serve` with the engine flags)")
     serve.add_argument("--num-requests", type=int, default=32)
@@ -84,13 +77,13 @@ def add_bench_parser(parser: argparse.ArgumentParser, add_engine_arguments: Call
     _add_output_options(serve)
 
     memory = commands.add_parser("memory", help="KV bytes per rank and longest prompt at a fixed per-rank budget")
-    _capture_engine_actions(memory, add_engine_arguments)
+    add_engine_arguments(memory)
     memory.add_argument("--cp-sizes", default="1,2,4")
     memory.add_argument("--budget", default="64MiB", help="KV cache bytes per rank")
     _add_output_options(memory, plot=False)
 
     comm = commands.add_parser("comm", help="bytes per prefill layer per strategy: formula vs measured")
-    _capture_engine_actions(comm, add_engine_arguments)
+    add_engine_arguments(comm)
     comm.add_argument("--lengths", default="2048")
     comm.add_argument("--strategies", default="allgather,ring")
     _add_output_options(comm, plot=False)
@@ -256,13 +249,14 @@ def _serve(args: argparse.Namespace) -> dict[str, Any]:
 
     from cpllm.bench.engines import model_config_of
     from cpllm.bench.serve_load import run_serve_bench
-    from cpllm.bench.server_launch import engine_flags, launched_server
+    from cpllm.bench.server_launch import launched_server
+    from cpllm.engine_args import engine_flags
 
     vocab = args.vocab_size or model_config_of(args.model).vocab_size
     if args.url:
         server = contextlib.nullcontext(args.url)
     else:
-        server = launched_server(engine_flags(args, args.engine_actions), log_path=args.server_log)
+        server = launched_server(engine_flags(args), log_path=args.server_log)
     progress = _Progress(args.num_requests, "serve", unit="request")
     try:
         with server as url:

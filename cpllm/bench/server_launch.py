@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import signal
@@ -14,22 +13,6 @@ from collections.abc import Iterator
 import httpx
 
 from cpllm.distributed.launch import find_free_port
-
-
-def engine_flags(args: argparse.Namespace, actions: list[argparse.Action]) -> list[str]:
-    """The engine options the user changed, spelled back as command-line flags for the server."""
-    flags: list[str] = []
-    for action in actions:
-        value = getattr(args, action.dest, None)
-        hidden = action.help == argparse.SUPPRESS  # deprecated aliases share the dest of the real option
-        if hidden or value == action.default or value is None or not action.option_strings:
-            continue
-        long = next((s for s in action.option_strings if s.startswith("--")), action.option_strings[0])
-        if isinstance(action, argparse.BooleanOptionalAction):
-            flags.append(long if value else "--no-" + long.removeprefix("--"))
-        else:
-            flags += [long, str(value)]
-    return flags
 
 
 def wait_ready(url: str, process: subprocess.Popen, timeout_s: float) -> None:
