@@ -3,15 +3,22 @@ holds, answers the fused layer's and the MLP split's questions itself, and the l
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from gguf import GGMLQuantizationType as QType
 
+import tiny_models as tm  # tests/ is on sys.path under pytest
+from cpllm.context_parallel.attention import CPComm
 from cpllm.kernels import int4_matmul
 from cpllm.model import packed_weights
 from cpllm.model.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, RowRange, TPShard,
                                 VocabParallelEmbedding)
 from cpllm.model.linear_methods import (ConcatenatedWeights, FloatHead, FloatWeight, GroupedWeight, OneDNNWeight,
                                         RefinedInt8Rows, StoredInt8Rows)
+from cpllm.model.llama import LlamaForCausalLM
+from cpllm.model.loader import open_weights
 from cpllm.model.quant_groups import quantize_int4, quantize_int8
 from cpllm.model.quant_kernels import Int4Linear
 from cpllm.model.quant_report import weight_bytes
@@ -162,3 +169,17 @@ def test_tied_int8_head_shares_the_embedding_rows_and_bytes_count_once():
     held = [*embedding.rows.rows.buffers(), *head.method.head.kernel.buffers()]  # one copy of the rows
     assert weight_bytes(torch.nn.ModuleList([embedding, head])) == {
         "int8": sum(t.numel() * t.element_size() for t in held)}
+
+
+def test_a_biased_4bit_projection_stays_out_of_the_fused_layer(tmp_path):
+    """The fused decode layer adds no bias: Qwen2's biased q|k|v in the int4 kernel keeps its layers eager."""
+    path = str(tmp_path / "tiny.gguf")
+    tm.save_tiny_gguf(path, "qwen2", seed=8, tie_word_embeddings=True,
+                      tensor_types=lambda n: QType.Q4_0 if "proj.weight" in n else QType.F32)
+    source = open_weights(path)
+    model = LlamaForCausalLM(dataclasses.replace(source.config, quantization="auto"), TPShard(), CPComm(),
+                             torch.float32, 64)
+    model.load_weights(source)
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv.method, GroupedWeight) and qkv.bias is not None and qkv.fused_spec() is None
+    assert model.fused_decode is None
