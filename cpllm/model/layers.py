@@ -168,8 +168,8 @@ class VocabParallelEmbedding(torch.nn.Module):
 
 
 class ParallelLMHead(torch.nn.Module):
-    """Logits over this rank's vocabulary rows, gathered over TP for sampling (float in every quantization mode,
-    see cpllm/model/quant_plan.py)."""
+    """Logits over this rank's vocabulary rows, gathered over TP for sampling (the model dtype, or a Q8_0 head's
+    int8 rows with each row's best logits refined in float32: cpllm/model/quant_plan.py)."""
 
     def __init__(self, embedding: VocabParallelEmbedding | None, name: str, vocab_size: int, hidden: int,
                  tp: TPShard, dtype: torch.dtype, quantization: str = "none", pcp: PCPSplit | None = None):
