@@ -104,7 +104,7 @@ def test_merge_two_matches_stack():
 def test_accumulate_in_place_matches_merge_two():
     """The prefill accumulator: rows start empty (0, -inf), take partials in place, and equal merge_two's result;
     a slice updates the view, an index tensor writes back."""
-    from cpllm.context_parallel.local_attention import accumulate
+    from cpllm.context_parallel.merge import accumulate
 
     g = torch.Generator().manual_seed(3)
     parts = [(torch.randn(4, 3, 8, generator=g), torch.randn(4, 3, generator=g) * 5) for _ in range(3)]

@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 
 from cpllm.context_parallel.backend import AttentionBackend, attention_backend
-from cpllm.context_parallel.local_attention import accumulate as _accumulate
-from cpllm.context_parallel.local_attention import accumulator_dtype, key_runs
-from cpllm.context_parallel.merge import merge_attention_partials, merge_two
+from cpllm.context_parallel.merge import accumulate as _accumulate
+from cpllm.context_parallel.merge import accumulator_dtype, merge_attention_partials, merge_two
 from cpllm.context_parallel.metadata import AttentionMetadata, RequestAttention
+from cpllm.context_parallel.partition import key_runs
 from cpllm.context_parallel.pass_q import pass_q_attention
 from cpllm.context_parallel.plan import StepPlan
 from cpllm.distributed.comm import all_gather, all_to_all, ring_exchange

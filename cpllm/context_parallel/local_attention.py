@@ -1,5 +1,4 @@
-"""The GQA backend's implementations (gqa_backend.py: the C kernels, SDPA, the compiled-graph forms), and the
-float32 accumulation of partials and the ring's key runs, which the CP layer uses for every backend."""
+"""The GQA backend's implementations (gqa_backend.py): the C kernels, SDPA, the compiled-graph forms."""
 
 from __future__ import annotations
 
@@ -24,31 +23,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, caus
         scale=scale, causal=causal,
     )
     return out[0].transpose(0, 1), lse[0].transpose(0, 1)
-
-
-def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
-    """dtype partial outputs are merged in: float32 for bf16/fp16/fp32 models (float64 stays float64)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def accumulate(out, lse, rows, o_part, lse_part) -> None:
-    """Merge a partial into rows of a float32 accumulator, in place (docs/context_parallel.md, "Exact merge").
-
-    The accumulator rows may be empty (out 0, lse -inf: their weight is exp(-inf) = 0). Prefill merges several
-    partials per query run and layer, so this avoids merge_two's stacked copies: about four passes over the
-    [rows, Hq, D] outputs instead of fifteen (PCP=2 prefill efficiency, docs/benchmarks.md (d)).
-    """
-    # out [N, Hq, D] float32, lse [N, Hq] float32; o_part [L, Hq, D], lse_part [L, Hq] for out[rows]
-    held = lse[rows]
-    new = torch.logaddexp(held, lse_part.float())  # [L, Hq]; -inf only where both are empty
-    shift = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
-    w_held = torch.exp(held - shift).unsqueeze(-1)  # [L, Hq, 1]
-    w_part = torch.exp(lse_part.float() - shift).unsqueeze(-1)
-    if isinstance(rows, slice):  # a view: update in place
-        out[rows].mul_(w_held).add_(o_part * w_part)
-    else:
-        out[rows] = out[rows] * w_held + o_part * w_part
-    lse[rows] = new
 
 
 def attend_single_tokens(q, k_ctx, v_ctx, decode, scale: float, every_row_sees_a_key: bool = False):
@@ -169,21 +143,3 @@ def reduction_attention(q, k, v, scale: float, mask: torch.Tensor | None) -> tor
     probs = torch.softmax(scores, dim=-1).reshape(b, hkv, hq // hkv, length, keys, 1)
     out = (probs * v.float()[:, :, None, None]).sum(-2)  # [B, Hkv, G, L, D]
     return out.reshape(b, hq, length, d).to(q.dtype)
-
-
-def key_runs(source_rows, query_start: int) -> list[tuple[slice, bool]]:
-    """The attention calls of a query run starting at new-token index `query_start` against one source's key
-    runs [(row in the block, first new-token index, length)]: the run itself square-causal, runs wholly before it
-    unmasked (adjacent ones in the block joined into one call: one kernel call and one merge fewer), runs after
-    it skipped."""
-    calls: list[tuple[slice, bool]] = []
-    for key_row, key_start, key_len in source_rows:
-        if key_start == query_start:
-            calls.append((slice(key_row, key_row + key_len), True))
-        elif key_start + key_len <= query_start:
-            last = calls[-1] if calls else None
-            if last is not None and not last[1] and last[0].stop == key_row:
-                calls[-1] = (slice(last[0].start, key_row + key_len), False)
-            else:
-                calls.append((slice(key_row, key_row + key_len), False))
-    return calls

@@ -8,6 +8,8 @@ keys). Cutting the new tokens into `2 * pcp_size` equal chunks and giving rank
 
 Worked example, `T = 10`, `pcp_size = 2`: chunk length 3, chunks
 `[0,3) [3,6) [6,9) [9,10)`; rank 0 computes tokens 0-2 and 9, rank 1 tokens 3-8.
+
+`key_runs` turns one rank's runs into the attention calls a query run makes against them (ring and pass-Q).
 """
 
 from __future__ import annotations
@@ -69,3 +71,21 @@ def rank_token_indices(num_tokens: int, pcp_size: int, pcp_rank: int) -> list[in
 def rank_num_tokens(num_tokens: int, pcp_size: int, pcp_rank: int) -> int:
     """How many new tokens `pcp_rank` computes (length of `rank_token_indices`)."""
     return sum(e - s for s, e in rank_token_ranges(num_tokens, pcp_size, pcp_rank))
+
+
+def key_runs(source_rows, query_start: int) -> list[tuple[slice, bool]]:
+    """The attention calls of a query run starting at new-token index `query_start` against one source's key
+    runs [(row in the block, first new-token index, length)]: the run itself square-causal, runs wholly before it
+    unmasked (adjacent ones in the block joined into one call: one kernel call and one merge fewer), runs after
+    it skipped."""
+    calls: list[tuple[slice, bool]] = []
+    for key_row, key_start, key_len in source_rows:
+        if key_start == query_start:
+            calls.append((slice(key_row, key_row + key_len), True))
+        elif key_start + key_len <= query_start:
+            last = calls[-1] if calls else None
+            if last is not None and not last[1] and last[0].stop == key_row:
+                calls[-1] = (slice(last[0].start, key_row + key_len), False)
+            else:
+                calls.append((slice(key_row, key_row + key_len), False))
+    return calls

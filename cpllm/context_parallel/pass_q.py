@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import torch
 
-from cpllm.context_parallel.local_attention import accumulate, accumulator_dtype, key_runs
-from cpllm.context_parallel.merge import merge_attention_partials
+from cpllm.context_parallel.merge import accumulate, accumulator_dtype, merge_attention_partials
 from cpllm.context_parallel.metadata import AttentionMetadata, RequestAttention
+from cpllm.context_parallel.partition import key_runs
 from cpllm.distributed.comm import all_to_all, ring_exchange
 
 
