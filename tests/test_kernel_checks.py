@@ -186,15 +186,14 @@ def test_each_ctypes_struct_matches_the_compiled_layout():
 
 
 class _TinyLayer:
-    """One float32 decoder layer of hidden 64, two query heads and one KV head of 32, and its pools."""
+    """One float32 decoder layer of hidden 64, two query heads and one KV head of 32, intermediate 64, and its pools."""
 
     def __init__(self):
         gen = torch.Generator().manual_seed(2)
         self.weights = [torch.randn(64, n, generator=gen) * 0.1 for n in (128, 64, 128, 64)]  # [in, out]
         self.norm = torch.ones(64)
-        linears = [structs.LinearSpec(w.data_ptr(), 1) for w in self.weights]  # LINEAR_F32
-        self.spec = structs.LayerSpec(self.norm.data_ptr(), self.norm.data_ptr(), *linears, 64, 2, 1, 32, 32, 1e-5,
-                                      32**-0.5)
+        linears = [(structs.LINEAR_F32, w) for w in self.weights]
+        self.spec = decode_layer.layer_spec((self.norm, self.norm), linears, 2, 1, 32, 64, 1e-5, 32**-0.5)
         self.k_pool, self.v_pool = torch.zeros(NUM_SLOTS, 1, 32), torch.zeros(NUM_SLOTS, 1, 32)
 
     def run(self, write_rows, write_slots, slots, lengths) -> None:
@@ -250,3 +249,18 @@ def test_the_fused_step_refuses_index_tensors_the_c_code_would_misread():
         decode_layer.step_spec(tables, rows, rows, slots, torch.tensor([2]), pool, 1)
     with pytest.raises(ValueError, match="rotary tables"):
         decode_layer.step_spec((tables[0][:1], tables[1][:1]), rows, rows, slots, torch.tensor([2, 1]), pool, 1)
+
+
+def test_a_layer_spec_refuses_a_weight_of_another_shape():
+    """Each weight is read as the shape the layer's sizes give: checked once, when the layers are packed."""
+    norm, gen = torch.ones(64), torch.Generator().manual_seed(4)
+    good = [(structs.LINEAR_F32, torch.randn(64, n, generator=gen)) for n in (128, 64, 128, 64)]
+    decode_layer.layer_spec((norm, norm), good, 2, 1, 32, 64, 1e-5, 0.2)
+    wide_gate_up = [*good[:2], (structs.LINEAR_F32, torch.randn(64, 96)), good[3]]
+    with pytest.raises(ValueError, match=r"gate\|up weight is torch.float32 \(64, 96\); 64 inputs and 128 outputs"):
+        decode_layer.layer_spec((norm, norm), wide_gate_up, 2, 1, 32, 64, 1e-5, 0.2)
+    int4_qkv = [(structs.LINEAR_INT4, torch.zeros(8, 3, 320, dtype=torch.uint8)), *good[1:]]  # packed for 96 inputs
+    with pytest.raises(ValueError, match=r"q\|k\|v weight is torch.uint8 \(8, 3, 320\); .* torch.uint8 \(8, 2, 320\)"):
+        decode_layer.layer_spec((norm, norm), int4_qkv, 2, 1, 32, 64, 1e-5, 0.2)
+    with pytest.raises(ValueError, match="norm weights"):
+        decode_layer.layer_spec((norm, torch.ones(32)), good, 2, 1, 32, 64, 1e-5, 0.2)

@@ -13,6 +13,10 @@ TeamCheck = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_double)
 """decode_team.h's team_check_fn: called every 50 ms of a barrier's wait; nonzero gives the wait up."""
 
 
+LINEAR_INT4, LINEAR_F32 = 0, 1
+"""linear_spec kinds: int4 groups packed for the VNNI kernel (int4_matmul.pack), float32 [in, out]."""
+
+
 class LinearSpec(ctypes.Structure):
     """decode_layer.c's linear_spec: a weight's address and kind (LINEAR_INT4 packed, LINEAR_F32 [in, out])."""
 

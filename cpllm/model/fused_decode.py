@@ -28,7 +28,7 @@ from cpllm.kernels import decode_layer
 from cpllm.kernels.checks import TEAM_ABORTED, decode_layer_error
 from cpllm.kernels.decode_attention import POOL_DTYPES
 from cpllm.kernels.library import load
-from cpllm.kernels.structs import LayerSpec, LinearSpec
+from cpllm.kernels.structs import LayerSpec
 from cpllm.model.decode_team import DecodeTeam, TeamShapes
 
 logger = logging.getLogger(__name__)
@@ -133,10 +133,8 @@ class FusedDecode:
                 logger.info("decode steps: eager layers (float32 weights and no AVX-512 for the fused matmul)")
                 return None
             keep += [*norms, *(t for _, t in linears)]
-            specs.append(LayerSpec(norms[0].data_ptr(), norms[1].data_ptr(),
-                                *(LinearSpec(t.data_ptr(), kind) for kind, t in linears),
-                                norms[0].shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.shard,
-                                layer.input_layernorm.eps, attn.attn.scale))
+            specs.append(decode_layer.layer_spec(norms, linears, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                                 mlp.shard, layer.input_layernorm.eps, attn.attn.scale))
         kinds = sorted({"int4" if linear.kind == _INT4 else "float32"
                         for spec in specs for linear in (spec.qkv, spec.o, spec.gate_up, spec.down)})
         logger.info("decode steps: one fused C call per decoder layer (%s weights; cpllm/model/fused_decode.py)",
