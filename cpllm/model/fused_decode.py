@@ -28,14 +28,12 @@ from cpllm.kernels import decode_layer
 from cpllm.kernels.checks import TEAM_ABORTED, decode_layer_error
 from cpllm.kernels.decode_attention import POOL_DTYPES
 from cpllm.kernels.library import load
-from cpllm.kernels.structs import LayerSpec
+from cpllm.kernels.structs import LINEAR_F32, LINEAR_INT4, LayerSpec
 from cpllm.model.decode_team import DecodeTeam, TeamShapes
 
 logger = logging.getLogger(__name__)
 
 
-_INT4, _F32 = 0, 1
-"""Weight kinds of decode_layer.c's linear_spec."""
 F32_MAX_ROWS = 4
 """Rows a step with float32 weights runs fused: f32_matmul.c streams each weight once per block of 4 rows, so a
 bigger batch reads them several times, where the eager layers' MKL GEMM reads them once (measured: 16 rows of
@@ -49,7 +47,7 @@ def _library() -> ctypes.CDLL | None:
     return load("decode_layer")
 
 
-_KINDS = {"int4": _INT4, "float32": _F32}
+_KINDS = {"int4": LINEAR_INT4, "float32": LINEAR_F32}
 """linear_spec kinds of the linear methods' `FusedWeight.kind`."""
 
 
@@ -90,7 +88,8 @@ class FusedDecode:
                  needs_team: bool, tensor_parallel: bool = False, dcp: int = 1):
         self.lib, self.specs = lib, specs
         self._keep = keep  # the tensors whose addresses the specs hold
-        f32 = any(linear.kind == _F32 for spec in specs for linear in (spec.qkv, spec.o, spec.gate_up, spec.down))
+        f32 = any(linear.kind == LINEAR_F32
+                  for spec in specs for linear in (spec.qkv, spec.o, spec.gate_up, spec.down))
         self.max_rows = F32_MAX_ROWS if f32 else None
         """Most rows a step runs fused (None: any number)."""
         self.team_size = team_size
@@ -129,13 +128,13 @@ class FusedDecode:
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             linears = [_weight(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            if any(kind == _F32 for kind, _ in linears) and lib.cpllm_f32_available() != 1:
+            if any(kind == LINEAR_F32 for kind, _ in linears) and lib.cpllm_f32_available() != 1:
                 logger.info("decode steps: eager layers (float32 weights and no AVX-512 for the fused matmul)")
                 return None
             keep += [*norms, *(t for _, t in linears)]
             specs.append(decode_layer.layer_spec(norms, linears, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                                  mlp.shard, layer.input_layernorm.eps, attn.attn.scale))
-        kinds = sorted({"int4" if linear.kind == _INT4 else "float32"
+        kinds = sorted({"int4" if linear.kind == LINEAR_INT4 else "float32"
                         for spec in specs for linear in (spec.qkv, spec.o, spec.gate_up, spec.down)})
         logger.info("decode steps: one fused C call per decoder layer (%s weights; cpllm/model/fused_decode.py)",
                     "/".join(kinds))
