@@ -4,7 +4,8 @@ The runner picks the plan from the step's chunks and this rank's fixed facts (it
 layers or a decode team exist); `build_step_batch` lays the metadata out for it and carries it in
 `AttentionMetadata.plan`. Everything downstream (the fused layers, the compiled step, PagedCPAttention) follows
 that value and never re-derives it. Which implementation a backend runs inside a path (a C kernel, SDPA, the
-CUDA kernels) does not change the plan nor the metadata's layout.
+CUDA kernels) does not change the plan. One layout choice is the backend's: whether a decode-only step's rows
+read their own slots or the union of shared keys (`AttentionBackend.reads_decode_rows_in_place`).
 """
 
 from __future__ import annotations
