@@ -86,7 +86,9 @@ def _sampled_logprobs(
 
 
 def _needs_processing(row: SamplingRow) -> bool:
-    return row.params.has_penalties or bool(row.params.logit_bias) or bool(_masked_stop_ids(row))
+    p = row.params
+    return (p.has_penalties or bool(p.logit_bias) or bool(_masked_stop_ids(row)) or p.allowed_token_ids is not None
+            or bool(p.bad_words_token_ids))
 
 
 def _process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -99,6 +101,7 @@ def _process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         _mask_stop_ids(out[i], rows[i])
         apply_penalties(out[i], rows[i].params, rows[i].prompt_token_ids, rows[i].output_token_ids)
         apply_logit_bias(out[i], rows[i].params.logit_bias)
+        apply_token_masks(out[i], rows[i])
         if not torch.isfinite(out[i]).any():
             # min_tokens masked the only tokens a grammar allows (or a bias of -100 meets a mask):
             # the grammar wins, so there is always a token to draw.
@@ -114,6 +117,25 @@ def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, float] | None) 
     ids = torch.tensor(list(logit_bias), dtype=torch.long, device=logits.device)
     biases = torch.tensor(list(logit_bias.values()), dtype=logits.dtype, device=logits.device)
     logits.index_add_(0, ids, biases)
+
+
+def apply_token_masks(logits: torch.Tensor, row: SamplingRow) -> None:
+    """allowed_token_ids and bad words, in place: masked ids get -inf."""
+    # logits: [vocab]
+    allowed = row.params.allowed_token_ids
+    if allowed is not None:
+        keep = torch.full_like(logits, float("-inf"))
+        ids = torch.tensor([t for t in allowed if t < logits.shape[0]], dtype=torch.long, device=logits.device)
+        keep[ids] = 0.0
+        logits.add_(keep)
+    banned = []
+    output = list(row.output_token_ids)
+    for word in row.params.bad_words_token_ids or ():
+        prefix = word[:-1]
+        if word[-1] < logits.shape[0] and (not prefix or output[-len(prefix):] == prefix):
+            banned.append(word[-1])
+    if banned:
+        logits[banned] = float("-inf")
 
 
 def _masked_stop_ids(row: SamplingRow) -> list[int]:

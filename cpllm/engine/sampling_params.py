@@ -67,6 +67,11 @@ class SamplingParams:
     """Keep the matched stop string at the end of the output text."""
     logit_bias: dict[int, float] | None = None
     """Added to the logits of these token ids before sampling (after penalties); values in [-100, 100]."""
+    allowed_token_ids: list[int] | None = None
+    """Only these ids may be sampled (every other logit is masked); None = any id."""
+    bad_words_token_ids: list[list[int]] | None = None
+    """Token sequences that may never be completed: the last id of each is masked when the output ends with the
+    rest of it (the server tokenizes `bad_words` into these)."""
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON schema, regex, choice or grammar (enforced by a token mask)."""
     guided_decoding: StructuredOutputsParams | None = None
@@ -78,6 +83,7 @@ class SamplingParams:
         self._validate_penalties()
         self._normalise_stops()
         self._validate_logit_bias()
+        self._validate_token_lists()
         self._merge_guided_decoding()
 
     def _validate_counts(self) -> None:
@@ -142,6 +148,18 @@ class SamplingParams:
                 raise ValueError(
                     f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r} for {token}"
                 )
+
+    def _validate_token_lists(self) -> None:
+        if self.allowed_token_ids is not None:
+            ids = list(self.allowed_token_ids)
+            if not ids or not all(_is_int(t) and t >= 0 for t in ids):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of ints >= 0, got {ids!r}")
+            self.allowed_token_ids = ids
+        if self.bad_words_token_ids is not None:
+            words = [list(w) for w in self.bad_words_token_ids]
+            if not all(w and all(_is_int(t) and t >= 0 for t in w) for w in words):
+                raise ValueError(f"bad_words_token_ids must be non-empty lists of ints >= 0, got {words!r}")
+            self.bad_words_token_ids = words
 
     def _merge_guided_decoding(self) -> None:
         for name in ("structured_outputs", "guided_decoding"):
