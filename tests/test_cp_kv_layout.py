@@ -1,4 +1,4 @@
-"""KV cache sharding over the CP group (DESIGN section 3) against brute force."""
+"""KV cache sharding over the CP group (docs/context_parallel.md, "KV layout") against brute force."""
 
 import itertools
 import random

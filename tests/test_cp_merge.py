@@ -1,4 +1,4 @@
-"""Exact log-sum-exp merge of attention partials, and attention with lse (DESIGN sections 5, 8)."""
+"""Exact log-sum-exp merge of attention partials, and attention with lse (docs/context_parallel.md, "Exact merge"; docs/platform.md)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Head-tail PCP partition of new tokens (DESIGN section 4)."""
+"""Head-tail PCP partition of new tokens (docs/context_parallel.md, "Prefill partition")."""
 
 import math
 

@@ -1,6 +1,6 @@
 """Every parallel layout against the single-rank engine: real processes on gloo, tiny random models.
 
-One LLM per layout runs the whole workload (DESIGN section 6): prompts of
+One LLM per layout runs the whole workload (docs/architecture.md, "Correctness contract"): prompts of
 lengths {1, 2*PCP-1, 13, 37} plus one sharing a 24-token prefix with the
 37-token prompt, a 9-token step budget (prompts chunked over several steps,
 decodes mixed with chunks), a KV pool of about 120 tokens per CP group

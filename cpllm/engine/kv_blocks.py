@@ -1,8 +1,8 @@
 """Virtual KV block pool with reference counts and prefix caching (torch-free).
 
 A block id names the same physical block index on every rank of a CP group;
-one virtual block holds `block_size * cp_size` consecutive tokens of a sequence
-(DESIGN section 3), so the scheduler only counts virtual blocks.
+one virtual block holds `block_size * kv_shard_size` consecutive tokens of a sequence
+(docs/context_parallel.md, "KV layout"), so the scheduler only counts virtual blocks.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
  * Work is split into units (request, run of consecutive context positions); each unit reads every KV head of
  * its slots once (one contiguous [Hkv, D] row per slot), keeps its scores for all query heads in a small buffer,
  * and leaves a partial output with its log-sum-exp. Partials of a request are merged exactly afterwards
- * (log-sum-exp weights, as DESIGN section 5). Accumulation is float32 throughout.
+ * (log-sum-exp weights; docs/context_parallel.md, "Exact merge"). Accumulation is float32 throughout.
  */
 #include <math.h>
 #include <stdint.h>

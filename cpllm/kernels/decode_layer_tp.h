@@ -6,7 +6,7 @@
  * - DCP = 1: its heads to its whole context, alone;
  * - DCP > 1: the DCP group's ranks (consecutive members) hold the same KV heads and each a shard of the context.
  *   Each publishes its queries; each attends every query head of its group to its own shard and publishes the
- *   partial output with its log-sum-exp; each then merges its own heads' parts exactly (DESIGN section 5).
+ *   partial output with its log-sum-exp; each then merges its own heads' parts exactly (docs/context_parallel.md, "Exact merge").
  * The output and down projections' shards each give a partial sum over all hidden columns: every member publishes
  * its part and adds all parts in member order, so every member ends the layer with the same hidden state (the
  * all-reduce of the eager layers). Barriers per layer: two, plus two with DCP > 1.

@@ -1,4 +1,4 @@
-"""A sparse mixture-of-experts block placed over the MoE group (flattened TP x PCP ranks, DESIGN section 9).
+"""A sparse mixture-of-experts block placed over the MoE group (flattened TP x PCP ranks; docs/context_parallel.md, "Mixture of experts under PCP").
 
 Every rank routes the tokens it computes with the replicated router and runs its experts (or expert rows) on
 the tokens routed to them; the partial outputs are summed over the group:

@@ -6,7 +6,7 @@ Two kernels run the 4-bit groups:
   step and offset kept in float16. Measured on SmolLM2's 30 layers: 1.5x aten's kernel at batch 1 and 3.7x at
   512 rows (benchmarks/int4_kernel.py).
 - elsewhere aten's (`_weight_int4pack_mm_for_cpu`), fast only with bfloat16 activations (float32 ones take a
-  scalar path, ~10x slower, DESIGN section 8), so the input is cast to bfloat16 and the result back; it keeps
+  scalar path, ~10x slower; docs/platform.md, "PyTorch on the CPU"), so the input is cast to bfloat16 and the result back; it keeps
   each group's scale and zero in bfloat16 and returns bfloat16. Its packing wants output rows in multiples of
   16; other counts are padded with zero rows here and cut off the result.
 The layer picks one at load and packs the weight for it only.
