@@ -47,20 +47,26 @@ class Tokenizer:
         return list(self.hf_tokenizer.convert_ids_to_tokens(list(ids)))
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
-        """The prompt text for `messages`, rendered by the model's jinja chat template.
+                            tools: list[dict[str, Any]] | None = None, *, continue_final_message: bool = False,
+                            chat_template: str | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> str:
+        """The prompt text for `messages`, rendered by the model's jinja chat template (or `chat_template`).
 
         `tools` (OpenAI's function definitions) reach the template as its `tools` variable; templates that do
-        not use it ignore them.
+        not use it ignore them. `continue_final_message` leaves the last message open (no end-of-turn), so the
+        model continues it. `template_kwargs` become extra template variables (e.g. enable_thinking).
         """
-        if not self.chat_template:
+        template = chat_template or self.chat_template
+        if not template:
             raise ValueError(
                 "this model has no chat template; send a plain prompt instead of chat messages"
             )
         return self.hf_tokenizer.apply_chat_template(
             messages,
-            chat_template=self.chat_template,
+            **(template_kwargs or {}),
+            chat_template=template,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             tokenize=False,
             tools=tools,
         )

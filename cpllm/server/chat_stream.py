@@ -9,6 +9,7 @@ from cpllm.engine.outputs import CompletionOutput
 from cpllm.engine.sampling_params import SamplingParams
 from cpllm.server import requests
 from cpllm.server.formatting import ChoiceCursor, chat_logprobs, sse, usage
+from cpllm.server.prompt_fields import echo_prefix, token_texts
 from cpllm.server.protocol import ChatCompletionRequest
 from cpllm.server.requests import ServerContext
 from cpllm.server.tool_calls import ToolPlan, finish_reason, new_call_id, tool_call_dicts
@@ -18,12 +19,15 @@ def choice_message(ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPla
                    num_top: int) -> dict:
     """One finished choice of a non-streamed response."""
     extracted = plan.extract(c.text)
-    message: dict = {"role": "assistant", "content": extracted.content}
+    prefix = echo_prefix(req)
+    content = prefix + (extracted.content or "") if prefix else extracted.content
+    message: dict = {"role": "assistant", "content": content}
     if extracted.tool_calls:
         message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"}
                                  for call in tool_call_dicts(extracted.tool_calls)]
     return {"index": c.index, "message": message,
-            "logprobs": chat_logprobs(ctx.texts, c.token_ids, c.logprobs or [], num_top) if req.logprobs else None,
+            "logprobs": (chat_logprobs(token_texts(ctx.texts, req), c.token_ids, c.logprobs or [], num_top)
+                         if req.logprobs else None),
             "finish_reason": finish_reason(extracted, c.finish_reason), "stop_reason": c.stop_reason}
 
 
@@ -40,8 +44,9 @@ async def chat_events(ctx: ServerContext, req: ChatCompletionRequest, params: Sa
     include_usage = req.stream_options is not None and req.stream_options.include_usage
     extra = {"usage": None} if include_usage else {}
     cursors = [_ToolCursor() for _ in range(params.n)]
-    for index in range(params.n):  # OpenAI opens every choice with the role
-        yield sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+    prefix = echo_prefix(req)
+    for index in range(params.n):  # OpenAI opens every choice with the role (and an echoed prefix, if any)
+        yield sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": prefix},
                                         "logprobs": None, "finish_reason": None}], **extra})
     async for _, out in requests.merged(streams):
         for c in out.outputs:
@@ -63,7 +68,8 @@ def _delta_choice(ctx: ServerContext, req: ChatCompletionRequest, params: Sampli
     logprobs = None
     if req.logprobs:
         positions = (c.logprobs or [])[cursor.tokens : len(c.token_ids)]
-        logprobs = chat_logprobs(ctx.texts, c.token_ids[cursor.tokens :], positions, req.top_logprobs or 0)
+        logprobs = chat_logprobs(token_texts(ctx.texts, req), c.token_ids[cursor.tokens :], positions,
+                                 req.top_logprobs or 0)
     cursor.tokens = len(c.token_ids)
     cursor.done = finished
     return {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason,

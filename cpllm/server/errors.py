@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
-from http import HTTPStatus
-
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
-    413: "invalid_request_error",
+    409: "conflict_error",
+    422: "unprocessable_entity_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable",
 }
+"""OpenAI's error types; any other 4xx (405, 413, ...) is an invalid_request_error, any other 5xx an internal one."""
+
+
+class FieldError(ValueError):
+    """A validation failure that knows the request field it is about (pydantic keeps it as the error's ctx)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
 
 
 class APIError(Exception):
@@ -32,7 +41,9 @@ class APIError(Exception):
 
     @property
     def type(self) -> str:
-        return _TYPES.get(self.status, HTTPStatus(self.status).phrase)
+        if self.status in _TYPES:
+            return _TYPES[self.status]
+        return "invalid_request_error" if 400 <= self.status < 500 else "internal_server_error"
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -49,6 +60,9 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 def from_validation_error(exc: ValidationError) -> APIError:
     """The first pydantic error, with its field path as `param` (e.g. "messages.0.role")."""
     first = exc.errors()[0]
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldError):
+        return bad_request(str(cause), cause.param)
     param = ".".join(str(part) for part in first["loc"]) or None
     # pydantic prefixes custom messages with "Value error, "; users do not need it.
     message = first["msg"].removeprefix("Value error, ")

@@ -23,7 +23,8 @@ LOGPROB_FLOOR = -9999.0
 
 def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None = None, max_tokens_param: str = "max_tokens",
-                    structured: StructuredOutputsParams | None = None, max_n: int = DEFAULT_MAX_N) -> SamplingParams:
+                    structured: StructuredOutputsParams | None = None, max_n: int = DEFAULT_MAX_N,
+                    bad_words_token_ids: list[list[int]] | None = None) -> SamplingParams:
     """The request's SamplingParams; a bad value becomes a 400 that names the field."""
     _check_n(req, max_n)
     given = {
@@ -37,7 +38,8 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: in
             max_tokens=max_tokens, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
             skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=_logit_bias(req),
-            structured_outputs=structured,
+            structured_outputs=structured, allowed_token_ids=getattr(req, "allowed_token_ids", None),
+            bad_words_token_ids=bad_words_token_ids,
         )
     except ValueError as exc:
         message = str(exc)

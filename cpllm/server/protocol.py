@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI API (and vLLM's extra sampling fields), as pydantic models.
 
 Types and shapes are checked here; value ranges are checked once, by SamplingParams,
-whose ValueError names the field. Unknown fields are ignored, as OpenAI-compatible
-servers do, so that newer clients keep working.
+whose ValueError names the field. An explicit null means the field's default. Unknown
+fields are ignored with a warning, as vLLM does, so that newer clients keep working;
+vLLM fields this server cannot honour are refused (request_fields.REFUSED).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from cpllm.server.errors import FieldError
 from cpllm.server.protocol_tools import ChatTool, ToolCallMessagePart, ToolChoice
+from cpllm.server.request_fields import normalise_body
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
@@ -27,8 +30,8 @@ class JsonSchemaFormat(BaseModel):
 
     name: str | None = None
     description: str | None = None
-    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    """The schema (named `schema` on the wire); None = any JSON object."""
+    json_schema: dict[str, Any] = Field(alias="schema")
+    """The schema (named `schema` on the wire); required, as OpenAI requires it."""
     strict: bool | None = None
     """Accepted; the output always follows the schema."""
 
@@ -106,11 +109,38 @@ class SamplingFields(BaseModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    spaces_between_special_tokens: bool = True
+    """Accepted: fast tokenizers (all this server loads, as in vLLM) never put spaces between special tokens."""
+    allowed_token_ids: TokenIds | None = None
+    """Only these token ids may be sampled."""
+    bad_words: list[str] | None = None
+    """Words the output may not contain (their tokenizations, with and without a leading space, are masked)."""
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    """Logprobs of every prompt token plus this many alternatives, in the response's `prompt_logprobs`."""
+    return_tokens_as_token_ids: bool = False
+    """Spell logprobs' tokens as "token_id:N" (tokens that are not valid UTF-8 alone stay distinguishable)."""
+    return_token_ids: bool = False
+    """Put the prompt's and each choice's token ids in the response (`prompt_token_ids`, `token_ids`)."""
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    """Keep only the last k prompt tokens; -1 = the last max_model_len."""
+    request_id: str | None = None
+    """The id the response carries (after its "cmpl-"/"chatcmpl-" prefix); None = a random one."""
+    echo: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _normalise(cls, data: Any) -> Any:
+        return normalise_body(data, set(cls.model_fields))
 
     @model_validator(mode="after")
     def _check_common(self):
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed together with stream=true")
+            raise FieldError("stream_options is only allowed together with stream=true", "stream_options")
+        if self.truncate_prompt_tokens == 0:
+            raise FieldError("truncate_prompt_tokens must be >= 1 (or -1 for max_model_len)", "truncate_prompt_tokens")
+        if self.stream and (self.prompt_logprobs is not None or self.return_token_ids):
+            name = "prompt_logprobs" if self.prompt_logprobs is not None else "return_token_ids"
+            raise FieldError(f"{name} is not supported with stream=true", name)
         return self
 
 
@@ -120,8 +150,8 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     """Logprobs of the sampled token plus this many alternatives (0..20)."""
-    echo: bool = False
-    """Put the prompt in front of each choice's text (and its logprobs first)."""
+    add_special_tokens: bool = True
+    """Add the tokenizer's special tokens (BOS) to a text prompt."""
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts, each text or token ids."""
@@ -133,16 +163,20 @@ class CompletionRequest(SamplingFields):
         return list(prompt)
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
+class ContentPart(BaseModel):
+    """One part of a message's content; only text parts are supported (others are refused by the request)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallMessagePart] | None = None
     """Calls an assistant message made (passed to the chat template)."""
@@ -154,7 +188,7 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text or "" for part in self.content)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -163,19 +197,38 @@ class ChatCompletionRequest(SamplingFields):
     """Deprecated by OpenAI in favour of max_completion_tokens; None = up to max_model_len."""
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     """Alternatives per position (0..20); needs logprobs=true."""
     add_generation_prompt: bool = True
+    """End the prompt with the template's opening of an assistant turn."""
+    continue_final_message: bool = False
+    """Render the last (assistant) message open-ended, so the model continues it instead of starting a new turn."""
+    add_special_tokens: bool = False
+    """Add the tokenizer's special tokens on top of the template's (vLLM's default: no, the template has them)."""
+    chat_template: str | None = None
+    """A Jinja template used instead of the model's."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the template (e.g. Qwen3's enable_thinking)."""
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None
     """None = "auto" when tools are given (parsed only with --enable-auto-tool-choice), else "none"."""
     parallel_tool_calls: bool = True
-    """False: at most one call when tool_choice is "required"."""
+    """False: at most one call (the grammar allows one under "required", the first is kept under "auto")."""
 
     @model_validator(mode="after")
-    def _check_logprobs(self):
+    def _check_chat(self):
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs=true")
+            raise FieldError("top_logprobs needs logprobs=true", "top_logprobs")
+        if self.continue_final_message:
+            if "add_generation_prompt" in self.model_fields_set and self.add_generation_prompt:
+                raise FieldError("continue_final_message and add_generation_prompt cannot both be true",
+                                 "continue_final_message")
+            if self.messages[-1].role != "assistant":
+                raise FieldError("continue_final_message needs the last message to be the assistant's",
+                                 "continue_final_message")
+            self.add_generation_prompt = False
+        for i, message in enumerate(self.messages):
+            _check_message(message, f"messages.{i}")
         return self
 
     def output_limit(self) -> int | None:
@@ -183,6 +236,26 @@ class ChatCompletionRequest(SamplingFields):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [_template_message(m) for m in self.messages]
+
+
+def _check_message(message: ChatMessage, where: str) -> None:
+    """OpenAI's rules for one message: content where its role needs it, tool_call_id on tool results,
+    text parts only."""
+    if message.content is None and message.role != "assistant":
+        raise FieldError(f"{where}.content: a {message.role} message needs content", f"{where}.content")
+    if message.content is None and message.role == "assistant" and not message.tool_calls:
+        raise FieldError(f"{where}.content: an assistant message needs content or tool_calls", f"{where}.content")
+    if message.role == "tool" and not message.tool_call_id:
+        raise FieldError(f"{where}.tool_call_id: a tool message needs the id of the call it answers",
+                         f"{where}.tool_call_id")
+    for j, part in enumerate(message.content if isinstance(message.content, list) else []):
+        param = f"{where}.content.{j}"
+        if part.type in ("image_url", "input_image", "image"):
+            raise FieldError(f"{param}: image inputs are not supported by this server (a text-only model)", param)
+        if part.type != "text":
+            raise FieldError(f"{param}: content parts of type {part.type!r} are not supported; send text", param)
+        if part.text is None:
+            raise FieldError(f"{param}.text: a text part needs text", f"{param}.text")
 
 
 def _template_message(message: ChatMessage) -> dict[str, Any]:

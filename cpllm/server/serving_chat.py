@@ -9,20 +9,34 @@ from cpllm.server import requests
 from cpllm.server.chat_stream import chat_events, choice_message
 from cpllm.server.errors import bad_request
 from cpllm.server.formatting import sampling_params, usage
+from cpllm.server.prompt_fields import (bad_words_token_ids, check_allowed_token_ids, prompt_logprobs_json,
+                                        token_texts, truncated)
 from cpllm.server.protocol import ChatCompletionRequest
 from cpllm.server.requests import Prompt, ServerContext
 from cpllm.server.structured_fields import Constraint, request_constraint
-from cpllm.server.tool_calls import ToolPlan, plan_tools
+from cpllm.server.tool_calls import ToolPlan, plan_tools, tool_schema_constraints
 
 
 def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPlan) -> Prompt:
     tokenizer = ctx.engine.tokenizer
     try:
         text = tokenizer.apply_chat_template(req.template_messages(), add_generation_prompt=req.add_generation_prompt,
-                                             tools=plan.template_tools)
+                                             tools=plan.template_tools,
+                                             continue_final_message=req.continue_final_message,
+                                             chat_template=req.chat_template,
+                                             template_kwargs=req.chat_template_kwargs)
     except Exception as exc:  # noqa: BLE001 - jinja raises many kinds; all mean "these messages do not fit"
-        raise bad_request(f"the chat template failed on these messages: {exc}", "messages") from exc
-    return Prompt(token_ids=tokenizer.encode(text, add_special_tokens=False), text=text)
+        param = "chat_template_kwargs" if isinstance(exc, TypeError) and req.chat_template_kwargs else "messages"
+        raise bad_request(f"the chat template failed on these messages: {exc}", param) from exc
+    token_ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+    kept = truncated(token_ids, req, ctx.engine.max_model_len)
+    return Prompt(token_ids=kept, text=text if len(kept) == len(token_ids) else None)
+
+
+async def _check_tool_schemas(ctx: ServerContext, req: ChatCompletionRequest) -> None:
+    """Every tool's parameter schema must compile, whatever tool_choice is (a forced one compiles it again, cached)."""
+    for param, grammar in tool_schema_constraints(req):
+        await requests.compile_constraint(ctx, Constraint(params=grammar, param=param))
 
 
 def _constraint(req: ChatCompletionRequest, plan: ToolPlan) -> Constraint | None:
@@ -40,14 +54,18 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     """A response dict, or an async iterator of server-sent events when req.stream."""
     plan = plan_tools(req, ctx.options)
     constraint = _constraint(req, plan)
+    await _check_tool_schemas(ctx, req)
+    check_allowed_token_ids(req, ctx.engine.tokenizer.vocab_size)
     prompt = chat_prompt(ctx, req, plan)
     limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     num_top = req.top_logprobs or 0
     params = sampling_params(req, max_tokens=req.output_limit(), logprobs=num_top if req.logprobs else None,
                              max_tokens_param=limit_param, max_n=ctx.options.max_n,
-                             structured=constraint.params if constraint else None)
+                             structured=constraint.params if constraint else None,
+                             prompt_logprobs=req.prompt_logprobs,
+                             bad_words_token_ids=bad_words_token_ids(ctx.engine.tokenizer, req.bad_words))
     await requests.compile_constraint(ctx, constraint)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    request_id = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
     streams = await requests.start(ctx, request_id, [prompt], params, arrival_time, limit_param)
     head = {"id": request_id, "created": int(time.time()), "model": ctx.model_name}
     if req.stream:
@@ -59,4 +77,11 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     finally:
         requests.close(request_id, streams, status=status)
     choices = [choice_message(ctx, req, plan, c, num_top) for c in output.outputs]
-    return {**head, "object": "chat.completion", "choices": choices, "usage": usage([output])}
+    response = {**head, "object": "chat.completion", "choices": choices, "usage": usage([output])}
+    if req.prompt_logprobs is not None:
+        response["prompt_logprobs"] = prompt_logprobs_json(token_texts(ctx.texts, req), output)
+    if req.return_token_ids:
+        response["prompt_token_ids"] = list(output.prompt_token_ids)
+        for choice, c in zip(choices, output.outputs):
+            choice["token_ids"] = list(c.token_ids)
+    return response

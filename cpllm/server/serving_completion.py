@@ -11,6 +11,8 @@ from cpllm.engine.sampling_params import SamplingParams
 from cpllm.server import requests
 from cpllm.server.errors import bad_request
 from cpllm.server.formatting import ChoiceCursor, completion_logprobs, sampling_params, sse, usage
+from cpllm.server.prompt_fields import (bad_words_token_ids, check_allowed_token_ids, prompt_logprobs_json,
+                                        token_texts, truncated)
 from cpllm.server.protocol import CompletionRequest
 from cpllm.server.requests import Prompt, ServerContext
 from cpllm.server.structured_fields import request_constraint
@@ -22,20 +24,29 @@ def _prompts(ctx: ServerContext, req: CompletionRequest) -> list[Prompt]:
     except ValueError as exc:
         raise bad_request(str(exc), "prompt") from exc
     tokenizer = ctx.engine.tokenizer
-    return [Prompt(token_ids=tokenizer.encode(p), text=p) if isinstance(p, str)
-            else Prompt(token_ids=list(p), text=None) for p in items]
+    prompts = [Prompt(token_ids=tokenizer.encode(p, add_special_tokens=req.add_special_tokens), text=p)
+               if isinstance(p, str) else Prompt(token_ids=list(p), text=None) for p in items]
+    if req.truncate_prompt_tokens is None:
+        return prompts
+    out = []
+    for prompt in prompts:
+        kept = truncated(prompt.token_ids, req, ctx.engine.max_model_len)
+        out.append(prompt if len(kept) == len(prompt.token_ids) else Prompt(token_ids=kept, text=None))
+    return out
 
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, arrival_time: float):
     """A response dict, or an async iterator of server-sent events when req.stream."""
     constraint = request_constraint(req)
     prompts = _prompts(ctx, req)
-    echo_logprobs = req.echo and req.logprobs is not None
+    check_allowed_token_ids(req, ctx.engine.tokenizer.vocab_size)
+    asked = [n for n in (req.prompt_logprobs, req.logprobs if req.echo else None) if n is not None]
     params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
-                             prompt_logprobs=req.logprobs if echo_logprobs else None, max_n=ctx.options.max_n,
-                             structured=constraint.params if constraint else None)
+                             prompt_logprobs=max(asked) if asked else None, max_n=ctx.options.max_n,
+                             structured=constraint.params if constraint else None,
+                             bad_words_token_ids=bad_words_token_ids(ctx.engine.tokenizer, req.bad_words))
     await requests.compile_constraint(ctx, constraint)
-    request_id = f"cmpl-{uuid.uuid4().hex}"
+    request_id = f"cmpl-{req.request_id or uuid.uuid4().hex}"
     streams = await requests.start(ctx, request_id, prompts, params, arrival_time)
     head = {"id": request_id, "created": int(time.time()), "model": ctx.model_name}
     if req.stream:
@@ -57,7 +68,7 @@ def _prompt_text(ctx: ServerContext, prompt: Prompt) -> str:
 
 def _echo_logprobs(ctx: ServerContext, req: CompletionRequest, prompt: Prompt, out: RequestOutput) -> dict:
     positions = out.prompt_logprobs or [None] * len(prompt.token_ids)
-    return completion_logprobs(ctx.texts, prompt.token_ids, positions, req.logprobs, 0)
+    return completion_logprobs(token_texts(ctx.texts, req), prompt.token_ids, positions, req.logprobs, 0)
 
 
 def _choice(ctx: ServerContext, req: CompletionRequest, prompt: Prompt, out: RequestOutput, c: CompletionOutput,
@@ -66,10 +77,15 @@ def _choice(ctx: ServerContext, req: CompletionRequest, prompt: Prompt, out: Req
     logprobs = None
     if req.logprobs is not None:
         logprobs = _echo_logprobs(ctx, req, prompt, out) if req.echo else None
-        generated = completion_logprobs(ctx.texts, c.token_ids, c.logprobs or [], req.logprobs, len(prefix))
+        generated = completion_logprobs(token_texts(ctx.texts, req), c.token_ids, c.logprobs or [], req.logprobs, len(prefix))
         logprobs = generated if logprobs is None else {k: logprobs[k] + generated[k] for k in generated}
-    return {"index": index, "text": prefix + c.text, "logprobs": logprobs,
-            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    choice = {"index": index, "text": prefix + c.text, "logprobs": logprobs,
+              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+    if req.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs_json(token_texts(ctx.texts, req), out)
+    if req.return_token_ids:
+        choice.update(prompt_token_ids=list(out.prompt_token_ids), token_ids=list(c.token_ids))
+    return choice
 
 
 async def _stream(ctx: ServerContext, req: CompletionRequest, params: SamplingParams, prompts: list[Prompt],
@@ -79,15 +95,30 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, params: SamplingPa
     cursors = {}
     offsets = {}  # (prompt, choice) -> chars of echoed prompt text
     include_usage = req.stream_options is not None and req.stream_options.include_usage
-    if req.echo:
-        for i, prompt in enumerate(prompts):
-            text = _prompt_text(ctx, prompt)
-            for j in range(n):
-                offsets[i, j] = len(text)
-                yield sse({**head, "choices": [{"index": i * n + j, "text": text, "logprobs": None,
-                                                "finish_reason": None, "stop_reason": None}],
-                           **({"usage": None} if include_usage else {})})
+    # Echoed prompts go first; with logprobs they wait for the prompt's logprobs (the engine's first output).
+    echo_waits = req.echo and req.logprobs is not None
+    echoed: set[int] = set()
+
+    def echo_chunks(i: int, out: RequestOutput | None) -> list[str]:
+        echoed.add(i)
+        text = _prompt_text(ctx, prompts[i])
+        logprobs = _echo_logprobs(ctx, req, prompts[i], out) if out is not None else None
+        chunks = []
+        for j in range(n):
+            offsets[i, j] = len(text)
+            chunks.append(sse({**head, "choices": [{"index": i * n + j, "text": text, "logprobs": logprobs,
+                                                    "finish_reason": None, "stop_reason": None}],
+                               **({"usage": None} if include_usage else {})}))
+        return chunks
+
+    if req.echo and not echo_waits:
+        for i in range(len(prompts)):
+            for chunk in echo_chunks(i, None):
+                yield chunk
     async for i, out in requests.merged(streams):
+        if req.echo and i not in echoed:
+            for chunk in echo_chunks(i, out):
+                yield chunk
         for c in out.outputs:
             cursor = cursors.setdefault((i, c.index), ChoiceCursor())
             chunk = _delta_choice(ctx, req, params, c, cursor, offsets.get((i, c.index), 0), i * n + c.index)
@@ -111,7 +142,7 @@ def _delta_choice(ctx: ServerContext, req: CompletionRequest, params: SamplingPa
     if req.logprobs is not None:
         ids = c.token_ids[cursor.tokens :]
         positions = (c.logprobs or [])[cursor.tokens : len(c.token_ids)]
-        logprobs = completion_logprobs(ctx.texts, ids, positions, req.logprobs, echo_chars + start_chars)
+        logprobs = completion_logprobs(token_texts(ctx.texts, req), ids, positions, req.logprobs, echo_chars + start_chars)
     cursor.tokens = len(c.token_ids)
     cursor.done = finished
     return {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": c.finish_reason,

@@ -2,7 +2,9 @@
 and how the finished text becomes OpenAI `tool_calls`.
 
 - "none": the template sees the tools; the text is returned as content.
-- "auto": the model decides; its text is parsed by --tool-call-parser (needs --enable-auto-tool-choice).
+- "auto": the model decides; its text is parsed by --tool-call-parser (needs --enable-auto-tool-choice). A text
+  that calls a function the request did not declare is returned as content, not as calls; with
+  parallel_tool_calls=false only the first call is kept.
 - "required": the output is forced to a JSON list of {"name", "parameters"} objects, one schema per tool
   (vLLM's format), so every call names a given tool and its arguments validate against that tool's schema.
 - a named function: the output is forced to that function's arguments (its JSON schema).
@@ -39,6 +41,10 @@ class ToolPlan:
     """The forced function's name (named)."""
     parser: ToolParser | None = None
     """The parser of the model's own calls ("auto")."""
+    declared: frozenset[str] = frozenset()
+    """The functions the request declared ("auto" keeps only calls to these)."""
+    parallel: bool = True
+    """parallel_tool_calls: False keeps only the first call ("auto")."""
 
     def extract(self, text: str) -> ExtractedToolCalls:
         """The content and calls of a finished choice."""
@@ -47,8 +53,17 @@ class ToolPlan:
         if self.mode == "required":
             return _required_calls(text)
         if self.mode == "auto":
-            return self.parser.extract(text)
+            return self._auto_calls(text)
         return ExtractedToolCalls(content=text, tool_calls=[])
+
+
+    def _auto_calls(self, text: str) -> ExtractedToolCalls:
+        extracted = self.parser.extract(text)
+        if any(call.name not in self.declared for call in extracted.tool_calls):
+            return ExtractedToolCalls(content=text, tool_calls=[])  # not a call this request can run: show the text
+        if not self.parallel and len(extracted.tool_calls) > 1:
+            return ExtractedToolCalls(content=extracted.content, tool_calls=extracted.tool_calls[:1])
+        return extracted
 
 
 def plan_tools(req: ChatCompletionRequest, options: ServeOptions) -> ToolPlan:
@@ -67,7 +82,8 @@ def plan_tools(req: ChatCompletionRequest, options: ServeOptions) -> ToolPlan:
         if not options.enable_auto_tool_choice:
             raise bad_request('tool_choice "auto" needs the server to run with --enable-auto-tool-choice and '
                               "--tool-call-parser", "tool_choice")
-        return ToolPlan(mode="auto", template_tools=tools, parser=get_parser(options.tool_call_parser))
+        return ToolPlan(mode="auto", template_tools=tools, parser=get_parser(options.tool_call_parser),
+                        declared=frozenset(t.function.name for t in req.tools), parallel=req.parallel_tool_calls)
     if choice == "required":
         return ToolPlan(mode="required", template_tools=tools,
                         constraint=_constraint(_required_schema(req)))
@@ -82,6 +98,12 @@ def _named(req: ChatCompletionRequest, choice: NamedToolChoice, tools: list[dict
                           f"tools ({', '.join(by_name)})", "tool_choice")
     return ToolPlan(mode="named", template_tools=tools, function=function.name,
                     constraint=_constraint(parameters_schema(function)))
+
+
+def tool_schema_constraints(req: ChatCompletionRequest) -> list[tuple[str, StructuredOutputsParams]]:
+    """(param, grammar) of every declared tool's parameters, so each schema is checked whatever tool_choice is."""
+    return [(f"tools.{i}.function.parameters", _constraint(parameters_schema(t.function)))
+            for i, t in enumerate(req.tools or [])]
 
 
 def _constraint(schema: dict[str, Any]) -> StructuredOutputsParams:
