@@ -94,6 +94,11 @@ class DataParallelFront:
         """Replica 0's fraction of KV blocks in use."""
         return self.local.kv_cache_usage
 
+    @property
+    def scheduler_totals(self):
+        """Replica 0's preemption and prefix-cache totals (the other replicas' schedulers run on their drivers)."""
+        return self.local.scheduler_totals
+
     def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.local.check_prompt(prompt_token_ids, params)  # same limits on every replica
 

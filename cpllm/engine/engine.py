@@ -29,6 +29,18 @@ if TYPE_CHECKING:  # the engine is handed its executor; only cpllm.launch import
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class SchedulerTotals:
+    """Counters one replica's scheduler keeps from start, read by the server's metrics after every step."""
+
+    preemptions: int = 0
+    """Running requests sent back to the queue (their KV dropped) to free blocks."""
+    prefix_query_tokens: int = 0
+    """Prompt tokens of admitted requests that were looked up in the prefix cache."""
+    prefix_hit_tokens: int = 0
+    """Of those, the tokens found cached (not computed again)."""
+
+
 class LLMEngine:
     """Owns the scheduler and the executor of one replica; `step()` advances every running request."""
 
@@ -155,6 +167,13 @@ class LLMEngine:
     def kv_cache_usage(self) -> float:
         """Fraction of KV blocks in use: every rank's (block ids are shared over the replica's ranks)."""
         return self.pool.usage()
+
+    @property
+    def scheduler_totals(self) -> "SchedulerTotals":
+        """The scheduler's running totals since start (the server exports their increments)."""
+        s = self.scheduler
+        return SchedulerTotals(preemptions=s.num_preemptions, prefix_query_tokens=s.num_prefix_query_tokens,
+                               prefix_hit_tokens=s.num_prefix_hit_tokens)
 
     # ---- the step -------------------------------------------------------------------------------------
 

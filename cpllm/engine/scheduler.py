@@ -26,7 +26,11 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._step_id = 0
         self.num_preemptions = 0
+        """Running requests sent back to the queue to free blocks, since start."""
         self.num_prefix_hit_tokens = 0
+        """Tokens of admitted requests found in the prefix cache (not computed), since start."""
+        self.num_prefix_query_tokens = 0
+        """Tokens of admitted requests looked up in the prefix cache, since start (vLLM's prefix-cache queries)."""
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -91,6 +95,8 @@ class Scheduler:
             self.running.append(request)
             chunks.append(self._chunk(request, num_new))
             self.num_prefix_hit_tokens += num_hit_tokens
+            if self.pool.enable_prefix_caching and not request.wants_prompt_logprobs:
+                self.num_prefix_query_tokens += request.num_tokens
             budget -= num_new
 
     def on_step_done(self, output: SchedulerOutput) -> None:

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute, Match
 
 from cpllm.server.admission import Admission
 from cpllm.server.async_engine import AsyncEngine, EngineDeadError
@@ -51,7 +52,7 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
         await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="cpllm", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.add_middleware(_HTTPMetrics, metrics=metrics)
+    app.add_middleware(_HTTPMetrics, metrics=metrics, routes=app.router.routes)
     _add_error_handlers(app)
 
     def authorize(request: Request) -> None:
@@ -160,21 +161,38 @@ class _EventResponse(StreamingResponse):
             await self._events.aclose(status=499)  # no-op when the stream ended by itself
 
 
+UNMATCHED_ROUTE = "unmatched"
+"""The `route` label of every path no route matches, so that scanning random paths adds no series."""
+
+
+def route_label(routes: list[BaseRoute], scope) -> str:
+    """The path template of the route that serves `scope` (`/v1/models/{model_id}`, not the id asked for); a
+    route matching the path but not the method (a 405) counts under its template too."""
+    partial = None
+    for route in routes:
+        match, _ = route.matches(scope)
+        if match == Match.FULL:
+            return getattr(route, "path", UNMATCHED_ROUTE)
+        if match == Match.PARTIAL and partial is None:
+            partial = getattr(route, "path", None)
+    return partial or UNMATCHED_ROUTE
+
+
 class _HTTPMetrics:
     """ASGI middleware counting responses by route and status (streams count when their headers go out)."""
 
-    def __init__(self, app, metrics: ServerMetrics):
+    def __init__(self, app, metrics: ServerMetrics, routes: list[BaseRoute]):
         self.app = app
         self.metrics = metrics
+        self.routes = routes
+        """The app's route table (the list itself, so routes added after the middleware count too)."""
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope.get("path", "")
-
         async def counting_send(message):
             if message["type"] == "http.response.start":
-                route = path if path.startswith("/v1/") or path in ("/health", "/metrics") else "other"
+                route = route_label(self.routes, scope)
                 self.metrics.http_requests.labels(route=route, status=str(message["status"])).inc()
             await send(message)
 

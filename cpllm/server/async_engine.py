@@ -226,7 +226,7 @@ class AsyncEngine:
     def _publish_state(self) -> None:
         if self.metrics is not None:
             self.metrics.set_engine_state(self.engine.num_running, self.engine.num_waiting,
-                                          self.engine.kv_cache_usage, self._ranks)
+                                          self.engine.kv_cache_usage, self._ranks, self.engine.scheduler_totals)
             if self._pcp > 1:  # without PCP no step chooses a strategy
                 self.metrics.set_strategy_counts(self.engine.executor.rank_stats().strategy_counts)
 

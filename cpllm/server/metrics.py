@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from cpllm.engine.engine import SchedulerTotals
 from cpllm.engine.outputs import RequestOutput
+from cpllm.server.metrics_vllm import VllmMetrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _TOKEN_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -44,9 +46,13 @@ class ServerMetrics:
             ["model_name", "strategy"], registry=r)
         self._strategy_seen: dict[str, int] = {}
         """Totals already exported: the runner keeps running totals, a Counter only goes up by increments."""
+        self.vllm = VllmMetrics(r, model_name)
+        """The same figures (and the scheduler's) under vLLM's names, for vLLM's dashboards."""
 
-    def set_engine_state(self, running: int, waiting: int, kv_usage: float, ranks: list[int]) -> None:
+    def set_engine_state(self, running: int, waiting: int, kv_usage: float, ranks: list[int],
+                         totals: SchedulerTotals | None = None) -> None:
         """Called by the engine thread after every step (block ids are shared, so one value for all ranks)."""
+        self.vllm.set_engine_state(running, waiting, kv_usage, totals or SchedulerTotals())
         self.running.set(running)
         self.waiting.set(waiting)
         for rank in ranks:
@@ -65,6 +71,7 @@ class ServerMetrics:
         """Token counts and latencies of a request that finished (or was aborted)."""
         m = output.metrics
         num_out = sum(len(c.token_ids) for c in output.outputs)
+        self.vllm.observe_finished(output, num_out)
         self.prompt_tokens.inc(len(output.prompt_token_ids))
         self.generation_tokens.inc(num_out)
         for completion in output.outputs:
