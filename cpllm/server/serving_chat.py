@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 
+from cpllm.engine.sampling_params import SamplingParams
 from cpllm.server import requests
+from cpllm.server.async_engine import RequestStream
 from cpllm.server.chat_stream import chat_events, choice_message
 from cpllm.server.errors import bad_request
 from cpllm.server.formatting import sampling_params, usage
@@ -50,14 +53,29 @@ def _constraint(req: ChatCompletionRequest, plan: ToolPlan) -> Constraint | None
     return Constraint(params=plan.constraint, param="tools")
 
 
-async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, arrival_time: float):
-    """A response dict, or an async iterator of server-sent events when req.stream."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChatRun:
+    """A chat request started in the engine: what /v1/chat/completions and /v1/responses format from."""
+
+    plan: ToolPlan
+    """How the request uses its tools."""
+    params: SamplingParams
+    """Its sampling params."""
+    streams: list[RequestStream]
+    """Its one engine request's stream."""
+
+
+async def start_chat(ctx: ServerContext, req: ChatCompletionRequest, request_id: str, arrival_time: float,
+                     limit_param: str | None = None) -> ChatRun:
+    """Tools planned and checked, prompt rendered, constraint compiled, and the request added to the engine.
+    `limit_param` names the output limit in errors (default: the chat field the request used)."""
     plan = plan_tools(req, ctx.options)
     constraint = _constraint(req, plan)
     await _check_tool_schemas(ctx, req)
     check_allowed_token_ids(req, ctx.engine.tokenizer.vocab_size)
     prompt = chat_prompt(ctx, req, plan)
-    limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    if limit_param is None:
+        limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     num_top = req.top_logprobs or 0
     params = sampling_params(req, max_tokens=req.output_limit(), logprobs=num_top if req.logprobs else None,
                              max_tokens_param=limit_param, max_n=ctx.options.max_n,
@@ -65,8 +83,15 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                              prompt_logprobs=req.prompt_logprobs,
                              bad_words_token_ids=bad_words_token_ids(ctx.engine.tokenizer, req.bad_words))
     await requests.compile_constraint(ctx, constraint)
-    request_id = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
     streams = await requests.start(ctx, request_id, [prompt], params, arrival_time, limit_param)
+    return ChatRun(plan=plan, params=params, streams=streams)
+
+
+async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, arrival_time: float):
+    """A response dict, or an async iterator of server-sent events when req.stream."""
+    request_id = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
+    run = await start_chat(ctx, req, request_id, arrival_time)
+    plan, params, streams, num_top = run.plan, run.params, run.streams, req.top_logprobs or 0
     head = {"id": request_id, "created": int(time.time()), "model": ctx.model_name}
     if req.stream:
         return requests.sse_events(head["id"], streams, chat_events(ctx, req, params, plan, streams, head))
