@@ -22,7 +22,8 @@ def run_generate(args: argparse.Namespace) -> int:
         min_p=args.min_p, seed=args.request_seed, stop=args.stop, ignore_eos=args.ignore_eos,
     )
     prompt = _read_prompt(args)
-    with LLM(args.model, **engine_kwargs(args)) as llm:
+    # one sequence runs: a KV pool sized for max_num_seqs of them would be allocated for nothing
+    with LLM(args.model, **{**engine_kwargs(args), "max_num_seqs": 1}) as llm:
         if args.chat:
             output = llm.chat([{"role": "user", "content": prompt}], params)[0]
         else:

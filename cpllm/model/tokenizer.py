@@ -14,6 +14,8 @@ from typing import Any, Sequence
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from cpllm.model import tokenizer_cache
+
 
 class Tokenizer:
     """The engine's view of a tokenizer: encode, decode, chat template, special ids."""
@@ -100,13 +102,21 @@ def _generation_eos_ids(folder: str) -> list[int]:
 
 
 def _load_gguf(path: str) -> Tokenizer:
-    folder, name = os.path.split(os.path.abspath(path))
-    hf = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    meta = _gguf_scalars(path)
+    # a warm start loads the tokenizer converted before and reads nothing of the GGUF (tokenizer_cache.py)
+    hf, meta = tokenizer_cache.load_cached(path) or tokenizer_cache.build_and_store(path, _tokenizer_meta)
     template = hf.chat_template or meta.get("tokenizer.chat_template")
     # llama.cpp also stops on end-of-turn, which the HF tokenizer does not know about
     eot = meta.get("tokenizer.ggml.eot_token_id")
     return Tokenizer(hf, chat_template=template, extra_eos_token_ids=[] if eot is None else [int(eot)])
+
+
+def _tokenizer_meta(path: str) -> dict[str, Any]:
+    """The GGUF metadata the Tokenizer reads beside the HF tokenizer (JSON-ready, for the cache entry)."""
+    meta = _gguf_scalars(path)
+    eot = meta.get("tokenizer.ggml.eot_token_id")
+    template = meta.get("tokenizer.chat_template")
+    return {"tokenizer.chat_template": None if template is None else str(template),
+            "tokenizer.ggml.eot_token_id": None if eot is None else int(eot)}
 
 
 def _gguf_scalars(path: str) -> dict[str, Any]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 import os
 
 import torch
@@ -45,11 +47,55 @@ def kv_budget_bytes(config: EngineConfig, device: torch.device) -> int:
     return budget
 
 
+def usable_blocks(config: EngineConfig) -> int:
+    """Blocks per rank the scheduler can ever hold at once: max_num_seqs sequences of max_model_len tokens, each
+    over the kv_shard_size ranks one request's KV is divided over (a pool larger than this is never filled)."""
+    tokens_per_block = config.cache.block_size * config.parallel.dims.kv_shard_size
+    s = config.scheduler
+    return s.max_num_seqs * -(-s.max_model_len // tokens_per_block)
+
+
+def kv_block_count(config: EngineConfig, device: torch.device, per_block: int) -> int:
+    """This rank's blocks: what the budget holds, but no more than the run can use when no size was given (a
+    one-prompt `generate` needs megabytes, not a fifth of the machine). An explicit kv_cache_memory_bytes is
+    taken as asked: its spare blocks keep finished prompts in the prefix cache. The same on every rank of a
+    replica, since the config is; the runner still takes the replica's minimum."""
+    budget_blocks = kv_budget_bytes(config, device) // per_block
+    if config.cache.kv_cache_memory_bytes is not None:
+        return budget_blocks
+    usable = usable_blocks(config)
+    if usable < budget_blocks:
+        logger.info("KV cache: %d blocks per rank are all max_num_seqs=%d sequences of max_model_len=%d tokens "
+                    "can hold, fewer than the budget's %d", usable, config.scheduler.max_num_seqs,
+                    config.scheduler.max_model_len, budget_blocks)
+    return min(budget_blocks, usable)
+
+
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                       dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     slots = num_blocks * block_size
     return [
-        (torch.zeros(slots, num_kv_heads, head_dim, dtype=dtype, device=device),
-         torch.zeros(slots, num_kv_heads, head_dim, dtype=dtype, device=device))
+        (zeroed_pool((slots, num_kv_heads, head_dim), dtype, device),
+         zeroed_pool((slots, num_kv_heads, head_dim), dtype, device))
         for _ in range(num_layers)
     ]
+
+
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor whose zeros cost nothing up front.
+
+    Zeros, not torch.empty garbage: the SDPA paths mask with additive -inf (cpllm/context_parallel/sdpa.py), and
+    NaN + -inf is NaN, as is a zero softmax weight times a NaN value; so a gather that reaches a slot no token wrote
+    (padding of a batch, the tail of a block) would be safe only if the slot is finite. Keeping zeros makes that
+    hold on every path (C decode, SDPA gathers, compiled decode, shared keys, replicated sync) without relying on
+    an audit of each.
+    On the CPU, torch.zeros writes every page at start (seconds for gigabytes); an anonymous mapping is zero by
+    the kernel's promise and its pages appear on first touch, so only the blocks a run uses are ever paid for.
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)  # one device memset, fast
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps `pages` alive

@@ -24,7 +24,7 @@ from cpllm.model.loader import open_weights
 from cpllm.model.moe_placement import MoEShard
 from cpllm.planner.runtime import StepStrategy, device_hardware, engine_cost
 from cpllm.step import SchedulerOutput, output_positions
-from cpllm.worker.kv_cache import allocate_kv_cache, bytes_per_block, kv_budget_bytes
+from cpllm.worker.kv_cache import allocate_kv_cache, bytes_per_block, kv_block_count
 from cpllm.worker.rank_stats import DecodeLayers, KVCapacity, RankInfo, RankStats
 
 logger = logging.getLogger(__name__)
@@ -66,9 +66,6 @@ class ModelRunner:
             logger.info("decode steps: eager layers (K/V pools the fused layers do not read)")
             self.model.fused_decode = None
         self._form_decode_team()
-        self.decode_rows_in_place = self.model.attention_backend.reads_decode_rows_in_place(device, self.kv_dtype)
-        """Decode-only steps lay out each request's own slots, never the shared-key union (the backend reads them
-        faster in place)."""
         self.compiled_decode = CompiledDecode(self.model, device) if config.compile_decode else None
         self.eager_decode_plan = eager_decode_plan(comm.kv_size, groups.pcp_size, self.replicated)
         """The eager layers' path for a step of single tokens on this layout."""
@@ -102,7 +99,7 @@ class ModelRunner:
     def _count_blocks(self) -> int:
         """Blocks per rank, the same on every rank of the replica (block ids are shared across the CP group)."""
         per_block = bytes_per_block(self.config, self.num_kv_heads, self.kv_dtype)
-        count = torch.tensor([kv_budget_bytes(self.config, self.device) // per_block], dtype=torch.long,
+        count = torch.tensor([kv_block_count(self.config, self.device, per_block)], dtype=torch.long,
                              device=self.device)
         # the replica's ranks on the default backend, bounded by --distributed-timeout (the control group is not)
         all_reduce(count, self.groups.moe_group, op=dist.ReduceOp.MIN)
@@ -133,8 +130,7 @@ class ModelRunner:
         # Every tensor of the step (token ids, positions, all attention metadata) on this rank's device.
         batch = build_step_batch(step.chunks, self.layout, self.groups.pcp_size, self.groups.pcp_rank,
                                  output_positions, device=self.device, non_blocking=True, strategy=strategy,
-                                 split_single_tokens=self.replicated, plan=plan,
-                                 shared_keys=plan is StepPlan.PREFILL or not self.decode_rows_in_place)
+                                 split_single_tokens=self.replicated, plan=plan)
         forward = self.compiled_decode if plan is StepPlan.COMPILED else self.model
         keep = self._rows_kept(batch) if forward is self.model else None
         args = (batch.token_ids, batch.positions, self.kv_caches, batch.attention)
