@@ -163,17 +163,35 @@ class CompletionRequest(SamplingFields):
         return list(prompt)
 
 
+def _text_part_schema(schema: dict[str, Any]) -> None:
+    # The published schema says what is served: text parts (others are parsed only to be refused by name).
+    schema["properties"] = {"type": {"const": "text"}, "text": {"type": "string"}}
+    schema["required"] = ["type", "text"]
+
+
+def _message_schema(schema: dict[str, Any]) -> None:
+    # OpenAI's per-role rules (checked by _check_message), stated in the schema so generators and clients see them.
+    has_content = {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}
+    schema["allOf"] = [
+        {"if": {"properties": {"role": {"enum": ["system", "developer", "user", "tool"]}}}, "then": has_content},
+        {"if": {"properties": {"role": {"const": "tool"}}},
+         "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string", "minLength": 1}}}},
+        {"if": {"properties": {"role": {"const": "assistant"}}},
+         "then": {"anyOf": [has_content, {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}}]}},
+    ]
+
+
 class ContentPart(BaseModel):
     """One part of a message's content; only text parts are supported (others are refused by the request)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra=_text_part_schema)
 
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_message_schema)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
