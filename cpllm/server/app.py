@@ -17,11 +17,14 @@ from starlette.routing import BaseRoute, Match
 from cpllm.server.admission import Admission
 from cpllm.server.async_engine import AsyncEngine, EngineDeadError
 from cpllm.server.errors import APIError, bad_request, from_validation_error
+from cpllm.server.extra_routes import add_extra_routes, model_card
 from cpllm.server.formatting import TokenTexts
 from cpllm.server.metrics import ServerMetrics
 from cpllm.server.openapi import install_openapi
 from cpllm.server.options import ServeOptions
 from cpllm.server.protocol import ChatCompletionRequest, CompletionRequest
+from cpllm.server.protocol_responses import ResponsesRequest
+from cpllm.server.protocol_tokenize import DetokenizeRequest, TokenizeRequest
 from cpllm.server.requests import EventStream, ServerContext
 from cpllm.server.serving_chat import create_chat_completion
 from cpllm.server.serving_completion import create_completion
@@ -93,9 +96,7 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         authorize(request)
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "cpllm",
-                "max_model_len": engine.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [model_card(ctx)]})
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -107,7 +108,10 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
         arrival = time.monotonic()
         return respond(await create_chat_completion(ctx, await parse(request, ChatCompletionRequest), arrival))
 
-    install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest})
+    add_extra_routes(app, ctx, parse=parse, authorize=authorize, respond=respond, health=health)
+    install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                          "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest,
+                          "/detokenize": DetokenizeRequest})
     return app
 
 
