@@ -177,7 +177,8 @@ def _message_schema(schema: dict[str, Any]) -> None:
         {"if": {"properties": {"role": {"const": "tool"}}},
          "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string", "minLength": 1}}}},
         {"if": {"properties": {"role": {"const": "assistant"}}},
-         "then": {"anyOf": [has_content, {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}}]}},
+         "then": {"anyOf": [has_content, {"required": ["tool_calls"],
+                                          "properties": {"tool_calls": {"type": "array", "minItems": 1}}}]}},
     ]
 
 

@@ -77,7 +77,8 @@ def _choice(ctx: ServerContext, req: CompletionRequest, prompt: Prompt, out: Req
     logprobs = None
     if req.logprobs is not None:
         logprobs = _echo_logprobs(ctx, req, prompt, out) if req.echo else None
-        generated = completion_logprobs(token_texts(ctx.texts, req), c.token_ids, c.logprobs or [], req.logprobs, len(prefix))
+        generated = completion_logprobs(token_texts(ctx.texts, req), c.token_ids, c.logprobs or [], req.logprobs,
+                                        len(prefix))
         logprobs = generated if logprobs is None else {k: logprobs[k] + generated[k] for k in generated}
     choice = {"index": index, "text": prefix + c.text, "logprobs": logprobs,
               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
@@ -142,7 +143,8 @@ def _delta_choice(ctx: ServerContext, req: CompletionRequest, params: SamplingPa
     if req.logprobs is not None:
         ids = c.token_ids[cursor.tokens :]
         positions = (c.logprobs or [])[cursor.tokens : len(c.token_ids)]
-        logprobs = completion_logprobs(token_texts(ctx.texts, req), ids, positions, req.logprobs, echo_chars + start_chars)
+        logprobs = completion_logprobs(token_texts(ctx.texts, req), ids, positions, req.logprobs,
+                                       echo_chars + start_chars)
     cursor.tokens = len(c.token_ids)
     cursor.done = finished
     return {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": c.finish_reason,
