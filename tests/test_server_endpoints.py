@@ -7,9 +7,11 @@ text.format: the grammar, not the model, makes the output a valid call or a sche
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 from tiny_models import save_tiny_hf_model
 from transformers import AutoTokenizer
@@ -205,3 +207,30 @@ def test_responses_stream_forced_tool_call(client, model_folder):
 ])
 def test_responses_refuses_what_it_cannot_honour(server, extra, param):
     assert error_param(post(server, "/v1/responses", {"input": "hello", "max_output_tokens": 4, **extra})) == param
+
+
+def test_openai_agents_sdk_runs_a_tool_turn(server, model_folder):
+    """The OpenAI Agents SDK on /v1/responses: a forced call, the SDK runs the tool and sends its output back as a
+    function_call_output item, and the next turn (tool_choice reset) answers in text."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    calls = []
+
+    class Verdict(pydantic.BaseModel):
+        ok: bool
+        grade: Literal["a", "b"]
+
+    @agents.function_tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return "sunny"
+
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=60, max_retries=0)
+    agent = agents.Agent(name="weather", instructions="Be brief.", tools=[get_weather], output_type=Verdict,
+                         model=agents.OpenAIResponsesModel(model=model_folder, openai_client=client),
+                         model_settings=agents.ModelSettings(tool_choice="get_weather", temperature=0,
+                                                             max_tokens=140))
+    result = agents.Runner.run_sync(agent, "Paris?", max_turns=3)
+    assert len(calls) == 1 and calls[0] in ("Paris", "Rome")
+    assert isinstance(result.final_output, Verdict)

@@ -55,7 +55,9 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     if req.tool_choice is not None:
         fields["tool_choice"] = _tool_choice(req)
     fmt = req.text.format if req.text is not None else None
-    if fmt is not None and fmt.type != "text":
+    forced = req.tools and (req.tool_choice == "required" or not isinstance(req.tool_choice, str | None))
+    # text.format shapes the message text; a forced call has none (agent SDKs send both on every turn).
+    if fmt is not None and fmt.type != "text" and not forced:
         fields["response_format"] = _response_format(fmt)
     try:
         return ChatCompletionRequest.model_validate(fields)
