@@ -234,3 +234,11 @@ def test_openai_agents_sdk_runs_a_tool_turn(server, model_folder):
     result = agents.Runner.run_sync(agent, "Paris?", max_turns=3)
     assert len(calls) == 1 and calls[0] in ("Paris", "Rome")
     assert isinstance(result.final_output, Verdict)
+
+
+def test_nulls_mean_defaults_and_unknown_fields_are_ignored(server):
+    body = {"input": "hello", "max_output_tokens": 4, "temperature": None, "tools": None, "stream": None,
+            "instructions": None, "service_tier": "auto", "zz_new_field": 1}
+    response = post(server, "/v1/responses", body)
+    assert response.status_code == 200 and response.json()["status"] in ("completed", "incomplete")
+    assert post(server, "/tokenize", {"prompt": "hello", "add_special_tokens": None, "zz": 1}).json()["count"] > 0

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from cpllm.server.request_fields import normalise_body
 
 
 class ResponsesToolChoiceFunction(BaseModel):
@@ -103,6 +104,12 @@ class ResponsesRequest(BaseModel):
     """A bound on built-in tool calls."""
     truncation: Literal["auto", "disabled"] | None = None
     """Only "disabled" (OpenAI's default): a prompt that does not fit is a 400, never cut."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _normalise(cls, data: Any) -> Any:
+        """Explicit nulls mean the default; unknown fields are ignored with one warning naming them."""
+        return normalise_body(data, set(cls.model_fields))
 
 
 # ---- input items (validated one by one by responses_input.py, so that errors name the item) ----------------

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from cpllm.server.errors import FieldError
 from cpllm.server.protocol import TokenIds
+from cpllm.server.request_fields import normalise_body
 
 
 class TokenizeRequest(BaseModel):
@@ -37,6 +38,12 @@ class TokenizeRequest(BaseModel):
     return_token_strs: bool | None = None
     """Also return each token's string (the tokenizer's token, not decoded text)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _normalise(cls, data: Any) -> Any:
+        """Explicit nulls mean the default; unknown fields are ignored with one warning naming them."""
+        return normalise_body(data, set(cls.model_fields))
+
     @model_validator(mode="after")
     def _one_form(self):
         if (self.prompt is None) == (self.messages is None):
@@ -60,3 +67,9 @@ class DetokenizeRequest(BaseModel):
     """Served model name; None means the one model this server has."""
     tokens: TokenIds
     """The ids to decode; each must be in the vocabulary."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _normalise(cls, data: Any) -> Any:
+        """Explicit nulls mean the default; unknown fields are ignored with one warning naming them."""
+        return normalise_body(data, set(cls.model_fields))
