@@ -26,7 +26,7 @@ from cpllm.context_parallel import attention as attention_module
 from cpllm.context_parallel.attention import CPComm, PagedCPAttention
 from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.context_parallel.gqa_backend import GQAPagedBackend
-from cpllm.context_parallel.metadata import build_step_batch
+from cpllm.context_parallel.metadata import build_step_batch, shared_key_view
 from cpllm.context_parallel.sdpa import reference_attention
 from cpllm.distributed.groups import ParallelGroups
 from cpllm.distributed.launch import init_distributed, shutdown_distributed
@@ -224,7 +224,7 @@ def run_case(groups: ParallelGroups, strategy: str, interleave: int, name: str, 
         "max_ref": max_ref,
         "held": held,
         "problems": problems,
-        "shared_keys": None if meta.decode is None else meta.decode.shared_keys,
+        "shared_keys": None if meta.decode is None else shared_key_view(meta.decode) is not None,
     }
 
 

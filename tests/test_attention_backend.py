@@ -74,3 +74,71 @@ def test_the_cp_layer_attends_only_through_its_backend(monkeypatch, requests, pl
     layer = PagedCPAttention(CPComm(), scale=D**-0.5, backend=backend_module.attention_backend("counting"))
     got = layer(q, k, v, *pools, meta)
     assert set(counting.calls) == used and torch.equal(got, want)
+
+
+# --- the metadata does not depend on the kernels; the SDPA path builds the shared-key view itself ---------------
+
+
+def _shared_prefix_step(requests):
+    """requests: (context_len, num_new); every request's block table starts with the same 4 blocks (16 tokens)."""
+    g = torch.Generator().manual_seed(7)
+    layout = KVLayout(cp_size=1, cp_rank=0, interleave=1, block_size=BLOCK)
+    chunks = [ScheduledChunk(request_id=str(i), token_ids=tuple([1] * new), start_pos=ctx,
+                             block_table=(1, 2, 3, 4, 10 + 4 * i, 11 + 4 * i), sample=True, prompt_logits=False)
+              for i, (ctx, new) in enumerate(requests)]
+    pools = [torch.randn(40 * BLOCK, HKV, D, generator=g) for _ in range(2)]
+    q, k, v = (torch.randn(len(chunks) + sum(n - 1 for _, n in requests), h, D, generator=g) for h in (HQ, HKV, HKV))
+    return chunks, layout, pools, (q, k, v)
+
+
+def _structure(obj):
+    """Every tensor of a step's metadata (path, dtype, shape, values) and its decode batch's plain fields."""
+    from cpllm.context_parallel.metadata import iter_tensors
+    decode = obj.attention.decode
+    return ([(path, t.dtype, tuple(t.shape), t.tolist()) for path, t in iter_tensors(obj)],
+            (decode.shared_keys, decode.window, decode.max_local_context, decode.shared_prefix is not None))
+
+
+SHARED_STEPS = {"decode_only": [(17, 1), (18, 1), (17, 1), (19, 1)], "mixed": [(17, 1), (18, 1), (19, 1), (0, 5)]}
+
+
+@pytest.mark.parametrize("name", sorted(SHARED_STEPS))
+def test_step_metadata_is_the_same_with_and_without_the_kernels(monkeypatch, name):
+    """The runner lays a step out alike whatever kernels built: each request's own slots and the shared-prefix
+    hint, never the union (which the SDPA path builds on first use)."""
+    chunks, layout, _, _ = _shared_prefix_step(SHARED_STEPS[name])
+    on = build_step_batch(chunks, layout, 1, 0, lambda c: [])
+    monkeypatch.setenv("CPLLM_KERNELS", "0")
+    off = build_step_batch(chunks, layout, 1, 0, lambda c: [])
+    assert _structure(on) == _structure(off)
+    decode = on.attention.decode
+    assert not decode.shared_keys and decode.lengths is not None and decode.shared_prefix is not None
+    assert decode.slots.shape[0] == 4 - (name == "mixed")
+
+
+@pytest.mark.parametrize("name", sorted(SHARED_STEPS))
+def test_the_sdpa_path_builds_the_union_once_and_matches_the_kernel(monkeypatch, name):
+    """With the kernel, decode rows sharing a prefix read their own slots (no union built); with CPLLM_KERNELS=0
+    the SDPA path reads the shared-key view, built once for every layer of the step; the outputs agree."""
+    from cpllm.context_parallel import metadata as metadata_module
+    from cpllm.kernels import decode_attention
+    if not decode_attention.built():
+        pytest.skip("the C decode kernel is not built here")
+    built = []
+    original = metadata_module._shared_key_batch
+    monkeypatch.setattr(metadata_module, "_shared_key_batch", lambda *a: built.append(len(a[1])) or original(*a))
+    chunks, layout, pools, (q, k, v) = _shared_prefix_step(SHARED_STEPS[name])
+    layer = PagedCPAttention(CPComm(), scale=D**-0.5)
+
+    def run_step(layers: int = 3):
+        meta = build_step_batch(chunks, layout, 1, 0, lambda c: []).attention
+        step_pools = [p.clone() for p in pools]
+        return [layer(q, k, v, *step_pools, meta) for _ in range(layers)], meta
+
+    with_kernel, _ = run_step()
+    assert built == []  # the kernel path pays nothing for the union
+    monkeypatch.setenv("CPLLM_KERNELS", "0")
+    sdpa, meta = run_step()
+    assert built == [meta.decode.slots.shape[0]]  # once for the step's three layers
+    for a, b in zip(with_kernel, sdpa, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)

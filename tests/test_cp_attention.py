@@ -7,7 +7,7 @@ import torch
 
 from cpllm.context_parallel.attention import CPComm, PagedCPAttention
 from cpllm.context_parallel.kv_layout import KVLayout
-from cpllm.context_parallel.metadata import build_step_batch
+from cpllm.context_parallel.metadata import build_step_batch, shared_key_view
 from cpllm.context_parallel.sdpa import reference_attention
 from cpllm.step import ScheduledChunk
 
@@ -52,4 +52,4 @@ def test_decodes_sharing_a_prefix_read_the_shared_keys_once(num_decodes):
     shared = [10, 11, 12, 13]  # 16 cached tokens in common, then one private block each
     requests = [(17, 1, shared + [20 + i]) for i in range(num_decodes)] + [(0, 5, [40, 41])]
     error, meta = run_case(requests, seed=num_decodes)
-    assert error < 1e-5 and meta.decode.shared_keys
+    assert error < 1e-5 and shared_key_view(meta.decode).shared_keys

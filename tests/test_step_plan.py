@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cpllm.context_parallel.kv_layout import KVLayout
-from cpllm.context_parallel.metadata import build_step_batch
+from cpllm.context_parallel.metadata import build_step_batch, shared_key_view
 from cpllm.context_parallel.plan import StepPlan, eager_decode_plan, single_token_rows
 from cpllm.model.fused_decode import FusedDecode
 from cpllm.step import ScheduledChunk
@@ -71,7 +71,7 @@ def test_a_decode_plan_refuses_a_prompt_chunk():
 def test_fused_plans_lay_out_own_slots_and_teams_every_row():
     chunks = _chunks([(16, 1)] * 4, shared_prefix=True)
     eager = build_step_batch(chunks, _layout(), 1, 0, lambda c: [])
-    assert eager.attention.decode.shared_keys  # the union pays here
+    assert shared_key_view(eager.attention.decode).shared_keys  # the union pays here (for the SDPA path)
     for plan in (StepPlan.FUSED, StepPlan.PCP_TEAM, StepPlan.TP_TEAM):
         meta = build_step_batch(chunks, _layout(), 1, 0, lambda c: [], plan=plan).attention
         assert meta.plan is plan and not meta.decode.shared_keys and meta.decode.lengths is not None

@@ -7,7 +7,9 @@ of query rows to a set of keys, and attend single-token (decode) rows to their c
 answer is a partial (out, lse) the layer merges exactly in float32, so the layer is written once for every kind.
 
 A backend holds no per-layer state; which kernel runs inside it (a C kernel, SDPA, the CUDA kernels) is its own
-choice, made per call from the tensors it is given. A new kind (a latent-KV pool, a windowed one) is a new module
+choice, made per call from the tensors it is given. The step's metadata is laid out the same whatever kernels
+exist (decode rows carry each request's own slots); an implementation wanting another form of it (the shared-key
+union) builds that as a per-step cached view (metadata.py `shared_key_view`). A new kind (a latent-KV pool, a windowed one) is a new module
 with a class that satisfies `AttentionBackend`, and one line in `BACKENDS`.
 """
 
@@ -59,9 +61,11 @@ class AttentionBackend(Protocol):
                                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """`attend_decode` over contexts from `decode_context`."""
 
-    def reads_decode_rows_in_place(self, device: torch.device, pool_dtype: torch.dtype) -> bool:
-        """Decode rows are attended faster from each request's own slots than from the shared-key union (the
-        runner then lays decode-only steps out that way)."""
+    def decode_form(self, decode, k_pool: torch.Tensor):
+        """The form of `decode` (each request's own slots, as every step lays it out) that this backend's
+        implementation reads from these pools: `decode` itself or a view of it built once per step (the GQA
+        backend's SDPA path: the union of shared keys). Asked once per step by the compiled decode step, whose
+        graphs cannot build a view; the eager calls above choose for themselves."""
 
 
 BACKENDS: dict[str, Callable[[], AttentionBackend]] = {

@@ -3,16 +3,14 @@
 Its implementations live in local_attention.py: the C kernels on CPU (prefill attention, decode attention reading
 each request's slots in place, the row store), the fused SDPA kernels elsewhere (sdpa.py: CPU flash, the CUDA
 efficient kernel), and the forms a compiled decode graph calls. Each call picks among them from its tensors
-(device, dtypes, the decode batch's form); the CP layer never sees which ran.
+(device, dtypes); the CP layer never sees which ran. The decode rows' metadata always holds each request's own
+slots, which the C kernel reads in place; the SDPA path reads a batch sharing a prefix as one query block over the
+union of its keys, a view built on its first use in a step and reused by every layer (`sdpa_form`).
 """
 
 from __future__ import annotations
 
-import torch
-
 from cpllm.context_parallel import local_attention
-from cpllm.kernels import decode_attention
-from cpllm.kernels.decode_attention import POOL_DTYPES
 from cpllm.kernels.decode_rows import store_rows_
 
 
@@ -39,11 +37,6 @@ class GQAPagedBackend:
     context_keys = staticmethod(_context_keys)
     attend_decode = staticmethod(local_attention.attend_decode)
     attend_decode_whole = staticmethod(local_attention.attend_pooled_single_tokens)
-    decode_context = staticmethod(local_attention.gather_context)
-    attend_gathered_decode = staticmethod(local_attention.attend_single_tokens)
-
-    @staticmethod
-    def reads_decode_rows_in_place(device: torch.device, pool_dtype: torch.dtype) -> bool:
-        """The C decode kernel reads each request's own slots (faster than the shared-key union's gather,
-        docs/benchmarks.md) where it was built, on CPU pools of a dtype it reads."""
-        return device.type == "cpu" and pool_dtype in POOL_DTYPES and decode_attention.built()
+    decode_context = staticmethod(local_attention.gather_decode_context)
+    attend_gathered_decode = staticmethod(local_attention.attend_gathered_decode)
+    decode_form = staticmethod(local_attention.decode_form)

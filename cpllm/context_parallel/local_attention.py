@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import torch
 
+from cpllm.context_parallel.metadata import shared_key_view
 from cpllm.context_parallel.sdpa import attention_with_lse
 from cpllm.kernels.decode_attention import applies as kernel_applies
 from cpllm.kernels.decode_attention import paged_decode_attention
@@ -55,13 +56,45 @@ def gather_context(pool: torch.Tensor, decode, dtype: torch.dtype | None = None)
 def attend_decode(q, k_pool, v_pool, decode, scale: float, every_row_sees_a_key: bool = False):
     """Single-token queries against this rank's share of their context in the pools -> out [B, Hq, D], lse [B, Hq].
 
-    Without shared keys the C kernel reads each request's slots in place (several times faster than gathering
-    them and calling the flash kernel: docs/benchmarks.md); with shared keys, or where the kernel does not
-    apply, the context is gathered and attention_with_lse runs. A request with no local context gets (0, -inf)."""
+    Where the C kernel runs it reads each request's own slots in place, shared prefix or not (several times faster
+    than gathering them and calling the flash kernel, and faster than the shared-key union: docs/benchmarks.md).
+    Elsewhere (no kernel, CUDA, CPLLM_KERNELS=0) the context is gathered, in the batch's shared-key view where
+    requests share a prefix (built once per step: `sdpa_form`), and attention_with_lse runs. A request with no
+    local context gets (0, -inf)."""
     if _kernel_applies(q, k_pool, decode):
         return paged_decode_attention(q, k_pool, v_pool, decode.slots, decode.lengths, scale)
+    decode = sdpa_form(decode)
     k_ctx, v_ctx = gather_context(k_pool, decode, q.dtype), gather_context(v_pool, decode, q.dtype)
     return attend_single_tokens(q, k_ctx, v_ctx, decode, scale, every_row_sees_a_key)
+
+
+def sdpa_form(decode):
+    """The form of a decode batch the SDPA implementations read: its shared-key view where its requests share a
+    prefix and the union pays (metadata.py `shared_key_view`: built on the step's first call, then cached), else
+    the batch itself (each request's own slots, padded)."""
+    if getattr(decode, "shared_prefix", None) is None:  # own slots only, a view already, or a compiled op's keys
+        return decode
+    view = shared_key_view(decode)
+    return decode if view is None else view
+
+
+def decode_form(decode, k_pool: torch.Tensor):
+    """The form of a step's decode batch these pools' decode attention reads: the batch itself where the C kernel
+    runs (CPU pools of a dtype it reads, kernel built), else `sdpa_form`. For a compiled step, which asks once
+    before its graphs run (they cannot build the view)."""
+    if decode is None or kernel_applies(k_pool, k_pool):  # q shares the pool's device; its dtype is one of the pools'
+        return decode
+    return sdpa_form(decode)
+
+
+def gather_decode_context(pool: torch.Tensor, decode, dtype: torch.dtype) -> torch.Tensor:
+    """The decode rows' context gathered once for several query blocks (pass-Q), in `sdpa_form`."""
+    return gather_context(pool, sdpa_form(decode), dtype)
+
+
+def attend_gathered_decode(q, k_ctx, v_ctx, decode, scale: float):
+    """Decode rows against contexts from `gather_decode_context` (the same cached form)."""
+    return attend_single_tokens(q, k_ctx, v_ctx, sdpa_form(decode), scale)
 
 
 def attend_pooled_single_tokens(q, k_pool, v_pool, decode, scale: float) -> torch.Tensor:

@@ -70,14 +70,19 @@ class DecodeBatch:
     max_local_context: int
     """Longest local context among them (0: this rank's shard is empty for all)."""
     shared_keys: bool = False
-    """slots is [1, U], the union of their slots, and key_mask [1, 1, B, U] says which keys each query sees:
-    chosen when requests share most of their context (a common prefix), so each shared key is read once."""
+    """slots is [1, U], the union of their slots, and key_mask [1, 1, B, U] says which keys each query sees: only
+    in the shared-key view of a batch (`shared_key_view`), never in a step's metadata, which always carries each
+    request's own slots."""
     window: tuple[int, int] | None = None
     """(first slot, count) when slots is [1, count] and those slots are consecutive in the pool: attention then
     reads a view of the pools instead of a gathered copy (one request, or shared keys, in adjacent blocks)."""
     lengths: torch.Tensor | None = None
     """[B] long: how many of each request's slots are its context (slots[b, :lengths[b]]); the decode attention
     kernel reads them in place (cpllm/kernels/decode_attention.py). None with shared keys."""
+    shared_prefix: "SharedPrefix | None" = None
+    """Set where two or more of the requests start from the same cached block (a shared prefix; found from the
+    block tables at build time, no tensor read): a backend that reads keys once per query block may ask for the
+    batch's shared-key view (`shared_key_view`). None: no request shares a key with another."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -232,17 +237,17 @@ def _rank_runs(num_new: int, pcp_size: int, row_offsets: list[int],
 def build_step_batch(chunks, layout: KVLayout, pcp_size: int, pcp_rank: int, output_plan,
                      device: torch.device | str | None = None, non_blocking: bool = False,
                      strategy: str | None = None, split_single_tokens: bool = False,
-                     plan: StepPlan | None = None, shared_keys: bool = True) -> StepBatch:
+                     plan: StepPlan | None = None) -> StepBatch:
     """Lay out one step for this rank; `output_plan(chunk) -> new-token indices whose hidden state is needed`.
 
     `strategy` is the step's prefill strategy (None: the layer's own); "pass-q" adds the plan of its K/V
     stores. `split_single_tokens` (replicated KV layout: every PCP rank holds every token's K/V) computes each
     single-token chunk on one PCP rank instead of all. `plan` is the runner's choice of path (None: the eager
-    layers' one for this layout, `eager_decode_plan`); a team's plan keeps every row on every PCP rank and a fused
-    plan each request's own context slots, as the C layers read them. `shared_keys=False` gives every decode
-    batch each request's own slots (where the backend reads them in place: faster than the shared-key form's
-    gathered union, docs/benchmarks.md). With `device`, every tensor of the result (token ids, positions, all
-    metadata) is on it."""
+    layers' one for this layout, `eager_decode_plan`); a team's plan keeps every row on every PCP rank. The decode
+    rows always carry each request's own context slots (the form the C kernel and the fused layers read), whatever
+    kernels exist; where requests share a prefix the batch says so (`DecodeBatch.shared_prefix`) and a backend
+    that wants the union of their keys builds it once per step (`shared_key_view`). With `device`, every tensor of
+    the result (token ids, positions, all metadata) is on it."""
     has_new = any(len(c.token_ids) > 1 for c in chunks)
     if plan is None:
         plan = StepPlan.PREFILL if has_new else eager_decode_plan(layout.cp_size, pcp_size, split_single_tokens)
@@ -277,7 +282,7 @@ def build_step_batch(chunks, layout: KVLayout, pcp_size: int, pcp_rank: int, out
         write_slots=torch.tensor(write_slots, dtype=torch.long),
         has_context=any(r.context_len > 0 for r in requests),
         has_new=has_new,
-        decode=_decode_batch(requests, shared_keys=shared_keys and not plan.own_slots),
+        decode=_decode_batch(requests, chunks),
         strategy=strategy,
         pass_q=pass_q,
         rows_same_over_pcp=pcp_size == 1 or not (has_new or split_single_tokens),
@@ -345,15 +350,11 @@ def _plan_writes(chunk, homes, layout: KVLayout, num_rows: int, write_rows: list
         write_slots.append(layout.slot(pos, chunk.block_table))
 
 
-def _decode_batch(requests: list[RequestAttention], shared_keys: bool = True) -> DecodeBatch | None:
+def _decode_batch(requests: list[RequestAttention], chunks) -> DecodeBatch | None:
     members = [i for i, r in enumerate(requests) if r.num_new == 1 and r.local_chunks]  # the ones held here
     if not members:
         return None
     lengths = [requests[i].context_slots.numel() for i in members]
-    if shared_keys and len(members) > 1:
-        union = torch.unique(torch.cat([requests[i].context_slots for i in members]))
-        if len(members) * union.numel() <= 2 * sum(lengths):
-            return _shared_key_batch(requests, members, union, lengths)
     width = max(max(lengths), 1)
     slots = torch.zeros(len(members), width, dtype=torch.long)
     for b, i in enumerate(members):
@@ -362,9 +363,56 @@ def _decode_batch(requests: list[RequestAttention], shared_keys: bool = True) ->
     if min(lengths) < width:
         valid = torch.arange(width) < torch.tensor(lengths).unsqueeze(1)  # [B, width]
         key_mask = torch.zeros(len(members), 1, 1, width).masked_fill(~valid[:, None, None, :], float("-inf"))
+    # A shared prefix starts at position 0: requests sharing keys share their first block (plain ints, no tensor)
+    first_blocks = {chunks[i].block_table[0] for i in members}
+    shared = SharedPrefix(requests, members, lengths) if len(first_blocks) < len(members) else None
     return DecodeBatch(requests=tuple(members), slots=slots, key_mask=key_mask, rows=_rows(requests, members),
                        max_local_context=max(lengths), window=_window(slots) if lengths[0] else None,
-                       lengths=torch.tensor(lengths, dtype=torch.long))
+                       lengths=torch.tensor(lengths, dtype=torch.long), shared_prefix=shared)
+
+
+class SharedPrefix:
+    """A decode batch's requests share keys: what building its shared-key view needs (this rank's host-side context
+    slots of each request, never moved to a device) and the view once built, per device. Not a dataclass: the
+    step's moves (`to_device`) pass it along as is, so the CPU batch and its device copy share one cache."""
+
+    __slots__ = ("requests", "members", "lengths", "_views")
+
+    def __init__(self, requests, members: list[int], lengths: list[int]):
+        self.requests, self.members, self.lengths = requests, members, lengths
+        self._views: dict[torch.device, DecodeBatch | None] = {}
+
+    def view(self, decode: DecodeBatch) -> DecodeBatch | None:
+        device = decode.slots.device
+        if device in self._views:
+            return self._views[device]
+        host = self._views.get(_CPU, False) if device != _CPU else False
+        if host is False:
+            host = self._host_view()
+            self._views[_CPU] = host
+        view = host if host is None or device == _CPU else dataclasses.replace(
+            to_device(host, device, non_blocking=True), rows=decode.rows)
+        self._views[device] = view
+        return view
+
+    def _host_view(self) -> DecodeBatch | None:
+        requests, members, lengths = self.requests, self.members, self.lengths
+        union = torch.unique(torch.cat([requests[i].context_slots for i in members]))
+        if len(members) * union.numel() > 2 * sum(lengths):  # padding the union costs more than it saves
+            return None
+        return _shared_key_batch(requests, members, union, lengths)
+
+
+_CPU = torch.device("cpu")
+
+
+def shared_key_view(decode: DecodeBatch) -> DecodeBatch | None:
+    """The shared-key form of a step's decode batch: its B rows as one query block over the union of their slots
+    [1, U], with key_mask [1, 1, B, U] saying which keys each row sees, so each shared key is read once (what the
+    SDPA implementations read best). Built on the first call of the step and cached for every later layer; None
+    where no request shares keys or padding the union to every row would cost more than it saves
+    (B * U > 2 * sum of lengths)."""
+    return None if decode.shared_prefix is None else decode.shared_prefix.view(decode)
 
 
 def _window(slots: torch.Tensor) -> tuple[int, int] | None:

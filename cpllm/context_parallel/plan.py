@@ -4,8 +4,9 @@ The runner picks the plan from the step's chunks and this rank's fixed facts (it
 layers or a decode team exist); `build_step_batch` lays the metadata out for it and carries it in
 `AttentionMetadata.plan`. Everything downstream (the fused layers, the compiled step, PagedCPAttention) follows
 that value and never re-derives it. Which implementation a backend runs inside a path (a C kernel, SDPA, the
-CUDA kernels) does not change the plan. One layout choice is the backend's: whether a decode-only step's rows
-read their own slots or the union of shared keys (`AttentionBackend.reads_decode_rows_in_place`).
+CUDA kernels) changes neither the plan nor the metadata's layout: decode rows always carry each request's own
+slots, and a backend whose implementation reads shared keys once builds that view itself, once per step
+(metadata.py, `shared_key_view`).
 """
 
 from __future__ import annotations
@@ -48,12 +49,6 @@ class StepPlan(str, enum.Enum):
     def team(self) -> bool:
         """The ranks of a decode team run the step together (every row on every member)."""
         return self in (StepPlan.PCP_TEAM, StepPlan.TP_TEAM)
-
-    @property
-    def own_slots(self) -> bool:
-        """The decode rows read their own context slots (the in-place form the C layers take), never the union
-        of shared keys."""
-        return self.fused
 
 
 def eager_decode_plan(kv_shards: int, pcp_size: int, replicated: bool) -> StepPlan:

@@ -16,6 +16,7 @@ change of torch's thread count compiles them again (inductor's loops are built f
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -51,6 +52,11 @@ class CompiledDecode:
         if self.steps == 0:
             logger.info("compiling the decode step (torch.compile, inductor): the first decode steps take longer")
         self.steps += 1
+        # The decode batch in the form the backend reads on these pools (own slots for the C kernel, else its
+        # shared-key view), chosen here, eager, once per step: the graphs take it as it is.
+        decode = self.model.attention_backend.decode_form(meta.decode, kv_caches[0][0])
+        if decode is not meta.decode:
+            meta = dataclasses.replace(meta, decode=decode)
         # no_grad, not inference_mode: inductor cannot trace views of inference tensors
         with torch.no_grad():
             return self.model.decoder_stack(token_ids, positions, kv_caches, meta, self._run_layer)
