@@ -89,7 +89,8 @@ def test_tokenize_and_detokenize_refuse_bad_input(server, hf_tokenizer):
     vocab = len(hf_tokenizer)
     response = post(server, "/detokenize", {"tokens": [1, vocab + 5]})
     assert error_param(response) == "tokens.1"
-    assert str(vocab + 5) in response.json()["error"]["message"] and str(vocab - 1) in response.json()["error"]["message"]
+    message = response.json()["error"]["message"]
+    assert str(vocab + 5) in message and str(vocab - 1) in message
     assert error_param(post(server, "/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}))
     assert post(server, "/tokenize", {"model": "other", "prompt": "a"}).status_code == 404
 

@@ -1,4 +1,4 @@
-"""Property-based fuzzing of both generation endpoints from the server's own OpenAPI document (schemathesis).
+"""Property-based fuzzing of the generation, Responses and tokenizer endpoints from the server's OpenAPI document.
 
 Cases come from the request schemas the server publishes at /openapi.json: bodies
 that fit them (positive) and bodies that do not (negative: wrong types, unknown
@@ -48,7 +48,8 @@ def _check(status: int, text: str, case: schemathesis.Case) -> None:
     assert '"type":"internal_server_error"' not in text, f"in-band 500 for {body}: {text[:500]}"
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize",
+                                  "/detokenize"])
 def test_fuzz_endpoint_never_5xx(server, openapi, path):
     operation = schemathesis.openapi.from_dict(openapi)[path]["POST"]
     cases = (operation.as_strategy(schemathesis.GenerationMode.POSITIVE)
