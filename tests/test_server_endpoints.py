@@ -163,6 +163,14 @@ def test_responses_json_schema_output_validates(client, model_folder):
     parsed = json.loads(reply.output_text)
     assert isinstance(parsed["ok"], bool) and parsed["grade"] in ("a", "b") and set(parsed) == {"ok", "grade"}
     assert reply.text.format.type == "json_schema"
+
+    class Verdict(pydantic.BaseModel):
+        ok: bool
+        grade: Literal["a", "b"]
+
+    typed = client.responses.parse(model=model_folder, input="grade this", max_output_tokens=200, temperature=0,
+                                   text_format=Verdict)
+    assert typed.output_parsed == Verdict.model_validate(parsed)
     anything = client.responses.create(model=model_folder, input="grade this", max_output_tokens=60, temperature=0,
                                        text={"format": {"type": "json_object"}})
     assert anything.status == "incomplete" or isinstance(json.loads(anything.output_text), dict)
