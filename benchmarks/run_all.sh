@@ -2,7 +2,7 @@
 # Regenerate every result under benchmarks/results/ and docs/benchmarks.md (with its plots).
 #   benchmarks/run_all.sh            # everything (about an hour on 2 cores)
 #   benchmarks/run_all.sh prefill    # one step: ceiling prefill comm memory decode tp compare quality attention int4 profile serve chunk
-#                                    #   decode_layouts dcp transport plan breakdown moe report
+#                                    #   decode_layouts dcp transport plan breakdown moe structure report
 # Threads are always explicit: more busy threads than cores make torch's OpenMP spin-waits ruinous.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +11,7 @@ IMG=docs/img
 mkdir -p "$R" "$IMG"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(ceiling prefill comm memory decode tp compare quality attention int4 profile serve chunk decode_layouts dcp transport plan
-                                 breakdown moe report)
+                                 breakdown moe structure report)
 bench() { python -m cpllm --log-level WARNING bench "$@"; }
 
 for step in "${steps[@]}"; do
@@ -52,6 +52,10 @@ for step in "${steps[@]}"; do
     # issue 10: DCP=2 (with TP=2) on SmolLM2's shape with one KV head, against one rank; five rounds
     dcp) python benchmarks/dcp_decode.py --rounds 5 --out "$R/decode_dcp.json" ;;
     transport) python benchmarks/collective_latency.py --ranks 2 --json "$R/collective_latency.json" ;;
+    # issue 24: the figures the structural change must not move, against the commit before it
+    structure) python benchmarks/structure_before_after.py --before 45527f0 --rounds 4 --out "$R/structure.json"
+        python benchmarks/structure_before_after.py --before 45527f0 --rounds 4 --cases 5 \
+          --out "$R/structure_tp_team.json" ;;
     # issue 11: random Qwen3-MoE-shaped model (16 layers, hidden 1024, 64 experts of 256, top-8), saved once
     moe) python benchmarks/moe_bench.py --threads 1 --prefill-tokens 1024,4096 --pcp-tokens 4096 --repeats 3 \
            --pcp-repeats 2 --out "$R/moe.json"

@@ -19,6 +19,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from cpllm.bench.common import machine_info
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 BENCH = [sys.executable, "-m", "cpllm", "--log-level", "WARNING", "bench"]
@@ -86,6 +88,7 @@ def main() -> None:
     args = parser.parse_args()
     cases = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else list(CASES)
     runs: dict[tuple[str, str, str], list[float]] = {}
+    load_at_start = [round(x, 2) for x in os.getloadavg()]
     with tempfile.TemporaryDirectory() as tmp:
         before = os.path.join(tmp, "before")
         os.makedirs(before)
@@ -110,8 +113,8 @@ def main() -> None:
                      "after_all": runs[(name, key, "after")]})
     head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     with open(args.out, "w") as f:
-        json.dump({"before": args.before, "after": head.stdout.strip() + " (working tree)", "rounds": args.rounds,
-                   "load_average": open("/proc/loadavg").read().split()[:3], "rows": rows}, f, indent=1)
+        json.dump({"argv": ["python", *sys.argv], "before": args.before, "after": head.stdout.strip() + " (working tree)", "rounds": args.rounds,
+                   "machine": {**machine_info(), "load_average_start": load_at_start}, "rows": rows}, f, indent=1)
     for row in rows:
         print(f"| {row['case']} | {row['point']} | {row['metric']} | {row['before']} | {row['after']} | "
               f"{row['ratio']} |")
