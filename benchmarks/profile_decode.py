@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from cpllm.bench.common import BenchLayout, machine_info, random_prompt
+from cpllm.bench.common import machine_info, random_prompt
 from cpllm.bench.engines import build_llm, model_config_of
 from cpllm.engine.sampling_params import SamplingParams
 
@@ -68,6 +68,17 @@ def profile_steps(engine, prompts, steps: int, top: int) -> tuple[list[dict], fl
     return table, calls
 
 
+def _one_rank_layout():
+    # benchmarks/profile_before_after.py runs this file on an older commit's cpllm too, whose bench layout type was
+    # `Layout` before the parallel dims (issue 24)
+    try:
+        from cpllm.bench.common import BenchLayout
+    except ImportError:
+        from cpllm.bench.common import Layout
+        return Layout(tp=1, pcp=1, dcp=1)
+    return BenchLayout.of(tp=1, pcp=1, dcp=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
@@ -92,7 +103,7 @@ def main() -> None:
         options["compile_decode"] = True
     if args.kv_cache_dtype != "auto":
         options["kv_cache_dtype"] = args.kv_cache_dtype
-    llm, _ = build_llm(args.model, BenchLayout.of(tp=1, pcp=1, dcp=1), strategy=None, threads_per_rank=args.threads,
+    llm, _ = build_llm(args.model, _one_rank_layout(), strategy=None, threads_per_rank=args.threads,
                        context_tokens=longest * args.batch, batch_tokens=max(4096, longest), engine_options=options)
     torch.set_num_threads(args.threads)
     prompts = [random_prompt(args.context, config.vocab_size, seed=args.context * 1000 + i)
