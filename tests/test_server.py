@@ -33,11 +33,8 @@ def model_folder(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(model_folder):
-    proc = ServerProcess([model_folder, *ENGINE_FLAGS])
-    try:
-        yield proc.wait_ready()
-    finally:
-        proc.close()
+    with ServerProcess.running([model_folder, *ENGINE_FLAGS]) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -31,11 +31,9 @@ def model_folder(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(model_folder):
-    proc = ServerProcess([model_folder, *ENGINE_FLAGS, "--api-key", KEY, "--served-model-name", NAME])
-    try:
-        yield proc.wait_ready()
-    finally:
-        proc.close()
+    args = [model_folder, *ENGINE_FLAGS, "--api-key", KEY, "--served-model-name", NAME]
+    with ServerProcess.running(args) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

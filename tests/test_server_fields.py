@@ -26,11 +26,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc = ServerProcess([save_tiny_hf_model(str(tmp_path_factory.mktemp("tiny_fields"))), *FLAGS])
-    try:
-        yield proc.wait_ready()
-    finally:
-        proc.close()
+    folder = save_tiny_hf_model(str(tmp_path_factory.mktemp("tiny_fields")))
+    with ServerProcess.running([folder, *FLAGS]) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -30,11 +30,8 @@ EXAMPLES = 150
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = save_tiny_hf_model(str(tmp_path_factory.mktemp("tiny_fuzz")))
-    proc = ServerProcess([folder, *FLAGS])
-    try:
-        yield proc.wait_ready()
-    finally:
-        proc.close()
+    with ServerProcess.running([folder, *FLAGS]) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -40,11 +40,8 @@ WEATHER_ASK = [{"role": "user", "content": "What is the weather like in Paris to
 
 @pytest.fixture(scope="module")
 def server():
-    proc = ServerProcess(FLAGS)
-    try:
-        yield proc.wait_ready(timeout_s=300)
-    finally:
-        proc.close()
+    with ServerProcess.running(FLAGS, timeout_s=300) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

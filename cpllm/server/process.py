@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 import httpx
 
@@ -29,6 +31,16 @@ class ServerProcess:
         command = [sys.executable, "-m", "cpllm", "serve", *args, "--host", "127.0.0.1", "--port", str(self.port)]
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
                                         env={**os.environ, **(env or {})}, start_new_session=True)
+
+    @classmethod
+    @contextlib.contextmanager
+    def running(cls, args: list[str], *, timeout_s: float = 120.0, **options) -> Iterator["ServerProcess"]:
+        """A server that is healthy inside the block and closed after it, also when it never became healthy."""
+        server = cls(args, **options)
+        try:
+            yield server.wait_ready(timeout_s)
+        finally:
+            server.close()
 
     def log(self) -> str:
         with open(self._log.name, encoding="utf-8", errors="replace") as f:
