@@ -112,7 +112,8 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("enable_prefix_caching", bool, "cache.enable_prefix_caching",
                  help="reuse the KV blocks of a prompt prefix computed before"),
     EngineOption("kv_cache_memory_bytes", int, "cache.kv_cache_memory_bytes", parse=parse_bytes,
-                 help="KV cache bytes per rank, e.g. 512MiB (default: 20%% of available memory)"),
+                 help="KV cache bytes per rank, e.g. 512MiB (default: 20%% of available memory, at most what "
+                      "max_num_seqs requests of max_model_len tokens can fill)"),
     EngineOption("kv_cache_dtype", str, "cache.kv_cache_dtype", choices=KV_CACHE_DTYPES,
                  help="dtype K/V are stored in: auto = --dtype; bfloat16/float16 under float32 hold twice the "
                       "tokens, attention still computes in --dtype"),
