@@ -19,9 +19,10 @@ from cpllm.distributed.groups import ParallelGroups
 from cpllm.model.decode_graph import CompiledDecode
 from cpllm.model.decode_team import DecodeTeam
 from cpllm.model.layers import TPShard
-from cpllm.model.llama import LlamaForCausalLM, local_kv_heads
+from cpllm.model.llama import local_kv_heads
 from cpllm.model.loader import open_weights
 from cpllm.model.moe_placement import MoEShard
+from cpllm.model.registry import model_class
 from cpllm.planner.runtime import StepStrategy, device_hardware, engine_cost
 from cpllm.step import SchedulerOutput, output_positions
 from cpllm.worker.kv_cache import allocate_kv_cache, bytes_per_block, kv_block_count
@@ -52,8 +53,8 @@ class ModelRunner:
         moe = MoEShard(tp=tp, pcp_rank=groups.pcp_rank, pcp_size=groups.pcp_size, pcp_group=groups.pcp_group,
                        group=groups.moe_group, expert_parallel=groups.dims.expert_parallel)
         with torch.device(device):
-            self.model = LlamaForCausalLM(config.model, tp, comm, self.dtype, config.scheduler.max_model_len, moe,
-                                          groups.pcp_split)
+            self.model = model_class(config.model.architecture)(config.model, tp, comm, self.dtype,
+                                                                config.scheduler.max_model_len, moe, groups.pcp_split)
         self.model.load_weights(open_weights(config.model_path))
         _, self.num_kv_heads = local_kv_heads(config.model, tp)
         element_bytes = torch.empty((), dtype=self.dtype).element_size()

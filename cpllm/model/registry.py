@@ -1,0 +1,27 @@
+"""Which model class builds each Hugging Face architecture (the runner asks here, never names a family)."""
+
+from __future__ import annotations
+
+import torch
+
+from cpllm.model.llama import LlamaForCausalLM
+
+MODEL_CLASSES: dict[str, type[torch.nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaForCausalLM,
+}
+"""Architecture name -> the class whose constructor takes (config, tp, comm, dtype, max_positions, moe, pcp)."""
+
+
+def model_class(architecture: str) -> type[torch.nn.Module]:
+    """The class that builds `architecture` (ModelConfig has already refused unsupported names)."""
+    try:
+        return MODEL_CLASSES[architecture]
+    except KeyError:
+        raise ValueError(f"no model class for architecture {architecture!r} "
+                         f"(known: {', '.join(sorted(MODEL_CLASSES))})") from None
