@@ -16,6 +16,7 @@ from starlette.routing import BaseRoute, Match
 
 from cpllm.server.admission import Admission
 from cpllm.server.async_engine import AsyncEngine, EngineDeadError
+from cpllm.server.cancellation import unless_disconnected
 from cpllm.server.errors import APIError, bad_request, from_validation_error
 from cpllm.server.extra_routes import add_extra_routes, model_card
 from cpllm.server.formatting import TokenTexts
@@ -79,6 +80,8 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
         return parsed
 
     def respond(result):
+        if isinstance(result, Response):  # the client left before the answer (unless_disconnected)
+            return result
         if isinstance(result, dict):
             return JSONResponse(result)
         return _EventResponse(result)
@@ -101,12 +104,14 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
     @app.post("/v1/completions")
     async def completions(request: Request):
         arrival = time.monotonic()
-        return respond(await create_completion(ctx, await parse(request, CompletionRequest), arrival))
+        req = await parse(request, CompletionRequest)
+        return respond(await unless_disconnected(request, create_completion(ctx, req, arrival)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         arrival = time.monotonic()
-        return respond(await create_chat_completion(ctx, await parse(request, ChatCompletionRequest), arrival))
+        req = await parse(request, ChatCompletionRequest)
+        return respond(await unless_disconnected(request, create_chat_completion(ctx, req, arrival)))
 
     add_extra_routes(app, ctx, parse=parse, authorize=authorize, respond=respond, health=health)
     install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,

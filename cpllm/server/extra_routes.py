@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
+from cpllm.server.cancellation import unless_disconnected
 from cpllm.server.errors import APIError
 from cpllm.server.protocol_responses import ResponsesRequest
 from cpllm.server.protocol_tokenize import DetokenizeRequest, TokenizeRequest
@@ -60,4 +61,5 @@ def add_extra_routes(app: FastAPI, ctx: ServerContext, *, parse: Parse, authoriz
     @app.post("/v1/responses")
     async def responses(request: Request):
         arrival = time.monotonic()
-        return respond(await create_response(ctx, await parse(request, ResponsesRequest), arrival))
+        req = await parse(request, ResponsesRequest)
+        return respond(await unless_disconnected(request, create_response(ctx, req, arrival)))

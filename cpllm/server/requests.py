@@ -12,6 +12,7 @@ from cpllm.engine.outputs import RequestOutput
 from cpllm.engine.sampling_params import SamplingParams
 from cpllm.server.admission import Admission
 from cpllm.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from cpllm.server.cancellation import CLIENT_CLOSED
 from cpllm.server.errors import APIError, bad_request
 from cpllm.server.formatting import TokenTexts, engine_error, sse
 from cpllm.server.options import ServeOptions
@@ -152,6 +153,24 @@ class EventStream:
 
 def sse_events(request_id: str, streams: list[RequestStream], chunks: AsyncIterator[str]) -> EventStream:
     return EventStream(request_id, streams, chunks)
+
+
+async def finished(request_id: str, streams: list[RequestStream]) -> list[RequestOutput]:
+    """Every stream's finished output, for a response sent whole; the request is closed and logged however the wait
+    ends: 499 when the client left (the wait is cancelled, cancellation.py), 503 when the engine failed or stopped."""
+    status = 500
+    try:
+        outputs = await results(streams)
+        status = 200
+        return outputs
+    except asyncio.CancelledError:
+        status = CLIENT_CLOSED
+        raise
+    except EngineDeadError:
+        status = 503
+        raise
+    finally:
+        close(request_id, streams, status=status)
 
 
 async def results(streams: list[RequestStream]) -> list[RequestOutput]:

@@ -95,12 +95,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     head = {"id": request_id, "created": int(time.time()), "model": ctx.model_name}
     if req.stream:
         return requests.sse_events(head["id"], streams, chat_events(ctx, req, params, plan, streams, head))
-    status = 500
-    try:
-        (output,) = await requests.results(streams)
-        status = 200
-    finally:
-        requests.close(request_id, streams, status=status)
+    (output,) = await requests.finished(request_id, streams)
     choices = [choice_message(ctx, req, plan, c, num_top) for c in output.outputs]
     response = {**head, "object": "chat.completion", "choices": choices, "usage": usage([output])}
     if req.prompt_logprobs is not None:

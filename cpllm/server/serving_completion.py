@@ -51,12 +51,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, arrival_
     head = {"id": request_id, "created": int(time.time()), "model": ctx.model_name}
     if req.stream:
         return requests.sse_events(head["id"], streams, _stream(ctx, req, params, prompts, streams, head))
-    status = 500
-    try:
-        outputs = await requests.results(streams)
-        status = 200
-    finally:
-        requests.close(request_id, streams, status=status)
+    outputs = await requests.finished(request_id, streams)
     choices = [_choice(ctx, req, p, out, c, i * params.n + c.index)
                for i, (p, out) in enumerate(zip(prompts, outputs)) for c in out.outputs]
     return {**head, "object": "text_completion", "choices": choices, "usage": usage(outputs)}

@@ -31,12 +31,7 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, arrival_tim
     shell = _shell(ctx, req, run, response_id)
     if req.stream:
         return requests.sse_events(response_id, run.streams, _events(run, shell))
-    status = 500
-    try:
-        (output,) = await requests.results(run.streams)
-        status = 200
-    finally:
-        requests.close(response_id, run.streams, status=status)
+    (output,) = await requests.finished(response_id, run.streams)
     c = output.outputs[0]
     extracted = run.plan.extract(c.text)
     items = []
