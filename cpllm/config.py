@@ -10,12 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from cpllm.config_attention import GEMMA_ARCHITECTURES, check_attention_fields, hf_gemma_fields, hf_layer_types
 from cpllm.config_moe import MOE_ARCHITECTURES, MoEConfig
+from cpllm.config_rope import resolve_rope_scaling, rope_context_length
 from cpllm.distributed.parallel_dims import KV_CACHE_LAYOUTS, REPLICATED, SHARDED, ParallelDims
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           *MOE_ARCHITECTURES)
-QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+                           *MOE_ARCHITECTURES, *GEMMA_ARCHITECTURES)
+LAYER_TYPES = ("full_attention", "sliding_attention")
+"""Values of ModelConfig.layer_types (config.json's spelling)."""
+QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 """Families that RMS-normalise every query and key head (over head_dim) before rotary."""
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 PREFILL_STRATEGIES = ("allgather", "ring", "pass-q", "auto")
@@ -61,7 +65,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     """Rotary base frequency."""
     rope_scaling: dict[str, Any] | None = None
-    """Rotary scaling as in config.json (only rope_type "llama3" and "default")."""
+    """Rotary scaling as in config.json, one of SUPPORTED_ROPE_TYPES (default, linear, dynamic, yarn, llama3);
+    replaced when built by the checked copy resolve_rope_scaling returns (its defaults filled in)."""
     max_position_embeddings: int = 4096
     """Longest context the model was trained for."""
     tie_word_embeddings: bool = False
@@ -69,7 +74,24 @@ class ModelConfig:
     attention_bias: bool = False
     """q/k/v projections carry a bias (Qwen2)."""
     sliding_window: int | None = None
-    """Sliding-window attention span; refused (not implemented) when set."""
+    """Span W of the sliding-window layers: query position i sees key positions j with i - W < j <= i. Which
+    layers slide is `layer_types`; without it, every layer (Mistral). None: no layer slides."""
+    layer_types: tuple[str, ...] = ()
+    """Per-layer attention, each one of LAYER_TYPES (config.json's `layer_types`, or the family's rule:
+    cpllm/config_attention.py; Qwen2 from max_window_layers, Gemma and GPT-OSS alternate); () = no list."""
+    attn_logit_softcapping: float | None = None
+    """Gemma2: every attention score s (after the scale) becomes c * tanh(s / c) before the mask and softmax."""
+    final_logit_softcapping: float | None = None
+    """Gemma2 / Gemma3: every logit l becomes c * tanh(l / c)."""
+    query_pre_attn_scalar: float | None = None
+    """Gemma: attention scores are scaled by query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5)."""
+    hidden_activation: str = "silu"
+    """The gated MLP's activation: "silu" (Llama family) or "gelu_pytorch_tanh" (Gemma's GeGLU)."""
+    rope_local_theta: float | None = None
+    """Gemma3: rotary base of the sliding layers (`rope_local_base_freq`, unscaled); the full layers use
+    rope_theta with rope_scaling."""
+    attention_sinks: bool = False
+    """Every head has a learned logit that joins its softmax denominator and carries no value (GPT-OSS)."""
     bos_token_id: int | None = None
     """Beginning-of-sequence token id."""
     eos_token_ids: tuple[int, ...] = ()
@@ -97,15 +119,11 @@ class ModelConfig:
             )
         if self.qk_norm and self.attention_bias:
             raise ValueError(f"{self.architecture} with attention_bias=True (an o_proj bias) is not supported")
-        if self.sliding_window is not None:
-            raise ValueError(
-                f"sliding-window attention (sliding_window={self.sliding_window}) is not "
-                "supported by cpllm; use a model without it"
-            )
-        if self.rope_scaling is not None:
-            rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if rope_type not in ("llama3", "default"):
-                raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: llama3, default")
+        if self.layer_types:
+            _check_layer_types(self.layer_types, self.num_hidden_layers, self.sliding_window)
+        check_attention_fields(self)  # the window and the Gemma fields (cpllm/config_attention.py)
+        # checked, and completed with the defaults each type reads (cpllm/config_rope.py)
+        object.__setattr__(self, "rope_scaling", resolve_rope_scaling(self.rope_scaling, self.max_position_embeddings))
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -114,13 +132,7 @@ class ModelConfig:
         num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-        if archs[0] == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
-            sliding = None
-        if archs[0] == "MistralForCausalLM" and sliding is not None and sliding >= cfg.get(
-            "max_position_embeddings", 0
-        ):
-            sliding = None  # a window as long as the context is no window at all
+        sliding, layer_types = hf_layer_types(archs[0], cfg)  # which layers slide (cpllm/config_attention.py)
         return cls(
             architecture=archs[0],
             vocab_size=cfg["vocab_size"],
@@ -140,9 +152,22 @@ class ModelConfig:
             qk_norm=archs[0] in QK_NORM_ARCHITECTURES,
             moe=MoEConfig.from_hf_config(cfg),
             sliding_window=sliding,
+            layer_types=layer_types,
+            **hf_gemma_fields(archs[0], cfg),
+            attention_sinks=archs[0] == "GptOssForCausalLM",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+def _check_layer_types(layer_types: tuple[str, ...], num_layers: int, window: int | None) -> None:
+    if len(layer_types) != num_layers:
+        raise ValueError(f"layer_types names {len(layer_types)} layers; the model has num_hidden_layers={num_layers}")
+    unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"layer_types {unknown} unsupported; each must be one of {LAYER_TYPES}")
+    if "sliding_attention" in layer_types and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"sliding_window={window!r}: sliding_attention layers need a window of at least 1 token")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -281,10 +306,12 @@ class EngineConfig:
         check_quantized_widths(self.model, self.parallel.tensor_parallel_size)
         if self.compile_decode:
             _check_compile_decode(self.parallel, self.model)
-        if self.scheduler.max_model_len > self.model.max_position_embeddings:
+        context = rope_context_length(self.model.rope_scaling, self.model.max_position_embeddings)
+        if self.scheduler.max_model_len > context:
             raise ValueError(
-                f"max_model_len={self.scheduler.max_model_len} exceeds the model's "
-                f"max_position_embeddings={self.model.max_position_embeddings}"
+                f"max_model_len={self.scheduler.max_model_len} exceeds the model's context of {context} "
+                f"(max_position_embeddings={self.model.max_position_embeddings}, rope_scaling stretches it by "
+                "its factor for linear, dynamic and yarn)"
             )
 
 

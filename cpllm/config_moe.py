@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
 """Hugging Face architectures whose MLPs are (partly) sparse mixtures of experts."""
 
 
@@ -38,6 +38,11 @@ class MoEConfig:
     """Module name of the sparse block in HF checkpoints ("mlp"; Mixtral: "block_sparse_moe")."""
     expert_weight_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     """HF names of one expert's gate, up and down projections (Mixtral: w1, w3, w2)."""
+    swiglu_limit: float | None = None
+    """GPT-OSS's clamped SwiGLU experts (cpllm/model/gpt_oss_moe.py): gate clamped to at most this, up to
+    [-limit, limit]; None: the plain SiLU-gated experts."""
+    swiglu_alpha: float = 1.702
+    """GPT-OSS's SwiGLU gain: out = (up + 1) * gate * sigmoid(alpha * gate)."""
 
     def __post_init__(self) -> None:
         if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
@@ -57,6 +62,10 @@ class MoEConfig:
         if arch not in MOE_ARCHITECTURES:
             return None
         experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+        if arch == "GptOssForCausalLM":  # top-k of the logits, softmax over those k: normalised by construction
+            return cls(num_experts=experts, top_k=cfg["num_experts_per_tok"],
+                       intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
+                       swiglu_limit=cfg.get("swiglu_limit", 7.0), swiglu_alpha=cfg.get("swiglu_alpha", 1.702))
         if arch == "MixtralForCausalLM":
             return cls(num_experts=experts, top_k=cfg["num_experts_per_tok"],
                        intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from cpllm.model.gpt_oss import GptOssForCausalLM
 from cpllm.model.llama import LlamaForCausalLM
 
 MODEL_CLASSES: dict[str, type[torch.nn.Module]] = {
@@ -14,6 +15,7 @@ MODEL_CLASSES: dict[str, type[torch.nn.Module]] = {
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": LlamaForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 """Architecture name -> the class whose constructor takes (config, tp, comm, dtype, max_positions, moe, pcp)."""
 

@@ -1,0 +1,137 @@
+"""GPT-OSS's sparse MLP on the shared expert placement (cpllm/model/moe_placement.py): its router, its experts
+(biases, clamped SwiGLU) and the MoE block's collectives unchanged (cpllm/model/moe.py).
+
+As transformers computes it (models/gpt_oss/modeling_gpt_oss.py):
+- router: logits = x W^T + b; the top-k logits (torch.topk's order), then a softmax over those k alone. Run here
+  in float32 whatever the model dtype, as the other families' routers are, so a choice never flips on rounding.
+- experts: the checkpoint holds a layer's experts stacked, `experts.gate_up_proj` [E, hidden, 2I] with gate and
+  up interleaved along the last axis (gate = [..., ::2], up = [..., 1::2]), its bias [E, 2I] likewise,
+  `experts.down_proj` [E, I, hidden] and its bias [E, hidden]. With g = min(gate, limit) and
+  u = clamp(up, -limit, limit) an expert computes ((u + 1) * g * sigmoid(alpha * g)) @ down + down_bias.
+  The released checkpoints store both weights as MXFP4 blocks (`*_blocks`, `*_scales`; cpllm/model/mxfp4.py).
+Placement: expert-TP gives a rank rows [r0, r1) of every expert's intermediate dimension, i.e. the interleaved
+columns [2 r0, 2 r1) of gate_up and its bias, and rows [r0, r1) of down; the down bias is one per expert, so only
+MoE group rank 0 adds it (the partials are summed over the group). Expert parallel: whole experts, biases with
+them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cpllm.config import ModelConfig
+from cpllm.model import packed_weights
+from cpllm.model.loader import WeightSource
+from cpllm.model.moe import SparseMoEBlock
+from cpllm.model.moe_experts import LocalExperts
+from cpllm.model.moe_placement import ExpertSlice, MoEShard, expert_slice
+from cpllm.model.mxfp4 import dequantize_mxfp4
+
+
+class TopKSoftmaxRouter(torch.nn.Module):
+    """Replicated on every rank: a linear with bias, the top-k logits, a softmax over them (float32)."""
+
+    def __init__(self, prefix: str, hidden: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.prefix, self.top_k = prefix, top_k
+        self.weight = torch.nn.Parameter(torch.empty(hidden, num_experts, dtype=torch.float32), requires_grad=False)
+        self.bias = torch.nn.Parameter(torch.empty(num_experts, dtype=torch.float32), requires_grad=False)
+
+    def load(self, source: WeightSource) -> None:
+        self.weight.copy_(source.get(f"{self.prefix}.weight", dtype=torch.float32).t())  # HF [E, hidden]
+        self.bias.copy_(source.get(f"{self.prefix}.bias", dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # x [N, hidden] -> weights [N, k] float32, expert ids [N, k] long
+        logits = torch.addmm(self.bias, x.float(), self.weight)  # [N, E]
+        top, ids = torch.topk(logits, self.top_k, dim=-1)
+        return torch.softmax(top, dim=-1), ids
+
+
+def read_expert(source: WeightSource, name: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
+    """One expert of a stacked weight in HF layout ([hidden, 2I] for gate_up, [I, hidden] for down), from float
+    tensors or dequantized from MXFP4 blocks (the stored [out, in] blocks, transposed back)."""
+    if source.has(f"{name}_blocks"):
+        blocks = source.get(f"{name}_blocks", dim=0, start=expert, end=expert + 1, dtype=torch.uint8)[0]
+        scales = source.get(f"{name}_scales", dim=0, start=expert, end=expert + 1, dtype=torch.uint8)[0]
+        return dequantize_mxfp4(blocks, scales, torch.float32).t().to(dtype)
+    return source.get(name, dim=0, start=expert, end=expert + 1, dtype=dtype)[0]
+
+
+class GptOssExperts(LocalExperts):
+    """The held experts (LocalExperts' grouped matmuls and oneDNN packing), with biases and the clamped SwiGLU.
+
+    gate|up are held de-interleaved, [gate rows | up rows] as LocalExperts holds them, so the activation reads two
+    contiguous halves."""
+
+    def __init__(self, prefix: str, hidden: int, held: ExpertSlice, dtype: torch.dtype, *, limit: float,
+                 alpha: float, down_bias: bool):
+        """`down_bias`: this rank adds the down projection's bias (one rank of the group under expert-TP)."""
+        super().__init__(prefix, ("gate_up_proj", "gate_up_proj", "down_proj"), hidden, held, dtype)
+        self.limit, self.alpha, self.adds_down_bias = limit, alpha, down_bias
+        n, rows = held.num_experts, held.rows
+        self.gate_up_bias = torch.nn.Parameter(torch.empty(n, 2 * rows, dtype=dtype), requires_grad=False)
+        self.down_bias = torch.nn.Parameter(torch.zeros(n, hidden, dtype=dtype), requires_grad=False)
+
+    def load(self, source: WeightSource) -> None:
+        held, rows, dtype = self.held, self.held.rows, self.gate_up.dtype
+        cols = slice(2 * held.row_start, 2 * held.row_end)  # this rank's rows, still interleaved
+        gate_up_name, down_name = f"{self.prefix}.experts.gate_up_proj", f"{self.prefix}.experts.down_proj"
+        for i in range(held.num_experts):
+            e = held.first_expert + i
+            w = read_expert(source, gate_up_name, e, dtype)[:, cols]  # [hidden, 2 rows]
+            self.gate_up[i] = torch.cat((w[:, 0::2], w[:, 1::2]), dim=1)
+            b = source.get(f"{gate_up_name}_bias", dim=0, start=e, end=e + 1, dtype=dtype)[0, cols]
+            self.gate_up_bias[i] = torch.cat((b[0::2], b[1::2]))
+            self.down[i] = read_expert(source, down_name, e, dtype)[held.row_start : held.row_end]
+            if self.adds_down_bias:
+                self.down_bias[i] = source.get(f"{down_name}_bias", dim=0, start=e, end=e + 1, dtype=dtype)[0]
+        if packed_weights.packs(dtype, self.gate_up.device):
+            self.packed = [(packed_weights.pack(self.gate_up[i].t()), packed_weights.pack(self.down[i].t()))
+                           for i in range(held.num_experts)]
+            self.gate_up = self.down = None
+
+    def activation(self, h: torch.Tensor) -> torch.Tensor:
+        # h [count, 2 rows] = gate | up (bias added) -> [count, rows], written over the gate half
+        rows = self.held.rows
+        gate = h[:, :rows].clamp_(max=self.limit)
+        up = h[:, rows:].clamp_(-self.limit, self.limit)
+        return gate.mul_(torch.sigmoid(gate * self.alpha)).mul_(up.add_(1))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        # x [T, hidden], weights / ids [T, k] -> this rank's partial output [T, hidden]
+        out = torch.zeros_like(x)
+        k = ids.shape[1]
+        local = ids.flatten() - self.held.first_expert  # [T*k]
+        pairs = ((local >= 0) & (local < self.held.num_experts)).nonzero().squeeze(1)
+        if pairs.numel() == 0:
+            return out
+        pairs = pairs[torch.argsort(local[pairs], stable=True)]  # grouped by expert
+        experts, tokens = local[pairs], pairs // k
+        counts = torch.bincount(experts, minlength=self.held.num_experts).tolist()
+        scale = weights.flatten()[pairs].to(x.dtype).unsqueeze(1)  # [S, 1]
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                mine = tokens[start : start + count]
+                h = self._expert(e, x.index_select(0, mine), 0).add_(self.gate_up_bias[e])  # [count, 2 rows]
+                y = self._expert(e, self.activation(h), 1)  # [count, hidden]
+                if self.adds_down_bias:
+                    y.add_(self.down_bias[e])
+                out.index_add_(0, mine, y.mul_(scale[start : start + count]))
+                start += count
+        return out
+
+
+class GptOssMoEBlock(SparseMoEBlock):
+    """SparseMoEBlock's collectives over the MoE group with GPT-OSS's router and experts (no shared expert)."""
+
+    def __init__(self, config: ModelConfig, prefix: str, shard: MoEShard, dtype: torch.dtype):
+        torch.nn.Module.__init__(self)  # the parent's constructor builds the softmax router and SiLU experts
+        moe = config.moe
+        self.shard = shard
+        self.gate = TopKSoftmaxRouter(f"{prefix}.router", config.hidden_size, moe.num_experts, moe.top_k)
+        held = expert_slice(moe.num_experts, moe.intermediate_size, shard)
+        self.experts = GptOssExperts(prefix, config.hidden_size, held, dtype, limit=moe.swiglu_limit,
+                                     alpha=moe.swiglu_alpha, down_bias=shard.expert_parallel or shard.rank == 0)
+        self.shared_expert = None
