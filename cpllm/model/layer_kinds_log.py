@@ -1,0 +1,45 @@
+"""The start-up log of the decoder layers' attention kinds: one line per group of layers of one kind and window,
+with the K/V bytes one request of max_model_len tokens takes in each of its layers on this rank."""
+
+from __future__ import annotations
+
+import math
+
+from cpllm.config_attention import SLIDING, layer_kind
+
+
+def _ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    parts, start = [], indices[0]
+    for prev, cur in zip(indices, indices[1:] + [None]):
+        if cur != prev + 1:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ", ".join(parts)
+
+
+def layer_kinds_lines(model) -> list[str]:
+    """Lines for the load summary of a model whose layers hold `self_attn` with `attn` (PagedCPAttention),
+    `num_kv_heads`, `head_dim` and, for a windowed layer, `window`. Every layer's pool keeps every position of a
+    request, windowed or not (keys that leave a window are masked, not freed), so the bytes are the same."""
+    config, max_len = model.config, getattr(model, "max_positions", None)
+    groups: dict[tuple[str, int | None], list[int]] = {}
+    for index, layer in enumerate(model.layers):
+        window = getattr(layer.self_attn, "window", None)
+        kind = SLIDING if window is not None else "full_attention"
+        groups.setdefault((kind, window), []).append(index)
+    attn = model.layers[0].self_attn
+    lines = ["attention layers:"]
+    for (kind, window), indices in groups.items():
+        what = f"sliding window of {window} tokens" if window is not None else "full attention"
+        if window is None and any(layer_kind(config, i) == SLIDING for i in indices):
+            what += f" (window {config.sliding_window} >= max_model_len {max_len}: no position leaves it)"
+        size = ""
+        if max_len is not None:
+            tokens = math.ceil(max_len / attn.attn.comm.kv_size)  # this rank's share of the request's positions
+            dtype = model.embed_tokens.dtype  # the pools' unless --kv-cache-dtype narrows them
+            per_layer = tokens * attn.num_kv_heads * attn.head_dim * 2 * dtype.itemsize
+            size = (f"; K/V of one {max_len}-token request: {per_layer / 2**10:.1f} KiB per layer on this rank "
+                    f"(at {str(dtype).removeprefix('torch.')})")
+        lines.append(f"  layers {_ranges(indices)} ({len(indices)}): {what}{size}")
+    return lines
