@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3, Mistral without sliding window, Qwen2, SmolLM2, Qwen3) in one implementation,
+"""The Llama family (Llama 2/3, Mistral and Qwen2 with or without sliding windows, SmolLM2, Qwen3) in one module,
 also the decoder of the MoE families (Qwen3-MoE, Qwen2-MoE, Mixtral), whose sparse MLPs are cpllm/model/moe.py.
 
 Every rank builds only its TP shard; attention goes through PagedCPAttention,
@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from cpllm.config import ModelConfig
+from cpllm.config_attention import layer_window
 from cpllm.context_parallel.attention import CPComm, PagedCPAttention
 from cpllm.context_parallel.backend import AttentionBackend, attention_backend
 from cpllm.context_parallel.metadata import AttentionMetadata
@@ -34,6 +35,7 @@ from cpllm.model.loader import WeightSource
 from cpllm.model.mlp_split import DecodeSplitMLP, can_split
 from cpllm.model.moe import SparseMoEBlock
 from cpllm.model.moe_log import moe_summary_lines
+from cpllm.model.layer_kinds_log import layer_kinds_lines
 from cpllm.model.moe_placement import MoEShard
 from cpllm.model.quant_report import summary_lines
 from cpllm.model.rope import RotaryEmbedding, apply_rope
@@ -51,7 +53,8 @@ def local_kv_heads(config: ModelConfig, tp: TPShard) -> tuple[int, int]:
 
 class LlamaAttention(torch.nn.Module):
     def __init__(self, config: ModelConfig, prefix: str, tp: TPShard, comm: CPComm, dtype: torch.dtype,
-                 backend: AttentionBackend | None = None):
+                 backend: AttentionBackend | None = None, window: int | None = None):
+        """`window`: this layer's sliding window (Mistral, Qwen2; None: full attention)."""
         super().__init__()
         d = config.head_dim
         self.num_heads = config.num_attention_heads // tp.size
@@ -72,7 +75,10 @@ class LlamaAttention(torch.nn.Module):
         self.o_proj = RowParallelLinear(
             f"{prefix}.o_proj", config.num_attention_heads * d, config.hidden_size, tp, dtype, config.quantization
         )
-        self.attn = PagedCPAttention(comm, scale=d**-0.5, backend=backend)
+        # only a windowed layer names a window: full layers keep every fast path of PagedCPAttention
+        windowed = {} if window is None else {"window": window}
+        self.attn = PagedCPAttention(comm, scale=d**-0.5, backend=backend, **windowed)
+        self.window = window
         self.head_dim = d
         self.q_norm = self.k_norm = None  # Qwen3: RMSNorm over each head's width before rotary
         if config.qk_norm:
@@ -144,12 +150,16 @@ class LlamaMLP(torch.nn.Module):
 
 class LlamaDecoderLayer(torch.nn.Module):
     def __init__(self, config: ModelConfig, index: int, tp: TPShard, comm: CPComm, dtype: torch.dtype,
-                 moe: MoEShard | None = None, backend: AttentionBackend | None = None, pcp: PCPSplit | None = None):
+                 moe: MoEShard | None = None, backend: AttentionBackend | None = None, pcp: PCPSplit | None = None,
+                 max_positions: int | None = None):
+        """`max_positions`: the longest request, against which a layer's window is compared (a window no shorter
+        is no window)."""
         super().__init__()
         prefix = f"model.layers.{index}"
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(f"{prefix}.input_layernorm.weight", config.hidden_size, eps, dtype)
-        self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", tp, comm, dtype, backend)
+        self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", tp, comm, dtype, backend,
+                                        layer_window(config, index, max_positions))
         self.post_attention_layernorm = RMSNorm(
             f"{prefix}.post_attention_layernorm.weight", config.hidden_size, eps, dtype
         )
@@ -194,7 +204,7 @@ class LlamaForCausalLM(torch.nn.Module):
         self.embed_tokens = VocabParallelEmbedding("model.embed_tokens.weight", config.vocab_size, h, tp, dtype,
                                                    config.quantization)
         self.layers = torch.nn.ModuleList(
-            LlamaDecoderLayer(config, i, tp, comm, dtype, moe, self.attention_backend, pcp)
+            LlamaDecoderLayer(config, i, tp, comm, dtype, moe, self.attention_backend, pcp, max_positions)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm("model.norm.weight", h, config.rms_norm_eps, dtype)
@@ -206,6 +216,8 @@ class LlamaForCausalLM(torch.nn.Module):
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, max_positions)
         self.fused_decode: FusedDecode | None = None
         """Decode steps one C call per layer, where the loaded layers allow it (set by load_weights)."""
+        self.max_positions = max_positions
+        """The longest request (max_model_len), for the start-up log of the layers' K/V."""
 
     def load_weights(self, source: WeightSource) -> None:
         for module in list(self.modules()):  # loading swaps in quantized submodules
@@ -215,9 +227,14 @@ class LlamaForCausalLM(torch.nn.Module):
         for module in list(self.modules()):  # after_load adds modules (the decode splits' slices)
             if hasattr(module, "after_load"):
                 module.after_load(source)
-        for line in summary_lines(self, self.config.quantization) + moe_summary_lines(self):
+        for line in summary_lines(self, self.config.quantization) + moe_summary_lines(self) + layer_kinds_lines(self):
             logger.info("%s", line)
-        self.fused_decode = FusedDecode.build(self)
+        if any(getattr(layer.self_attn, "window", None) is not None for layer in self.layers):
+            # the C layers attend to the whole context: a windowed layer runs eager (PagedCPAttention's window)
+            logger.info("decode steps: eager layers (sliding-window attention)")
+            self.fused_decode = None
+        else:
+            self.fused_decode = FusedDecode.build(self)
 
     def pack_weights(self) -> None:
         """Attention projections and shared experts in oneDNN's layout (the routed experts pack at load): for models

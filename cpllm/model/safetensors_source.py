@@ -27,6 +27,14 @@ def normalize_hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(params, dict):
         return cfg
     out = dict(cfg)
+    if isinstance(params.get("full_attention"), dict):  # one dict per layer type (Gemma3)
+        local = params.get("sliding_attention") or {}
+        if local.get("rope_type", local.get("type", "default")) != "default":
+            raise ValueError(f"rope_parameters of the sliding layers {local!r}: only unscaled rotary is supported "
+                             "there (the full layers' scaling is)")
+        if "rope_theta" in local:
+            out.setdefault("rope_local_base_freq", local["rope_theta"])
+        params = params["full_attention"]
     if "rope_theta" in params:
         out.setdefault("rope_theta", params["rope_theta"])
     rope_type = params.get("rope_type", params.get("type", "default"))
