@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from cpllm.config import ModelConfig
+from cpllm.config_attention import layer_window
 from cpllm.context_parallel.attention import CPComm, PagedCPAttention
 from cpllm.context_parallel.backend import AttentionBackend, attention_backend
 from cpllm.context_parallel.metadata import AttentionMetadata
@@ -31,16 +32,10 @@ from cpllm.model.moe_placement import MoEShard
 from cpllm.model.rope import RotaryEmbedding, apply_rope
 
 
-def layer_window(config: ModelConfig, index: int) -> int | None:
-    """The attention window of decoder layer `index` (None: full attention)."""
-    if config.layer_types and config.layer_types[index] == "sliding_attention":
-        return config.sliding_window
-    return None
-
-
 class GptOssAttention(torch.nn.Module):
     def __init__(self, config: ModelConfig, index: int, tp: TPShard, comm: CPComm, dtype: torch.dtype,
-                 backend: AttentionBackend | None = None):
+                 backend: AttentionBackend | None = None, max_positions: int | None = None):
+        """`max_positions`: the longest request; a window no shorter hides nothing and is dropped."""
         super().__init__()
         prefix, d = f"model.layers.{index}.self_attn", config.head_dim
         self.num_heads = config.num_attention_heads // tp.size
@@ -60,8 +55,9 @@ class GptOssAttention(torch.nn.Module):
         self.sinks_name, self.first_head = f"{prefix}.sinks", tp.rank * self.num_heads
         # [Hq_local] float32: this rank's heads' sink logits, in the float32 softmax whatever the model dtype
         self.sinks = torch.nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
-        self.window = layer_window(config, index)
-        self.attn = PagedCPAttention(comm, d**-0.5, backend, window=self.window)
+        self.window = layer_window(config, index, max_positions)
+        windowed = {} if self.window is None else {"window": self.window}  # full layers keep every fast path
+        self.attn = PagedCPAttention(comm, d**-0.5, backend, **windowed)
         self.head_dim = d
         self.q_norm = self.k_norm = None  # read by shared code that asks every layer (fused_decode.py)
 
@@ -91,11 +87,11 @@ class GptOssAttention(torch.nn.Module):
 
 class GptOssDecoderLayer(torch.nn.Module):
     def __init__(self, config: ModelConfig, index: int, tp: TPShard, comm: CPComm, dtype: torch.dtype,
-                 moe: MoEShard | None, backend: AttentionBackend | None):
+                 moe: MoEShard | None, backend: AttentionBackend | None, max_positions: int | None):
         super().__init__()
         prefix, eps = f"model.layers.{index}", config.rms_norm_eps
         self.input_layernorm = RMSNorm(f"{prefix}.input_layernorm.weight", config.hidden_size, eps, dtype)
-        self.self_attn = GptOssAttention(config, index, tp, comm, dtype, backend)
+        self.self_attn = GptOssAttention(config, index, tp, comm, dtype, backend, max_positions)
         self.post_attention_layernorm = RMSNorm(f"{prefix}.post_attention_layernorm.weight", config.hidden_size,
                                                 eps, dtype)
         self.mlp = GptOssMoEBlock(config, f"{prefix}.mlp", moe or MoEShard(tp=tp), dtype)
@@ -122,7 +118,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
         self.embed_tokens = VocabParallelEmbedding("model.embed_tokens.weight", config.vocab_size, h, tp, dtype,
                                                    config.quantization)
         self.layers = torch.nn.ModuleList(
-            GptOssDecoderLayer(config, i, tp, comm, dtype, moe, self.attention_backend)
+            GptOssDecoderLayer(config, i, tp, comm, dtype, moe, self.attention_backend, max_positions)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm("model.norm.weight", h, config.rms_norm_eps, dtype)

@@ -1,0 +1,138 @@
+"""GPT-OSS: the single-rank engine against transformers (sinks, 8-token sliding windows on prompts up to 4.6x the
+window, q/k/v/o biases, YaRN, the top-k-softmax router and clamped-SwiGLU experts with biases), an MXFP4 folder
+against transformers on the weights its blocks dequantize to, and parallel layouts against the single rank.
+
+The tiny model (tests/tiny_gpt_oss.py) has one KV head, so TP=2 replicates it and DCP=2 fits. The workload is
+tests/test_moe_layouts.py's: prompts of lengths {1, 2*PCP-1, 13, 37} plus one sharing a 24-token prefix, a 9-token
+step budget (chunked prefill; decodes riding along), then the same prompts again (prefix hits, decode-only steps).
+Layouts (three 2-rank launches): PCP=2 (every rank applies the sinks after merging its partials), TP=2 x DCP=2
+(heads and their sinks split over TP, the context over DCP, expert-TP over 2 ranks), and PCP=2 with expert
+parallelism and the ring strategy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cpllm import LLM
+from cpllm.model.loader import open_weights
+from parallel_helpers import (
+    BLOCK_SIZE,
+    MAX_MODEL_LEN,
+    MAX_NUM_BATCHED_TOKENS,
+    MODEL_SEED,
+    LaunchCache,
+    assert_same_greedy,
+    generate_counted,
+    greedy_params,
+    max_abs_diff,
+    prompt_logprob_values,
+    sampled_logprobs,
+    workload_prompts,
+)
+from reference import hf_greedy
+from test_moe_layouts import MoELayout, Run
+from tiny_gpt_oss import load_dequantized_reference, make_tiny_gpt_oss, save_mxfp4_folder, save_tiny_gpt_oss
+
+WINDOW = 8
+"""The sliding layers' window: the 37-token prompt is 4.6x it, 5.6x with its generated tokens."""
+MODEL = dict(num_key_value_heads=1, sliding_window=WINDOW)
+MAX_TOKENS = 8
+COMMON = dict(quantization="none", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
+              max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, kv_cache_memory_bytes=2**20, threads_per_rank=1,
+              distributed_timeout=60)
+LAYOUTS = [
+    MoELayout("gpt_oss", pcp=2, strategy="allgather"),
+    MoELayout("gpt_oss", tp=2, dcp=2),
+    MoELayout("gpt_oss", pcp=2, strategy="ring", ep=True, interleave=4),
+]
+
+
+class Launches(LaunchCache):
+    def folder(self, name: str = "gpt_oss") -> str:
+        if name not in self._folders:
+            self._folders[name] = save_tiny_gpt_oss(str(self._tmp.mktemp(name)), seed=MODEL_SEED, **MODEL)
+        return self._folders[name]
+
+    def reference(self, name: str = "gpt_oss") -> dict:
+        """The single-rank engine on the prompts of every layout (PCP 1 and 2)."""
+        if name not in self._references:
+            prompts = {**workload_prompts(1), **workload_prompts(2)}
+            with LLM(self.folder(name), **COMMON) as llm:
+                self._references[name] = generate_counted(llm, prompts, greedy_params(MAX_TOKENS,
+                                                                                      prompt_logprobs=True), "ref")
+        return self._references[name]
+
+    def _launch(self, layout: MoELayout) -> Run:
+        prompts = workload_prompts(layout.pcp)
+        with LLM(self.folder(layout.family), **COMMON, **layout.engine_options()) as llm:
+            scheduler = llm.engine.scheduler
+            first = generate_counted(llm, prompts, greedy_params(MAX_TOKENS, prompt_logprobs=True), "p1")
+            before = scheduler.num_prefix_hit_tokens
+            second = generate_counted(llm, prompts, greedy_params(MAX_TOKENS, prompt_logprobs=False), "p2")
+            return Run(first=first, second=second, prefix_hits=scheduler.num_prefix_hit_tokens - before)
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory) -> Launches:
+    return Launches(tmp_path_factory)
+
+
+def check_against_transformers(outputs: dict, hf, names=("len13", "len37", "shared")) -> None:
+    for name in names:
+        output = outputs[name]
+        tokens, logprobs, prompt_lp = hf_greedy(hf, output.prompt_token_ids, MAX_TOKENS)
+        assert output.outputs[0].token_ids == tokens, name
+        assert max_abs_diff(sampled_logprobs(output), logprobs) <= 1e-4, name
+        assert max_abs_diff(prompt_logprob_values(output), prompt_lp) <= 1e-4, name
+
+
+def test_config_read_from_the_folder(launches):
+    config = open_weights(launches.folder()).config
+    assert config.architecture == "GptOssForCausalLM" and config.attention_sinks and config.attention_bias
+    assert config.layer_types == ("sliding_attention", "full_attention") and config.sliding_window == WINDOW
+    assert config.rope_scaling["rope_type"] == "yarn"
+    moe = config.moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size) == (8, 2, 32)
+    assert (moe.swiglu_limit, moe.swiglu_alpha) == (1.5, 1.702)
+
+
+@pytest.mark.timeout(300)
+def test_single_rank_matches_transformers(launches):
+    """Greedy tokens identical, prompt and sampled-token logprobs within 1e-4 (chunked prefill, windows of 8)."""
+    check_against_transformers(launches.reference(), make_tiny_gpt_oss(seed=MODEL_SEED, **MODEL))
+
+
+@pytest.mark.timeout(300)
+def test_mxfp4_folder_matches_transformers_on_dequantized_weights(tmp_path):
+    """A folder whose experts are MXFP4 blocks (as released) loads as the weights the blocks encode."""
+    folder = str(tmp_path / "mxfp4")
+    dequantized = save_mxfp4_folder(folder, seed=MODEL_SEED, **MODEL)
+    assert open_weights(folder).has("model.layers.0.mlp.experts.gate_up_proj_blocks")
+    prompts = {name: p for name, p in workload_prompts(1).items() if name in ("len13", "len37")}
+    with LLM(folder, **COMMON) as llm:
+        outputs = generate_counted(llm, prompts, greedy_params(MAX_TOKENS, prompt_logprobs=True), "mxfp4")
+    hf = load_dequantized_reference(dequantized, seed=MODEL_SEED, **MODEL)
+    check_against_transformers(outputs, hf, names=("len13", "len37"))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=MoELayout.label)
+def test_layout_matches_single_rank(launches, layout):
+    reference = launches.reference()
+    run = launches.run(layout)
+    for name, output in run.first.items():
+        assert_same_greedy(output, reference[name], what=f"{layout.label()} pass 1 {name}", prompt_logprobs=True)
+    for name, output in run.second.items():
+        assert_same_greedy(output, reference[name], what=f"{layout.label()} pass 2 {name}", prompt_logprobs=False)
+    assert run.prefix_hits > 0, "pass 2 repeats pass 1's prompts and should hit the prefix cache"
+
+
+def test_layer_types_checked(launches):
+    config = open_weights(launches.folder()).config
+    with pytest.raises(ValueError, match="layer_types names 1 layers"):
+        dataclasses.replace(config, layer_types=("sliding_attention",))
+    with pytest.raises(ValueError, match="unsupported"):
+        dataclasses.replace(config, layer_types=("sliding_attention", "chunked_attention"))
