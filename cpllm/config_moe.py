@@ -10,7 +10,10 @@ Expert-TP (default) splits every expert's intermediate dimension over M; expert 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cpllm.config_deepseek import DeepseekRouting
 
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
 """Hugging Face architectures whose MLPs are (partly) sparse mixtures of experts."""
@@ -29,7 +32,8 @@ class MoEConfig:
     norm_topk_prob: bool
     """Renormalise the top-k router probabilities to sum to one (always true for Mixtral)."""
     shared_expert_intermediate_size: int = 0
-    """Width of the always-on shared expert (Qwen2-MoE, gated by a sigmoid); 0 = none."""
+    """Width of the always-on shared expert (Qwen2-MoE, gated by a sigmoid; DeepSeek: n_shared_experts x
+    intermediate_size, no gate); 0 = none."""
     decoder_sparse_step: int = 1
     """Layer i is sparse when (i + 1) % step == 0 and i is not in mlp_only_layers."""
     mlp_only_layers: tuple[int, ...] = ()
@@ -38,6 +42,8 @@ class MoEConfig:
     """Module name of the sparse block in HF checkpoints ("mlp"; Mixtral: "block_sparse_moe")."""
     expert_weight_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     """HF names of one expert's gate, up and down projections (Mixtral: w1, w3, w2)."""
+    deepseek_router: "DeepseekRouting | None" = None
+    """DeepSeek's router and ungated shared experts (cpllm/config_deepseek.py); None: the softmax top-k router."""
     swiglu_limit: float | None = None
     """GPT-OSS's clamped SwiGLU experts (cpllm/model/gpt_oss_moe.py): gate clamped to at most this, up to
     [-limit, limit]; None: the plain SiLU-gated experts."""
@@ -50,6 +56,8 @@ class MoEConfig:
                              "1 <= num_experts_per_tok <= num_experts")
         if self.decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step={self.decoder_sparse_step} must be >= 1")
+        if self.deepseek_router is not None:
+            self.deepseek_router.check(self.num_experts, self.top_k)
 
     def is_sparse(self, layer: int) -> bool:
         """Whether decoder layer `layer` has a sparse MoE block (the rule of transformers' Qwen MoE models)."""

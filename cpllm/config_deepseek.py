@@ -1,0 +1,125 @@
+"""The DeepSeek mixture of experts (DeepSeek-V2/V3, Kimi-K2, GLM-4.7-Flash) read from config.json (no I/O, no torch).
+
+These models' sparse layers differ from the Qwen / Mixtral ones in three ways, all described here:
+- the router (`DeepseekRouting`): V2 ranks softmax probabilities, greedily or within the best expert groups
+  ("group_limited_greedy"); V3 and GLM-4.7-Flash rank sigmoid scores plus a per-expert correction bias inside
+  the groups with the best sum of their two best scores ("noaux_tc"), then weigh each chosen expert by its
+  sigmoid score without the bias; both scale the weights by `routed_scaling_factor`;
+- shared experts: `n_shared_experts` experts of `moe_intermediate_size` every token passes through, stored as
+  one MLP of n_shared_experts x moe_intermediate_size rows with no gate (`MoEConfig.shared_expert_intermediate_size`);
+- which layers are sparse: `first_k_dense_replace` and `moe_layer_freq` (V2, V3), or GLM's `mlp_layer_types`,
+  recorded as `MoEConfig.mlp_only_layers`.
+What transformers 5.24 computes is the reference; where it ignores a config.json field, so does cpllm (below).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cpllm.config_moe import MoEConfig
+
+DEEPSEEK_MOE_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
+"""Hugging Face architectures whose sparse layers are DeepSeek MoE blocks (not yet in SUPPORTED_ARCHITECTURES:
+their attention is MLA, issue 25)."""
+SCORING_FUNCS = ("softmax", "sigmoid")
+TOPK_METHODS = {"softmax": ("greedy", "group_limited_greedy"), "sigmoid": ("noaux_tc",)}
+"""The top-k selections each scoring function is combined with (transformers' V2 and V3 routers)."""
+HF_DEFAULTS = {
+    "DeepseekV2ForCausalLM": dict(routed_scaling_factor=1.0, n_shared_experts=2,
+                                  first_k_dense_replace=0, topk_method="greedy", norm_topk_prob=False),
+    "DeepseekV3ForCausalLM": dict(n_group=8, topk_group=4, routed_scaling_factor=2.5, n_shared_experts=1,
+                                  first_k_dense_replace=3, norm_topk_prob=True),
+    "Glm4MoeLiteForCausalLM": dict(n_group=1, topk_group=1, routed_scaling_factor=1.8, n_shared_experts=1,
+                                   norm_topk_prob=True),
+}
+"""transformers 5.24's config defaults of each family, for a field config.json leaves out."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class DeepseekRouting:
+    """How a DeepSeek router picks and weighs each token's experts (every step in float32)."""
+
+    scoring_func: str
+    """"softmax" over all experts' logits (V2) or an independent "sigmoid" per expert (V3, GLM-4.7-Flash)."""
+    topk_method: str
+    """"greedy": the top-k scores; "group_limited_greedy": the top-k among the experts of the `topk_group`
+    groups with the highest single score (V2); "noaux_tc": the top-k of score + e_score_correction_bias among
+    the `topk_group` groups whose two best biased scores sum highest (V3)."""
+    n_group: int = 1
+    """Groups of consecutive experts (num_experts / n_group each) for the group-limited selections."""
+    topk_group: int = 1
+    """Groups a token's experts may come from."""
+    routed_scaling_factor: float = 1.0
+    """Factor on the routed experts' weights (after any renormalisation); the shared experts are not scaled."""
+    n_shared_experts: int = 0
+    """Always-on experts, run as one gated MLP of n_shared_experts x moe_intermediate_size rows, no gate."""
+
+    def check(self, num_experts: int, top_k: int) -> None:
+        """Refuse a routing that cannot pick `top_k` of `num_experts` experts (called by MoEConfig)."""
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ValueError(f"scoring_func={self.scoring_func!r}; supported: {', '.join(SCORING_FUNCS)}")
+        methods = TOPK_METHODS[self.scoring_func]
+        if self.topk_method not in methods:
+            raise ValueError(f"topk_method={self.topk_method!r} with scoring_func={self.scoring_func!r}; "
+                             f"supported: {', '.join(methods)}")
+        if self.n_group < 1 or num_experts % self.n_group != 0:
+            raise ValueError(f"n_group={self.n_group} must be >= 1 and divide n_routed_experts={num_experts}")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
+        per_group = num_experts // self.n_group
+        if self.topk_method == "noaux_tc" and per_group < 2:
+            raise ValueError(f"noaux_tc ranks groups by their two best experts: n_routed_experts={num_experts} / "
+                             f"n_group={self.n_group} leaves {per_group} per group")
+        if self.topk_method != "greedy" and top_k > self.topk_group * per_group:
+            raise ValueError(f"num_experts_per_tok={top_k} exceeds the {self.topk_group * per_group} experts of "
+                             f"topk_group={self.topk_group} groups of {per_group}")
+        if self.n_shared_experts < 0:
+            raise ValueError(f"n_shared_experts={self.n_shared_experts} must be >= 0")
+
+
+def dense_layers(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int, ...]:
+    """The layers that keep a dense MLP of `intermediate_size`.
+
+    V2 / V3: layer i is sparse when i >= first_k_dense_replace and i % moe_layer_freq == 0 (DeepSeek's rule;
+    transformers 5.24 reads no moe_layer_freq and makes every layer from first_k_dense_replace on sparse, the same
+    layers for moe_layer_freq = 1, which every published checkpoint uses). GLM-4.7-Flash: `mlp_layer_types`,
+    by default the first layer dense (transformers' default; it reads no first_k_dense_replace)."""
+    if arch == "Glm4MoeLiteForCausalLM":
+        types = cfg.get("mlp_layer_types") or ["dense"] + ["sparse"] * (num_layers - 1)
+        if len(types) != num_layers or set(types) - {"dense", "sparse"}:
+            raise ValueError(f"mlp_layer_types={types} must name 'dense' or 'sparse' for each of {num_layers} layers")
+        return tuple(i for i, kind in enumerate(types) if kind == "dense")
+    first = cfg.get("first_k_dense_replace", 0)
+    freq = cfg.get("moe_layer_freq", 1)
+    if first < 0 or freq < 1:
+        raise ValueError(f"first_k_dense_replace={first} must be >= 0 and moe_layer_freq={freq} >= 1")
+    return tuple(i for i in range(num_layers) if i < first or i % freq != 0)
+
+
+def deepseek_moe_config(cfg: dict[str, Any]) -> MoEConfig:
+    """The MoE part of a DeepSeek-V2 / V3 / GLM-4.7-Flash config.json dictionary."""
+    arch = (cfg.get("architectures") or [""])[0]
+    if arch not in DEEPSEEK_MOE_ARCHITECTURES:
+        raise ValueError(f"{arch!r} is not a DeepSeek MoE architecture ({', '.join(DEEPSEEK_MOE_ARCHITECTURES)})")
+    v2 = arch == "DeepseekV2ForCausalLM"
+    cfg = {**HF_DEFAULTS[arch], **{key: value for key, value in cfg.items() if value is not None}}
+    if v2 and cfg["topk_method"] == "group_limited_greedy" and not ("n_group" in cfg and "topk_group" in cfg):
+        raise ValueError("topk_method='group_limited_greedy' needs n_group and topk_group in config.json")
+    # V3 and GLM-4.7-Flash always route by noaux_tc on sigmoid scores (transformers reads neither topk_method nor
+    # scoring_func there); V2 ranks softmax probabilities by its topk_method
+    routing = DeepseekRouting(
+        scoring_func="softmax" if v2 else "sigmoid",
+        topk_method=cfg["topk_method"] if v2 else "noaux_tc",
+        n_group=cfg.get("n_group", 1), topk_group=cfg.get("topk_group", 1),
+        routed_scaling_factor=float(cfg["routed_scaling_factor"]), n_shared_experts=cfg["n_shared_experts"],
+    )
+    width = cfg["moe_intermediate_size"]
+    return MoEConfig(
+        num_experts=cfg["n_routed_experts"], top_k=cfg["num_experts_per_tok"], intermediate_size=width,
+        # transformers' V2 router never renormalises (its norm_topk_prob is unused); V3 / GLM do when asked
+        norm_topk_prob=False if v2 else bool(cfg["norm_topk_prob"]),
+        shared_expert_intermediate_size=routing.n_shared_experts * width,
+        mlp_only_layers=dense_layers(cfg, arch, cfg["num_hidden_layers"]),
+        deepseek_router=routing,
+    )
