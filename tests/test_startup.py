@@ -26,11 +26,11 @@ def tiny_gguf(tmp_path_factory) -> str:
 
 @pytest.fixture
 def parses(monkeypatch, tmp_path):
-    """Counts every parse of a GGUF's metadata: cpllm's (gguf.GGUFReader), the tokenizer build's and the
+    """Counts every parse of a GGUF's metadata: cpllm's (GGUFFile), the tokenizer build's and the
     tokenizer's own scalar read; the tokenizer cache starts empty in a fresh folder."""
     monkeypatch.setenv("CPLLM_TOKENIZER_CACHE", str(tmp_path / "tokenizers"))
     counts = {"weights": 0, "tokenizer build": 0, "tokenizer scalars": 0}
-    reader, build, scalars = gguf_source.GGUFReader, tokenizer_cache.transformers.AutoTokenizer.from_pretrained, \
+    reader, build, scalars = gguf_source.GGUFFile, tokenizer_cache.transformers.AutoTokenizer.from_pretrained, \
         tokenizer_module._gguf_scalars
 
     def counted(kind, fn):
@@ -40,7 +40,7 @@ def parses(monkeypatch, tmp_path):
             return fn(*args, **kwargs)
         return call
 
-    monkeypatch.setattr(gguf_source, "GGUFReader", counted("weights", reader))
+    monkeypatch.setattr(gguf_source, "GGUFFile", counted("weights", reader))
     monkeypatch.setattr(tokenizer_cache.transformers.AutoTokenizer, "from_pretrained",
                         counted("tokenizer build", build))
     monkeypatch.setattr(tokenizer_module, "_gguf_scalars", counted("tokenizer scalars", scalars))

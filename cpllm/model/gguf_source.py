@@ -20,12 +20,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
-from gguf.gguf_reader import ReaderTensor
 from gguf.quants import dequantize
 
 from cpllm.config import QUANT_GROUP, ModelConfig
+from cpllm.model.gguf_file import GGUFFile, StoredTensor
 from cpllm.model.gguf_moe import gguf_moe_config, hf_architecture, moe_hf_names
 from cpllm.model.loader import resolve_slice
 from cpllm.model.quant_gguf import (
@@ -81,19 +81,18 @@ def hf_name(gguf_name: str) -> str | None:
     return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
 
 
-def _meta(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    """A scalar or string metadata value, or `default` when the key is absent."""
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _meta(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    """A metadata value, or `default` when the key is absent."""
+    return reader.metadata.get(key, default)
 
 
-def _eos_ids(reader: GGUFReader) -> tuple[int, ...]:
+def _eos_ids(reader: GGUFFile) -> tuple[int, ...]:
     # llama.cpp stops on end-of-turn as well as end-of-sequence; keep both, eos first
     ids = [_meta(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot")]
     return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
-def _head_dim(reader: GGUFReader, arch: str, hidden: int, heads: int) -> int:
+def _head_dim(reader: GGUFFile, arch: str, hidden: int, heads: int) -> int:
     head_dim = int(_meta(reader, f"{arch}.attention.key_length", hidden // heads))
     value_dim = int(_meta(reader, f"{arch}.attention.value_length", head_dim))
     rope_dim = int(_meta(reader, f"{arch}.rope.dimension_count", head_dim))
@@ -106,7 +105,7 @@ def _head_dim(reader: GGUFReader, arch: str, hidden: int, heads: int) -> int:
     return head_dim
 
 
-def _check_rope_scaling(reader: GGUFReader, arch: str, names: set[str]) -> None:
+def _check_rope_scaling(reader: GGUFFile, arch: str, names: set[str]) -> None:
     scaling = _meta(reader, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         raise ValueError(f"GGUF rope scaling type {scaling!r} is not supported; only unscaled rotary is")
@@ -117,7 +116,7 @@ def _check_rope_scaling(reader: GGUFReader, arch: str, names: set[str]) -> None:
         )
 
 
-def gguf_model_config(reader: GGUFReader, tensor_shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
+def gguf_model_config(reader: GGUFFile, tensor_shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
     """ModelConfig from GGUF metadata; `tensor_shapes` (GGUF names, HF order) supply vocab and tying."""
     arch = _meta(reader, "general.architecture")
     meta = lambda key, default: _meta(reader, key, default)  # noqa: E731
@@ -171,11 +170,11 @@ class GGUFSource:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._reader = GGUFReader(path)
-        shapes = {t.name: tuple(reversed(t.shape.tolist())) for t in self._reader.tensors}
+        self._reader = GGUFFile(path)
+        shapes = {t.name: t.shape for t in self._reader.tensors}
         self.config = gguf_model_config(self._reader, shapes)
         self._arch = _meta(self._reader, "general.architecture")
-        self._tensors: dict[str, ReaderTensor] = {}
+        self._tensors: dict[str, StoredTensor] = {}
         for tensor in self._reader.tensors:
             name = hf_name(tensor.name)
             # MoE / Qwen3 names; a stacked expert tensor gives one view per expert ([out, in] slice of the stack)
@@ -189,7 +188,7 @@ class GGUFSource:
                 )
             for name, expert in names:
                 self._tensors[name] = tensor if expert is None else tensor._replace(
-                    data=tensor.data[expert], shape=tensor.shape[:2])
+                    data=tensor.data[expert], shape=tensor.shape[1:])
 
     def names(self) -> list[str]:
         return sorted(self._tensors)
@@ -204,7 +203,7 @@ class GGUFSource:
     def storage_type(self, name: str) -> str:
         return self._lookup(name).tensor_type.name
 
-    def _lookup(self, name: str) -> ReaderTensor:
+    def _lookup(self, name: str) -> StoredTensor:
         if name not in self._tensors:
             raise KeyError(f"tensor {name!r} is not in {self.path!r}")
         return self._tensors[name]
@@ -241,7 +240,7 @@ class GGUFSource:
         columns relative to the first block read). A column slice must fall on 32-column boundaries."""
         tensor = self._lookup(name)
         kind = tensor.tensor_type.name
-        shape = tuple(reversed(tensor.shape.tolist()))  # HF order: (out, in)
+        shape = tensor.shape  # HF order: (out, in)
         if kind not in kinds or len(shape) != 2:
             raise ValueError(f"{name} is stored as {kind} with shape {shape}; these groups come only from 2-D "
                              f"{', '.join(kinds)} tensors")
@@ -272,7 +271,7 @@ class GGUFSource:
         dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
         tensor = self._lookup(name)
-        shape = tuple(reversed(tensor.shape.tolist()))  # HF order: (out, in)
+        shape = tensor.shape  # HF order: (out, in)
         span = resolve_slice(name, shape, dim, start, end)
         out = _read(tensor, shape, span, self._row_order(name, shape[0]))
         if not (out.flags.owndata and out.flags.writeable and out.flags.c_contiguous):
@@ -281,7 +280,7 @@ class GGUFSource:
 
 
 def _read(
-    tensor: ReaderTensor,
+    tensor: StoredTensor,
     shape: tuple[int, ...],
     span: tuple[int, int, int] | None,
     row_order: np.ndarray | None,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 
 import llguidance
-import llguidance.torch
 import torch
 
 from cpllm.model.tokenizer import Tokenizer
@@ -46,6 +45,9 @@ class StructuredOutputManager:
         rows = [(i, self._matchers[s]) for i, s in enumerate(seq_ids) if s in self._matchers]
         if not rows:
             return None
+        # imported on first use: llguidance.torch loads torch.compile's machinery (seconds) at import
+        import llguidance.torch
+
         mask = allocate_bitmask(len(seq_ids), self.compiler.vocab_size)
         for i, matcher in rows:
             llguidance.torch.fill_next_token_bitmask(matcher, mask, i)
