@@ -13,19 +13,30 @@ Placement: expert-TP gives a rank rows [r0, r1) of every expert's intermediate d
 columns [2 r0, 2 r1) of gate_up and its bias, and rows [r0, r1) of down; the down bias is one per expert, so only
 MoE group rank 0 adds it (the partials are summed over the group). Expert parallel: whole experts, biases with
 them.
+
+MXFP4 experts under a quantization mode other than none run in the int4 kernel (cpllm/model/quant_kernels.py),
+per expert, from the stored blocks (`mxfp4_plan`): int8 = the exact 8-bit form of the blocks (two 4-bit halves,
+twice the kernel's work), int4 = the blocks re-quantized to even 4-bit levels (lossy), auto = AUTO_MXFP4_FORMAT.
+Float checkpoints keep float experts in every mode, as the other MoE families do.
 """
 
 from __future__ import annotations
 
 import torch
 
-from cpllm.config import ModelConfig
+from cpllm.config import QUANT_GROUP, ModelConfig
 from cpllm.model import packed_weights
 from cpllm.model.loader import WeightSource
 from cpllm.model.moe import SparseMoEBlock
 from cpllm.model.moe_experts import LocalExperts
 from cpllm.model.moe_placement import ExpertSlice, MoEShard, expert_slice
-from cpllm.model.mxfp4 import dequantize_mxfp4
+from cpllm.model.mxfp4 import dequantize_mxfp4, int4_groups, int8_groups
+from cpllm.model.quant_kernels import Int4Linear
+from cpllm.model.quant_plan import NOT_QUANTIZED, WeightPlan
+
+AUTO_MXFP4_FORMAT = "int8"
+"""What MXFP4 experts run as under quantization=auto: the blocks' exact 8-bit form (measured drift in
+docs/benchmarks.md: the re-quantized int4 form moved logprobs by far more than the int8 one)."""
 
 
 class TopKSoftmaxRouter(torch.nn.Module):
@@ -58,6 +69,34 @@ def read_expert(source: WeightSource, name: str, expert: int, dtype: torch.dtype
     return source.get(name, dim=0, start=expert, end=expert + 1, dtype=dtype)[0]
 
 
+def mxfp4_plan(mode: str, source: WeightSource, name: str, in_widths: tuple[int, ...], cpu: bool) -> WeightPlan:
+    """The format of an expert weight `name` whose inputs on this rank are `in_widths` wide (gate|up, down)."""
+    if mode == "none":
+        return NOT_QUANTIZED
+    if not source.has(f"{name}_blocks"):
+        return WeightPlan("float", "stored as floats: routed experts run in the model dtype")
+    if not cpu:
+        return WeightPlan("float", "stored MXFP4, dequantized: the int4 kernel runs on CPU only")
+    if any(width % QUANT_GROUP for width in in_widths):
+        return WeightPlan("float", f"stored MXFP4, dequantized: an input width of {in_widths} on this rank is not a "
+                                   f"multiple of {QUANT_GROUP}")
+    fmt = AUTO_MXFP4_FORMAT if mode == "auto" else mode
+    how = "its exact 8-bit form" if fmt == "int8" else "re-quantized to 4-bit groups"
+    return WeightPlan(fmt, f"stored MXFP4, run as {how}")
+
+
+def _mxfp4_rows(source: WeightSource, name: str, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # one expert's blocks [out, G, 16] and scales [out, G]
+    blocks = source.get(f"{name}_blocks", dim=0, start=expert, end=expert + 1, dtype=torch.uint8)[0]
+    return blocks, source.get(f"{name}_scales", dim=0, start=expert, end=expert + 1, dtype=torch.uint8)[0]
+
+
+def _kernel(fmt: str, blocks: torch.Tensor, scales: torch.Tensor) -> Int4Linear:
+    if fmt == "int8":
+        return Int4Linear.from_int8(int8_groups(blocks, scales))
+    return Int4Linear(int4_groups(blocks, scales))
+
+
 class GptOssExperts(LocalExperts):
     """The held experts (LocalExperts' grouped matmuls and oneDNN packing), with biases and the clamped SwiGLU.
 
@@ -65,31 +104,76 @@ class GptOssExperts(LocalExperts):
     contiguous halves."""
 
     def __init__(self, prefix: str, hidden: int, held: ExpertSlice, dtype: torch.dtype, *, limit: float,
-                 alpha: float, down_bias: bool):
+                 alpha: float, down_bias: bool, quantization: str = "none"):
         """`down_bias`: this rank adds the down projection's bias (one rank of the group under expert-TP)."""
         super().__init__(prefix, ("gate_up_proj", "gate_up_proj", "down_proj"), hidden, held, dtype)
         self.limit, self.alpha, self.adds_down_bias = limit, alpha, down_bias
+        self.quantization, self.hidden = quantization, hidden
+        self.quantized: torch.nn.ModuleList | None = None
+        """Once loaded from MXFP4 blocks in a quantized format: per expert [gate|up, down] int4 kernels (the float
+        parameters are then dropped)."""
+        self.plans: list[tuple[str, WeightPlan]] = []
+        """(tensor name, plan) for the start-up log."""
         n, rows = held.num_experts, held.rows
         self.gate_up_bias = torch.nn.Parameter(torch.empty(n, 2 * rows, dtype=dtype), requires_grad=False)
         self.down_bias = torch.nn.Parameter(torch.zeros(n, hidden, dtype=dtype), requires_grad=False)
 
     def load(self, source: WeightSource) -> None:
-        held, rows, dtype = self.held, self.held.rows, self.gate_up.dtype
+        held, dtype = self.held, self.gate_up.dtype
         cols = slice(2 * held.row_start, 2 * held.row_end)  # this rank's rows, still interleaved
         gate_up_name, down_name = f"{self.prefix}.experts.gate_up_proj", f"{self.prefix}.experts.down_proj"
+        plan = mxfp4_plan(self.quantization, source, gate_up_name, (self.hidden, held.rows),
+                          self.gate_up.device.type == "cpu")
+        self.plans = [(gate_up_name, plan), (down_name, plan)]
+        kernels = []
         for i in range(held.num_experts):
             e = held.first_expert + i
-            w = read_expert(source, gate_up_name, e, dtype)[:, cols]  # [hidden, 2 rows]
-            self.gate_up[i] = torch.cat((w[:, 0::2], w[:, 1::2]), dim=1)
             b = source.get(f"{gate_up_name}_bias", dim=0, start=e, end=e + 1, dtype=dtype)[0, cols]
             self.gate_up_bias[i] = torch.cat((b[0::2], b[1::2]))
-            self.down[i] = read_expert(source, down_name, e, dtype)[held.row_start : held.row_end]
             if self.adds_down_bias:
                 self.down_bias[i] = source.get(f"{down_name}_bias", dim=0, start=e, end=e + 1, dtype=dtype)[0]
-        if packed_weights.packs(dtype, self.gate_up.device):
+            if plan.format != "float":
+                kernels.append(self._load_kernels(source, plan.format, gate_up_name, down_name, e))
+                continue
+            w = read_expert(source, gate_up_name, e, dtype)[:, cols]  # [hidden, 2 rows]
+            self.gate_up[i] = torch.cat((w[:, 0::2], w[:, 1::2]), dim=1)
+            self.down[i] = read_expert(source, down_name, e, dtype)[held.row_start : held.row_end]
+        if kernels:
+            self.quantized = torch.nn.ModuleList(torch.nn.ModuleList(pair) for pair in kernels)
+            self.gate_up = self.down = None
+        elif packed_weights.packs(dtype, self.gate_up.device):
             self.packed = [(packed_weights.pack(self.gate_up[i].t()), packed_weights.pack(self.down[i].t()))
                            for i in range(held.num_experts)]
             self.gate_up = self.down = None
+
+    def _load_kernels(self, source: WeightSource, fmt: str, gate_up_name: str, down_name: str, expert: int
+                      ) -> tuple[Int4Linear, Int4Linear]:
+        """Expert `expert`'s gate|up (this rank's rows, de-interleaved) and down (its input groups) from the
+        stored blocks, each one int4 kernel."""
+        held = self.held
+        blocks, scales = _mxfp4_rows(source, gate_up_name, expert)  # [2I, G, 16]: output rows interleaved
+        rows = torch.arange(2 * held.row_start, 2 * held.row_end)
+        order = torch.cat((rows[0::2], rows[1::2]))  # gate rows, then up rows
+        gate_up = _kernel(fmt, blocks[order], scales[order])
+        blocks, scales = _mxfp4_rows(source, down_name, expert)  # [hidden, I / 32, 16]
+        groups = slice(held.row_start // QUANT_GROUP, held.row_end // QUANT_GROUP)
+        return gate_up, _kernel(fmt, blocks[:, groups], scales[:, groups])
+
+    @property
+    def nbytes(self) -> int:
+        if self.quantized is None:
+            return super().nbytes
+        return sum(b.numel() * b.element_size() for b in self.quantized.buffers())
+
+    def plain_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.quantized is not None:
+            raise ValueError("experts held in the int4 kernel have no plain float weights")
+        return super().plain_weights()
+
+    def _expert(self, e: int, x: torch.Tensor, which: int) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized[e][which](x.contiguous())
+        return super()._expert(e, x, which)
 
     def activation(self, h: torch.Tensor) -> torch.Tensor:
         # h [count, 2 rows] = gate | up (bias added) -> [count, rows], written over the gate half
@@ -133,5 +217,6 @@ class GptOssMoEBlock(SparseMoEBlock):
         self.gate = TopKSoftmaxRouter(f"{prefix}.router", config.hidden_size, moe.num_experts, moe.top_k)
         held = expert_slice(moe.num_experts, moe.intermediate_size, shard)
         self.experts = GptOssExperts(prefix, config.hidden_size, held, dtype, limit=moe.swiglu_limit,
-                                     alpha=moe.swiglu_alpha, down_bias=shard.expert_parallel or shard.rank == 0)
+                                     alpha=moe.swiglu_alpha, down_bias=shard.expert_parallel or shard.rank == 0,
+                                     quantization=config.quantization)
         self.shared_expert = None

@@ -19,7 +19,7 @@ def moe_summary_lines(model: torch.nn.Module) -> list[str]:
                                 expert_parallel=shard.expert_parallel)]
     lines.append(f"  expert weight bytes on this rank (MoE group rank {shard.rank} of {shard.size}): "
                  f"{expert_bytes(model) / 2**20:.2f} MiB over {len(blocks)} sparse layers")
-    if config.quantization != "none":
+    if config.quantization != "none" and getattr(blocks[0].experts, "quantized", None) is None:  # (GPT-OSS MXFP4)
         lines.append(f"  routed experts run in {dtype} (quantization={config.quantization} applies to the other "
                      "weights only)")
     return lines
