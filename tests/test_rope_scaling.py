@@ -15,9 +15,10 @@ from cpllm import LLM, SamplingParams
 from cpllm.config import ModelConfig
 from cpllm.engine.llm import build_engine_config
 from cpllm.model.rope import RotaryEmbedding, rope_parameters, yarn_mscale
+from cpllm.model.loader import open_weights
 from cpllm.model.safetensors_source import read_hf_config
 from reference import check_against_hf, hf_greedy
-from tiny_models import make_tiny_hf_model, save_tiny_hf_model
+from tiny_models import make_tiny_hf_model, save_tiny_gguf, save_tiny_hf_model
 
 THETA = 50000.0
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
@@ -182,3 +183,47 @@ def test_max_model_len_limited_by_the_scaled_context(tmp_path):
     assert build_engine_config(folder, max_model_len=32).scheduler.max_model_len == 32
     with pytest.raises(ValueError, match="max_model_len=33 exceeds the model's context of 32"):
         build_engine_config(folder, max_model_len=33)
+
+
+@pytest.mark.parametrize("scaling", [YARN, {"rope_type": "linear", "factor": 2.0}], ids=["yarn", "linear"])
+def test_gguf_rope_scaling_reads_as_the_hf_folder_does(scaling, tmp_path):
+    """llama.cpp's rope.scaling.* keys give the rope_scaling the Hugging Face folder of the same model gives."""
+    overrides = {"max_position_embeddings": 128, "rope_scaling": dict(scaling)}
+    save_tiny_gguf(str(tmp_path / "tiny.gguf"), "llama", seed=3, tensor_types={}, **overrides)
+    folder = save_tiny_hf_model(str(tmp_path / "hf"), "llama", seed=3, **overrides)
+    got = open_weights(str(tmp_path / "tiny.gguf")).config.rope_scaling
+    want = read_hf_config(folder).rope_scaling
+    assert {k: v for k, v in got.items() if k != "type"} == {k: v for k, v in want.items() if k != "type"}
+
+
+def test_gguf_yarn_engine_matches_transformers(tmp_path):
+    overrides = {"max_position_embeddings": 128, "rope_scaling": dict(YARN)}
+    path = str(tmp_path / "tiny.gguf")
+    save_tiny_gguf(path, "llama", seed=3, tensor_types={}, **overrides)  # float32 tensors: transformers' weights
+    hf = make_tiny_hf_model("llama", seed=3, **overrides)
+    prompt = random.Random(9).choices(range(3, 300), k=40)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    with LLM(path, max_model_len=48, block_size=4, quantization="none") as llm:
+        output = llm.generate([{"prompt_token_ids": prompt}], params)[0]
+    check_against_hf(output, *hf_greedy(hf, prompt, 8))
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("type", "longrope", "'longrope'"),
+    ("yarn_log_multiplier", 0.1, "yarn_log_multiplier"),
+])
+def test_gguf_rope_scaling_refused(key, value, message, tmp_path, monkeypatch):
+    import tiny_models
+
+    path = str(tmp_path / "tiny.gguf")
+    add = tiny_models._add_rope_scaling
+
+    def add_then_key(writer, params):  # the converter's keys, then the one under test
+        add(writer, params)
+        writer.add_string(f"llama.rope.scaling.{key}", value) if isinstance(value, str) else \
+            writer.add_float32(f"llama.rope.scaling.{key}", value)
+
+    monkeypatch.setattr(tiny_models, "_add_rope_scaling", add_then_key)
+    save_tiny_gguf(path, "llama", seed=3, tensor_types={}, max_position_embeddings=128, rope_scaling=dict(YARN))
+    with pytest.raises(ValueError, match=message):
+        open_weights(path)

@@ -290,6 +290,7 @@ def _add_metadata(writer: gguf.GGUFWriter, config: Any, vocab: TinyVocab) -> Non
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_dimension_count(config.head_dim)
+    _add_rope_scaling(writer, config.rope_parameters)
     writer.add_vocab_size(config.vocab_size)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(list(vocab.tokens))
@@ -300,6 +301,17 @@ def _add_metadata(writer: gguf.GGUFWriter, config: Any, vocab: TinyVocab) -> Non
     writer.add_pad_token_id(vocab.pad_token_id)
     writer.add_add_bos_token(False)
     writer.add_chat_template(TINY_CHAT_TEMPLATE)
+
+
+def _add_rope_scaling(writer: gguf.GGUFWriter, params: Mapping[str, Any]) -> None:
+    """linear and yarn scaling as llama.cpp's converter writes them (type, factor, yarn's original length)."""
+    kind = params.get("rope_type", "default")
+    if kind not in ("linear", "yarn"):
+        return
+    writer.add_rope_scaling_type(gguf.RopeScalingType(kind))
+    writer.add_rope_scaling_factor(float(params["factor"]))
+    if kind == "yarn":
+        writer.add_rope_scaling_orig_ctx_len(int(params["original_max_position_embeddings"]))
 
 
 def write_tiny_gguf(

@@ -25,6 +25,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
 from cpllm.config import QUANT_GROUP, ModelConfig
+from cpllm.config_rope import yarn_mscale
 from cpllm.model.gguf_file import GGUFFile, StoredTensor
 from cpllm.model.gguf_moe import gguf_moe_config, hf_architecture, moe_hf_names
 from cpllm.model.loader import resolve_slice
@@ -105,15 +106,34 @@ def _head_dim(reader: GGUFFile, arch: str, hidden: int, heads: int) -> int:
     return head_dim
 
 
-def _check_rope_scaling(reader: GGUFFile, arch: str, names: set[str]) -> None:
-    scaling = _meta(reader, f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise ValueError(f"GGUF rope scaling type {scaling!r} is not supported; only unscaled rotary is")
+def _rope_scaling(reader: GGUFFile, arch: str, names: set[str]) -> dict[str, Any] | None:
+    """config.json's rope_scaling from llama.cpp's `rope.scaling.*` keys: none, linear or yarn."""
+    key = lambda name: f"{arch}.rope.scaling.{name}"  # noqa: E731
+    kind = _meta(reader, key("type"))
     if "rope_freqs.weight" in names:
         raise ValueError(
             "the GGUF file carries rope_freqs.weight (Llama 3 style frequency scaling), which the GGUF "
             "loader cannot turn into a rope_scaling config; load the Hugging Face folder instead"
         )
+    if kind in (None, "none"):
+        return None
+    if kind not in ("linear", "yarn"):
+        raise ValueError(f"GGUF rope scaling type {kind!r} is not supported; supported: none, linear, yarn")
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": _meta(reader, key("factor"))}
+    if kind == "linear":
+        return scaling
+    if _meta(reader, key("yarn_log_multiplier")):
+        raise ValueError("GGUF yarn with rope.scaling.yarn_log_multiplier (DeepSeek's mscale) is not supported; "
+                         "load the Hugging Face folder instead")
+    for gguf_key, hf_key in (("original_context_length", "original_max_position_embeddings"),
+                             ("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        if _meta(reader, key(gguf_key)) is not None:
+            scaling[hf_key] = _meta(reader, key(gguf_key))
+    attn_factor = _meta(reader, key("attn_factor"))
+    if attn_factor is not None and scaling["factor"] is not None:
+        # llama.cpp multiplies yarn's own magnitude correction by this factor
+        scaling["attention_factor"] = float(attn_factor) * yarn_mscale(scaling["factor"])
+    return scaling
 
 
 def gguf_model_config(reader: GGUFFile, tensor_shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
@@ -126,7 +146,7 @@ def gguf_model_config(reader: GGUFFile, tensor_shapes: dict[str, tuple[int, ...]
             f"unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(GGUF_ARCHITECTURES))}, "
             "qwen3, qwen3moe, qwen2moe (and llama with expert_count: Mixtral)"
         )
-    _check_rope_scaling(reader, arch, set(tensor_shapes))
+    rope_scaling = _rope_scaling(reader, arch, set(tensor_shapes))
     hidden = int(_meta(reader, f"{arch}.embedding_length"))
     heads = int(_meta(reader, f"{arch}.attention.head_count"))
     bos = _meta(reader, "tokenizer.ggml.bos_token_id")
@@ -142,6 +162,7 @@ def gguf_model_config(reader: GGUFFile, tensor_shapes: dict[str, tuple[int, ...]
         head_dim=_head_dim(reader, arch, hidden, heads),
         rms_norm_eps=float(_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(_meta(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
         max_position_embeddings=int(_meta(reader, f"{arch}.context_length", 4096)),
         tie_word_embeddings="output.weight" not in tensor_shapes,
         attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensor_shapes,
