@@ -27,6 +27,7 @@ the layer's result is converted to it once, at the end.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -34,11 +35,12 @@ import torch.distributed as dist
 
 from cpllm.context_parallel.backend import AttentionBackend, attention_backend
 from cpllm.context_parallel.merge import accumulate as _accumulate
-from cpllm.context_parallel.merge import accumulator_dtype, merge_attention_partials, merge_two
-from cpllm.context_parallel.metadata import AttentionMetadata, RequestAttention
+from cpllm.context_parallel.merge import accumulator_dtype, apply_sinks, merge_attention_partials, merge_two
+from cpllm.context_parallel.metadata import AttentionMetadata, RequestAttention, window_view
 from cpllm.context_parallel.partition import key_runs
 from cpllm.context_parallel.pass_q import pass_q_attention
 from cpllm.context_parallel.plan import StepPlan
+from cpllm.context_parallel.window import ScoreMods, attend_piece, context_piece, context_range, new_key_pieces
 from cpllm.distributed.comm import all_gather, all_to_all, ring_exchange
 from cpllm.distributed.parallel_dims import ParallelDims
 
@@ -94,15 +96,29 @@ _ONE_SHARD, _COMPILED, _PCP_DECODE = StepPlan.ONE_SHARD, StepPlan.COMPILED, Step
 
 class PagedCPAttention(torch.nn.Module):
     """Stores this rank's share of the new K/V and returns attention outputs for its query rows; the attention on
-    this rank is the backend's (backend.py), every collective and merge is this layer's."""
+    this rank is the backend's (backend.py), every collective and merge is this layer's.
 
-    def __init__(self, comm: CPComm, scale: float, backend: AttentionBackend | None = None):
+    `window` (sliding window W: query position i sees keys i - W < j <= i) and `softcap` (scores become
+    softcap * tanh(score / softcap) before the mask) apply to every piece on its own keys (window.py); `sinks`
+    ([Hq] float32, one logit per local query head) join each head's denominator once, after the last merge
+    (merge.py `apply_sinks`). Without any of them the layer runs exactly its plain paths."""
+
+    def __init__(self, comm: CPComm, scale: float, backend: AttentionBackend | None = None, *,
+                 window: int | None = None, softcap: float | None = None):
         super().__init__()
         self.comm, self.scale = comm, scale
         self.backend = backend if backend is not None else attention_backend()
+        self.window, self.softcap = window, softcap
+        self.mods = ScoreMods(window=window, softcap=softcap) if window is not None or softcap is not None else None
+        """None: no score modifier (the plain paths, exactly as without these options)."""
+        self._decode_kwargs = {} if softcap is None else {"softcap": softcap}
 
-    def forward(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata) -> torch.Tensor:
-        # q [N, Hq, D]; k, v [N, Hkv, D]; k_pool, v_pool [num_slots, Hkv, D]
+    def forward(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        # q [N, Hq, D]; k, v [N, Hkv, D]; k_pool, v_pool [num_slots, Hkv, D]; sinks [Hq] float32
+        if self.mods is not None or sinks is not None:
+            out, lse = self._scored(q, k, v, k_pool, v_pool, meta, sinks)
+            return (out if sinks is None else apply_sinks(out.float(), lse, sinks)).to(q.dtype)
         plan = meta.plan  # the runner's (plan.py); these decode paths read the new K/V only from the pools
         if plan is _ONE_SHARD or plan is _COMPILED:
             return self._one_shard_decode(q, k, v, k_pool, v_pool, meta)
@@ -129,6 +145,61 @@ class PagedCPAttention(torch.nn.Module):
             o_ctx, lse_ctx = self._context(q, k_pool, v_pool, meta)
             out, lse = merge_two(out, lse, o_ctx, lse_ctx)
         return out.to(q.dtype)
+
+    def _scored(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata, sinks):
+        """forward's paths for a layer with a window, a soft-cap or sinks -> (out, lse) of the last merge: the same
+        collectives, each piece restricted to its keys in the window, the decode rows read through their
+        in-window view (no mask), soft-capped pieces on the backend's scored path."""
+        plan = meta.plan
+        if plan.fused or plan is _COMPILED:
+            raise ValueError(f"plan {plan.value!r} runs kernels that know no window, soft-cap or sink: plan the "
+                             f"steps of such a model eagerly (plan.py scored_plan)")
+        if self.window is not None and meta.decode is not None:
+            meta = dataclasses.replace(meta, decode=window_view(meta, self.window))
+        if plan is _ONE_SHARD:
+            return self._one_shard_scored(q, k, v, k_pool, v_pool, meta, whole=sinks is None)
+        if plan is _PCP_DECODE:
+            self.backend.store_kv(k_pool, v_pool, meta.write_slots, k, v, meta.write_rows)
+            return self._replicated_query_context(q, k_pool, v_pool, meta)
+        if k_pool.dtype != k.dtype:  # as forward: new tokens attend to the K/V rounded as the pool holds them
+            k, v = k.to(k_pool.dtype).to(k.dtype), v.to(v_pool.dtype).to(v.dtype)
+        strategy = meta.strategy if meta.strategy is not None else self.comm.strategy
+        if strategy == "pass-q" and self.comm.pcp_size > 1 and meta.has_new:
+            if meta.pass_q is None:
+                raise ValueError("strategy 'pass-q' needs the step's K/V store plan: build the metadata with "
+                                 "build_step_batch(..., strategy='pass-q')")
+            return pass_q_attention(self.comm, self.backend, self.scale, q, k, v, k_pool, v_pool, meta, self.mods)
+        out = torch.zeros(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        if strategy == "ring" and self.comm.pcp_size > 1 and meta.has_new:
+            self._ring_new_tokens(q, k, v, k_pool, v_pool, meta, out, lse)
+        else:
+            self._gathered_new_tokens(q, k, v, k_pool, v_pool, meta, out, lse)
+        if meta.has_context:
+            o_ctx, lse_ctx = self._context(q, k_pool, v_pool, meta)
+            out, lse = merge_two(out, lse, o_ctx, lse_ctx)
+        return out, lse
+
+    def _one_shard_scored(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata, whole: bool):
+        """`_one_shard_decode` on the in-window view; (out, lse) where sinks need the lse (`whole` False) or a
+        soft-cap needs the scored path, else the whole-context call (lse then unused)."""
+        decode = meta.decode
+        self.backend.store_kv(k_pool, v_pool, meta.write_slots, k, v, meta.write_rows)
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        if decode is None:  # replicated layout: the other PCP copies compute this step's few tokens
+            return torch.zeros_like(q), lse
+        rows = decode.rows[self.comm.pcp_rank]  # [B]
+        q_rows = q if rows.numel() == meta.num_rows else q.index_select(0, rows)
+        if whole and self.softcap is None:
+            o, lse_rows = self.backend.attend_decode_whole(q_rows, k_pool, v_pool, decode, self.scale), None
+        else:
+            o, lse_rows = self.backend.attend_decode(q_rows, k_pool, v_pool, decode, self.scale,
+                                                     every_row_sees_a_key=True, **self._decode_kwargs)
+        out = torch.zeros(q.shape, dtype=o.dtype, device=q.device)  # padding rows stay (0, -inf)
+        out.index_copy_(0, rows, o)
+        if lse_rows is not None:
+            lse.index_copy_(0, rows, lse_rows.float())
+        return out, lse
 
     def _one_shard_decode(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata) -> torch.Tensor:
         """A step of single tokens whose whole context sits in this rank's pools (one rank, or TP alone): store the
@@ -171,6 +242,8 @@ class PagedCPAttention(torch.nn.Module):
 
     def _new_token_attention(self, q, k_all, v_all, request: RequestAttention, out, lse) -> None:
         """Each local run [s, s+n) sees new keys [0, s) unmasked plus itself causally (head-tail safe)."""
+        if self.mods is not None:
+            return self._new_token_pieces(q, k_all, v_all, request, out, lse)
         for chunk in request.local_chunks:
             rows = slice(chunk.row, chunk.row + chunk.length)
             own = request.new_kv_rows[chunk.new_start : chunk.new_start + chunk.length]
@@ -179,6 +252,18 @@ class PagedCPAttention(torch.nn.Module):
                 before = request.new_kv_rows[: chunk.new_start]
                 _accumulate(out, lse, rows,
                             *self.backend.attend(q[rows], k_all[before], v_all[before], self.scale, False))
+
+    def _new_token_pieces(self, q, k_all, v_all, request: RequestAttention, out, lse) -> None:
+        """`_new_token_attention` with score modifiers: the keys before each run trimmed to the window (skipped
+        where it leaves none), the run itself band-masked where it is longer than the window."""
+        for chunk in request.local_chunks:
+            rows = slice(chunk.row, chunk.row + chunk.length)
+            # key runs in new-token index space (row = index into new_kv_rows): [0, s) before, [s, s+n) itself
+            source = ((0, 0, chunk.new_start), (chunk.new_start, chunk.new_start, chunk.length))
+            for piece in new_key_pieces(source, chunk.new_start, chunk.length, self.mods):
+                keys = request.new_kv_rows[piece.keys]
+                _accumulate(out, lse, rows, *attend_piece(self.backend, self.scale, self.mods, q[rows],
+                                                          k_all[keys], v_all[keys], piece))
 
     def _ring_new_tokens(self, q, k, v, k_pool, v_pool, meta, out, lse) -> None:
         """Pass-KV ring: the block of PCP rank (me - i) arrives at step i while step i-1's attention runs."""
@@ -197,6 +282,14 @@ class PagedCPAttention(torch.nn.Module):
                 block = transfer.wait()
 
     def _ring_pair(self, q, block, source: int, request: RequestAttention, out, lse) -> None:
+        if self.mods is not None:  # the window trims (or skips) each key run
+            for chunk in request.local_chunks:
+                rows = slice(chunk.row, chunk.row + chunk.length)
+                for piece in new_key_pieces(request.source_rank_rows[source], chunk.new_start, chunk.length,
+                                            self.mods):
+                    _accumulate(out, lse, rows, *attend_piece(self.backend, self.scale, self.mods, q[rows],
+                                                              block[0][piece.keys], block[1][piece.keys], piece))
+            return
         for chunk in request.local_chunks:
             rows = slice(chunk.row, chunk.row + chunk.length)
             for keys, causal in key_runs(request.source_rank_rows[source], chunk.new_start):
@@ -215,7 +308,7 @@ class PagedCPAttention(torch.nn.Module):
             if piece % dcp_size not in by_dcp_rank:
                 # Every PCP rank holds the same single-token queries: attend once per DCP rank, copy for the rest.
                 by_dcp_rank[piece % dcp_size] = self.backend.attend_decode(q_all[rows], k_pool, v_pool, decode,
-                                                                           self.scale)
+                                                                           self.scale, **self._decode_kwargs)
             o_piece, lse_piece = by_dcp_rank[piece % dcp_size]
             o_part[rows], lse_part[rows] = o_piece.to(o_part.dtype), lse_piece  # index_put wants equal dtypes
 
@@ -235,6 +328,9 @@ class PagedCPAttention(torch.nn.Module):
                 continue
             if comm.dims.kv_replicated and not request.local_chunks:
                 continue  # every piece holds this PCP rank's rows, and it holds none of this request
+            if self.mods is not None:
+                self._context_pieces(q_all, k_pool, v_pool, request, meta, o_part, lse_part)
+                continue
             k_ctx, v_ctx = self.backend.context_keys(k_pool, v_pool, request.context_slots, q.dtype)
             for piece in range(pieces):
                 start, end = request.pcp_rows[comm.piece_pcp_rank(piece)]
@@ -250,6 +346,25 @@ class PagedCPAttention(torch.nn.Module):
         packed = packed.view(pieces, n, q.shape[1], q.shape[2] + 1)
         return merge_attention_partials(packed[..., :-1], packed[..., -1])  # float32
 
+    def _context_pieces(self, q_all, k_pool, v_pool, request: RequestAttention, meta: AttentionMetadata, o_part,
+                        lse_part) -> None:
+        """One request's cached context with score modifiers: only the shard's keys in the window of its first
+        query are read, and each query run of each piece attends the suffix its own window leaves (no call where it
+        leaves none)."""
+        layout, mods, n = meta.kv_layout, self.mods, meta.num_rows
+        lo, hi = context_range(layout, request.context_len, request.start_pos, mods)
+        if lo >= hi:
+            return  # the whole shard lies before every query's window
+        k_ctx, v_ctx = self.backend.context_keys(k_pool, v_pool, request.context_slots[lo:hi], q_all.dtype)
+        for piece_index in range(self.comm.kv_size):
+            for row, new_start, length in request.source_rank_rows[self.comm.piece_pcp_rank(piece_index)]:
+                piece = context_piece(layout, request.context_len, lo, request.start_pos + new_start, length, mods)
+                if piece is None:
+                    continue
+                rows = slice(piece_index * n + row, piece_index * n + row + length)
+                o_part[rows], lse_part[rows] = attend_piece(self.backend, self.scale, mods, q_all[rows],
+                                                            k_ctx[piece.keys], v_ctx[piece.keys], piece)
+
     def _replicated_query_context(self, q, k_pool, v_pool, meta: AttentionMetadata):
         """A step of single tokens without DCP, sharded layout: every CP rank already holds every query, at the same
         rows, so each attends them to its own shard and the partials are all-gathered and merged (one collective,
@@ -257,7 +372,8 @@ class PagedCPAttention(torch.nn.Module):
         decode = meta.decode
         rows = decode.rows[self.comm.pcp_rank]  # [B]
         if decode.max_local_context > 0 and rows.numel() == meta.num_rows:  # rows 0..N-1: every row a query
-            o_part, lse_part = self.backend.attend_decode(q, k_pool, v_pool, decode, self.scale)
+            o_part, lse_part = self.backend.attend_decode(q, k_pool, v_pool, decode, self.scale,
+                                                          **self._decode_kwargs)
         else:
             o_part = torch.zeros(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
             lse_part = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)

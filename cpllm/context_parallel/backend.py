@@ -3,7 +3,8 @@
 PagedCPAttention (attention.py) and pass-Q (pass_q.py) own everything that crosses ranks: all-gather, the pass-KV
 ring, pass-Q, the DCP query gather and the all-to-all of partials, the log-sum-exp merges, the replicated layout's
 copies. On its own rank each asks a backend for three things only: store new K/V in the paged pools, attend a set
-of query rows to a set of keys, and attend single-token (decode) rows to their context read from the pools. Every
+of query rows to a set of keys (with a window's mask or a soft-cap: `attend_scored`), and attend single-token
+(decode) rows to their context read from the pools. Every
 answer is a partial (out, lse) the layer merges exactly in float32, so the layer is written once for every kind.
 
 A backend holds no per-layer state; which kernel runs inside it (a C kernel, SDPA, the CUDA kernels) is its own
@@ -38,6 +39,13 @@ class AttentionBackend(Protocol):
         """Query rows against a key set (causal: square, query i sees keys 0..i) -> out [N, Hq, D] (q's dtype or
         wider), lse [N, Hq] float32; a row that sees no key gets (0, -inf)."""
 
+    def attend_scored(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
+                      causal: bool = False, mask: torch.Tensor | None = None,
+                      softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`attend` with score modifiers the fast kernels do not know: a bool keep-mask [N, S] (a sliding window's
+        band, from positions; True keeps) and/or logit soft-capping (softcap * tanh(score / softcap) before the
+        mask). Called only by layers that have a window or a soft-cap (window.py)."""
+
     def context_keys(self, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values at `slots` [S] read out of the pools, in `dtype`, for `attend` (one request's
@@ -46,7 +54,9 @@ class AttentionBackend(Protocol):
     def attend_decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, decode,
                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode rows [B, Hq, D] against this rank's share of their context, read from the pools in place ->
-        out [B, Hq, D], lse [B, Hq] float32; a request with no local context gets (0, -inf)."""
+        out [B, Hq, D], lse [B, Hq] float32; a request with no local context gets (0, -inf). A soft-capped layer
+        passes `softcap=` (keyword); a windowed one passes the batch's in-window view (metadata.py
+        `window_view`), which needs no mask."""
 
     def attend_decode_whole(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, decode,
                             scale: float) -> torch.Tensor:
@@ -59,7 +69,7 @@ class AttentionBackend(Protocol):
 
     def attend_gathered_decode(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, decode,
                                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """`attend_decode` over contexts from `decode_context`."""
+        """`attend_decode` over contexts from `decode_context` (`softcap=` as there)."""
 
     def decode_form(self, decode, k_pool: torch.Tensor):
         """The form of `decode` (each request's own slots, as every step lays it out) that this backend's

@@ -34,6 +34,7 @@ class GQAPagedBackend:
     # The module's functions as they are (no wrapper frame on the per-layer path).
     store_kv = staticmethod(_store_kv)
     attend = staticmethod(local_attention.attend)
+    attend_scored = staticmethod(local_attention.attend_scored)
     context_keys = staticmethod(_context_keys)
     attend_decode = staticmethod(local_attention.attend_decode)
     attend_decode_whole = staticmethod(local_attention.attend_pooled_single_tokens)

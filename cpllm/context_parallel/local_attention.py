@@ -26,15 +26,32 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, caus
     return out[0].transpose(0, 1), lse[0].transpose(0, 1)
 
 
-def attend_single_tokens(q, k_ctx, v_ctx, decode, scale: float, every_row_sees_a_key: bool = False):
+def attend_scored(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool = False,
+                  mask: torch.Tensor | None = None, softcap: float | None = None):
+    """`attend` with what the C kernel does not know: a bool keep-mask [L, S] (a sliding window's band, built
+    from positions) and/or logit soft-capping. SDPA with the mask where there is no soft-cap, else the float32
+    matmul path (scores, tanh, mask, log-sum-exp). Rows that see no key get (0, -inf)."""
+    # q [L, Hq, D], k/v [S, Hkv, D] -> out [L, Hq, D], lse [L, Hq]
+    if mask is not None:
+        mask = mask.to(q.device)[None, None]  # [1, 1, L, S]
+    out, lse = attention_with_lse(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+        scale=scale, causal=causal, mask=mask, softcap=softcap,
+    )
+    return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+
+
+def attend_single_tokens(q, k_ctx, v_ctx, decode, scale: float, every_row_sees_a_key: bool = False,
+                         softcap: float | None = None):
     # q [B, Hq, D] -> out [B, Hq, D], lse [B, Hq]
     if decode.shared_keys:  # the B queries are the rows of one sequence over the union of keys
         out, lse = attention_with_lse(q.transpose(0, 1).unsqueeze(0), k_ctx, v_ctx, scale=scale,
-                                      mask=decode.key_mask,
-                                      every_row_sees_a_key=every_row_sees_a_key)  # [1, Hq, B, D], [1, Hq, B]
+                                      mask=decode.key_mask, every_row_sees_a_key=every_row_sees_a_key,
+                                      softcap=softcap)  # [1, Hq, B, D], [1, Hq, B]
         return out[0].transpose(0, 1), lse[0].transpose(0, 1)
     out, lse = attention_with_lse(q.unsqueeze(2), k_ctx, v_ctx, scale=scale, mask=decode.key_mask,
-                                  every_row_sees_a_key=every_row_sees_a_key)  # [B, Hq, 1, D], [B, Hq, 1]
+                                  every_row_sees_a_key=every_row_sees_a_key,
+                                  softcap=softcap)  # [B, Hq, 1, D], [B, Hq, 1]
     return out[:, :, 0], lse[:, :, 0]
 
 
@@ -53,19 +70,20 @@ def gather_context(pool: torch.Tensor, decode, dtype: torch.dtype | None = None)
     return (rows if dtype is None else rows.to(dtype)).transpose(1, 2)
 
 
-def attend_decode(q, k_pool, v_pool, decode, scale: float, every_row_sees_a_key: bool = False):
+def attend_decode(q, k_pool, v_pool, decode, scale: float, every_row_sees_a_key: bool = False,
+                  softcap: float | None = None):
     """Single-token queries against this rank's share of their context in the pools -> out [B, Hq, D], lse [B, Hq].
 
     Where the C kernel runs it reads each request's own slots in place, shared prefix or not (several times faster
     than gathering them and calling the flash kernel, and faster than the shared-key union: docs/benchmarks.md).
     Elsewhere (no kernel, CUDA, CPLLM_KERNELS=0) the context is gathered, in the batch's shared-key view where
     requests share a prefix (built once per step: `sdpa_form`), and attention_with_lse runs. A request with no
-    local context gets (0, -inf)."""
-    if _kernel_applies(q, k_pool, decode):
+    local context gets (0, -inf). With `softcap` (the kernel does not cap) the gathered path's math runs."""
+    if softcap is None and _kernel_applies(q, k_pool, decode):
         return paged_decode_attention(q, k_pool, v_pool, decode.slots, decode.lengths, scale)
     decode = sdpa_form(decode)
     k_ctx, v_ctx = gather_context(k_pool, decode, q.dtype), gather_context(v_pool, decode, q.dtype)
-    return attend_single_tokens(q, k_ctx, v_ctx, decode, scale, every_row_sees_a_key)
+    return attend_single_tokens(q, k_ctx, v_ctx, decode, scale, every_row_sees_a_key, softcap)
 
 
 def sdpa_form(decode):
@@ -92,9 +110,9 @@ def gather_decode_context(pool: torch.Tensor, decode, dtype: torch.dtype) -> tor
     return gather_context(pool, sdpa_form(decode), dtype)
 
 
-def attend_gathered_decode(q, k_ctx, v_ctx, decode, scale: float):
+def attend_gathered_decode(q, k_ctx, v_ctx, decode, scale: float, softcap: float | None = None):
     """Decode rows against contexts from `gather_decode_context` (the same cached form)."""
-    return attend_single_tokens(q, k_ctx, v_ctx, sdpa_form(decode), scale)
+    return attend_single_tokens(q, k_ctx, v_ctx, sdpa_form(decode), scale, softcap=softcap)
 
 
 def attend_pooled_single_tokens(q, k_pool, v_pool, decode, scale: float) -> torch.Tensor:

@@ -85,3 +85,12 @@ def accumulate(out, lse, rows, o_part, lse_part) -> None:
     else:
         out[rows] = out[rows] * w_held + o_part * w_part
     lse[rows] = new
+
+
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention sinks (GPT-OSS): one learned logit per query head joins that head's softmax denominator, once,
+    after every partial is merged: with S = exp(lse) the keys' total, out * S / (S + exp(sink)) =
+    out * sigmoid(lse - sink). The sink adds no value; a row with no key (lse = -inf) gets 0. Applying it per
+    partial instead would count it once per shard (docs/context_parallel.md, "Windows, soft-capping and sinks")."""
+    # out [N, Hq, D] float32, lse [N, Hq] float32, sinks [Hq] -> out [N, Hq, D] float32
+    return out * torch.sigmoid(lse - sinks.float().to(lse.device)).unsqueeze(-1)

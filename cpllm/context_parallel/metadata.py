@@ -41,6 +41,9 @@ class RequestAttention:
 
     num_new: int
     """New tokens of the request in this step (all ranks together)."""
+    start_pos: int
+    """Absolute position of its first new token (new token t sits at start_pos + t): with the layout, what a
+    sliding window reads its positions from (window.py)."""
     context_len: int
     """Cached positions the queries read from the KV shards (P, or P + 1 for an unsplit single token)."""
     local_chunks: tuple[LocalChunk, ...]
@@ -83,6 +86,9 @@ class DecodeBatch:
     """Set where two or more of the requests start from the same cached block (a shared prefix; found from the
     block tables at build time, no tensor read): a backend that reads keys once per query block may ask for the
     batch's shared-key view (`shared_key_view`). None: no request shares a key with another."""
+    window_views: "WindowViews | None" = None
+    """The cache of this batch's in-window views (`window_view`), one per window and device, shared by the CPU
+    batch and its device copy; None in a view itself or a batch built by hand."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -113,6 +119,10 @@ class AttentionMetadata:
     plan: StepPlan = StepPlan.PREFILL
     """The path the step takes (cpllm/context_parallel/plan.py), chosen once by the runner: a decode team's plan
     keeps every row on every member and each request's own context slots (no shared keys)."""
+    kv_layout: KVLayout | None = None
+    """The layout the slots were laid out with (which positions this rank holds: local context index l is
+    position (l // I) * C * I + rank * I + l % I): how a sliding window finds the positions of a shard's keys
+    (window.py). Plain ints, no tensor."""
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> "AttentionMetadata":
         """A copy with every tensor on `device` (see `to_device`)."""
@@ -287,6 +297,7 @@ def build_step_batch(chunks, layout: KVLayout, pcp_size: int, pcp_rank: int, out
         pass_q=pass_q,
         rows_same_over_pcp=pcp_size == 1 or not (has_new or split_single_tokens),
         plan=plan,
+        kv_layout=layout,
     )
     replica_sync = None
     if split_single_tokens and not has_new and pcp_size > 1:
@@ -312,6 +323,7 @@ def _request_attention(chunk, runs, layout: KVLayout, pcp_rank: int, num_rows: i
                 new_kv_rows[new_start : new_start + length] = torch.arange(length) + p * num_rows + row
     return RequestAttention(
         num_new=num_new,
+        start_pos=chunk.start_pos,
         context_len=context_len,
         local_chunks=tuple(LocalChunk(row=r, new_start=s, length=n) for r, s, n in runs[pcp_rank]),
         new_kv_rows=new_kv_rows,
@@ -368,7 +380,8 @@ def _decode_batch(requests: list[RequestAttention], chunks) -> DecodeBatch | Non
     shared = SharedPrefix(requests, members, lengths) if len(first_blocks) < len(members) else None
     return DecodeBatch(requests=tuple(members), slots=slots, key_mask=key_mask, rows=_rows(requests, members),
                        max_local_context=max(lengths), window=_window(slots) if lengths[0] else None,
-                       lengths=torch.tensor(lengths, dtype=torch.long), shared_prefix=shared)
+                       lengths=torch.tensor(lengths, dtype=torch.long), shared_prefix=shared,
+                       window_views=WindowViews())
 
 
 class SharedPrefix:
@@ -438,3 +451,57 @@ def _shared_key_batch(requests, members, union: torch.Tensor, lengths: list[int]
     slots = union.unsqueeze(0)
     return DecodeBatch(requests=tuple(members), slots=slots, key_mask=key_mask, rows=_rows(requests, members),
                        max_local_context=max(lengths), shared_keys=True, window=_window(slots))
+
+
+class WindowViews:
+    """The in-window views of one step's decode batch, built on first use and kept for every later layer (one per
+    window and device). Not a dataclass: `to_device` passes it along as is."""
+
+    __slots__ = ("views",)
+
+    def __init__(self):
+        self.views: dict[tuple[torch.device, int], DecodeBatch] = {}
+
+
+def window_view(meta: AttentionMetadata, window: int | None) -> DecodeBatch | None:
+    """The step's decode batch restricted to each row's in-window keys: the row at position p keeps the local
+    slots of positions > p - window, so the decode kernels run it unmasked (every key kept is visible). Built on
+    the first call of the step for this window and cached; the batch itself where the window hides nothing
+    (or there is no window)."""
+    decode = meta.decode
+    if decode is None or window is None:
+        return decode
+    key = (decode.slots.device, window)
+    cache = decode.window_views
+    if cache is not None and key in cache.views:
+        return cache.views[key]
+    view = _window_batch(decode, meta, window)
+    if cache is not None:
+        cache.views[key] = view
+    return view
+
+
+def _window_batch(decode: DecodeBatch, meta: AttentionMetadata, window: int) -> DecodeBatch:
+    layout, requests = meta.kv_layout, meta.requests
+    if layout is None:
+        raise ValueError("a windowed decode needs the step's KV layout: build the metadata with build_step_batch")
+    # The token at position p = context_len - 1 sees positions >= context_len - window.
+    starts = [layout.num_local_tokens(max(requests[i].context_len - window, 0)) for i in decode.requests]
+    if not any(starts):
+        return decode
+    lengths = [layout.num_local_tokens(requests[i].context_len) - s for i, s in zip(decode.requests, starts)]
+    width = max(max(lengths), 1)
+    device = decode.slots.device
+    index = (torch.tensor(starts).unsqueeze(1) + torch.arange(width)).clamp_(max=decode.slots.shape[1] - 1)
+    slots = decode.slots.gather(1, index.to(device))  # [B, width]; past a row's length: masked, never read
+    key_mask = None
+    if min(lengths) < width:
+        valid = torch.arange(width) < torch.tensor(lengths).unsqueeze(1)  # [B, width]
+        key_mask = torch.zeros(len(lengths), 1, 1, width).masked_fill(~valid[:, None, None, :], float("-inf"))
+        key_mask = key_mask.to(device)
+    contiguous = None
+    if decode.window is not None and lengths[0]:  # one request in consecutive slots: a narrower run of them
+        contiguous = (decode.window[0] + starts[0], lengths[0])
+    return DecodeBatch(requests=decode.requests, slots=slots, key_mask=key_mask, rows=decode.rows,
+                       max_local_context=max(lengths), window=contiguous,
+                       lengths=torch.tensor(lengths, dtype=torch.long).to(device))

@@ -35,18 +35,21 @@ import torch
 from cpllm.context_parallel.merge import accumulate, accumulator_dtype, merge_attention_partials
 from cpllm.context_parallel.metadata import AttentionMetadata, RequestAttention
 from cpllm.context_parallel.partition import key_runs
+from cpllm.context_parallel.window import ScoreMods, attend_piece, context_piece, context_range, new_key_pieces
 from cpllm.distributed.comm import all_to_all, ring_exchange
 
 
-def pass_q_attention(comm, backend, scale: float, q, k, v, k_pool, v_pool, meta: AttentionMetadata):
+def pass_q_attention(comm, backend, scale: float, q, k, v, k_pool, v_pool, meta: AttentionMetadata,
+                     mods: ScoreMods | None = None):
     """Attention of this rank's query rows over new tokens and cached context; (out, lse) in float32. `backend`
-    (an `AttentionBackend`) stores and attends on this rank.
+    (an `AttentionBackend`) stores and attends on this rank. `mods` (a window, a soft-cap) apply to every piece
+    on its own keys (window.py); the layer passes decode rows' in-window view in `meta.decode`.
 
     q [N, Hq, D]; k, v [N, Hkv, D]; k_pool, v_pool [num_slots, Hkv, D]; `meta.pass_q` is set."""
     plan = meta.pass_q
     ring = _Ring(comm, meta.has_context)
     backend.store_kv(k_pool, v_pool, plan.local_slots, k, v, plan.local_rows)
-    piece = _PieceAttention(comm, backend, scale, k, v, k_pool, v_pool, meta)
+    piece = _PieceAttention(comm, backend, scale, k, v, k_pool, v_pool, meta, mods)
     o_part = torch.zeros((ring.size, *q.shape), dtype=accumulator_dtype(q.dtype), device=q.device)  # [R, N, Hq, D]
     lse_part = torch.full((ring.size, *q.shape[:2]), float("-inf"), dtype=torch.float32, device=q.device)
     block = q
@@ -87,16 +90,26 @@ class _PieceAttention:
     """Attends one visiting query block (the rows of PCP rank `src_pcp`, heads of DCP rank `src_dcp`) to the
     keys this rank holds; the cached context is read from the pools once per layer, not once per block."""
 
-    def __init__(self, comm, backend, scale, k, v, k_pool, v_pool, meta: AttentionMetadata):
-        self.backend, self.scale, self.k, self.v, self.meta = backend, scale, k, v, meta
+    def __init__(self, comm, backend, scale, k, v, k_pool, v_pool, meta: AttentionMetadata,
+                 mods: ScoreMods | None = None):
+        self.backend, self.scale, self.k, self.v, self.meta, self.mods = backend, scale, k, v, meta, mods
         self.my_pcp = comm.pcp_rank
         self.my_dcp = comm.cp_rank % (comm.cp_size // comm.pcp_size)
         batched = set(meta.decode.requests) if meta.decode is not None else set()
-        self.contexts = [
-            (request, *backend.context_keys(k_pool, v_pool, request.context_slots, k.dtype))
-            for index, request in enumerate(meta.requests)
-            if index not in batched and request.context_len > 0 and request.context_slots.numel() > 0
-        ]
+        readers = [request for index, request in enumerate(meta.requests)
+                   if index not in batched and request.context_len > 0 and request.context_slots.numel() > 0]
+        if mods is None:
+            self.contexts = [(request, *backend.context_keys(k_pool, v_pool, request.context_slots, k.dtype))
+                             for request in readers]
+        else:  # only the shard's keys in the window of the request's first query are read
+            self.windowed = []
+            for request in readers:
+                lo, hi = context_range(meta.kv_layout, request.context_len, request.start_pos, mods)
+                if lo < hi:
+                    self.windowed.append((request, lo, *backend.context_keys(
+                        k_pool, v_pool, request.context_slots[lo:hi], k.dtype)))
+            self.contexts = []
+        self._decode_kwargs = {} if mods is None or mods.softcap is None else {"softcap": mods.softcap}
         self.decode_ctx = None
         if meta.decode is not None and meta.decode.max_local_context > 0:
             self.decode_ctx = (backend.decode_context(k_pool, meta.decode, k.dtype),
@@ -105,6 +118,8 @@ class _PieceAttention:
 
     def __call__(self, q_block, src_pcp: int, src_dcp: int, out, lse) -> None:
         # q_block [N, Hq, D]; out [N, Hq, D] and lse [N, Hq] are this block's float32 accumulators
+        if self.mods is not None:
+            self._windowed_contexts(q_block, src_pcp, out, lse)
         for request, k_ctx, v_ctx in self.contexts:
             start, end = request.pcp_rows[src_pcp]
             if end > start:
@@ -117,7 +132,27 @@ class _PieceAttention:
         if self.decode_ctx is not None:
             self._single_tokens(q_block, src_pcp, src_dcp, out, lse)
 
+    def _windowed_contexts(self, q_block, src_pcp: int, out, lse) -> None:
+        """The cached contexts with score modifiers: each query run of the block against the suffix of the shard
+        its window leaves (no call where it leaves none)."""
+        layout = self.meta.kv_layout
+        for request, lo, k_ctx, v_ctx in self.windowed:
+            for row, new_start, length in request.source_rank_rows[src_pcp]:
+                piece = context_piece(layout, request.context_len, lo, request.start_pos + new_start, length,
+                                      self.mods)
+                if piece is not None:
+                    rows = slice(row, row + length)
+                    accumulate(out, lse, rows, *attend_piece(self.backend, self.scale, self.mods, q_block[rows],
+                                                             k_ctx[piece.keys], v_ctx[piece.keys], piece))
+
     def _new_tokens(self, q_block, src_pcp: int, request: RequestAttention, out, lse) -> None:
+        if self.mods is not None:
+            for q_row, q_start, q_len in request.source_rank_rows[src_pcp]:
+                rows = slice(q_row, q_row + q_len)
+                for piece in new_key_pieces(request.source_rank_rows[self.my_pcp], q_start, q_len, self.mods):
+                    accumulate(out, lse, rows, *attend_piece(self.backend, self.scale, self.mods, q_block[rows],
+                                                             self.k[piece.keys], self.v[piece.keys], piece))
+            return
         for q_row, q_start, q_len in request.source_rank_rows[src_pcp]:
             rows = slice(q_row, q_row + q_len)
             for keys, causal in key_runs(request.source_rank_rows[self.my_pcp], q_start):
@@ -129,7 +164,8 @@ class _PieceAttention:
         rows = decode.rows[src_pcp]  # [B]
         if src_dcp not in self._decode_by_dcp:  # the same queries on every PCP rank: attend once per DCP rank
             self._decode_by_dcp[src_dcp] = self.backend.attend_gathered_decode(q_block[rows], *self.decode_ctx,
-                                                                               decode, self.scale)
+                                                                               decode, self.scale,
+                                                                               **self._decode_kwargs)
         o_piece, lse_piece = self._decode_by_dcp[src_dcp]
         out[rows], lse[rows] = o_piece.to(out.dtype), lse_piece  # the only partial of these rows so far
 

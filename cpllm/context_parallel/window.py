@@ -1,0 +1,139 @@
+"""Sliding windows and logit soft-capping on the pieces of a CP attention (docs/context_parallel.md, "Windows,
+soft-capping and sinks").
+
+A window `W` is a mask on absolute positions: key position `j` is visible to query position `i` iff
+`i - W < j <= i` (transformers' sliding-window overlay). Every piece of a CP attention (a run of queries against a
+run of new keys, or against one rank's shard of the cached context, or a decode row against its shard) applies it
+on its own keys, so the log-sum-exp merge of the pieces stays exact: each partial is softmax over exactly the keys
+of its piece that the window keeps. What this module decides for a piece, from positions alone (plain ints, no
+tensor read):
+- which of its keys can be visible at all (the window trims a run of keys to a suffix: keys at or after
+  `first query - W + 1`), and skip the piece when none is (no attend call: that is where a window saves time);
+- whether the keys left are visible to every query of the run (no mask: the backend's fastest kernel), or need a
+  band mask built from positions.
+
+Soft-capping `c` (Gemma 2) rewrites every scaled score `s` as `c * tanh(s / c)` before the mask; the kernels do
+not know it, so a soft-capped piece always runs the backend's scored (math) path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cpllm.context_parallel.kv_layout import KVLayout
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ScoreMods:
+    """What a layer changes in its attention scores (None: nothing of that kind)."""
+
+    window: int | None = None
+    """Sliding window W: query i sees keys i - W < j <= i."""
+    softcap: float | None = None
+    """Scores (after the scale) become softcap * tanh(score / softcap) before the mask."""
+
+    def __post_init__(self) -> None:
+        if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
+            raise ValueError(f"window must be an integer >= 1 (or None), got {self.window!r}")
+        if self.softcap is not None and not self.softcap > 0:
+            raise ValueError(f"softcap must be > 0 (or None), got {self.softcap!r}")
+
+    def first_visible(self, q_first: int) -> int:
+        """Smallest key position any query at or after position `q_first` can see (0 without a window)."""
+        return 0 if self.window is None else max(q_first - self.window + 1, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One attend call of a query run against part of a key run (rows of the key buffer)."""
+
+    keys: slice
+    """Rows of the key run's buffer the call reads (already trimmed to the window)."""
+    causal: bool
+    """The key run is the query run itself and the window does not bite inside it: square causal, no mask."""
+    mask: torch.Tensor | None
+    """[L, S] bool, True keeps: the band the window leaves (causality included), or None (every key visible to
+    every query, or `causal`)."""
+
+
+def band_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[L, S] bool: key j visible to query i (k <= q, and k > q - window when there is one)."""
+    diff = q_positions.unsqueeze(1) - k_positions.unsqueeze(0)  # [L, S]
+    keep = diff >= 0
+    if window is not None:
+        keep &= diff < window
+    return keep
+
+
+def new_key_pieces(source_rows, q_start: int, q_len: int, mods: ScoreMods) -> list[Piece]:
+    """The attend calls of a query run (new-token indices [q_start, q_start + q_len)) against one source's key
+    runs [(row in the block, first new-token index, length)]: the run itself (causal), runs wholly before it
+    (trimmed to the window, unmasked where the whole run sees them), runs after it or out of the window skipped.
+    The request's start position cancels: new-token indices are positions up to one offset."""
+    window, pieces = mods.window, []
+    q_last = q_start + q_len - 1
+    for key_row, key_start, key_len in source_rows:
+        if key_len == 0:
+            continue
+        if key_start == q_start:  # the run itself
+            if window is None or q_len <= window:
+                pieces.append(Piece(slice(key_row, key_row + key_len), True, None))
+            else:
+                idx = torch.arange(q_len)
+                pieces.append(Piece(slice(key_row, key_row + key_len), False, band_mask(idx, idx, window)))
+            continue
+        if key_start + key_len > q_start:
+            continue  # after the run (head-tail chunks never overlap otherwise)
+        lo = max(key_start, mods.first_visible(q_start))
+        end = key_start + key_len
+        if lo >= end:
+            continue  # wholly out of the window: no call
+        keys = slice(key_row + lo - key_start, key_row + key_len)
+        if window is None or lo > q_last - window:  # the last query still sees the first key kept
+            pieces.append(Piece(keys, False, None))
+        else:
+            pieces.append(Piece(keys, False, band_mask(torch.arange(q_start, q_last + 1), torch.arange(lo, end),
+                                                       window)))
+    return pieces
+
+
+def local_positions(layout: KVLayout, start: int, end: int) -> torch.Tensor:
+    """[end - start] absolute positions of this rank's local context indices [start, end) (ascending)."""
+    local = torch.arange(start, end)
+    return torch.div(local, layout.interleave, rounding_mode="floor") * layout.cycle \
+        + layout.cp_rank * layout.interleave + local % layout.interleave
+
+
+def context_range(layout: KVLayout, context_len: int, q_first: int, mods: ScoreMods) -> tuple[int, int]:
+    """Local indices [lo, hi) of this rank's cached context (positions < context_len) that queries at or after
+    position `q_first` can see: a suffix of its shard."""
+    return layout.num_local_tokens(mods.first_visible(q_first)), layout.num_local_tokens(context_len)
+
+
+def context_piece(layout: KVLayout, context_len: int, lo_base: int, q_first: int, q_len: int,
+                  mods: ScoreMods) -> Piece | None:
+    """The attend call of queries at positions [q_first, q_first + q_len) against this rank's cached context, read
+    from local index `lo_base` on (rows of the key buffer count from there); None when the window leaves none
+    of its keys. Every cached position lies before every query of the run, so only the window masks."""
+    lo, hi = context_range(layout, context_len, q_first, mods)
+    lo = max(lo, lo_base)
+    if lo >= hi:
+        return None
+    keys = slice(lo - lo_base, hi - lo_base)
+    q_last = q_first + q_len - 1
+    first_pos = int(local_positions(layout, lo, lo + 1)[0])
+    if mods.window is None or first_pos > q_last - mods.window:
+        return Piece(keys, False, None)
+    mask = band_mask(torch.arange(q_first, q_last + 1), local_positions(layout, lo, hi), mods.window)
+    return Piece(keys, False, mask)
+
+
+def attend_piece(backend, scale: float, mods: ScoreMods | None, q, k, v, piece: Piece):
+    """One piece on this rank -> (out, lse): the backend's plain `attend` (its fastest kernel) where neither a mask
+    nor a soft-cap applies, else its scored path."""
+    softcap = None if mods is None else mods.softcap
+    if piece.mask is None and softcap is None:
+        return backend.attend(q, k, v, scale, piece.causal)
+    return backend.attend_scored(q, k, v, scale, causal=piece.causal, mask=piece.mask, softcap=softcap)
