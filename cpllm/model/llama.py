@@ -229,12 +229,19 @@ class LlamaForCausalLM(torch.nn.Module):
                 module.after_load(source)
         for line in summary_lines(self, self.config.quantization) + moe_summary_lines(self) + layer_kinds_lines(self):
             logger.info("%s", line)
-        if any(getattr(layer.self_attn, "window", None) is not None for layer in self.layers):
-            # the C layers attend to the whole context: a windowed layer runs eager (PagedCPAttention's window)
-            logger.info("decode steps: eager layers (sliding-window attention)")
+        reason = self.eager_decode_reason()
+        if reason is not None:
+            logger.info("decode steps: eager layers (%s)", reason)
             self.fused_decode = None
         else:
             self.fused_decode = FusedDecode.build(self)
+
+    def eager_decode_reason(self) -> str | None:
+        """Why this model's decode steps never run the fused C layers (FusedDecode), which compute a Llama layer
+        over the whole context; None: FusedDecode.build decides from the loaded layers."""
+        if any(getattr(layer.self_attn, "window", None) is not None for layer in self.layers):
+            return "sliding-window attention"  # PagedCPAttention applies the window; the C layers do not
+        return None
 
     def pack_weights(self) -> None:
         """Attention projections and shared experts in oneDNN's layout (the routed experts pack at load): for models

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from cpllm.model.gemma import GemmaForCausalLM
 from cpllm.model.gpt_oss import GptOssForCausalLM
 from cpllm.model.llama import LlamaForCausalLM
 
@@ -16,6 +17,8 @@ MODEL_CLASSES: dict[str, type[torch.nn.Module]] = {
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": LlamaForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
 }
 """Architecture name -> the class whose constructor takes (config, tp, comm, dtype, max_positions, moe, pcp)."""
 
