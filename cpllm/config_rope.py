@@ -45,10 +45,10 @@ def resolve_rope_scaling(scaling: dict[str, Any] | None, max_position_embeddings
         out["original_max_position_embeddings"] = max_position_embeddings
     if kind == "yarn":
         out.setdefault("original_max_position_embeddings", max_position_embeddings)
-        if out.get("factor") is None and isinstance(out["original_max_position_embeddings"], (int, float)):
-            out["factor"] = max_position_embeddings / out["original_max_position_embeddings"]
     if kind in ("yarn", "llama3") and "original_max_position_embeddings" in out:
         _check_number(kind, "original_max_position_embeddings", out["original_max_position_embeddings"], 1)
+    if kind == "yarn" and out.get("factor") is None:
+        out["factor"] = max_position_embeddings / out["original_max_position_embeddings"]
     _check_number(kind, "factor", out.get("factor"), 1.0)
     return out
 

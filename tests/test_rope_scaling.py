@@ -3,6 +3,7 @@ of each, the tables, and the engine end to end on tiny random Llamas whose promp
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -106,10 +107,18 @@ def test_yarn_mscale():
     ({"rope_type": "linear"}, "factor=None"),
     ({"rope_type": "yarn", "factor": 0.5, "original_max_position_embeddings": 16}, "factor=0.5"),
     ({"rope_type": "dynamic", "factor": "2"}, "factor='2'"),
+    ({"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 0}, "original_max_position_embeddings=0"),
 ])
 def test_bad_rope_scaling_refused_at_configuration(scaling, message):
     with pytest.raises(ValueError, match=message):
         model_config(scaling, 64)
+
+
+def test_resolved_scaling_is_resolved_again_unchanged():
+    """dataclasses.replace re-runs the check on the completed dict: nothing moves."""
+    for scaling, max_positions in CASES.values():
+        config = model_config(scaling, max_positions)
+        assert dataclasses.replace(config, quantization="none").rope_scaling == config.rope_scaling
 
 
 def test_yarn_fields_survive_the_rope_parameters_fold(tmp_path):
