@@ -71,7 +71,7 @@ def hf_gemma_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
             # transformers' Gemma3 attention never applies attn_logit_softcapping, so neither does cpllm
             attn_logit_softcapping=cfg.get("attn_logit_softcapping") if arch == "Gemma2ForCausalLM" else None,
-            hidden_activation=cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
+            hidden_activation=cfg.get("hidden_activation") or "gelu_pytorch_tanh",  # what transformers reads
         )
     if arch == "Gemma3ForCausalLM":
         fields["rope_local_theta"] = float(cfg.get("rope_local_base_freq", 10000.0))

@@ -211,9 +211,15 @@ def test_unsupported_architecture(variant):
 
 
 @pytest.mark.parametrize("pcp", [1, 2])
-def test_mistral_sliding_window_refused(variant, pcp):
+def test_mistral_sliding_window_slides_every_layer(variant, pcp):
     folder = variant(architectures=["MistralForCausalLM"], sliding_window=128)
-    refused(folder, "sliding_window=128", prefill_context_parallel_size=pcp)
+    model = build_engine_config(folder, prefill_context_parallel_size=pcp).model
+    assert (model.sliding_window, model.layer_types) == (128, ("sliding_attention",) * 2)
+
+
+@pytest.mark.parametrize("window", [0, -3])
+def test_sliding_window_below_one(variant, window):
+    refused(variant(architectures=["MistralForCausalLM"], sliding_window=window), f"sliding_window={window}")
 
 
 def test_mistral_window_as_long_as_the_context_is_no_window(variant):
@@ -222,9 +228,57 @@ def test_mistral_window_as_long_as_the_context_is_no_window(variant):
 
 
 @pytest.mark.parametrize("pcp", [1, 2])
-def test_qwen2_sliding_window_refused(variant, pcp):
-    folder = variant(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=64)
-    refused(folder, "sliding_window=64", prefill_context_parallel_size=pcp)
+def test_qwen2_layers_from_max_window_layers_slide(variant, pcp):
+    # no layer_types in the file: layers i >= max_window_layers slide, as transformers' Qwen2Config decides
+    folder = variant(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=64,
+                     max_window_layers=1)
+    model = build_engine_config(folder, prefill_context_parallel_size=pcp).model
+    assert (model.sliding_window, model.layer_types) == (64, ("full_attention", "sliding_attention"))
+
+
+def test_qwen2_layer_types_win_over_max_window_layers(variant):
+    folder = variant(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=64,
+                     max_window_layers=0, layer_types=["sliding_attention", "full_attention"])
+    assert build_engine_config(folder).model.layer_types == ("sliding_attention", "full_attention")
+
+
+def test_window_of_a_family_without_windows_refused(variant):
+    folder = variant(architectures=["Qwen3ForCausalLM"], use_sliding_window=True, sliding_window=64)
+    refused(folder, "sliding_window=64", "Qwen3ForCausalLM")
+
+
+def test_gemma3_config_of_transformers_4(variant):
+    """The older spelling: rope_theta, rope_local_base_freq, rope_scaling and sliding_window_pattern, no
+    layer_types (every pattern-th layer full)."""
+    folder = variant(architectures=["Gemma3ForCausalLM"], rope_parameters=None, rope_theta=1e6,
+                     rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                     sliding_window=16, sliding_window_pattern=2, query_pre_attn_scalar=32)
+    model = build_engine_config(folder).model
+    assert (model.layer_types, model.sliding_window) == (("sliding_attention", "full_attention"), 16)
+    assert (model.rope_theta, model.rope_local_theta, model.rope_scaling["factor"]) == (1e6, 1e4, 8.0)
+    assert (model.query_pre_attn_scalar, model.qk_norm, model.hidden_activation) == (32, True, "gelu_pytorch_tanh")
+
+
+def test_gemma2_without_layer_types_alternates(variant):
+    folder = variant(architectures=["Gemma2ForCausalLM"], sliding_window=16, attn_logit_softcapping=50.0)
+    model = build_engine_config(folder).model
+    assert model.layer_types == ("sliding_attention", "full_attention") and model.attn_logit_softcapping == 50.0
+
+
+def test_gemma_refusals(variant):
+    refused(variant(architectures=["Gemma2ForCausalLM"], use_bidirectional_attention=True),
+            "use_bidirectional_attention=True")
+    refused(variant(architectures=["Gemma2ForCausalLM"], hidden_activation="gelu"), "hidden_activation='gelu'")
+    refused(variant(architectures=["Gemma3ForCausalLM"], rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}), "'linear'")
+
+
+def test_gemma_fields_refused_elsewhere(base_folder):
+    model = build_engine_config(base_folder).model
+    for name, value in (("final_logit_softcapping", 30.0), ("query_pre_attn_scalar", 256), ("rope_local_theta", 1e4)):
+        with pytest.raises(ValueError, match=f"{name}={value}.*LlamaForCausalLM"):
+            dataclasses.replace(model, **{name: value})
 
 
 def test_qwen2_unused_sliding_window_is_accepted(variant):
