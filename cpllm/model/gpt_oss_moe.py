@@ -35,8 +35,10 @@ from cpllm.model.quant_kernels import Int4Linear
 from cpllm.model.quant_plan import NOT_QUANTIZED, WeightPlan
 
 AUTO_MXFP4_FORMAT = "int8"
-"""What MXFP4 experts run as under quantization=auto: the blocks' exact 8-bit form (measured drift in
-docs/benchmarks.md: the re-quantized int4 form moved logprobs by far more than the int8 one)."""
+"""What MXFP4 experts run as under quantization=auto: the blocks' exact 8-bit form. Measured on the tiny model
+against its dequantized float run (tests/test_gpt_oss_vs_hf.py): prompt logprobs moved 0.0064 at most (0.001 on
+average; the kernel rounds activations to int8), where the re-quantized int4 form moved them up to 0.21 (0.04 on
+average) and changed every greedy continuation."""
 
 
 class TopKSoftmaxRouter(torch.nn.Module):
