@@ -30,7 +30,7 @@ def parses(monkeypatch, tmp_path):
     tokenizer's own scalar read; the tokenizer cache starts empty in a fresh folder."""
     monkeypatch.setenv("CPLLM_TOKENIZER_CACHE", str(tmp_path / "tokenizers"))
     counts = {"weights": 0, "tokenizer build": 0, "tokenizer scalars": 0}
-    reader, build, scalars = gguf_source.GGUFFile, tokenizer_cache.transformers.AutoTokenizer.from_pretrained, \
+    reader, build, scalars = gguf_source.GGUFFile, tokenizer_cache.transformers.TokenizersBackend.from_pretrained, \
         tokenizer_module._gguf_scalars
 
     def counted(kind, fn):
@@ -41,7 +41,7 @@ def parses(monkeypatch, tmp_path):
         return call
 
     monkeypatch.setattr(gguf_source, "GGUFFile", counted("weights", reader))
-    monkeypatch.setattr(tokenizer_cache.transformers.AutoTokenizer, "from_pretrained",
+    monkeypatch.setattr(tokenizer_cache.transformers.TokenizersBackend, "from_pretrained",
                         counted("tokenizer build", build))
     monkeypatch.setattr(tokenizer_module, "_gguf_scalars", counted("tokenizer scalars", scalars))
     loader._open_unchanged.cache_clear()
@@ -60,6 +60,20 @@ def test_a_second_load_reuses_the_converted_tokenizer(tiny_gguf, parses):
     assert warm.encode(text) == cold.encode(text)
     assert (warm.chat_template, warm.eos_token_ids, warm.bos_token_id) == \
         (cold.chat_template, cold.eos_token_ids, cold.bos_token_id)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_cold_build_is_the_tokenizer_auto_tokenizer_builds(arch, tmp_path, monkeypatch):
+    monkeypatch.setenv("CPLLM_TOKENIZER_CACHE", str(tmp_path / "tokenizers"))
+    path = str(tmp_path / f"{arch}.gguf")
+    tm.save_tiny_gguf(path, arch)
+    ours = load_tokenizer(path)
+    auto = tokenizer_cache.transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=f"{arch}.gguf")
+    assert ours.hf_tokenizer.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str()
+    assert ours.hf_tokenizer.special_tokens_map == auto.special_tokens_map
+    text = "hello world, <|im_start|> the cat sat"
+    assert ours.encode(text) == auto(text).input_ids
+    assert ours.hf_tokenizer.decode(auto(text).input_ids) == auto.decode(auto(text).input_ids)
 
 
 def test_a_warm_start_parses_the_gguf_once(tiny_gguf, parses):

@@ -76,7 +76,10 @@ def build_and_store(path: str, meta_of_file) -> tuple[Any, dict[str, Any]]:
     the next start the build again, nothing else."""
     global conversions
     folder, name = os.path.split(os.path.abspath(path))
-    hf = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    # The tokenizers-backed class directly: AutoTokenizer would first build a model config from the GGUF with the
+    # gguf package's reader (seconds: it parses every metadata value) only to pick a class whose tokenizer is the
+    # same converted one (tests/test_startup.py compares the two).
+    hf = transformers.TokenizersBackend.from_pretrained(folder, gguf_file=name)
     conversions += 1
     meta = meta_of_file(path)
     entry = cache_root() / content_key(path)
