@@ -123,3 +123,61 @@ def deepseek_moe_config(cfg: dict[str, Any]) -> MoEConfig:
         mlp_only_layers=dense_layers(cfg, arch, cfg["num_hidden_layers"]),
         deepseek_router=routing,
     )
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class MLAConfig:
+    """Multi-head latent attention's shapes (DeepSeek-V2/V3, Kimi-K2, GLM-4.7-Flash), from config.json."""
+
+    kv_lora_rank: int
+    """Width of the compressed KV every head shares (r): the cached latent holds it after its RMSNorm."""
+    qk_rope_head_dim: int
+    """Width of the rotated key part, one for all heads (cached beside the compressed KV) and of each query's."""
+    qk_nope_head_dim: int
+    """Width of each head's key and query part without rotary (the keys' comes from the latent's up-projection)."""
+    v_head_dim: int
+    """Width of each head's value (may differ from qk_nope_head_dim + qk_rope_head_dim)."""
+    q_lora_rank: int | None = None
+    """Queries through a low-rank projection of this width and its RMSNorm (q_a_proj, q_a_layernorm, q_b_proj);
+    None: one q_proj."""
+    rope_interleave: bool = True
+    """The rotary dimensions pair as (0, 1), (2, 3), ... (DeepSeek's layout; V2 always) rather than (i, i + d/2)."""
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_width(self) -> int:
+        """Values cached per token and layer: kv_lora_rank + qk_rope_head_dim (576 for DeepSeek-V3)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even (rotary pairs)")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"q_lora_rank={self.q_lora_rank} must be >= 1 or null")
+
+    def softmax_scale(self, rope_scaling: dict[str, Any] | None) -> float:
+        """qk_head_dim ** -0.5, times yarn_mscale(factor, mscale_all_dim) ** 2 under a scaled rotary with
+        mscale_all_dim set (DeepSeek's YaRN correction, as transformers applies it)."""
+        from cpllm.config_rope import yarn_mscale
+
+        scale = self.qk_head_dim**-0.5
+        kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+        if kind != "default" and rope_scaling.get("mscale_all_dim"):
+            mscale = yarn_mscale(rope_scaling["factor"], rope_scaling["mscale_all_dim"])
+            scale *= mscale * mscale
+        return scale
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "MLAConfig":
+        arch = (cfg.get("architectures") or [""])[0]
+        return cls(kv_lora_rank=cfg["kv_lora_rank"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
+                   qk_nope_head_dim=cfg["qk_nope_head_dim"], v_head_dim=cfg["v_head_dim"],
+                   q_lora_rank=cfg.get("q_lora_rank"),
+                   # transformers' V2 always rotates interleaved pairs (its complex form); V3 / GLM as configured
+                   rope_interleave=True if arch == "DeepseekV2ForCausalLM" else cfg.get("rope_interleave", True))

@@ -41,16 +41,25 @@ def _store_kv(k_pool, v_pool, slots, k, v, rows) -> None:
         _store_rows(v_pool, slots, v, rows)
 
 
-def _attend(q, k, v, scale: float, causal: bool):
+def _at_key_width(attend, q, k, v, *args, **kwargs):
     # q [L, Hq, Dk], k [S, Hkv, Dk], v [S, Hkv, Dv] with Dv <= Dk -> out [L, Hq, Dv], lse [L, Hq]
     width, keys = v.shape[-1], k.shape[-1]
     if width > keys:
         raise ValueError(f"MLA attention: values {tuple(v.shape)} are wider than the keys {tuple(k.shape)}")
     if width == keys:
-        return local_attention.attend(q, k, v, scale, causal)
+        return attend(q, k, v, *args, **kwargs)
     # The kernels take equal widths: zero columns add nothing to the output's first `width` columns
-    out, lse = local_attention.attend(q, k, F.pad(v, (0, keys - width)), scale, causal)
+    out, lse = attend(q, k, F.pad(v, (0, keys - width)), *args, **kwargs)
     return out[..., :width], lse
+
+
+def _attend(q, k, v, scale: float, causal: bool):
+    return _at_key_width(local_attention.attend, q, k, v, scale, causal)
+
+
+def _attend_scored(q, k, v, scale: float, *, causal: bool = False, mask=None, softcap=None):
+    # no MLA model has a window or a soft-cap today; the protocol's method, for completeness
+    return _at_key_width(local_attention.attend_scored, q, k, v, scale, causal=causal, mask=mask, softcap=softcap)
 
 
 def _context_keys(k_pool, v_pool, slots, dtype):
@@ -64,6 +73,7 @@ class MLAPagedBackend:
     name = "mla"
     store_kv = staticmethod(_store_kv)
     attend = staticmethod(_attend)
+    attend_scored = staticmethod(_attend_scored)
     context_keys = staticmethod(_context_keys)
     attend_decode = staticmethod(local_attention.attend_decode)
     attend_decode_whole = staticmethod(local_attention.attend_pooled_single_tokens)
