@@ -16,6 +16,7 @@ import dataclasses
 import logging
 
 import pytest
+import torch
 
 from cpllm import LLM
 from cpllm.model.loader import open_weights
@@ -159,3 +160,58 @@ def test_layer_types_checked(launches):
         dataclasses.replace(config, layer_types=("sliding_attention",))
     with pytest.raises(ValueError, match="unsupported"):
         dataclasses.replace(config, layer_types=("sliding_attention", "chunked_attention"))
+
+
+def _rank_blocks(folder: str, tp: int, pcp: int, ep: bool, quantization: str = "none") -> list:
+    """Layer 0's MoE block on every rank of a TP x PCP layout, built and loaded in this process (no group)."""
+    from cpllm.context_parallel.attention import CPComm
+    from cpllm.distributed.groups import PCPSplit
+    from cpllm.model.gpt_oss import GptOssForCausalLM
+    from cpllm.model.layers import TPShard
+    from cpllm.model.moe_placement import MoEShard
+
+    source = open_weights(folder)
+    config = dataclasses.replace(source.config, quantization=quantization)
+    blocks = []
+    for pcp_rank in range(pcp):
+        for tp_rank in range(tp):
+            shard = MoEShard(tp=TPShard(rank=tp_rank, size=tp), pcp_rank=pcp_rank, pcp_size=pcp, expert_parallel=ep)
+            model = GptOssForCausalLM(config, shard.tp, CPComm(), torch.float32, 64, shard,
+                                      PCPSplit(rank=pcp_rank, size=pcp))
+            model.load_weights(source)
+            blocks.append(model.layers[0].mlp)
+    return blocks
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["expert-tp", "ep"])
+def test_rank_partials_sum_to_the_transformers_block(launches, ep):
+    """Over TP=2 x PCP=2 the four ranks' expert partials (biases counted once) sum to transformers' MLP output,
+    and each rank routes exactly as transformers' router does."""
+    hf = make_tiny_gpt_oss(seed=MODEL_SEED, **MODEL).model.layers[0].mlp
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want, _ = hf(x.unsqueeze(0))
+        _, hf_weights, hf_ids = hf.router(x)
+    total = torch.zeros_like(x)
+    for block in _rank_blocks(launches.folder(), 2, 2, ep):
+        weights, ids = block.gate(x)
+        assert torch.equal(ids, hf_ids) and torch.allclose(weights, hf_weights, atol=1e-6)
+        total += block.experts(x, weights, ids)
+    assert torch.allclose(total, want[0], atol=1e-5), (total - want[0]).abs().max()
+
+
+def test_mxfp4_plans_per_layout(mxfp4_folder, launches):
+    """auto: whole experts (EP, 32 input rows) run as int8 groups close to the float experts; an expert-TP slice of
+    16 rows is off the 32-column groups and runs dequantized."""
+    folder, _ = mxfp4_folder
+    x = torch.randn(24, 64, generator=torch.Generator().manual_seed(4))
+    (exact,) = _rank_blocks(folder, 1, 1, False)
+    weights, ids = exact.gate(x)
+    want = exact.experts(x, weights, ids)
+    ep = _rank_blocks(folder, 2, 1, True, "auto")
+    assert all(b.experts.plans[0][1].format == "int8" and b.experts.quantized is not None for b in ep)
+    got = sum(b.experts(x, weights, ids) for b in ep)
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    split = _rank_blocks(folder, 2, 1, False, "auto")
+    assert all(b.experts.plans[0][1].format == "float" and "not a multiple of 32" in b.experts.plans[0][1].reason
+               for b in split)
