@@ -14,6 +14,7 @@ import threading
 import time
 
 import httpx
+import psutil
 import pytest
 from tiny_models import save_tiny_hf_model
 
@@ -96,3 +97,168 @@ def test_non_streamed_request_whose_client_left_is_aborted(long_model, route):
         assert total(values, "vllm:request_success_total", finished_reason="abort") == aborted_before + 4
         assert re.search(r"request \S+ status=499 .*finish=abort", server.log()), server.log()[-2000:]
         print(f"KV freed {freed_after:.2f} s after the client left")
+
+
+# ---- helpers for the process-level tests ----------------------------------------------------------------
+
+
+def rank_pids(server: ServerProcess) -> dict[int, int]:
+    """Global rank -> pid of each rank process the server spawned (python -m cpllm.distributed.rank_entry R FD)."""
+    found = {}
+    for proc in psutil.Process(server.process.pid).children(recursive=True):
+        try:
+            cmd = proc.cmdline()
+        except psutil.Error:
+            continue
+        if "cpllm.distributed.rank_entry" in cmd:
+            found[int(cmd[cmd.index("cpllm.distributed.rank_entry") + 1])] = proc.pid
+    return found
+
+
+def shm_files_of(pids) -> list[str]:
+    return [name for name in os.listdir("/dev/shm") if any(name.startswith(f"cpllm-{pid}-") for pid in pids)]
+
+
+class StreamReader(threading.Thread):
+    """One streamed completion read in the background: every data line, and whether it ended with [DONE]."""
+
+    def __init__(self, url: str, body: dict | None = None):
+        super().__init__(daemon=True)
+        self.url, self.body = url, {**(body or LONG), "stream": True}
+        self.events: list = []
+        self.opened = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/completions", json=self.body, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+                        self.opened.set()
+        except BaseException as exc:  # noqa: BLE001 - asserted by the test
+            self.error = exc
+        self.opened.set()
+
+    def error_event(self) -> dict | None:
+        return next((e["error"] for e in self.events if isinstance(e, dict) and "error" in e), None)
+
+
+def health(url: str, path: str = "/health") -> httpx.Response:
+    return httpx.get(f"{url}{path}", timeout=5)
+
+
+# ---- 2. shutdown ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_ends_long_streams_with_an_error_event_and_done(long_model):
+    timeout_s = 2.0
+    args = [long_model, *LONG_FLAGS, "-pcp", "2", "--threads-per-rank", "1", "--shutdown-timeout", str(timeout_s)]
+    with ServerProcess.running(args, timeout_s=180) as server:
+        ranks = rank_pids(server)
+        assert sorted(ranks) == [1]
+        pids = [server.process.pid, *ranks.values()]
+        readers = [StreamReader(server.url) for _ in range(3)]
+        for reader in readers:
+            reader.start()
+        assert all(reader.opened.wait(30) for reader in readers)
+        sent = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        code = server.process.wait(timeout_s + 30)
+        took = time.monotonic() - sent
+        for reader in readers:
+            reader.join(10)
+        log = server.log()
+    assert code == 0, log[-3000:]
+    assert took < timeout_s + 1.0, f"exited {took:.2f} s after SIGTERM (--shutdown-timeout {timeout_s})"
+    for reader in readers:
+        assert reader.error is None, reader.error
+        assert reader.events[-1] == "[DONE]" and reader.events.count("[DONE]") == 1
+        error = reader.events[-2]["error"]
+        assert "--shutdown-timeout" in error["message"] and error["type"] == "service_unavailable"
+        assert not any(c.get("finish_reason") for e in reader.events[:-2] for c in e.get("choices", []))
+    assert len(re.findall(r"request cmpl-\S+ status=503 .*finish=abort", log)) == 3, log[-3000:]
+    assert wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+                                    for p in pids), 5), "rank processes outlived the server"
+    assert shm_files_of(pids) == []
+    print(f"exit {took:.2f} s after SIGTERM with --shutdown-timeout {timeout_s}")
+
+
+# ---- 3. exit when nothing can serve; 4. a hung rank is named ----------------------------------------------
+
+PCP2 = ["-pcp", "2", "--threads-per-rank", "1"]
+DEADLINE_S = 5.0
+"""--distributed-timeout of the hung-rank tests: a stalled rank must be named within this plus 5 s."""
+
+
+def assert_exits_failed(server: ServerProcess, within_s: float = 15.0) -> None:
+    """The server exits on its own, with the status that tells a supervisor to restart it."""
+    code = server.process.wait(within_s)
+    assert code == 3, server.log()[-3000:]
+    assert "no replica can serve any more" in server.log()
+
+
+@pytest.mark.timeout(240)
+def test_killed_rank_ends_the_streams_and_the_server_exits_nonzero(long_model):
+    with ServerProcess.running([long_model, *LONG_FLAGS, *PCP2], timeout_s=180) as server:
+        rank1 = rank_pids(server)[1]
+        reader = StreamReader(server.url)
+        reader.start()
+        assert reader.opened.wait(30)
+        os.kill(rank1, signal.SIGKILL)
+        reader.join(15)
+        assert not reader.is_alive() and reader.error is None
+        error = reader.error_event()
+        assert error is not None and f"worker rank 1 (pid {rank1})" in error["message"], reader.events[-3:]
+        assert reader.events[-1] == "[DONE]"
+        assert_exits_failed(server)
+
+
+def _stalled_message(rank1: int) -> str:
+    return f"worker rank 1 (pid {rank1}) is stopped by a signal (SIGSTOP)"
+
+
+@pytest.mark.timeout(240)
+def test_rank_stopped_inside_a_step_is_named_within_the_deadline(long_model):
+    args = [long_model, *LONG_FLAGS, *PCP2, "--distributed-timeout", str(DEADLINE_S)]
+    with ServerProcess.running(args, timeout_s=180) as server:
+        rank1 = rank_pids(server)[1]
+        reader = StreamReader(server.url)
+        reader.start()
+        assert reader.opened.wait(30)
+        os.kill(rank1, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        unhealthy = wait_for(lambda: (r := health(server.url)).status_code == 503 and r, DEADLINE_S + 5)
+        assert unhealthy, "/health stayed 200 with a stopped rank"
+        body = unhealthy.json()
+        assert body["replicas"][0]["replica"] == 0 and body["replicas"][0]["state"] != "serving"
+        assert _stalled_message(rank1) in body["error"]["message"], body
+        reader.join(DEADLINE_S + 5)
+        named_after = time.monotonic() - stopped_at
+        assert not reader.is_alive(), "the stream still hangs past the deadline"
+        error = reader.error_event()
+        assert error is not None and _stalled_message(rank1) in error["message"], reader.events[-3:]
+        assert reader.events[-1] == "[DONE]"
+        assert_exits_failed(server)
+        print(f"stopped rank named {named_after:.2f} s after SIGSTOP (--distributed-timeout {DEADLINE_S})")
+
+
+@pytest.mark.timeout(240)
+def test_rank_stopped_while_idle_fails_health_and_the_next_request_names_it(long_model):
+    args = [long_model, *LONG_FLAGS, *PCP2, "--distributed-timeout", str(DEADLINE_S)]
+    with ServerProcess.running(args, timeout_s=180) as server:
+        rank1 = rank_pids(server)[1]
+        os.kill(rank1, signal.SIGSTOP)
+        unhealthy = wait_for(lambda: (r := health(server.url)).status_code == 503 and r, 5)
+        assert unhealthy and _stalled_message(rank1) in unhealthy.json()["error"]["message"]
+        assert health(server.url, "/health/ready").status_code == 503  # its one replica takes no requests
+        sent = time.monotonic()
+        response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hello", "max_tokens": 4},
+                              timeout=DEADLINE_S + 10)
+        answered_after = time.monotonic() - sent
+        assert response.status_code == 503, response.text
+        assert _stalled_message(rank1) in response.json()["error"]["message"]
+        assert "the step waited" in response.json()["error"]["message"]
+        assert_exits_failed(server)
+        print(f"request answered {answered_after:.2f} s after it was sent (--distributed-timeout {DEADLINE_S})")

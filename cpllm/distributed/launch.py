@@ -24,6 +24,10 @@ from cpllm.distributed.groups import ParallelGroups
 from cpllm.distributed.rank_processes import WorkerHandles, joined_key
 
 
+JOIN_TIMEOUT_S = 300.0
+"""How long the driver waits for its spawned ranks to join (at least; --distributed-timeout when longer)."""
+
+
 def is_torchrun() -> bool:
     """True when this process was started by torchrun (or anything setting its env vars)."""
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
@@ -106,7 +110,9 @@ def _join_store(rank: int, world_size: int, master_addr: str, master_port: int, 
     if rank != 0:
         store.set(joined_key(rank), "1")
     elif workers is not None:
-        workers.wait_joined(store, timeout.total_seconds())
+        # Starting a rank (a fresh interpreter importing torch) takes seconds on a loaded host and has nothing to do
+        # with --distributed-timeout; a worker that fails to start is reported at once whatever this bound is.
+        workers.wait_joined(store, max(timeout.total_seconds(), JOIN_TIMEOUT_S))
     return store
 
 

@@ -81,6 +81,11 @@ def main() -> None:
         except OSError:
             pass  # the driver is gone already
         os._exit(1)
+    # The rank has left its process group and released what it shares; the interpreter's own teardown (torch's
+    # finalizers, about a second) would only delay the driver's join, and a server's --shutdown-timeout with it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

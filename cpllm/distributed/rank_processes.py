@@ -9,6 +9,10 @@ so a dead rank never leaves the driver waiting:
   within moments with its own traceback (`WorkerHandles.wait_joined`);
 * at run time: `watch()` around each step turns a failed collective into an
   error naming the dead rank, its exit status and its last error;
+* a rank that stops making progress (SIGSTOP, a deadlock): once armed, the step
+  watchdog (rank_watchdog.py) gives every step a deadline, names the stalled
+  rank, its pid and what the driver waited in, and ends the ranks so the step
+  fails instead of hanging; `problems()` tells /health the same at any time;
 * workers watch the driver through their stdin: when it dies, even by SIGKILL,
   they exit at once; an atexit hook in the driver terminates any still running.
 """
@@ -27,6 +31,7 @@ from collections.abc import Callable, Iterator
 from multiprocessing import connection
 
 from cpllm.distributed.rank_entry import write_frame
+from cpllm.distributed.rank_watchdog import StepWatchdog, kill, process_state, stopped
 
 DEATH_GRACE_S = 2.0
 """After a failed collective, how long the driver waits for a dying peer to be reaped."""
@@ -90,6 +95,10 @@ class RankProcess:
     def kill(self) -> None:
         self.popen.kill()
 
+    def resume(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.popen.pid, signal.SIGCONT)
+
 
 def describe_exit(code: int) -> str:
     if code < 0:
@@ -114,7 +123,52 @@ class WorkerHandles:
     def __init__(self, processes: dict[int, RankProcess]) -> None:
         self.processes = processes
         """Global rank -> its RankProcess."""
+        self.watchdog: StepWatchdog | None = None
+        """The deadline of each step, once armed (start-up, which loads the model, has none)."""
+        self.failure: str | None = None
+        """What the watchdog found when a step ran past its deadline (the error the step then raises)."""
         atexit.register(self.terminate_all)
+
+    def arm_watchdog(self, deadline_s: float) -> None:
+        """From now on a watched step that runs longer than `deadline_s` is diagnosed and its ranks are ended."""
+        if self.watchdog is None:
+            self.watchdog = StepWatchdog(deadline_s, self._overdue)
+
+    def _stopped(self) -> dict[int, str]:
+        """Rank -> why it cannot run, for every live worker that is stopped."""
+        return {rank: why for rank, proc in self.processes.items()
+                if proc.exitcode is None and (why := stopped(proc.pid)) is not None}
+
+    def _describe_stopped(self, stalled: dict[int, str]) -> str:
+        return "; ".join(f"worker rank {rank} (pid {self.processes[rank].pid}) is {why}"
+                         for rank, why in sorted(stalled.items()))
+
+    def _overdue(self, running_s: float, waiting_in: str) -> None:
+        """The watchdog's verdict on a step past its deadline: name who stalled it, then end those ranks."""
+        stalled = self._stopped()
+        if stalled:
+            who, victims = self._describe_stopped(stalled) + " and made no progress", list(stalled)
+        else:
+            states = ", ".join(f"rank {rank} pid {proc.pid} state {process_state(proc.pid)}"
+                               for rank, proc in sorted(self.processes.items()))
+            who, victims = f"no worker rank is stopped or dead ({states})", list(self.processes)
+        self.failure = (f"{who}: the step waited {running_s:.1f} s in {waiting_in}, past the deadline of "
+                        f"{self.watchdog.deadline_s:g} s (--distributed-timeout); the replica's ranks are ended")
+        for rank in victims:
+            kill(self.processes[rank].pid)  # the driver's wait then fails at once (closed sockets, dead pid)
+
+    def problems(self) -> list[str]:
+        """Why this replica cannot serve right now: ranks dead or stopped, a step past its deadline (for /health)."""
+        found = [f"worker rank {rank} (pid {proc.pid}) {describe_exit(proc.exitcode)}"
+                 for rank, proc in sorted(self.processes.items()) if proc.exitcode is not None]
+        stalled = self._stopped()
+        if stalled:
+            found.append(self._describe_stopped(stalled))
+        overdue = self.watchdog.overdue() if self.watchdog is not None else None
+        if overdue is not None:
+            found.append(f"a step has run {overdue:.1f} s, past the deadline of {self.watchdog.deadline_s:g} s "
+                         "(--distributed-timeout)")
+        return found
 
     @property
     def pids(self) -> dict[int, int]:
@@ -126,6 +180,8 @@ class WorkerHandles:
 
     def check_alive(self) -> None:
         """Raise RuntimeError naming each worker that has exited, with its exit status and error."""
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
         dead = self.dead_ranks()
         if dead:
             raise RuntimeError(self._describe(dead))
@@ -186,6 +242,8 @@ class WorkerHandles:
         for proc in self.processes.values():
             if proc.exitcode is None:
                 proc.terminate()
+                if stopped(proc.pid) is not None:
+                    proc.resume()  # a stopped process acts on SIGTERM only once continued
         deadline = _Deadline(grace_s)
         for proc in self.processes.values():
             proc.join(deadline.left())
@@ -196,6 +254,8 @@ class WorkerHandles:
         self._close_all()
 
     def _close_all(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
         for proc in self.processes.values():
             proc.read_control()  # keep a last error for the report before the pipe goes
             proc.close()
@@ -210,17 +270,31 @@ class WorkerHandles:
         names the dead worker when there is one.
         """
         self.check_alive()
+        dog = self.watchdog
+        if dog is not None:
+            dog.begin()
         try:
             yield
         except BaseException as exc:
+            if dog is not None:
+                dog.end()
+            stalled = self._stopped()
             # A peer's closed socket can be seen a moment before its exit is reaped.
-            if not self.dead_ranks():
+            if self.failure is None and not stalled and not self.dead_ranks():
                 self.wait_for_any_exit(DEATH_GRACE_S)
             dead = self.dead_ranks()
+            failure = self.failure
+            if failure is None and stalled:
+                failure = f"{self._describe_stopped(stalled)} and made no progress; the driver's wait failed: {exc}"
+                self.failure = failure
             self.terminate_all()
+            if failure is not None:
+                raise RuntimeError(failure) from exc
             if dead:
                 raise RuntimeError(self._describe(dead)) from exc
             raise
+        if dog is not None:
+            dog.end()
         self.check_alive()
 
     def _describe(self, failed: dict[int, int | None]) -> str:

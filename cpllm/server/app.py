@@ -7,6 +7,7 @@ import contextlib
 import hmac
 import logging
 import time
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -20,6 +21,7 @@ from cpllm.server.cancellation import unless_disconnected
 from cpllm.server.errors import APIError, bad_request, from_validation_error
 from cpllm.server.extra_routes import add_extra_routes, model_card
 from cpllm.server.formatting import TokenTexts
+from cpllm.server.health import HealthReport
 from cpllm.server.metrics import ServerMetrics
 from cpllm.server.openapi import install_openapi
 from cpllm.server.options import ServeOptions
@@ -86,11 +88,22 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
             return JSONResponse(result)
         return _EventResponse(result)
 
+    def probe(ok: Callable[[HealthReport], bool]) -> JSONResponse:
+        report = engine.health()
+        good = ok(report)
+        return JSONResponse(report.as_json(good), status_code=200 if good else 503)
+
     @app.get("/health")
     async def health() -> Response:
-        if not engine.healthy:
-            return APIError(503, f"the engine is not running (error: {engine.error!r})").response()
-        return Response(status_code=200)
+        return probe(lambda r: r.healthy)
+
+    @app.get("/health/ready")
+    async def ready() -> Response:
+        return probe(lambda r: r.ready)
+
+    @app.get("/health/live")
+    async def live() -> Response:
+        return probe(lambda r: r.live)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from cpllm.engine.engine import LLMEngine
 from cpllm.engine.outputs import RequestOutput
 from cpllm.engine.sampling_params import SamplingParams
+from cpllm.server.health import HealthReport, ReplicaHealth
 from cpllm.server.metrics import ServerMetrics
 from cpllm.structured.params import StructuredOutputsParams
 
@@ -48,6 +49,11 @@ class _Abort:
     request_id: str
 
 
+@dataclasses.dataclass(slots=True)
+class _EndAll:
+    message: str
+
+
 class _Stop:
     pass
 
@@ -74,11 +80,18 @@ class AsyncEngine:
         """Why the step loop died, or None while it is healthy."""
         self._ranks = list(engine.executor.replica_ranks)
         self._pcp = parallel.prefill_context_parallel_size
+        self._workers = getattr(engine.executor, "workers", None)
+        """The spawned ranks of a single replica (None for one rank, or when the engine reports its replicas)."""
+        self._step_deadline_s = parallel.distributed_timeout_s
+        self.on_failure: Callable[[BaseException], None] | None = None
+        """Called (on the engine thread) when the step loop fails: no replica can serve any more."""
 
     # ---- event-loop side ------------------------------------------------------------------------------
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        if self._workers is not None and not hasattr(self.engine, "replica_health"):
+            self._workers.arm_watchdog(self._step_deadline_s)  # from here on every step has a deadline
         self._publish_state()
         self._thread = threading.Thread(target=self._run, name="cpllm-engine", daemon=True)
         self._thread.start()
@@ -86,6 +99,17 @@ class AsyncEngine:
     @property
     def healthy(self) -> bool:
         return not self._closed and self._thread is not None and self._thread.is_alive()
+
+    def health(self) -> HealthReport:
+        """Every replica's state and why the engine stopped, if it did (thread-safe: reads only)."""
+        error = None
+        if not self.healthy:
+            error = repr(self.error) if self.error is not None else "it has stopped"
+        if hasattr(self.engine, "replica_health"):
+            return HealthReport(replicas=tuple(self.engine.replica_health()), error=error)
+        problems = tuple(self._workers.problems()) if self._workers is not None else ()
+        state = "failed" if error is not None else "unhealthy" if problems else "serving"
+        return HealthReport(replicas=(ReplicaHealth(0, state, problems),), error=error)
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                           prompt: str | None = None, arrival_time: float | None = None) -> "RequestStream":
@@ -116,6 +140,10 @@ class AsyncEngine:
         """Thread-safe; aborting an unknown or finished request does nothing."""
         self._inbox.put(_Abort(request_id))
 
+    def end_all(self, message: str) -> None:
+        """Thread-safe: aborts every request in flight; each stream fails with EngineDeadError(message)."""
+        self._inbox.put(_EndAll(message))
+
     def shutdown(self, timeout_s: float = 60.0) -> None:
         """Aborts what is left, stops the thread and the worker ranks (blocking; call via to_thread)."""
         if self._thread is None:
@@ -137,7 +165,9 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001 - every waiting request must learn about it
             logger.exception("engine step loop failed")
             self.error = exc
-            self._fail_all(EngineDeadError(f"the engine failed: {exc!r}"))
+            self._fail_all(EngineDeadError(f"the engine failed: {exc}"))
+            if self.on_failure is not None:
+                self.on_failure(exc)
         finally:
             self._close_inbox()
             self._abort_all()
@@ -158,6 +188,8 @@ class AsyncEngine:
                 return False
             if isinstance(command, _Add):
                 self._add(command)
+            elif isinstance(command, _EndAll):
+                self._end_all(command.message)
             else:
                 self.engine.abort_request(command.request_id)
                 self._streams.pop(command.request_id, None)
@@ -199,6 +231,14 @@ class AsyncEngine:
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
+    def _end_all(self, message: str) -> None:
+        streams, self._streams = self._streams, {}
+        if streams:
+            logger.warning("ending %d request(s) still running: %s", len(streams), message)
+        for request_id in streams:
+            self.engine.abort_request(request_id)
+        self._post([(stream, EngineDeadError(message)) for stream in streams.values()])
+
     def _fail_all(self, error: BaseException) -> None:
         self._post([(stream, error) for stream in self._streams.values()])
 
@@ -212,7 +252,8 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if isinstance(command, _Add):
-                self._post([(command.outputs, EngineDeadError("the server is shutting down"))])
+                why = f"the engine failed: {self.error}" if self.error is not None else "the server is shutting down"
+                self._post([(command.outputs, EngineDeadError(why))])
 
     def _abort_all(self) -> None:
         streams, self._streams = self._streams, {}

@@ -32,6 +32,10 @@ class ServeOptions:
     """Parse the model's own tool calls when tool_choice is "auto" (needs tool_call_parser)."""
     tool_call_parser: str | None = None
     """The model's tool-call format: one of TOOL_CALL_PARSERS."""
+    shutdown_timeout_s: float = 20.0
+    """After SIGTERM, seconds requests in flight get to finish; then each is ended with an error (a stream with an
+    error event and [DONE]) and the process exits. 20 s plus about a second of teardown fits Kubernetes' default
+    30 s grace period with room for a preStop hook or a load balancer's deregistration delay."""
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes is not None and self.max_request_body_bytes < 1024:
@@ -39,6 +43,8 @@ class ServeOptions:
         for name in ("max_n", "retry_after_s"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.shutdown_timeout_s <= 3600:
+            raise ValueError(f"--shutdown-timeout must be in [0, 3600] seconds, got {self.shutdown_timeout_s}")
         if self.max_queued_requests < 0:
             raise ValueError(f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -65,6 +71,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-queued-requests", type=int, default=defaults.max_queued_requests,
                        help="sequences (prompts x n) allowed to wait beyond --max-num-seqs; then 429 with "
                             "Retry-After (default: %(default)s)")
+    group.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout_s, metavar="SECONDS",
+                       help="after SIGTERM, how long requests in flight may finish before each is ended with an "
+                            "error event; the process exits about a second later (default: %(default)s, inside "
+                            "Kubernetes' 30 s grace period)")
     group.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='parse tool calls from the model\'s output for tool_choice="auto"')
     group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
@@ -76,4 +86,4 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
     return ServeOptions(max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
                         max_queued_requests=args.max_queued_requests,
                         enable_auto_tool_choice=args.enable_auto_tool_choice,
-                        tool_call_parser=args.tool_call_parser)
+                        tool_call_parser=args.tool_call_parser, shutdown_timeout_s=args.shutdown_timeout)

@@ -136,6 +136,9 @@ class EventStream:
         except APIError as exc:
             status = exc.status
             yield sse(exc.body())
+        except EngineDeadError as exc:  # the engine failed, or the shutdown deadline ended this stream
+            status = 503
+            yield sse(APIError(503, str(exc)).body())
         except Exception as exc:  # noqa: BLE001 - the status line is gone; report in-band
             status = 500
             yield sse(APIError(500, f"generation failed: {exc}").body())
