@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cpllm.config_attention import GEMMA_ARCHITECTURES, check_attention_fields, hf_gemma_fields, hf_layer_types
+from cpllm.config_attention import (GEMMA_ARCHITECTURES, check_attention_fields, check_compile_decode_attention,
+                                    hf_gemma_fields, hf_layer_types)
 from cpllm.config_moe import MOE_ARCHITECTURES, MoEConfig
 from cpllm.config_rope import resolve_rope_scaling, rope_context_length
 from cpllm.distributed.parallel_dims import KV_CACHE_LAYOUTS, REPLICATED, SHARDED, ParallelDims
@@ -306,6 +307,7 @@ class EngineConfig:
         check_quantized_widths(self.model, self.parallel.tensor_parallel_size)
         if self.compile_decode:
             _check_compile_decode(self.parallel, self.model)
+            check_compile_decode_attention(self.model, self.scheduler.max_model_len)
         context = rope_context_length(self.model.rope_scaling, self.model.max_position_embeddings)
         if self.scheduler.max_model_len > context:
             raise ValueError(

@@ -99,6 +99,19 @@ def check_attention_fields(config) -> None:
         raise ValueError(f"{arch} with hidden_activation={config.hidden_activation!r}; its MLP is SiLU-gated")
 
 
+def check_compile_decode_attention(config, max_model_len: int) -> None:
+    """compile_decode=True: the compiled step's attention kernels know no window and no soft-cap (PagedCPAttention
+    refuses the plan), so a model with a window shorter than max_model_len, or with Gemma's layers, is refused."""
+    windowed = [i for i in range(config.num_hidden_layers) if layer_window(config, i, max_model_len) is not None]
+    if windowed:
+        raise ValueError(f"compile_decode=True with sliding_window={config.sliding_window} < max_model_len="
+                         f"{max_model_len} (layers {windowed}): the compiled decode step applies no window; run "
+                         "without compile_decode")
+    if config.architecture in GEMMA_ARCHITECTURES:
+        raise ValueError(f"compile_decode=True with {config.architecture}: its layers decode eager only; run "
+                         "without compile_decode")
+
+
 def layer_kind(config, index: int) -> str:
     """Layer `index`'s attention kind: `layer_types[index]`; without layer_types, every layer slides when
     sliding_window is set (Mistral's rule), else none does."""

@@ -274,6 +274,15 @@ def test_gemma_refusals(variant):
         "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}), "'linear'")
 
 
+def test_compile_decode_refused_with_windows_and_gemma(variant):
+    mistral = variant(architectures=["MistralForCausalLM"], sliding_window=128)
+    refused(mistral, "compile_decode=True", "sliding_window=128", "max_model_len=256", compile_decode=True)
+    # a window no shorter than max_model_len hides nothing: the compiled step runs
+    assert build_engine_config(mistral, compile_decode=True, max_model_len=128).compile_decode
+    refused(variant(architectures=["Gemma2ForCausalLM"], sliding_window=512), "Gemma2ForCausalLM",
+            compile_decode=True)
+
+
 def test_gemma_fields_refused_elsewhere(base_folder):
     model = build_engine_config(base_folder).model
     for name, value in (("final_logit_softcapping", 30.0), ("query_pre_attn_scalar", 256), ("rope_local_theta", 1e4)):
