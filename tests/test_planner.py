@@ -1,11 +1,13 @@
 """The cost model and `cpllm plan` against published results (pure computation, no processes).
 
 Yang et al., "Context Parallelism for Scalable Million-Token Inference" (arXiv 2411.01783), Llama 3 405B with
-FP8 weights on 8 x H100 nodes:
-- Table 7, 128K-token prefill: CP1 42.0 s, CP2 21.0 s, CP4 10.95 s (TP8 in each node, CP across nodes), TP16
-  29.9 s, TP32 19.8 s (TP across nodes). The planner gets the H100's published figures (989 / 1979 TFLOP/s
-  BF16 / FP8, 450 GB/s NVLink each way, one 400 Gb/s NIC per GPU) and one efficiency factor fitted on the CP1
-  point alone; every other point is a prediction and must be within 15%.
+FP8 weights on 8 x H100 nodes (every number with its source in cpllm/planner/published.py):
+- The model gets the H100's published peaks (989 / 1979 TFLOP/s BF16 / FP8, 3.35 TB/s HBM, 450 GB/s NVLink each
+  way, one 400 Gb/s NIC per GPU) and two fitted utilisations, GEMMs' and attention's, fitted on Table 7's CP1
+  (128K, one node, 42.0 s) and the abstract's 1M tokens on 16 nodes (77 s). They are the built-in H100's defaults.
+- Predicted, not fitted: Table 7's CP2 21.0 s, CP4 10.95 s (TP8 in each node, CP across nodes), TP16 29.9 s, TP32
+  19.8 s (TP across nodes), each within 15%; the abstract's 128K on 16 nodes (3.8 s) and Table 4's partial
+  prefill times are predicted and their errors pinned where they stand (the model is known to be fast there).
 - Table 4, partial prefill on CP4 with 128,000 tokens in all, by KV cache miss rate T / (T + P): pass-Q is faster
   at 1% (898.7 vs 1,023.4 ms) and 2.5%, the two are even at 5%, pass-KV is faster at 10% (2,080.7 vs 2,205.3 ms)
   and for a full prefill (the paper's choice for it). The paper's rule must pick the faster one on each of those
@@ -24,33 +26,93 @@ import torch
 from cpllm.cli import main
 from cpllm.distributed.parallel_dims import ParallelDims
 from cpllm.planner.cost_model import CostModel, Precision
-from cpllm.planner.hardware import builtin_hardware
+from cpllm.planner.fit import Measured, fit_utilizations
+from cpllm.planner.hardware import (FITTED_ATTENTION_UTILIZATION, FITTED_GEMM_UTILIZATION, FITTED_ON,
+                                    builtin_hardware)
 from cpllm.planner.models import load_model_shape
-from cpllm.planner.paper_check import fitted_efficiency, paper_cost, table7_predictions
+from cpllm.planner.paper_check import (fitted_utilizations, measured, one_factor_cost, paper_cost,
+                                       published_predictions)
 from cpllm.planner.paper_rule import HeuristicInputs, paper_choice
 from cpllm.planner.plan import PlanRequest, auto_strategy, valid_layouts
-from cpllm.planner.published import TABLE4_FASTER, TABLE4_TOKENS, TABLE7_TOKENS
+from cpllm.planner.published import FIT_POINTS, FRESH, TABLE4_FASTER, TABLE4_TOKENS, TABLE7_TOKENS
 from cpllm.planner.strategy import StepSizes, choose
 
 TOKENS_128K = TABLE7_TOKENS
 TOLERANCE = 0.15
 TABLE4_TOTAL = TABLE4_TOKENS
+KNOWN_SHORT = {"128K, CP16": (-0.35, -0.20), "CP4 1% miss, pass-q": (-0.85, -0.70),
+               "CP4 1% miss, pass-kv": (-0.85, -0.70), "CP4 10% miss, pass-kv": (-0.40, -0.25),
+               "CP4 10% miss, pass-q": (-0.35, -0.20)}
+"""Predictions known to fall short, and by how much (docs/context_parallel.md says why): pinned so that a change
+of the model that moves them shows here."""
 
 
-def test_table7_within_15_percent_with_one_factor_fitted_on_cp1():
-    rows = table7_predictions()
-    efficiency = rows[0]["efficiency"]
-    assert 0.2 < efficiency < 0.8, f"fitted efficiency {efficiency:.3f} is not a plausible share of peak"
-    errors = {row["layout"]: row["error"] for row in rows}
-    for row in rows:
-        assert row["strategy"] in ("-", "ring"), f"{row['name']}: a fresh prompt takes the ring, not {row['strategy']}"
-    assert abs(errors["8x1x1"]) < 1e-4  # the fitted point
-    bad = {label: f"{e:+.1%}" for label, e in errors.items() if abs(e) > TOLERANCE}
-    assert not bad, f"predictions off by more than {TOLERANCE:.0%}: {bad} (all: {errors})"
+def test_builtin_h100_defaults_are_the_fit_on_cp1_and_the_1m_run():
+    gemm, attention = fitted_utilizations()
+    hw = builtin_hardware("h100")
+    assert (hw.gemm_utilization, hw.attention_utilization) == (FITTED_GEMM_UTILIZATION, FITTED_ATTENTION_UTILIZATION)
+    assert gemm == pytest.approx(FITTED_GEMM_UTILIZATION, abs=1e-3)
+    assert attention == pytest.approx(FITTED_ATTENTION_UTILIZATION, abs=1e-3)
+    assert 0.2 < gemm < attention < 0.8, "attention runs nearer its peak than the FP8 projections do"
+    assert hw.efficiency == 1.0 and hw.collective_utilization == 1.0 and hw.utilization_source == FITTED_ON
+    assert builtin_hardware("h200").gemm_utilization == FITTED_GEMM_UTILIZATION
+    assert "carried over" in builtin_hardware("h200").utilization_source
+    assert all(builtin_hardware(name).source for name in ("h100", "h200", "a100", "cpu"))
+
+
+def test_every_published_point_with_its_source_and_the_fit_points_exact():
+    rows = {row["name"]: row for row in published_predictions()}
+    assert all(row["source"].startswith("arXiv 2411.01783") for row in rows.values())
+    assert {name for name, row in rows.items() if row["fitted"]} == set(FIT_POINTS)
+    for name in FIT_POINTS:  # the defaults, rounded to three digits, reproduce the fit points
+        assert abs(rows[name]["error"]) < 2e-3, rows[name]
+
+
+def test_table7_predicted_within_15_percent():
+    rows = published_predictions()
+    table7 = [row for row in rows if row["tokens"] == TOKENS_128K and row["nodes"] <= 4 and not row["cached"]]
+    assert {row["name"] for row in table7} == {"CP1", "CP2", "CP4", "TP16", "TP32"}
+    bad = {row["name"]: f"{row['error']:+.1%}" for row in table7 if abs(row["error"]) > TOLERANCE}
+    assert not bad, f"predictions off by more than {TOLERANCE:.0%}: {bad}"
+
+
+def test_points_the_model_is_known_to_miss_stay_where_they_are():
+    rows = {row["name"]: row for row in published_predictions()}
+    for name, (low, high) in KNOWN_SHORT.items():
+        assert low <= rows[name]["error"] <= high, (name, rows[name])
+
+
+def test_one_factor_cannot_hold_at_both_lengths():
+    """The model before: one efficiency fitted on CP1 misses the 1M run by over 20%; the two rates fit it."""
+    rows = {row["name"]: row for row in published_predictions(one_factor_cost())}
+    assert abs(rows["CP1"]["error"]) < 1e-3
+    assert rows["1M, CP16"]["error"] > 0.2
+
+
+def test_fit_refuses_points_that_cannot_separate_the_rates():
+    points = {p.name: measured(p) for p in FRESH}
+    with pytest.raises(ValueError, match="same attention share"):
+        fit_utilizations(paper_cost(), points["CP1"], points["CP4"])
+    too_fast = Measured(name="too fast", layout=ParallelDims(tp=8, pcp=16), tokens=1024 * 1024, seconds=10.0)
+    with pytest.raises(ValueError, match="outside"):
+        fit_utilizations(paper_cost(), points["CP1"], too_fast)
+
+
+def test_plan_without_flags_prints_the_papers_1m_run(capsys):
+    assert main(["plan", "--model", "llama3-405b", "--gpu", "h100", "--nodes", "16", "--context", "1m",
+                 "--weights", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "fitted on arXiv 2411.01783" in out and "GEMMs 0.302, attention 0.571" in out
+    row = next(line.split() for line in out.splitlines() if line.startswith("8x16x1 "))
+    assert float(row[2]) == pytest.approx(77.0, rel=0.01)
+    assert "recommended: 8x16x1 (TTFT 77 s" in out
+    assert main(["plan", "--model", "llama3-405b", "--gpu", "h100", "--nodes", "16", "--context", "1m",
+                 "--weights", "fp8", "--efficiency", "0.5"]) == 0
+    assert "GEMMs 0.5, attention 0.5" in capsys.readouterr().out
 
 
 def test_table4_crossover_on_the_right_side():
-    cost = paper_cost(fitted_efficiency())
+    cost = paper_cost()
     cp4 = ParallelDims(tp=8, pcp=4)
     hq, hkv = cost.local_heads(cp4.tp)
     rule = HeuristicInputs(pcp=4, flops=cost.hw.peak_flops, bandwidth=cost.hw.inter_node_bw, kv_heads=hkv,
@@ -68,7 +130,7 @@ def test_table4_crossover_on_the_right_side():
 def test_auto_on_cpllms_strategies_for_the_papers_cluster():
     """cpllm's ring serves a cached context with a blocking query gather: with any cached context on four nodes
     pass-Q is predicted faster; a fresh prompt takes the ring."""
-    cost, cp4 = paper_cost(fitted_efficiency()), ParallelDims(tp=8, pcp=4)
+    cost, cp4 = paper_cost(), ParallelDims(tp=8, pcp=4)
     for miss in (0.01, 0.10, 0.5):
         assert auto_strategy(cost, cp4, PlanRequest(context=TABLE4_TOTAL, prefix_hit=1 - miss)) == "pass-q", miss
     assert auto_strategy(cost, cp4, PlanRequest(context=TABLE4_TOTAL)) == "ring"
@@ -135,7 +197,7 @@ def test_layouts_are_the_ones_the_engine_accepts():
 
 
 def test_replicated_layout_trades_capacity_for_decode():
-    cost = paper_cost(fitted_efficiency())
+    cost = paper_cost()
     sharded, replicated = ParallelDims(tp=8, pcp=4), ParallelDims(tp=8, pcp=4, kv_replicated=True)
     assert cost.memory(sharded).kv_capacity_tokens == 4 * cost.memory(replicated).kv_capacity_tokens
     assert cost.decode_step(replicated, TOKENS_128K, batch=16) < cost.decode_step(sharded, TOKENS_128K, batch=16)

@@ -51,7 +51,8 @@ def add_plan_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", choices=["fp8", "bf16", "fp16", "fp32"], default=None,
                         help="weight format (default: bf16 on GPUs, fp32 when calibrated on this CPU)")
     parser.add_argument("--efficiency", type=float, default=None,
-                        help="fraction of peak compute the kernels reach (the one fitted factor; default 1)")
+                        help="override: one fraction of peak for GEMMs and attention alike (default: the device's "
+                        "utilisations, fitted for the built-in GPUs)")
     parser.add_argument("--threads-per-rank", type=int, default=1, help="with --calibrate: threads of each rank")
     parser.add_argument("--save-hardware", default=None, help="with --calibrate: write the measured spec here")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -92,7 +93,8 @@ def run_plan(args: argparse.Namespace) -> int:
         print()
         return 0
     print(f"{args.model} on {args.nodes} x {hw.devices_per_node} {hw.name} ({devices} devices), context "
-          f"{request.context} tokens ({request.cached} cached), weights {weights}, efficiency {hw.efficiency:.3g}")
+          f"{request.context} tokens ({request.cached} cached), weights {weights}")
+    print(utilization_line(hw))
     print(format_table([p.row() for p in predictions]))
     if best is None:
         print("recommended: none fits" + (" the TTFT objective" if args.ttft_slo is not None else "")
@@ -101,6 +103,14 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"recommended: {best.layout.label()} (TTFT {best.ttft_s:.3g} s, "
               f"{best.decode_s_per_token * 1e3:.3g} ms per output token)")
     return 0
+
+
+def utilization_line(hw) -> str:
+    """What share of its peaks the spec's kernels reach, and where that comes from."""
+    gemm, attention = hw.gemm_utilization * hw.efficiency, hw.attention_utilization * hw.efficiency
+    source = hw.utilization_source or ("measured (--calibrate)" if hw.name.startswith("calibrated") else "not fitted")
+    return (f"utilisation of peak: GEMMs {gemm:.3g}, attention {attention:.3g}, collectives "
+            f"{hw.collective_utilization:.3g} ({source})")
 
 
 COLUMNS = ("layout", "strategy", "ttft_s", "decode_ms_per_token", "kv_capacity_tokens", "weights_gib_per_device",

@@ -4,9 +4,14 @@ one replica: its DP size plays no part).
 Per layer and per rank (T new tokens, P cached, N = PCP, C = KV shard group, local heads Hq_l = Hq / TP and
 Hkv_l = max(1, Hkv / TP), head width D, element size e):
 
-- linear FLOPs  2 * W_layer * T / (TP * N)                     at the linear peak (FP8 when the weights are FP8)
-- attention     4 * D * Hq * (T * P + T (T + 1) / 2 + T * o) / (TP * N) at the attention peak (head-tail chunks
-                balance it; o = the spec's attention_row_overhead, the diagonal blocks' extra work, 0 on GPUs)
+- linear FLOPs  2 * W_layer * T / (TP * N)                     at gemm_rate: the weight format's peak (FP8 when
+                the weights are FP8) x gemm_utilization
+- attention     4 * D * Hq * (T * P + T (T + 1) / 2 + T * o) / (TP * N) at attention_rate: the 16-bit peak x
+                attention_utilization (head-tail chunks balance it; o = the spec's attention_row_overhead, the
+                diagonal blocks' extra work, measured on CPUs), plus, on GPUs (attention_row_traffic), each query
+                row's memory traffic per kernel call at memory_bw: Hq_l (D e + 4 D + 4) bytes per call, and
+                2 Hq_l (4 D + 4) more per ring step past the first (the merge of the running output); with a ring
+                of N steps a row is attended in N calls of T / N keys, so short blocks reach less of peak
 - elementwise   (T / (TP * N)) * elementwise_bytes_per_token at the spec's elementwise_bw (when it has one)
 - TP            two all-reduces of (T / N) * hidden * e bytes: inside a node over NVLink, across nodes on 1/g of
                 the data per NIC (reduce-scatter, all-reduce across nodes, all-gather)
@@ -20,8 +25,8 @@ Hkv_l = max(1, Hkv / TP), head width D, element size e):
                 the attention, then one blocking all-to-all of the float32 partials (R - 1)(T / N) Hq_l (D + 1) 4
                 plus the new K/V rows their owners store
 
-The compute terms divide by the device's `efficiency` (the one fitted factor) and, on layouts of more than one
-device, by its `busy_node_fraction` (measured on CPUs, 1 on GPUs); bandwidths and latencies are the spec's.
+Every transfer runs at the link bandwidth x collective_utilization plus the link's latency. On layouts of more
+than one device the compute terms also divide by the device's `busy_node_fraction` (measured on CPUs, 1 on GPUs).
 Decode reads every local weight once per step and the local KV shard once per request, at memory
 bandwidth, plus the collectives' latency.
 """
@@ -132,6 +137,16 @@ class CostModel:
         elements = 10 * h + 2 * (hq + hkv) * d + 2 * (hq + 2 * hkv) * d + 2 * hq * d + 5 * inter + 4 * hkv * d
         return elements * self.precision.activation_bytes
 
+    def attention_row_bytes(self, tp: int, calls: int) -> float:
+        """HBM bytes one query row's attention moves on one TP rank over `calls` kernel calls: per call its Q read,
+        its float32 partial and log-sum-exp written; past the first call, the merge's read and write of the running
+        output and log-sum-exp."""
+        hq, _ = self.local_heads(tp)
+        d, e = self.model.head_dim, self.precision.activation_bytes
+        per_call = hq * (d * e + 4 * d + 4)
+        merge = 2 * hq * (4 * d + 4)
+        return calls * per_call + (calls - 1) * merge
+
     def local_heads(self, tp: int) -> tuple[int, int]:
         """(query heads, KV heads) one TP rank holds; KV heads are replicated when fewer than TP."""
         m = self.model
@@ -143,20 +158,21 @@ class CostModel:
         return group_size > 1 and group_size * stride > self.hw.devices_per_node
 
     def p2p_time(self, nbytes: float, *, inter: bool) -> float:
-        hw = self.hw
-        return (nbytes / hw.inter_node_bw + hw.inter_node_latency_s if inter
-                else nbytes / hw.intra_node_bw + hw.intra_node_latency_s)
+        hw, share = self.hw, self.hw.collective_utilization
+        return (nbytes / (hw.inter_node_bw * share) + hw.inter_node_latency_s if inter
+                else nbytes / (hw.intra_node_bw * share) + hw.intra_node_latency_s)
 
     def all_reduce_time(self, nbytes: float, ranks: int) -> float:
         """Ring all-reduce over consecutive devices: inside each node, then across nodes on 1/g of the data."""
         if ranks <= 1:
             return 0.0
-        hw = self.hw
+        hw, share = self.hw, self.hw.collective_utilization
         g = min(ranks, hw.devices_per_node)
         nodes = math.ceil(ranks / g)
-        t = 2 * (g - 1) / g * nbytes / hw.intra_node_bw + 2 * (g - 1) * hw.intra_node_latency_s
+        t = 2 * (g - 1) / g * nbytes / (hw.intra_node_bw * share) + 2 * (g - 1) * hw.intra_node_latency_s
         if nodes > 1:
-            t += 2 * (nodes - 1) / nodes * (nbytes / g) / hw.inter_node_bw + 2 * (nodes - 1) * hw.inter_node_latency_s
+            t += (2 * (nodes - 1) / nodes * (nbytes / g) / (hw.inter_node_bw * share)
+                  + 2 * (nodes - 1) * hw.inter_node_latency_s)
         return t
 
     def exchange_time(self, nbytes_per_peer: float, peers: int, *, inter: bool) -> float:
@@ -176,10 +192,11 @@ class CostModel:
         layers, tp, n = m.num_hidden_layers, layout.tp, layout.pcp
         ranks = tp * n
         busy = hw.busy_node_fraction if ranks > 1 else 1.0  # other devices of the node compute too
-        linear_rate = hw.linear_flops(prec.weight_format) * hw.efficiency * busy
-        attention_rate = hw.attention_peak() * hw.efficiency * busy
-        linear_s = self.linear_flops(new) / ranks / linear_rate
-        attention_s = self.attention_flops(new, cached, hw.attention_row_overhead) / ranks / attention_rate
+        linear_s = self.linear_flops(new) / ranks / (hw.gemm_rate(prec.weight_format) * busy)
+        attention_s = self.attention_flops(new, cached, hw.attention_row_overhead) / ranks / (hw.attention_rate() * busy)
+        if hw.attention_row_traffic:
+            calls = 1 if n == 1 or strategy == "allgather" else n  # ring steps each attend a row once more
+            attention_s += layers * (new / n) * self.attention_row_bytes(tp, calls) / hw.memory_bw  # rows of a PCP rank
         elementwise_s = 0.0
         if hw.elementwise_bw is not None:
             elementwise_s = layers * new / ranks * self.elementwise_bytes_per_token(tp) / (hw.elementwise_bw * busy)

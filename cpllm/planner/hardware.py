@@ -1,8 +1,11 @@
 """What one device of a cluster can do: published figures, a JSON spec, or this machine measured (calibrate.py).
 
 Bandwidths are per device and per direction, in bytes/s. The built-in figures are the vendors' published peaks
-(dense matmul without sparsity); `efficiency` is the one factor a user may fit (the fraction of peak compute
-the kernels reach) and defaults to 1.
+(dense matmul without sparsity, HBM, NVLink, NIC line rate; each spec names its sources). What real kernels reach
+is kept apart from the peaks, per kind of work: `gemm_utilization` (projections and MLP, of the weight format's
+peak), `attention_utilization` (the attention kernel's matmuls, of the 16-bit peak) and `collective_utilization`
+(of the link bandwidths). The built-in GPUs carry the two compute utilisations fitted on the paper's runs
+(fit.py, `FITTED`); `efficiency` is the user's one-factor override of both (`--efficiency`).
 """
 
 from __future__ import annotations
@@ -39,7 +42,23 @@ class HardwareSpec:
     inter_node_latency_s: float = 15e-6
     """Fixed cost of one inter-node message."""
     efficiency: float = 1.0
-    """Fraction of peak compute reached by real kernels (the one factor a user may fit; 1 = peak)."""
+    """A further factor on both compute rates (`--efficiency` sets it and resets the two utilisations to 1, so the
+    kernels run at efficiency x peak; 1 = the utilisations below alone)."""
+    gemm_utilization: float = 1.0
+    """Share of the weight format's peak the projections and MLP GEMMs reach (fitted for the built-in GPUs)."""
+    attention_utilization: float = 1.0
+    """Share of the attention peak the attention kernel's matmuls reach on long blocks (fitted for the built-in
+    GPUs); short blocks reach less, by `attention_row_traffic`."""
+    collective_utilization: float = 1.0
+    """Share of the link bandwidths the collectives and ring transfers reach (1: line rate; not fitted)."""
+    attention_row_traffic: bool = False
+    """Count each query row's memory traffic per attention call at memory_bw (its Q read, its float32 partial and
+    log-sum-exp written, and, past a ring's first step, the merge's read and write of the running output): what
+    makes short key blocks per call reach less of peak on GPUs. CPU specs measure attention_row_overhead instead."""
+    utilization_source: str = ""
+    """What the utilisations were fitted on ("" where they are not fitted); `cpllm plan` prints it."""
+    source: str = ""
+    """Where the peak figures come from (the built-in specs name the vendor's datasheet of each)."""
     attention_row_overhead: float = 0.0
     """Extra key positions of work per query row of a causal attention call (the kernel works in blocks, and the
     diagonal's blocks are computed whole), measured by calibration; 0: none."""
@@ -58,14 +77,29 @@ class HardwareSpec:
         if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
             raise ValueError(f"hardware {self.name!r}: devices_per_node must be an integer >= 1, "
                              f"got {self.devices_per_node!r}")
-        if not 0 < self.efficiency <= 1:
-            raise ValueError(f"hardware {self.name!r}: efficiency must be in (0, 1], got {self.efficiency!r}")
+        for name in ("efficiency", "gemm_utilization", "attention_utilization", "collective_utilization"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"hardware {self.name!r}: {name} must be in (0, 1], got {getattr(self, name)!r}")
         if not 0 < self.busy_node_fraction <= 1:
             raise ValueError(f"hardware {self.name!r}: busy_node_fraction must be in (0, 1], "
                              f"got {self.busy_node_fraction!r}")
 
     def with_efficiency(self, efficiency: float) -> "HardwareSpec":
-        return dataclasses.replace(self, efficiency=efficiency)
+        """The one-factor override: both compute rates at `efficiency` x peak (the fitted utilisations dropped)."""
+        return dataclasses.replace(self, efficiency=efficiency, gemm_utilization=1.0, attention_utilization=1.0,
+                                   utilization_source=f"--efficiency {efficiency:g} (one factor for GEMMs and attention)")
+
+    def with_utilizations(self, gemm: float, attention: float, source: str) -> "HardwareSpec":
+        return dataclasses.replace(self, efficiency=1.0, gemm_utilization=gemm, attention_utilization=attention,
+                                   utilization_source=source)
+
+    def gemm_rate(self, weight_format: str) -> float:
+        """FLOP/s the projections reach with weights in `weight_format`."""
+        return self.linear_flops(weight_format) * self.gemm_utilization * self.efficiency
+
+    def attention_rate(self) -> float:
+        """FLOP/s the attention kernel's matmuls reach on long blocks."""
+        return self.attention_peak() * self.attention_utilization * self.efficiency
 
     def linear_flops(self, weight_format: str) -> float:
         """Peak FLOP/s of the linear layers for weights in `weight_format` ("fp8", "bf16", "fp32")."""
@@ -78,23 +112,39 @@ class HardwareSpec:
 
 
 GB = 1e9
+FITTED_GEMM_UTILIZATION = 0.302
+FITTED_ATTENTION_UTILIZATION = 0.571
+FITTED_ON = ("fitted on arXiv 2411.01783: Table 7 CP1 (128K tokens, 1 node, 42.0 s) and the abstract's 1M tokens "
+             "on 16 nodes (77 s); Llama 3 405B, FP8 weights, H100")
+"""The H100's compute utilisations, fitted by fit.py on the two points FITTED_ON names (tests/test_planner.py
+checks these constants are what the fit gives)."""
+_H100_FITTED = dict(gemm_utilization=FITTED_GEMM_UTILIZATION, attention_utilization=FITTED_ATTENTION_UTILIZATION,
+                    attention_row_traffic=True, utilization_source=FITTED_ON)
+_CARRIED = dict(_H100_FITTED, utilization_source="the H100's, carried over (not fitted on this device): " + FITTED_ON)
 BUILTIN: dict[str, HardwareSpec] = {
-    # NVIDIA H100 SXM5 80 GB: 989 TFLOP/s BF16, 1979 FP8 (dense), HBM3 3.35 TB/s, NVLink 4 900 GB/s
-    # (450 each way), one 400 Gb/s ConnectX-7 NIC per GPU (DGX H100).
-    "h100": HardwareSpec(name="h100", peak_flops=989.4e12, peak_flops_fp8=1978.9e12, memory_bytes=80 * GB,
-                         memory_bw=3.35e12, intra_node_bw=450 * GB, inter_node_bw=50 * GB, devices_per_node=8),
-    # H200 SXM: the H100's compute with 141 GB of HBM3e at 4.8 TB/s.
-    "h200": HardwareSpec(name="h200", peak_flops=989.4e12, peak_flops_fp8=1978.9e12, memory_bytes=141 * GB,
-                         memory_bw=4.8e12, intra_node_bw=450 * GB, inter_node_bw=50 * GB, devices_per_node=8),
-    # A100 SXM4 80 GB: 312 TFLOP/s BF16, no FP8, HBM2e 2.039 TB/s, NVLink 3 600 GB/s (300 each way),
-    # one 200 Gb/s HDR NIC per GPU (DGX A100).
-    "a100": HardwareSpec(name="a100", peak_flops=312e12, memory_bytes=80 * GB, memory_bw=2.039e12,
-                         intra_node_bw=300 * GB, inter_node_bw=25 * GB, devices_per_node=8),
+    "h100": HardwareSpec(
+        name="h100", peak_flops=989.4e12, peak_flops_fp8=1978.9e12, memory_bytes=80 * GB, memory_bw=3.35e12,
+        intra_node_bw=450 * GB, inter_node_bw=50 * GB, devices_per_node=8, **_H100_FITTED,
+        source="NVIDIA H100 Tensor Core GPU datasheet, SXM5: 989 TFLOP/s BF16 and 1,979 FP8 dense (half the "
+               "with-sparsity figures), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s (450 each way); NVIDIA DGX H100 "
+               "datasheet: one 400 Gb/s ConnectX-7 NIC per GPU (50 GB/s each way)"),
+    "h200": HardwareSpec(
+        name="h200", peak_flops=989.4e12, peak_flops_fp8=1978.9e12, memory_bytes=141 * GB, memory_bw=4.8e12,
+        intra_node_bw=450 * GB, inter_node_bw=50 * GB, devices_per_node=8, **_CARRIED,
+        source="NVIDIA H200 Tensor Core GPU datasheet, SXM: the H100's 989 / 1,979 TFLOP/s BF16 / FP8 dense, "
+               "141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s; NVIDIA DGX H200: one 400 Gb/s NIC per GPU"),
+    "a100": HardwareSpec(
+        name="a100", peak_flops=312e12, memory_bytes=80 * GB, memory_bw=2.039e12, intra_node_bw=300 * GB,
+        inter_node_bw=25 * GB, devices_per_node=8, **_CARRIED,
+        source="NVIDIA A100 Tensor Core GPU datasheet, SXM4 80 GB: 312 TFLOP/s BF16 dense, no FP8, HBM2e at "
+               "2,039 GB/s, NVLink 600 GB/s (300 each way); NVIDIA DGX A100 datasheet: one 200 Gb/s HDR "
+               "InfiniBand NIC per GPU (25 GB/s each way)"),
     # This 2-core CPU machine, one rank per core (docs/platform.md "The CPUs"): fp32 matmul ~90 GFLOP/s on one thread,
     # memory copy ~11 GB/s, gloo point-to-point ~810 MiB/s, collective latency ~0.1 ms.
     "cpu": HardwareSpec(name="cpu", peak_flops=90e9, memory_bytes=16 * GB, memory_bw=11 * GB,
                         intra_node_bw=0.85 * GB, inter_node_bw=0.85 * GB, devices_per_node=2,
-                        intra_node_latency_s=100e-6, inter_node_latency_s=100e-6),
+                        intra_node_latency_s=100e-6, inter_node_latency_s=100e-6,
+                        source="measured on this machine (docs/platform.md)"),
 }
 
 

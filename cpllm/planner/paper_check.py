@@ -1,38 +1,85 @@
-"""The planner's predictions of the paper's Table 7 (published.py), with the one efficiency factor fitted on CP1.
+"""The planner's predictions of every published point (published.py), with the H100's two utilisations fitted on
+FIT_POINTS and everything else predicted.
 
-Used by tests/test_planner.py (which asserts the errors) and by the benchmark page's plot (benchmarks/report_cp.py).
+Used by tests/test_planner.py (which asserts the errors), docs/context_parallel.md's table and the benchmark page's
+plot (benchmarks/report_cp.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from cpllm.distributed.parallel_dims import ParallelDims
 from cpllm.planner.cost_model import CostModel, Precision
-from cpllm.planner.hardware import builtin_hardware
+from cpllm.planner.fit import Measured, fit_utilizations
+from cpllm.planner.hardware import FITTED_ON, HardwareSpec, builtin_hardware
 from cpllm.planner.models import load_model_shape
 from cpllm.planner.plan import PlanRequest, fit_efficiency, plan
-from cpllm.planner.published import GPU, MODEL, TABLE7, TABLE7_NAMES, TABLE7_TOKENS
+from cpllm.planner.published import FIT_POINTS, FRESH, GPU, MODEL, PARTIAL, Point
 
 FP8 = Precision(weight_format="fp8", activation_bytes=2, kv_bytes=2)
 """The paper's run: FP8 weights, BF16 activations and KV."""
 
 
-def paper_cost(efficiency: float = 1.0) -> CostModel:
-    return CostModel(load_model_shape(MODEL), builtin_hardware(GPU).with_efficiency(efficiency), FP8)
+def parse_layout(label: str) -> ParallelDims:
+    tp, pcp, dcp = (int(x) for x in label.split("x"))
+    return ParallelDims(tp=tp, pcp=pcp, dcp=dcp)
 
 
-def fitted_efficiency() -> float:
-    """The one factor, from the CP1 point alone (one node: TP8, nothing to overlap)."""
-    return fit_efficiency(paper_cost(), ParallelDims(tp=8, pcp=1), TABLE7_TOKENS, TABLE7[(1, "8x1x1")])
+def measured(point: Point) -> Measured:
+    return Measured(name=point.name, layout=parse_layout(point.layout), tokens=point.tokens, seconds=point.seconds,
+                    strategy=point.strategy)
 
 
-def table7_predictions() -> list[dict]:
-    """One row per published point: name, nodes, layout, strategy auto picks, published and predicted TTFT."""
-    efficiency = fitted_efficiency()
-    cost, rows = paper_cost(efficiency), []
-    for (nodes, label), published in TABLE7.items():
-        predictions, _ = plan(cost, nodes * 8, PlanRequest(context=TABLE7_TOKENS))
-        row = next(p for p in predictions if p.layout.label() == label)
-        rows.append({"name": TABLE7_NAMES[label], "nodes": nodes, "layout": label, "strategy": row.strategy,
-                     "published_s": published, "predicted_s": round(row.ttft_s, 3),
-                     "error": round((row.ttft_s - published) / published, 4), "efficiency": round(efficiency, 4)})
+def paper_cost(hw: HardwareSpec | None = None) -> CostModel:
+    """The paper's model and precision on `hw` (default: the built-in H100, its fitted utilisations)."""
+    return CostModel(load_model_shape(MODEL), hw if hw is not None else builtin_hardware(GPU), FP8)
+
+
+def fitted_utilizations() -> tuple[float, float]:
+    """(GEMM, attention) utilisations fitted on the two FIT_POINTS from the H100's published peaks."""
+    first, second = (measured(next(p for p in FRESH if p.name == name)) for name in FIT_POINTS)
+    return fit_utilizations(paper_cost(), first, second)
+
+
+def fitted_cost() -> CostModel:
+    gemm, attention = fitted_utilizations()
+    return paper_cost(builtin_hardware(GPU).with_utilizations(gemm, attention, FITTED_ON))
+
+
+def one_factor_cost() -> CostModel:
+    """The model before issue 30: one efficiency for both kinds of compute, fitted on CP1 alone."""
+    cp1 = next(p for p in FRESH if p.name == "CP1")
+    before = dataclasses.replace(builtin_hardware(GPU), attention_row_traffic=False)
+    factor = fit_efficiency(paper_cost(before), parse_layout(cp1.layout), cp1.tokens, cp1.seconds)
+    return paper_cost(before.with_efficiency(factor))
+
+
+def predict_point(cost: CostModel, point: Point) -> float:
+    """Predicted seconds: a fresh prompt as `cpllm plan` shows it (auto's strategy), a partial prefill under the
+    strategy the paper measured."""
+    if point.cached:
+        return cost.prefill(parse_layout(point.layout), point.tokens, point.cached, point.strategy).total_s
+    predictions, _ = plan(cost, point.nodes * cost.hw.devices_per_node, PlanRequest(context=point.tokens))
+    return next(p for p in predictions if p.layout.label() == point.layout).ttft_s
+
+
+def published_predictions(cost: CostModel | None = None) -> list[dict]:
+    """One row per published point: name, source, layout, published and predicted seconds, error, fitted or not."""
+    cost = cost if cost is not None else fitted_cost()
+    rows = []
+    for point in FRESH + PARTIAL:
+        predicted = predict_point(cost, point)
+        rows.append({"name": point.name, "nodes": point.nodes, "layout": point.layout, "tokens": point.tokens,
+                     "cached": point.cached, "published_s": point.seconds, "predicted_s": round(predicted, 3),
+                     "error": round((predicted - point.seconds) / point.seconds, 4),
+                     "fitted": point.name in FIT_POINTS, "source": point.source})
     return rows
+
+
+def model_utilization(cost: CostModel, point: Point) -> float:
+    """The model's FLOPS utilisation of a fresh prefill: its FLOPs (projections, causal attention) over its devices'
+    16-bit peak for the predicted time."""
+    flops = cost.linear_flops(point.tokens) + cost.attention_flops(point.tokens, 0)
+    devices = point.nodes * cost.hw.devices_per_node
+    return flops / (predict_point(cost, point) * devices * cost.hw.peak_flops)

@@ -1,13 +1,17 @@
-"""Published results the planner is checked against (data, not predictions).
+"""Published results the planner is checked against (data, not predictions), each with its source.
 
-Yang et al., "Context Parallelism for Scalable Million-Token Inference" (arXiv 2411.01783): Llama 3 405B with FP8
-weights on H100 nodes of 8 GPUs, TP8 inside each node.
+Yang et al., "Context Parallelism for Scalable Million-Token Inference" (arXiv 2411.01783, v3): Llama 3 405B with
+FP8 weights on H100 nodes of 8 GPUs, TP8 inside each node. "128K" is taken as 128 x 1024 tokens and "1M" as
+1024 x 1024, as `cpllm plan --context 128k / 1m` reads them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 MODEL = "llama3-405b"
 GPU = "h100"
+PAPER = "arXiv 2411.01783"
 TABLE7_TOKENS = 128 * 1024
 TABLE7 = {  # (nodes, layout label TPxPCPxDCP) -> TTFT seconds of a 128K-token prefill
     (1, "8x1x1"): 42.0,
@@ -21,3 +25,46 @@ TABLE4_TOKENS = 128_000
 TABLE4_FASTER = {0.01: "pass-q", 0.025: "pass-q", 0.10: "pass-kv", 1.0: "pass-kv"}
 """CP4 partial prefill by KV cache miss rate T / (T + P): which strategy the paper measured faster (pass-Q at 1%
 (898.7 vs 1,023.4 ms) and 2.5%, even at 5%, pass-KV at 10% (2,080.7 vs 2,205.3 ms) and for a full prefill)."""
+TABLE4_TIMES = {(0.01, "pass-q"): 0.8987, (0.01, "pass-kv"): 1.0234, (0.10, "pass-kv"): 2.0807,
+                (0.10, "pass-q"): 2.2053}
+"""Seconds of those CP4 (TP8 x 4 nodes) partial prefills, 128,000 tokens in all (Table 4)."""
+ABSTRACT = f"{PAPER} abstract"
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Point:
+    """One published prefill time."""
+
+    name: str
+    nodes: int
+    layout: str
+    """TPxPCPxDCP label of the layout (TP8 in each node, the rest across nodes)."""
+    tokens: int
+    """New tokens of the prefill."""
+    seconds: float
+    source: str
+    cached: int = 0
+    """Tokens already in the KV cache (Table 4's partial prefills)."""
+    strategy: str = "ring"
+    """The paper's strategy in the cost model's names ("ring" is a fresh prompt's pass-KV; no choice without PCP)."""
+
+
+FRESH: tuple[Point, ...] = tuple(
+    Point(name=TABLE7_NAMES[label], nodes=nodes, layout=label, tokens=TABLE7_TOKENS, seconds=seconds,
+          source=f"{PAPER} Table 7") for (nodes, label), seconds in TABLE7.items()) + (
+    Point(name="1M, CP16", nodes=16, layout="8x16x1", tokens=1024 * 1024, seconds=77.0,
+          source=f"{ABSTRACT}: 1M context prefill in 77 s on up to 128 H100s across 16 nodes"),
+    Point(name="128K, CP16", nodes=16, layout="8x16x1", tokens=TABLE7_TOKENS, seconds=3.8,
+          source=f"{ABSTRACT}: 128K context prefill in 3.8 s (the 16-node scale the abstract states)"),
+)
+"""Full prefills of a fresh prompt."""
+PARTIAL: tuple[Point, ...] = tuple(
+    Point(name=f"CP4 {miss:.0%} miss, {strategy}", nodes=4, layout="8x4x1", tokens=round(TABLE4_TOKENS * miss),
+          cached=TABLE4_TOKENS - round(TABLE4_TOKENS * miss), seconds=seconds, strategy=strategy,
+          source=f"{PAPER} Table 4") for (miss, strategy), seconds in TABLE4_TIMES.items())
+"""Partial prefills on a cached context (Table 4)."""
+FIT_POINTS = ("CP1", "1M, CP16")
+"""The two points the H100's utilisations are fitted on; every other point is a prediction."""
+PAPER_UTILIZATION_1M = 0.63
+"""The paper's FLOPS utilisation of the 1M run (abstract); its FLOP count is not stated, so it is shown next to the
+model's (causal attention FLOPs, both kinds of matmul against the 16-bit peak), not asserted."""
