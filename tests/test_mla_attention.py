@@ -101,13 +101,13 @@ def hf_outputs(family: str, attention, rotary, x: torch.Tensor) -> torch.Tensor:
     return out[0]
 
 
-def ours(family: str, config, attention) -> tuple[MLAAttention, RotaryEmbedding]:
+def ours(family: str, config, attention, tp: TPShard = TPShard()) -> tuple[MLAAttention, RotaryEmbedding]:
     cfg = {**config.to_dict(), "architectures": [ARCH[family]]}
     mla = MLAConfig.from_hf_config(cfg)
     params = dict(config.rope_parameters)
     theta = params.pop("rope_theta")
     scaling = resolve_rope_scaling(params, MAX_POS) if params.get("rope_type", "default") != "default" else None
-    layer = MLAAttention(mla, HIDDEN, HEADS, mla.softmax_scale(scaling), PREFIX, TPShard(), CPComm(), torch.float32)
+    layer = MLAAttention(mla, HIDDEN, HEADS, mla.softmax_scale(scaling), PREFIX, tp, CPComm(), torch.float32)
     source = DictSource({f"{PREFIX}.{name}": t.detach().clone() for name, t in attention.state_dict().items()})
     for module in layer.modules():
         if hasattr(module, "load"):
@@ -162,7 +162,7 @@ def test_absorbed_steps_match_transformers(name, decode_plan):
     # the pool: each token's latent at its slot, nothing anywhere else
     written = torch.zeros(pool.shape[0], dtype=torch.bool)
     for request, length in LENGTHS.items():
-        slots = torch.tensor([BLOCKS[request][p // BLOCK] * BLOCK + p % BLOCK for p in range(length)])
+        slots = slots_of(request, range(length))
         with torch.no_grad():
             _, _, c, k_pe = layer._project(x[request], rope.tables(torch.arange(length), torch.float32))
         torch.testing.assert_close(pool[slots, 0], torch.cat((c, k_pe[:, 0]), dim=-1), rtol=1e-6, atol=1e-5)
@@ -170,24 +170,56 @@ def test_absorbed_steps_match_transformers(name, decode_plan):
     assert torch.isnan(pool[~written]).all()
 
 
-@pytest.mark.parametrize("name", ["v2-q-lora", "v3-yarn", "glm"])
-def test_expanded_form_matches_absorbed_and_transformers(name):
-    """The reference's own form (every head's keys and values expanded from the latents) on a fresh prompt: it
-    stores the same latents, and its outputs agree with transformers and with the absorbed form."""
+def slots_of(request: str, positions) -> torch.Tensor:
+    return torch.tensor([BLOCKS[request][p // BLOCK] * BLOCK + p % BLOCK for p in positions], dtype=torch.long)
+
+
+def setup(name: str):
     seed = list(CASES).index(name)
     family, overrides = CASES[name]
     config = hf_config(family, **overrides)
     attention, rotary = hf_attention(family, config, seed)
+    return family, attention, rotary, seed, config
+
+
+@pytest.mark.parametrize("name", ["v2-q-lora", "v3-yarn", "glm"])
+def test_expanded_form_matches_absorbed_and_transformers(name):
+    """The reference's own form (every head's keys and values expanded from the latents), run on request a's
+    chunks (9 fresh tokens, 5 more after them, two decodes): it stores the same latents, and its outputs agree
+    with transformers and with the absorbed form to float32 rounding."""
+    family, attention, rotary, seed, config = setup(name)
     layer, rope = ours(family, config, attention)
     x = inputs(seed)["a"]
     pool = latent_pool(20 * BLOCK, layer.mla.kv_lora_rank, layer.mla.qk_rope_head_dim, torch.float32)
-    slots = torch.arange(4, 4 + x.shape[0])
-    with torch.no_grad():
-        expanded = layer.forward_expanded(x, rope.tables(torch.arange(x.shape[0]), torch.float32), pool, slots)
+    expanded = torch.empty(LENGTHS["a"], HIDDEN)
+    for start, new in [(0, 9), (9, 5), (14, 1), (15, 1)]:
+        positions = torch.arange(start, start + new)
+        with torch.no_grad():
+            expanded[positions] = layer.forward_expanded(x[positions], rope.tables(positions, torch.float32), pool,
+                                                         slots_of("a", positions), slots_of("a", range(start)))
     absorbed, absorbed_pool = run_steps(layer, rope, inputs(seed), None)
     assert (expanded - hf_outputs(family, attention, rotary, x)).abs().max().item() <= ATOL
     assert (expanded - absorbed["a"]).abs().max().item() <= ATOL
-    torch.testing.assert_close(pool[slots], absorbed_pool[torch.arange(4, 4 + x.shape[0])], rtol=1e-6, atol=1e-5)
+    slots = slots_of("a", range(LENGTHS["a"]))
+    torch.testing.assert_close(pool[slots], absorbed_pool[slots], rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["v2", "v3-yarn"])
+def test_tp_ranks_heads_sum_to_single_rank(name):
+    """TP=2: each rank holds 2 of the 4 heads (q, kv_b_proj rows, o_proj columns) and the whole latent; the ranks'
+    partial outputs (o_proj before its all-reduce) sum to the single rank's."""
+    family, attention, _, seed, config = setup(name)
+    single, rope = ours(family, config, attention)
+    want, want_pool = run_steps(single, rope, inputs(seed), None)
+    parts = []
+    for rank in range(2):
+        layer, _ = ours(family, config, attention, TPShard(rank=rank, size=2))
+        assert layer.heads == 2 and layer.kv_b.shape[0] == 2
+        got, pool = run_steps(layer, rope, inputs(seed), None)
+        torch.testing.assert_close(pool, want_pool, rtol=0, atol=0, equal_nan=True)  # the latent is replicated
+        parts.append(got)
+    for request in LENGTHS:
+        assert (parts[0][request] + parts[1][request] - want[request]).abs().max().item() <= ATOL
 
 
 def test_mla_backend_has_the_whole_interface_and_narrow_values():

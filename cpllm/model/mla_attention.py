@@ -14,9 +14,9 @@ Two exact forms:
   values both the latent; its first r columns are the value); the output's first r columns times W_UV [H, v, r]
   per head are the heads' outputs. It reads the cache as it is, through PagedCPAttention with the MLA backend
   (cpllm/context_parallel/mla_backend.py), under every plan the CP layer has.
-- expanded (`forward_expanded`, one fresh sequence on one rank, as the reference's prefill): the keys and values
-  of every head built from the new latents, attended with key width nope + rope and value width v. The CP layer's
-  prefill takes this form once it can take per-head keys beside a latent pool (issue 25).
+- expanded (`forward_expanded`, one sequence on one rank, as the reference computes every step): the keys and
+  values of every head built from the latents (`expand`), attended with key width nope + rope and value width v.
+  The CP layer's prefill takes this form once it can take per-head keys beside a latent pool (issue 25).
 Interleaved rotary pairs are taken apart (evens, then odds) before the rotate-half rotary of cpllm/model/rope.py,
 in q and k alike, so their dot products are the reference's.
 TP splits the heads (q, kv_b_proj rows, o_proj columns); the latent projection and the cache are replicated.
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from cpllm.config_deepseek import MLAConfig
 from cpllm.context_parallel.attention import CPComm, PagedCPAttention
 from cpllm.context_parallel.backend import AttentionBackend
+from cpllm.context_parallel.merge import merge_two
 from cpllm.context_parallel.metadata import AttentionMetadata
 from cpllm.context_parallel.mla_backend import MLAPagedBackend
 from cpllm.model.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, RowRange, TPShard
@@ -124,18 +125,28 @@ class MLAAttention(torch.nn.Module):
         heads_out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [N, H, v]
         return self._output(heads_out)
 
-    def forward_expanded(self, hidden: torch.Tensor, rope_tables, pool: torch.Tensor,
-                         slots: torch.Tensor) -> torch.Tensor:
-        """One fresh sequence on one rank (hidden [N, hidden], positions 0..N-1 in `rope_tables`): its latents
-        stored at `slots` [N], every head's keys and values expanded from them, causal attention -> [N, hidden]."""
+    def expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every head's keys and values from latent rows [S, 1, r + rope] -> k [S, H, nope + rope], v [S, H, v]."""
         mla = self.mla
-        q_nope, q_pe, c, k_pe = self._project(hidden, rope_tables)
-        latent = torch.cat((c.unsqueeze(1), k_pe), dim=-1)  # [N, 1, r + rope]
-        rows = torch.arange(hidden.shape[0])
-        self.attn.backend.store_kv(pool, pool, slots, latent, latent, rows)
+        c, k_pe = latent[:, 0].split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         kv = F.linear(c, self.kv_b.view(-1, mla.kv_lora_rank)).view(-1, self.heads, self.kv_b.shape[1])
-        k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)  # [N, H, nope], [N, H, v]
-        k = torch.cat((k_nope, k_pe.expand(-1, self.heads, -1)), dim=-1)  # [N, H, nope + rope]
-        q = torch.cat((q_nope, q_pe), dim=-1)
-        out, _ = self.attn.backend.attend(q, k, v.contiguous(), self.scale, True)  # [N, H, v]
-        return self._output(out)
+        k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)  # [S, H, nope], [S, H, v]
+        k = torch.cat((k_nope, k_pe.unsqueeze(1).expand(-1, self.heads, -1)), dim=-1)
+        return k, v.contiguous()
+
+    def forward_expanded(self, hidden: torch.Tensor, rope_tables, pool: torch.Tensor, new_slots: torch.Tensor,
+                         context_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """The reference's form for one sequence on one rank: hidden [T, hidden] (positions P..P+T-1 in
+        `rope_tables`), its new latents stored at `new_slots` [T], its cached context read at `context_slots` [P]
+        (None: none); every head's keys and values expanded from the latents; the new tokens attend each other
+        causally and the context wholly, the two partials merged exactly -> [T, hidden]."""
+        q_nope, q_pe, c, k_pe = self._project(hidden, rope_tables)
+        latent = torch.cat((c.unsqueeze(1), k_pe), dim=-1)  # [T, 1, r + rope]
+        backend = self.attn.backend
+        backend.store_kv(pool, pool, new_slots, latent, latent, torch.arange(hidden.shape[0]))
+        q = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, nope + rope]
+        out, lse = backend.attend(q, *self.expand(latent), self.scale, True)  # [T, H, v]
+        if context_slots is not None and context_slots.numel():
+            cached, _ = backend.context_keys(pool, pool, context_slots, latent.dtype)  # [P, 1, r + rope]
+            out, lse = merge_two(out, lse, *backend.attend(q, *self.expand(cached), self.scale, False))
+        return self._output(out.to(hidden.dtype))
