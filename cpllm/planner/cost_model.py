@@ -193,7 +193,8 @@ class CostModel:
         ranks = tp * n
         busy = hw.busy_node_fraction if ranks > 1 else 1.0  # other devices of the node compute too
         linear_s = self.linear_flops(new) / ranks / (hw.gemm_rate(prec.weight_format) * busy)
-        attention_s = self.attention_flops(new, cached, hw.attention_row_overhead) / ranks / (hw.attention_rate() * busy)
+        attention_flops = self.attention_flops(new, cached, hw.attention_row_overhead)
+        attention_s = attention_flops / ranks / (hw.attention_rate() * busy)
         if hw.attention_row_traffic:
             calls = 1 if n == 1 or strategy == "allgather" else n  # ring steps each attend a row once more
             attention_s += layers * (new / n) * self.attention_row_bytes(tp, calls) / hw.memory_bw  # rows of a PCP rank

@@ -57,6 +57,7 @@ def fit_utilizations(cost: CostModel, first: Measured, second: Measured) -> tupl
         inv_gemm, inv_attention = (y1 * a2 - y2 * a1) / det, (l1 * y2 - l2 * y1) / det
         if inv_gemm < 1 or inv_attention < 1:
             raise ValueError(f"fit on {first.name} and {second.name} gives utilisations outside (0, 1] (GEMM "
-                             f"{1 / inv_gemm:.3g}, attention {1 / inv_attention:.3g}): the model cannot give both times")
+                             f"{1 / inv_gemm:.3g}, attention {1 / inv_attention:.3g}): the model cannot give "
+                             "both times")
         hw = hw.with_utilizations(1 / inv_gemm, 1 / inv_attention, "")
     return hw.gemm_utilization, hw.attention_utilization

@@ -87,7 +87,8 @@ class HardwareSpec:
     def with_efficiency(self, efficiency: float) -> "HardwareSpec":
         """The one-factor override: both compute rates at `efficiency` x peak (the fitted utilisations dropped)."""
         return dataclasses.replace(self, efficiency=efficiency, gemm_utilization=1.0, attention_utilization=1.0,
-                                   utilization_source=f"--efficiency {efficiency:g} (one factor for GEMMs and attention)")
+                                   utilization_source=f"--efficiency {efficiency:g} (one factor for GEMMs and "
+                                                      "attention)")
 
     def with_utilizations(self, gemm: float, attention: float, source: str) -> "HardwareSpec":
         return dataclasses.replace(self, efficiency=1.0, gemm_utilization=gemm, attention_utilization=attention,
