@@ -50,7 +50,7 @@ def fitted_cost() -> CostModel:
 def one_factor_cost() -> CostModel:
     """The model before issue 30: one efficiency for both kinds of compute, fitted on CP1 alone."""
     cp1 = next(p for p in FRESH if p.name == "CP1")
-    before = dataclasses.replace(builtin_hardware(GPU), attention_row_traffic=False)
+    before = dataclasses.replace(builtin_hardware(GPU), attention_row_traffic=False)  # the term came with the rates
     factor = fit_efficiency(paper_cost(before), parse_layout(cp1.layout), cp1.tokens, cp1.seconds)
     return paper_cost(before.with_efficiency(factor))
 

@@ -10,6 +10,7 @@ fastest TTFT.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from cpllm.config import ModelConfig
@@ -136,9 +137,11 @@ def fit_efficiency(cost: CostModel, layout: ParallelDims, tokens: int, measured_
                    strategy: str = "ring") -> float:
     """The compute efficiency that makes the model's prefill of `tokens` on `layout` take `measured_s`: the
     communication terms do not depend on it when nothing overlaps (one node, TP only), so it is closed form."""
-    at_peak = CostModel(cost.model, cost.hw.with_efficiency(1.0), cost.precision).prefill(layout, tokens, 0, strategy)
-    compute = at_peak.linear_s + at_peak.attention_s
-    rest = at_peak.total_s - compute
+    peak_hw = cost.hw.with_efficiency(1.0)
+    at_peak = CostModel(cost.model, peak_hw, cost.precision).prefill(layout, tokens, 0, strategy)
+    matmuls = CostModel(cost.model, dataclasses.replace(peak_hw, attention_row_traffic=False), cost.precision)
+    compute = sum(getattr(matmuls.prefill(layout, tokens, 0, strategy), k) for k in ("linear_s", "attention_s"))
+    rest = at_peak.total_s - compute  # the attention rows' memory traffic does not scale with the factor
     if measured_s <= rest:
         raise ValueError(f"measured {measured_s} s is not more than the predicted communication alone ({rest:.3g} s)")
     efficiency = compute / (measured_s - rest)
