@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+FREED_BLOCK = -1
+"""A block-table entry whose block a sliding-window group has freed: every position in it lies before the window of
+the chunk's first query (cpllm/kv_groups.py), so no rank reads it."""
+
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class ScheduledChunk:
@@ -22,15 +26,24 @@ class ScheduledChunk:
     start_pos: int
     """Tokens already in the KV cache (earlier chunks, prefix-cache hits)."""
     block_table: tuple[int, ...]
-    """Virtual block ids covering positions [0, start_pos + len(token_ids))."""
+    """Virtual block ids covering positions [0, start_pos + len(token_ids)): the table of KV group 0 (the
+    full-attention layers when the model has any; cpllm/kv_groups.py)."""
     sample: bool
     """The chunk ends the known tokens: the driver samples the next one from its last position."""
     prompt_logits: bool
     """Return logits of every position in the chunk (prompt logprobs)."""
+    block_tables: tuple[tuple[int, ...], ...] = ()
+    """One table per KV group, in cpllm/kv_groups.py order (group 0's is `block_table`), all of the same length:
+    entry i is virtual block i of that group's pool, or FREED_BLOCK where a windowed group has freed it (a prefix
+    of the table). Empty: the model has one group, whose table is `block_table`."""
 
     @property
     def end_pos(self) -> int:
         return self.start_pos + len(self.token_ids)
+
+    def group_table(self, group: int) -> tuple[int, ...]:
+        """The block table of KV group `group`."""
+        return self.block_tables[group] if self.block_tables else self.block_table
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

@@ -2,7 +2,9 @@
 
 A block id names the same physical block index on every rank of a CP group;
 one virtual block holds `block_size * kv_shard_size` consecutive tokens of a sequence
-(docs/context_parallel.md, "KV layout"), so the scheduler only counts virtual blocks.
+(docs/context_parallel.md, "KV layout"), so the scheduler only counts virtual blocks. A model with several KV groups
+(cpllm/kv_groups.py: full attention, sliding windows) has one pool per group; the same prefix hash names a block of
+each group's pool.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import hashlib
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
+
+from cpllm.step import FREED_BLOCK
 
 ROOT_BLOCK_HASH = hashlib.sha256(b"cpllm prefix cache root").digest()
 """Parent of the first block of every sequence (a fixed value, so hashes agree across processes)."""
@@ -49,6 +53,11 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def num_used(self) -> int:
+        """Blocks referenced by running requests."""
+        return self.num_blocks - len(self._free)
+
     def usage(self) -> float:
         """Fraction of blocks referenced by running requests."""
         return 1.0 - self.num_free / self.num_blocks
@@ -69,8 +78,11 @@ class BlockPool:
         return ids
 
     def free(self, block_ids: list[int]) -> None:
-        """Drop one reference of each block; the last reference returns it to the free list."""
+        """Drop one reference of each block (FREED_BLOCK entries skipped); the last reference returns it to the
+        free list."""
         for block_id in reversed(block_ids):  # tail blocks are evicted before the shared prefix
+            if block_id == FREED_BLOCK:
+                continue
             block = self._blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
@@ -88,12 +100,20 @@ class BlockPool:
             if block_id is None:
                 break
             hits.append(block_id)
-        for block_id in hits:
+        self.acquire(hits)
+        return hits
+
+    def cached(self, h: bytes) -> int | None:
+        """The block registered for prefix hash `h`, or None (no reference taken)."""
+        return self._cached.get(h) if self.enable_prefix_caching else None
+
+    def acquire(self, block_ids: list[int]) -> None:
+        """Take one more reference of each (cached) block, out of the free list if it was there."""
+        for block_id in block_ids:
             block = self._blocks[block_id]
             if block.ref_count == 0:
                 del self._free[block_id]
             block.ref_count += 1
-        return hits
 
     def register(self, block_id: int, h: bytes) -> None:
         """Mark a full, computed block as reusable for the prefix with hash `h`."""

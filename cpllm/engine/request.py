@@ -32,13 +32,19 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     """Tokens whose K/V are in the cache (prefix-cache hits included)."""
-    block_ids: list[int] = field(default_factory=list)
-    """Virtual block table: entry i holds tokens [i*V, (i+1)*V) where V = block_size * cp_size."""
+    block_tables: list[list[int]] = field(default_factory=list)
+    """Virtual block table of each KV group (cpllm/kv_groups.py; set by the scheduler): entry i holds tokens
+    [i*V, (i+1)*V) where V = block_size * cp_size, or FREED_BLOCK where a windowed group has freed it."""
     block_hashes: list[bytes] = field(default_factory=list)
     """Chained SHA-256 digests of the leading full blocks of all_token_ids (a pure function of the tokens)."""
     num_registered_blocks: int = 0
     """Leading blocks of block_ids that are computed and registered in the prefix cache."""
     num_preemptions: int = 0
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The block table of KV group 0 (the full-attention layers when the model has any)."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def num_prompt_tokens(self) -> int:

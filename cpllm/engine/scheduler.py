@@ -2,24 +2,43 @@
 
 The scheduler owns every request's state; what it sends to the ranks is a
 `SchedulerOutput`: plain data, identical on every rank of a replica.
+
+A model's layers fall into KV groups (cpllm/kv_groups.py): full attention, and one group per sliding window. Each
+group has its own block pool and, per request, its own block table, all indexed by the same virtual block. A
+windowed group gives back the blocks that slid out of the window of the request's next query (their entries become
+FREED_BLOCK), so a request holds there at most its window plus one block between steps and in decode steps, plus
+the step's new tokens in a prompt chunk (kv_groups.window_blocks).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
+from collections.abc import Sequence
 
 from cpllm.config import SchedulerConfig
 from cpllm.engine.kv_blocks import BlockPool, extend_hashes
 from cpllm.engine.request import Request, RequestStatus
+from cpllm.kv_groups import FREED_BLOCK, KVGroupSpec, first_kept_block, max_chunk
 from cpllm.step import ScheduledChunk, SchedulerOutput
+
+FULL_ATTENTION = (KVGroupSpec(window=None, layers=()),)
+"""The groups of a scheduler built without any: one full-attention group."""
 
 
 class Scheduler:
     """Decides, step by step, which tokens of which requests are computed."""
 
-    def __init__(self, config: SchedulerConfig, pool: BlockPool, tokens_per_block: int):
+    def __init__(self, config: SchedulerConfig, pool: BlockPool | Sequence[BlockPool], tokens_per_block: int,
+                 groups: tuple[KVGroupSpec, ...] | None = None):
+        """`pool`: the block pool, or one per KV group in `groups` order (None: one full-attention group)."""
         self.config = config
-        self.pool = pool
+        self.pools: tuple[BlockPool, ...] = (pool,) if isinstance(pool, BlockPool) else tuple(pool)
+        self.groups = groups if groups is not None else FULL_ATTENTION
+        if len(self.groups) != len(self.pools):
+            raise ValueError(f"{len(self.groups)} KV groups but {len(self.pools)} block pools")
+        self.pool = self.pools[0]
+        """Group 0's pool (the full-attention layers when the model has any)."""
         self.tokens_per_block = tokens_per_block  # virtual block: block_size * cp_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -31,11 +50,16 @@ class Scheduler:
         """Tokens of admitted requests found in the prefix cache (not computed), since start."""
         self.num_prefix_query_tokens = 0
         """Tokens of admitted requests looked up in the prefix cache, since start (vLLM's prefix-cache queries)."""
+        self.peak_request_blocks = [0] * len(self.groups)
+        """Most blocks one request held at once in each group's pool, since start (counted when a step's blocks
+        are reserved, so a prompt chunk's new tokens are included)."""
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        if not request.block_tables:
+            request.block_tables = [[] for _ in self.groups]
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -49,8 +73,12 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.pool.free(request.block_ids)
-        request.block_ids = []
+        self._free_tables(request)
+
+    def request_blocks(self, request_id: str) -> tuple[int, ...]:
+        """Blocks the request holds now in each group's pool (freed entries not counted)."""
+        request = self.requests[request_id]
+        return tuple(len(table) - _num_freed(table) for table in request.block_tables)
 
     def schedule(self) -> SchedulerOutput:
         chunks: list[ScheduledChunk] = []
@@ -67,7 +95,7 @@ class Scheduler:
         for request in list(self.running):
             if budget == 0 or request not in self.running:
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget, self._chunk_cap(request))
             if not self._reserve(request, num_new, scheduled, preempted):
                 continue
             chunks.append(self._chunk(request, num_new))
@@ -84,12 +112,10 @@ class Scheduler:
                 # the same step would take them back. It waits, first in line.
                 break
             num_hit_tokens = self._use_prefix_cache(request)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            blocks = self.pool.allocate(self._blocks_needed(request, num_new))
-            if blocks is None:
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget, self._chunk_cap(request))
+            if not self._allocate(request, self._blocks_needed(request, num_new)):
                 self._release(request)  # the prefix hits too: they are looked up again next step
                 break
-            request.block_ids += blocks
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -100,38 +126,66 @@ class Scheduler:
             budget -= num_new
 
     def on_step_done(self, output: SchedulerOutput) -> None:
-        """Advance progress after the ranks computed a step; register newly full blocks."""
+        """Advance progress after the ranks computed a step; register newly full blocks, then give back the
+        blocks that left the windows of the next query."""
         for chunk in output.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None:
                 continue
             request.num_computed_tokens = chunk.end_pos
             self._register_full_blocks(request)
+            self._slide(request)
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
         end = start + num_new
+        tables = tuple(tuple(table) for table in request.block_tables)
         return ScheduledChunk(
             request_id=request.request_id,
             token_ids=tuple(request.all_token_ids[start:end]),
             start_pos=start,
-            block_table=tuple(request.block_ids),
+            block_table=tables[0],
             sample=end == request.num_tokens,
             prompt_logits=request.wants_prompt_logprobs and start < request.num_prompt_tokens,
+            block_tables=tables if len(tables) > 1 else (),
         )
 
+    def _chunk_cap(self, request: Request) -> int:
+        """Most new tokens the request can compute in one step with every group's whole pool: a windowed group
+        holds the window of the chunk's first query plus the chunk (at least 1: the engine checks at start
+        that every pool holds one request's window and the full groups its max_model_len)."""
+        start, v = request.num_computed_tokens, self.tokens_per_block
+        cap = min(max_chunk(g.window, start, pool.num_blocks, v) for g, pool in zip(self.groups, self.pools))
+        return max(cap, 1)
+
     def _blocks_needed(self, request: Request, num_new: int) -> int:
+        """New blocks for the step, the same count in every group (the tables share their indices)."""
         total = -(-(request.num_computed_tokens + num_new) // self.tokens_per_block)
-        return max(0, total - len(request.block_ids))
+        return max(0, total - len(request.block_tables[0]))
+
+    def _allocate(self, request: Request, count: int) -> bool:
+        """`count` fresh blocks in every group's pool, or none at all (False) when one of them is short."""
+        taken: list[list[int]] = []
+        for pool in self.pools:
+            ids = pool.allocate(count)
+            if ids is None:
+                for got_pool, got in zip(self.pools, taken):
+                    got_pool.free(got)
+                return False
+            taken.append(ids)
+        for table, ids in zip(request.block_tables, taken):
+            table += ids
+        for g, table in enumerate(request.block_tables):
+            self.peak_request_blocks[g] = max(self.peak_request_blocks[g], len(table) - _num_freed(table))
+        return True
 
     def _reserve(self, request: Request, num_new: int, scheduled: set[str], preempted: set[str]) -> bool:
         """Allocate blocks for a running request, preempting the newest unscheduled ones (added to
         `preempted`); False if the request itself was preempted."""
+        self._slide(request)
         needed = self._blocks_needed(request, num_new)
         while True:
-            blocks = self.pool.allocate(needed)
-            if blocks is not None:
-                request.block_ids += blocks
+            if self._allocate(request, needed):
                 return True
             victim = next((r for r in reversed(self.running) if r.request_id not in scheduled), None)
             if victim is None:
@@ -150,33 +204,92 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def _free_tables(self, request: Request) -> None:
+        for pool, table in zip(self.pools, request.block_tables):
+            pool.free(table)
+        request.block_tables = [[] for _ in self.groups]
+
     def _release(self, request: Request) -> None:
-        self.pool.free(request.block_ids)
-        request.block_ids = []
+        self._free_tables(request)
         request.num_computed_tokens = 0
         request.num_registered_blocks = 0
+
+    def _slide(self, request: Request) -> None:
+        """Give back each windowed group's blocks that lie wholly before the window of the next query (at
+        position num_computed_tokens): the same block ids on every rank, each of which frees there its own share
+        of the block's positions (docs/context_parallel.md, "Windowed KV groups")."""
+        for group, pool, table in zip(self.groups, self.pools, request.block_tables):
+            if group.window is None:
+                continue
+            first = min(first_kept_block(group.window, request.num_computed_tokens, self.tokens_per_block),
+                        len(table))
+            dead = []
+            for i in range(first - 1, -1, -1):  # freed entries are a prefix: stop at the first one
+                if table[i] == FREED_BLOCK:
+                    break
+                dead.append(table[i])
+                table[i] = FREED_BLOCK
+            pool.free(dead)  # in ascending order: the latest block is evicted last
 
     def _use_prefix_cache(self, request: Request) -> int:
         """Start a fresh request after its longest cached prefix of full blocks; returns the tokens skipped."""
         if request.num_computed_tokens or request.block_ids or request.wants_prompt_logprobs:
             return 0
-        num_full = request.num_tokens // self.tokens_per_block
-        extend_hashes(request.block_hashes, request.all_token_ids, self.tokens_per_block, num_full)
-        hits = self.pool.lookup_prefix(request.block_hashes[:num_full])
-        if hits and len(hits) * self.tokens_per_block == request.num_tokens:
-            # At least one token must be computed to produce logits for sampling.
-            self.pool.free(hits[-1:])
-            hits = hits[:-1]
-        request.block_ids = hits
-        request.num_computed_tokens = len(hits) * self.tokens_per_block
-        request.num_registered_blocks = len(hits)
+        if not self.pool.enable_prefix_caching:
+            return 0
+        v = self.tokens_per_block
+        num_full = request.num_tokens // v
+        extend_hashes(request.block_hashes, request.all_token_ids, v, num_full)
+        hashes = request.block_hashes[:num_full]
+        hit = self._longest_hit(hashes, request.num_tokens)
+        if hit == 0:
+            return 0
+        tables = []
+        for group, pool in zip(self.groups, self.pools):
+            first = first_kept_block(group.window, hit * v, v)
+            ids = [pool.cached(h) for h in hashes[first:hit]]
+            pool.acquire(ids)
+            tables.append([FREED_BLOCK] * first + ids)
+        request.block_tables = tables
+        request.num_computed_tokens = hit * v
+        request.num_registered_blocks = hit
         return request.num_computed_tokens
+
+    def _longest_hit(self, hashes: list[bytes], num_tokens: int) -> int:
+        """Most leading blocks a request can skip: every full group holds all of them, every windowed group the
+        ones in the window of the first position after them (blocks before it may be gone), and at least one
+        token is left to compute, so there is a position to sample from."""
+        hit = min(len(hashes), (num_tokens - 1) // self.tokens_per_block)
+        for group, pool in zip(self.groups, self.pools):
+            if group.window is None:
+                run = next((i for i, h in enumerate(hashes[:hit]) if pool.cached(h) is None), hit)
+                hit = min(hit, run)
+        while hit > 0:
+            missing = -1
+            for group, pool in zip(self.groups, self.pools):
+                if group.window is None:
+                    continue
+                first = first_kept_block(group.window, hit * self.tokens_per_block, self.tokens_per_block)
+                gone = [i for i in range(first, hit) if pool.cached(hashes[i]) is None]
+                if gone:
+                    missing = max(missing, gone[-1])
+            if missing < 0:
+                return hit
+            hit = missing  # any longer hit has `missing` inside its window too
+        return 0
 
     def _register_full_blocks(self, request: Request) -> None:
         num_full = request.num_computed_tokens // self.tokens_per_block
         if num_full <= request.num_registered_blocks:
             return
         extend_hashes(request.block_hashes, request.all_token_ids, self.tokens_per_block, num_full)
-        for i in range(request.num_registered_blocks, num_full):
-            self.pool.register(request.block_ids[i], request.block_hashes[i])
+        for pool, table in zip(self.pools, request.block_tables):
+            for i in range(request.num_registered_blocks, num_full):
+                if table[i] != FREED_BLOCK:
+                    pool.register(table[i], request.block_hashes[i])
         request.num_registered_blocks = num_full
+
+
+def _num_freed(table: list[int]) -> int:
+    """Leading FREED_BLOCK entries of a block table (they form a prefix)."""
+    return bisect.bisect_left(range(len(table)), True, key=lambda i: table[i] != FREED_BLOCK)
