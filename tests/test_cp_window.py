@@ -233,3 +233,82 @@ def test_a_sink_counted_per_shard_is_not_the_sink_counted_once():
     per_shard = apply_sinks(outs[:, None].float(), lses[:, None].float(), sink.float())  # [shard, 1, D]
     merged_wrong, _ = merge_attention_partials(per_shard[:, :, None], lses[:, None, None].float())
     assert (merged_wrong[0, 0].double() - direct).abs().max() > 0.1
+
+
+# --- against transformers' own attention functions (one rank, no processes) --------------------------------------
+
+
+def _one_rank_step(reqs, layer, sinks, seed: int):
+    """One step of `layer` on one rank (a chunked-prefill continuation, a fresh prompt and decodes together):
+    returns the data and {(request, token): output row [HQ, D]}."""
+    import torch
+
+    from cpllm.context_parallel.kv_layout import KVLayout
+    from cpllm.context_parallel.metadata import build_step_batch
+    from cpllm.step import ScheduledChunk
+    layout = KVLayout(cp_size=1, cp_rank=0, interleave=1, block_size=helpers.BLOCK)
+    tables, num_blocks = helpers.base.block_tables(reqs, 1)
+    data = helpers.base.make_data(reqs, helpers.HQ, seed)
+    chunks = [ScheduledChunk(request_id=str(i), token_ids=tuple(helpers.base.token_id(i, j) for j in range(r.new)),
+                             start_pos=r.context, block_table=tables[i], sample=True, prompt_logits=False)
+              for i, r in enumerate(reqs)]
+    batch = build_step_batch(chunks, layout, 1, 0, lambda c: [])
+    k_pool, v_pool = (torch.zeros(num_blocks * helpers.BLOCK, helpers.HKV, helpers.D) for _ in range(2))
+    for i, (req, (_, k, v)) in enumerate(zip(reqs, data)):
+        for pos in range(req.context):
+            slot = layout.slot(pos, tables[i])
+            k_pool[slot], v_pool[slot] = k[pos], v[pos]
+    n, where = batch.attention.num_rows, {}
+    q_loc, k_loc, v_loc = (torch.zeros(n, h, helpers.D) for h in (helpers.HQ, helpers.HKV, helpers.HKV))
+    for row in range(n):
+        i, j = divmod(int(batch.token_ids[row]) - 1, 1000)
+        q, k, v = data[i]
+        q_loc[row], k_loc[row], v_loc[row] = q[j], k[reqs[i].context + j], v[reqs[i].context + j]
+        where[(i, j)] = row
+    out = layer(q_loc, k_loc, v_loc, k_pool, v_pool, batch.attention, sinks=sinks)
+    return data, {key: out[row] for key, row in where.items()}, batch.attention.plan.value
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("steps", ["mixed", "decode"])
+def test_one_rank_matches_transformers_attention(family, steps):
+    """Mistral's sliding window (the mask transformers 5 builds: sliding_window_overlay on the causal mask, on
+    absolute positions), Gemma 2's soft-capped eager attention and GPT-OSS's eager attention with sinks, each with a
+    window of 8 over prompts and contexts 3-6x as long, against PagedCPAttention on one rank."""
+    import types
+
+    import torch
+    from transformers.masking_utils import sliding_window_causal_mask_function
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_attention
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_attention
+
+    from cpllm.context_parallel.attention import CPComm, PagedCPAttention
+    window, softcap = 8, (10.0 if family == "gemma2" else None)
+    sinks = torch.rand(helpers.HQ, generator=torch.Generator().manual_seed(5)) * 5 + 20 if family == "gpt_oss" \
+        else None  # about the rows' lse (scores are large here: no cap)
+    Req = helpers.Req
+    reqs = ([Req(3 * window + 5, 2 * window + 1), Req(0, 5 * window), Req(6 * window, 1), Req(5, 1)]
+            if steps == "mixed" else [Req(6 * window + 3, 1), Req(4 * window, 1), Req(2, 1)])
+    layer = PagedCPAttention(CPComm(), helpers.SCALE, window=window, softcap=softcap)
+    data, got, plan = _one_rank_step(reqs, layer, sinks, seed=11)
+    assert plan == ("prefill" if steps == "mixed" else "one-shard")
+    mask_fn = sliding_window_causal_mask_function(window)
+    module = types.SimpleNamespace(num_key_value_groups=helpers.HQ // helpers.HKV, training=False,
+                                   head_dim=helpers.D, sinks=sinks)
+    worst, sink_effect = 0.0, 0.0
+    for i, (req, (q, k, v)) in enumerate(zip(reqs, data)):
+        q_pos, length = range(req.context, req.context + req.new), req.context + req.new
+        zero = torch.tensor(0)
+        keep = mask_fn(zero, zero, torch.tensor(q_pos)[:, None], torch.arange(length)[None, :])  # [T, P + T]
+        mask = torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))[None, None]
+        args = (module, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask)
+        if family == "gpt_oss":
+            want, _ = gpt_oss_attention(*args, scaling=helpers.SCALE)
+            plain, _ = gemma2_attention(*args, scaling=helpers.SCALE)  # the same without the sinks
+            sink_effect = max(sink_effect, (want - plain).abs().max().item())
+        else:
+            want, _ = gemma2_attention(*args, scaling=helpers.SCALE, softcap=softcap)
+        for j in range(req.new):
+            worst = max(worst, (got[(i, j)] - want[0, j]).abs().max().item())
+    assert worst <= 2e-5
+    assert family != "gpt_oss" or sink_effect > 0.05, f"the sinks barely matter here ({sink_effect:.3g})"
