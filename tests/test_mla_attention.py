@@ -25,6 +25,7 @@ from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.context_parallel.metadata import build_step_batch
 from cpllm.context_parallel.mla_backend import MLAPagedBackend, latent_pool
 from cpllm.context_parallel.plan import StepPlan
+from cpllm.context_parallel.sdpa import reference_attention
 from cpllm.model.layers import TPShard
 from cpllm.model.mla_attention import MLAAttention
 from cpllm.model.rope import RotaryEmbedding
@@ -252,3 +253,28 @@ def test_softmax_scale_yarn_mscale():
     assert mla.softmax_scale(YARN) == pytest.approx(32**-0.5 * m * m, rel=1e-12)
     with pytest.raises(ValueError, match="qk_rope_head_dim=15 must be even"):
         MLAConfig(**{**SHAPES, "qk_rope_head_dim": 15})
+
+
+@pytest.mark.parametrize("plan", [None, StepPlan.GATHERED_DECODE], ids=["one-shard", "partials"])
+def test_decode_over_576_wide_latents(plan):
+    """DeepSeek-V3's latent width (512 + 64) and 16 query heads on one latent head: the decode paths (the C
+    kernel where it runs) equal float64 attention over the request's latents."""
+    gen = torch.Generator().manual_seed(3)
+    layout = KVLayout(cp_size=1, cp_rank=0, interleave=1, block_size=BLOCK)
+    chunks = [ScheduledChunk(request_id=str(i), token_ids=(1,), start_pos=ctx, block_table=tuple(range(1 + 12 * i,
+              13 + 12 * i)), sample=True, prompt_logits=False) for i, ctx in enumerate((37, 5))]
+    meta = build_step_batch(chunks, layout, 1, 0, lambda c: [], plan=plan).attention
+    pool = latent_pool(30 * BLOCK, 512, 64, torch.float32).normal_(generator=gen)
+    q = 3.0 * torch.randn(2, 16, 576, generator=gen) / 576**0.5
+    backend, scale = MLAPagedBackend(), 192**-0.5
+    if plan is None:
+        out = backend.attend_decode_whole(q, pool, pool, meta.decode, scale)
+    else:
+        out, _ = backend.attend_decode(q, pool, pool, meta.decode, scale)
+    for i, ctx in enumerate((37, 5)):
+        blocks = chunks[i].block_table
+        latents = pool[torch.tensor([blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(ctx + 1)])]  # [S, 1, 576]
+        want, _ = reference_attention(q[i:i + 1].transpose(0, 1).unsqueeze(0).double(),
+                                      latents.transpose(0, 1).unsqueeze(0).double(),
+                                      latents.transpose(0, 1).unsqueeze(0).double(), scale=scale)
+        torch.testing.assert_close(out[i].double(), want[0, :, 0], rtol=1e-5, atol=1e-5)
