@@ -21,6 +21,7 @@ from typing import Callable, Protocol
 import torch
 
 from cpllm.context_parallel.gqa_backend import GQAPagedBackend
+from cpllm.context_parallel.triton_backend import TritonPagedBackend
 
 
 class AttentionBackend(Protocol):
@@ -80,6 +81,7 @@ class AttentionBackend(Protocol):
 
 BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
     "gqa": GQAPagedBackend,
+    "gqa-triton": TritonPagedBackend,  # the same kind, Triton kernels: chosen on CUDA (triton_backend.kind_for)
 }
 """Attention kinds by name: a factory each."""
 

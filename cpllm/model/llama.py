@@ -17,6 +17,7 @@ from cpllm.config_attention import layer_window
 from cpllm.context_parallel.attention import CPComm, PagedCPAttention
 from cpllm.context_parallel.backend import AttentionBackend, attention_backend
 from cpllm.context_parallel.metadata import AttentionMetadata
+from cpllm.context_parallel.triton_backend import kind_for
 from cpllm.distributed.comm import low_latency
 from cpllm.distributed.groups import PCPSplit
 from cpllm.distributed.parallel_dims import kv_heads_of_tp_rank
@@ -199,7 +200,7 @@ class LlamaForCausalLM(torch.nn.Module):
         super().__init__()
         self.config = config
         h = config.hidden_size
-        self.attention_backend = attention_backend(ATTENTION_KIND)
+        self.attention_backend = attention_backend(kind_for(ATTENTION_KIND))  # Triton kernels on CUDA
         """Every layer's attention on this rank (cpllm/context_parallel/backend.py)."""
         self.embed_tokens = VocabParallelEmbedding("model.embed_tokens.weight", config.vocab_size, h, tp, dtype,
                                                    config.quantization)
