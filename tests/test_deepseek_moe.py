@@ -86,7 +86,8 @@ def hf_block(family: str, config, seed: int) -> torch.nn.Module:
     gain = ROUTER_GAIN["softmax" if family == "v2" else "sigmoid"]
     with torch.no_grad():
         for name, tensor in block.state_dict(keep_vars=True).items():
-            std = gain if name == "gate.weight" else BIAS_STD if name.endswith("e_score_correction_bias") else WEIGHT_STD
+            bias = name.endswith("e_score_correction_bias")
+            std = gain if name == "gate.weight" else BIAS_STD if bias else WEIGHT_STD
             tensor.copy_(std * torch.randn(tensor.shape, generator=gen))
     return block
 

@@ -52,7 +52,8 @@ class MLAAttention(torch.nn.Module):
     def __init__(self, mla: MLAConfig, hidden: int, num_heads: int, scale: float, prefix: str, tp: TPShard,
                  comm: CPComm, dtype: torch.dtype, quantization: str = "none",
                  backend: AttentionBackend | None = None):
-        """`scale`: the softmax scale (MLAConfig.softmax_scale); `prefix`: the checkpoint's `model.layers.{i}.self_attn`."""
+        """`scale`: the softmax scale (MLAConfig.softmax_scale); `prefix`: the checkpoint's
+        `model.layers.{i}.self_attn`."""
         super().__init__()
         if num_heads % tp.size:
             raise ValueError(f"num_attention_heads={num_heads} is not divisible by tensor_parallel_size={tp.size}")
