@@ -148,6 +148,10 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  help="auto: ranks on one host exchange collectives through shared memory (CPU; ~20 us instead of "
                       "gloo's ~1 ms over loopback TCP); gloo: always through gloo"),
     EngineOption("threads_per_rank", int, None, default=None, help="torch threads in each rank's process"),
+    EngineOption("max_replica_restarts", int, None, default=3,
+                 help="with -dp > 1: how often each failed replica is restarted (backoff 1 s, doubling to 30 s) "
+                      "before it stays out of rotation; once no replica can serve, `serve` exits with status 3 "
+                      "(default: %(default)s)"),
 )
 """The table: one row per option, in the order `--help` lists them."""
 

@@ -9,6 +9,8 @@ a plain worker runs the step loop.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from cpllm.config import EngineConfig
@@ -17,14 +19,27 @@ from cpllm.distributed.launch import find_free_port, init_distributed, is_torchr
 from cpllm.distributed.rank_processes import WorkerHandles, spawn_workers
 from cpllm.engine.data_parallel import DataParallelFront, serve_replica
 from cpllm.engine.engine import LLMEngine
+from cpllm.engine.replica_front import ReplicaFront
 from cpllm.model.tokenizer import Tokenizer, load_tokenizer
 from cpllm.worker.executor import Executor
 from cpllm.worker.worker import run_worker
 
+DEFAULT_REPLICA_RESTARTS = 3
+"""Restarts of each failed DP replica (--max-replica-restarts) before it stays out of rotation."""
 
-def create_engine(config: EngineConfig, tokenizer: Tokenizer, *, threads_per_rank: int | None = None):
+
+def create_engine(config: EngineConfig, tokenizer: Tokenizer, *, threads_per_rank: int | None = None,
+                  max_replica_restarts: int = DEFAULT_REPLICA_RESTARTS):
     """The engine of global rank 0 (a DP front when DP > 1). On any other rank (torchrun) this serves
-    steps until the front shuts the world down, then exits the process."""
+    steps until the front shuts the world down, then exits the process.
+
+    Spawned DP replicas are isolated (engine/replica_front.py): each its own process tree, restarted up to
+    `max_replica_restarts` times. Under torchrun the replicas share one world and advance in lockstep
+    (engine/data_parallel.py); torchrun's own --max-restarts restarts that world."""
+    if max_replica_restarts < 0:
+        raise ValueError(f"max_replica_restarts must be >= 0, got {max_replica_restarts}")
+    if config.parallel.data_parallel_size > 1 and not is_torchrun():
+        return _replica_front(config, tokenizer, threads_per_rank, max_replica_restarts)
     groups, workers = start_ranks(config, threads_per_rank)
     if groups.rank != 0:
         try:
@@ -34,6 +49,19 @@ def create_engine(config: EngineConfig, tokenizer: Tokenizer, *, threads_per_ran
         raise SystemExit(0)
     engine = LLMEngine(config, tokenizer, Executor(config, groups, workers))
     return DataParallelFront(engine, groups) if groups.dp_size > 1 else engine
+
+
+def _replica_front(config: EngineConfig, tokenizer: Tokenizer, threads_per_rank: int | None,
+                   max_restarts: int) -> ReplicaFront:
+    from cpllm.replica_process import replica_config, replica_main  # it imports this module
+
+    one = replica_config(config)
+    level = logging.getLogger().getEffectiveLevel()
+
+    def start(index: int, commands: str, front: str, incarnation: int) -> tuple:
+        return replica_main, (one, commands, front, incarnation, threads_per_rank, level)
+
+    return ReplicaFront(config, tokenizer, start, max_restarts=max_restarts)
 
 
 def start_ranks(config: EngineConfig, threads_per_rank: int | None) -> tuple[ParallelGroups, WorkerHandles | None]:

@@ -331,11 +331,12 @@ def spawn_workers(
     for rank in range(1, world_size):
         env = {"MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
                "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)}
-        handles.processes[rank] = _start_rank(rank, worker_fn, args, env)
+        handles.processes[rank] = start_process(rank, worker_fn, args, env)
     return handles
 
 
-def _start_rank(rank: int, worker_fn: Callable[..., None], args: tuple, env: dict[str, str]) -> RankProcess:
+def start_process(rank: int, worker_fn: Callable[..., None], args: tuple, env: dict[str, str]) -> RankProcess:
+    """`worker_fn(rank, *args)` in a fresh interpreter (rank_entry) with `env` added to this environment."""
     payload = pickle.dumps((worker_fn, args, env))  # before the process exists: a pickling error is the caller's
     read_fd, write_fd = os.pipe()
     popen = subprocess.Popen(

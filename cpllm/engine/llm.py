@@ -39,9 +39,13 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_options: Any):
         values = resolve_options(engine_options, "LLM")
         threads_per_rank = values.pop("threads_per_rank")
+        max_replica_restarts = values.pop("max_replica_restarts")
+        if max_replica_restarts < 0:
+            raise ValueError(f"max_replica_restarts must be >= 0, got {max_replica_restarts}")
         config = build_engine_config(model, **values)
         self.tokenizer: Tokenizer = load_tokenizer(config.model_path)
-        self.engine = create_engine(config, self.tokenizer, threads_per_rank=threads_per_rank)
+        self.engine = create_engine(config, self.tokenizer, threads_per_rank=threads_per_rank,
+                                    max_replica_restarts=max_replica_restarts)
         self._ids = itertools.count()
 
     __init__.__signature__ = keyword_signature(__init__)

@@ -20,7 +20,8 @@ from collections.abc import Callable
 from cpllm.engine.engine import LLMEngine
 from cpllm.engine.outputs import RequestOutput
 from cpllm.engine.sampling_params import SamplingParams
-from cpllm.server.health import HealthReport, ReplicaHealth
+from cpllm.engine.replica_link import ReplicaHealth
+from cpllm.server.health import HealthReport
 from cpllm.server.metrics import ServerMetrics
 from cpllm.structured.params import StructuredOutputsParams
 
@@ -78,9 +79,14 @@ class AsyncEngine:
         """Makes "is the thread still taking requests?" and the put into its inbox one step."""
         self.error: BaseException | None = None
         """Why the step loop died, or None while it is healthy."""
-        self._ranks = list(engine.executor.replica_ranks)
+        executor = getattr(engine, "executor", None)  # an isolated DP front has none: it reports per replica
+        self._ranks = list(executor.replica_ranks) if executor is not None else []
         self._pcp = parallel.prefill_context_parallel_size
-        self._workers = getattr(engine.executor, "workers", None)
+        self._idle_tick_s: float | None = getattr(engine, "idle_tick_s", None)
+        """How often to step an idle engine that must watch its replicas (None: block until a command comes)."""
+        if hasattr(engine, "collect_failures"):
+            engine.collect_failures = True  # requests its failed replicas had started are failed here, one by one
+        self._workers = getattr(executor, "workers", None)
         """The spawned ranks of a single replica (None for one rank, or when the engine reports its replicas)."""
         self._step_deadline_s = parallel.distributed_timeout_s
         self.on_failure: Callable[[BaseException], None] | None = None
@@ -159,8 +165,9 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while self._handle_commands(block=not self.engine.has_unfinished_requests()):
-                if self.engine.has_unfinished_requests():
+                if self.engine.has_unfinished_requests() or self._idle_tick_s is not None:
                     self._deliver(self.engine.step())
+                    self._fail_requests()
                 self._publish_state()
         except BaseException as exc:  # noqa: BLE001 - every waiting request must learn about it
             logger.exception("engine step loop failed")
@@ -180,7 +187,7 @@ class AsyncEngine:
     def _handle_commands(self, block: bool) -> bool:
         """Applies every queued command (waiting for one when idle); False once asked to stop."""
         try:
-            command = self._inbox.get() if block else self._inbox.get_nowait()
+            command = self._inbox.get(timeout=self._idle_tick_s) if block else self._inbox.get_nowait()
         except queue.Empty:
             return True
         while True:
@@ -239,6 +246,15 @@ class AsyncEngine:
             self.engine.abort_request(request_id)
         self._post([(stream, EngineDeadError(message)) for stream in streams.values()])
 
+    def _fail_requests(self) -> None:
+        """Ends each request the engine gave up on (its replica failed after it had sent tokens)."""
+        if not hasattr(self.engine, "take_failures"):
+            return
+        batch = [(stream, EngineDeadError(message)) for request_id, message in self.engine.take_failures()
+                 if (stream := self._streams.pop(request_id, None)) is not None]
+        if batch:
+            self._post(batch)
+
     def _fail_all(self, error: BaseException) -> None:
         self._post([(stream, error) for stream in self._streams.values()])
 
@@ -265,11 +281,21 @@ class AsyncEngine:
         self._post([(stream, EngineDeadError("the server is shutting down")) for stream in streams.values()])
 
     def _publish_state(self) -> None:
-        if self.metrics is not None:
-            self.metrics.set_engine_state(self.engine.num_running, self.engine.num_waiting,
-                                          self.engine.kv_cache_usage, self._ranks, self.engine.scheduler_totals)
-            if self._pcp > 1:  # without PCP no step chooses a strategy
-                self.metrics.set_strategy_counts(self.engine.executor.rank_stats().strategy_counts)
+        if self.metrics is None:
+            return
+        engine = self.engine
+        if hasattr(engine, "rank_kv_usage"):  # every rank of every replica
+            per_rank = engine.rank_kv_usage()
+        else:  # one replica: its ranks share block ids
+            per_rank = {rank: engine.kv_cache_usage for rank in self._ranks}
+        self.metrics.set_engine_state(engine.num_running, engine.num_waiting, engine.kv_cache_usage, per_rank,
+                                      engine.scheduler_totals)
+        self.metrics.set_replicas(self.health().replicas, getattr(engine, "requeued", 0),
+                                  getattr(engine, "ended_by_failure", 0))
+        if self._pcp > 1:  # without PCP no step chooses a strategy
+            counts = (engine.strategy_counts() if hasattr(engine, "strategy_counts")
+                      else engine.executor.rank_stats().strategy_counts)
+            self.metrics.set_strategy_counts(counts)
 
 
 def _raise_if_error(item) -> None:

@@ -13,31 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ReplicaHealth:
-    """One data-parallel replica as the probes see it."""
-
-    replica: int
-    """Its index (0 .. DP-1)."""
-    state: str
-    """"serving", "unhealthy" (a rank dead or stopped, a step past its deadline), "restarting" or "failed"."""
-    problems: tuple[str, ...] = ()
-    """What is wrong, each naming the rank and its pid where one is to blame."""
-    restarts: int = 0
-    """Times this replica was restarted since the server started."""
-
-    @property
-    def serving(self) -> bool:
-        return self.state == "serving"
-
-    @property
-    def recoverable(self) -> bool:
-        return self.state in ("serving", "unhealthy", "restarting")
-
-    def as_json(self) -> dict:
-        return {"replica": self.replica, "state": self.state, "problems": list(self.problems),
-                "restarts": self.restarts}
+from cpllm.engine.replica_link import ReplicaHealth
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -44,19 +44,50 @@ class ServerMetrics:
             "cpllm_cp_prefill_strategy_steps", "Prompt steps of the driver's replica by the context-parallel prefill "
             "strategy they ran (with -pcp > 1; --cp-prefill-strategy auto picks per step)",
             ["model_name", "strategy"], registry=r)
+        self.replica_healthy = Gauge("cpllm_replica_healthy", "1 while the DP replica serves (in rotation), else 0",
+                                     ["model_name", "replica"], registry=r)
+        self.replica_restarts = Counter("cpllm_replica_restarts", "Restarts of each DP replica after a failure",
+                                        ["model_name", "replica"], registry=r)
+        self.requeued = Counter("cpllm_requests_requeued", "Requests moved to another replica before their first "
+                                "token because theirs failed", ["model_name"], registry=r).labels(**labels)
+        self.ended_by_failure = Counter("cpllm_requests_ended_by_replica_failure", "Requests that had sent tokens "
+                                        "and were ended with an error because their replica failed",
+                                        ["model_name"], registry=r).labels(**labels)
+        self._seen = {"restarts": {}, "requeued": 0, "ended": 0}
+        """Totals already exported (a Counter only goes up by increments)."""
         self._strategy_seen: dict[str, int] = {}
         """Totals already exported: the runner keeps running totals, a Counter only goes up by increments."""
         self.vllm = VllmMetrics(r, model_name)
         """The same figures (and the scheduler's) under vLLM's names, for vLLM's dashboards."""
 
-    def set_engine_state(self, running: int, waiting: int, kv_usage: float, ranks: list[int],
+    def set_engine_state(self, running: int, waiting: int, kv_usage: float, rank_usage: dict[int, float],
                          totals: SchedulerTotals | None = None) -> None:
-        """Called by the engine thread after every step (block ids are shared, so one value for all ranks)."""
+        """Called by the engine thread after every step: sequences scheduled and queued (every replica), the KV
+        usage overall and per global rank (a replica's ranks share block ids, so they read alike)."""
         self.vllm.set_engine_state(running, waiting, kv_usage, totals or SchedulerTotals())
         self.running.set(running)
         self.waiting.set(waiting)
-        for rank in ranks:
-            self.kv_usage.labels(model_name=self._labels["model_name"], rank=str(rank)).set(kv_usage)
+        for rank, usage in rank_usage.items():
+            self.kv_usage.labels(model_name=self._labels["model_name"], rank=str(rank)).set(usage)
+
+    def set_replicas(self, replicas, requeued: int = 0, ended: int = 0) -> None:
+        """Each replica's health and restarts (ReplicaHealth values), and the front's failover totals."""
+        name = self._labels["model_name"]
+        seen = self._seen
+        for replica in replicas:
+            label = str(replica.replica)
+            self.replica_healthy.labels(model_name=name, replica=label).set(1 if replica.serving else 0)
+            child = self.replica_restarts.labels(model_name=name, replica=label)
+            before = seen["restarts"].get(label, 0)
+            if replica.restarts > before:
+                child.inc(replica.restarts - before)
+            seen["restarts"][label] = replica.restarts
+        if requeued > seen["requeued"]:
+            self.requeued.inc(requeued - seen["requeued"])
+            seen["requeued"] = requeued
+        if ended > seen["ended"]:
+            self.ended_by_failure.inc(ended - seen["ended"])
+            seen["ended"] = ended
 
     def set_strategy_counts(self, counts: dict[str, int]) -> None:
         """The runner's prompt steps per strategy since start (every strategy appears, at 0 until it runs)."""
