@@ -90,6 +90,8 @@ class KVLayout:
             raise ValueError(
                 f"position {pos} needs block-table entry {block}, table has {len(block_table)}"
             )
+        if block_table[block] < 0:
+            raise ValueError(f"position {pos} is in block-table entry {block}, which its window freed")
         return block_table[block] * self.block_size + local % self.block_size
 
     def owned_positions(self, start: int, end: int) -> list[int]:
@@ -115,7 +117,8 @@ def local_context_slots(seq_len: int, block_table: torch.Tensor, layout: KVLayou
     local = torch.arange(num_local, dtype=torch.long, device=block_table.device)
     bs = layout.block_size
     block_ids = block_table.long()[torch.div(local, bs, rounding_mode="floor")]
-    return block_ids * bs + local % bs
+    # a sliding-window group's freed entries (-1, cpllm/step.py FREED_BLOCK) have no slot: -1, never read
+    return (block_ids * bs + local % bs).masked_fill_(block_ids < 0, -1)
 
 
 def owned_slots(positions: torch.Tensor, block_table: torch.Tensor, layout: KVLayout) -> torch.Tensor:

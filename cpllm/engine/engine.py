@@ -19,6 +19,7 @@ from cpllm.engine.sampler import Sampler, SamplingRow, make_generator, prompt_lo
 from cpllm.engine.sampling_params import SamplingParams
 from cpllm.engine.scheduler import Scheduler
 from cpllm.engine.sequence import RequestState, Sequence, finish_status
+from cpllm.kv_groups import kv_groups, window_blocks
 from cpllm.model.tokenizer import Tokenizer
 from cpllm.structured.manager import StructuredOutputManager
 from cpllm.step import SchedulerOutput, output_positions
@@ -39,6 +40,9 @@ class SchedulerTotals:
     """Prompt tokens of admitted requests that were looked up in the prefix cache."""
     prefix_hit_tokens: int = 0
     """Of those, the tokens found cached (not computed again)."""
+    peak_request_blocks: tuple[int, ...] = ()
+    """Most blocks one request held at once in each KV group's pool (cpllm/kv_groups.py order); a sliding-window
+    group's stays within its window plus one block plus a prompt chunk's tokens (kv_groups.window_blocks)."""
 
 
 class LLMEngine:
@@ -50,21 +54,50 @@ class LLMEngine:
         # A virtual block spans the ranks one request's KV is divided over (PCP x DCP, or DCP when replicated).
         self.tokens_per_block = config.cache.block_size * config.parallel.dims.kv_shard_size
         num_blocks = self.executor.num_blocks
-        self.kv_capacity_tokens = num_blocks * self.tokens_per_block
-        self.max_model_len = min(config.scheduler.max_model_len, self.kv_capacity_tokens)
+        # The layers' KV groups (full attention, each sliding window), as the ranks built their pools.
+        self.kv_groups = kv_groups(config.model, config.scheduler.max_model_len)
+        group_blocks = self.executor.rank_info.kv.group_blocks or (num_blocks,)
+        full = [n for group, n in zip(self.kv_groups, group_blocks) if group.window is None]
+        self._check_windows(group_blocks)
+        # Only full-attention layers keep a request's every position: they alone bound its length.
+        self.kv_capacity_tokens = (min(full) if full else min(group_blocks)) * self.tokens_per_block
+        self._capacity_bounds_length = bool(full)
+        self.max_model_len = config.scheduler.max_model_len
+        if full:
+            self.max_model_len = min(self.max_model_len, self.kv_capacity_tokens)
         self._log_layout(num_blocks)
         if self.max_model_len < config.scheduler.max_model_len:
             logger.warning("max_model_len lowered from %d to %d: the KV cache of the CP group holds only %d tokens",
                            config.scheduler.max_model_len, self.max_model_len, self.kv_capacity_tokens)
         scheduler_config = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
-        self.pool = BlockPool(num_blocks, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(scheduler_config, self.pool, self.tokens_per_block)
+        self.pools = tuple(BlockPool(n, config.cache.enable_prefix_caching) for n in group_blocks)
+        """One block pool per KV group (self.kv_groups order)."""
+        self.pool = self.pools[0]
+        self.scheduler = Scheduler(scheduler_config, self.pools, self.tokens_per_block, self.kv_groups)
         self.sampler = Sampler()
         self.eos_token_ids = tuple(config.model.eos_token_ids) or tuple(tokenizer.eos_token_ids)
         self.structured = StructuredOutputManager(tokenizer, config.model.vocab_size, self.eos_token_ids)
         self._seed_stream = random.Random(config.seed)
         self._states: dict[str, RequestState] = {}
         self._sequences: dict[str, tuple[RequestState, Sequence]] = {}
+
+    def _check_windows(self, group_blocks: tuple[int, ...]) -> None:
+        """Every sliding-window group's pools hold at least one request's window plus a block (a decode step's
+        keys); fewer and no request could ever run."""
+        if len(group_blocks) != len(self.kv_groups):
+            raise ValueError(f"the ranks built {len(group_blocks)} KV groups; the model has {len(self.kv_groups)}")
+        for group, blocks in zip(self.kv_groups, group_blocks):
+            if group.window is None:
+                continue
+            need = window_blocks(group.window, self.tokens_per_block)
+            if blocks < need:
+                raise ValueError(
+                    f"the KV cache of the {group.describe()} holds {blocks} blocks of {self.tokens_per_block} "
+                    f"tokens; one request's window of {group.window} tokens needs {need} (the window and a block): "
+                    "raise kv_cache_memory_bytes")
+        if len(self.kv_groups) > 1 or self.kv_groups[0].window is not None:
+            logger.info("KV groups: %s", "; ".join(f"{group.describe()}: {blocks} blocks per rank"
+                                                   for group, blocks in zip(self.kv_groups, group_blocks)))
 
     def _log_layout(self, num_blocks: int) -> None:
         p, dims = self.config.parallel, self.config.parallel.dims
@@ -138,7 +171,7 @@ class LLMEngine:
                 f"prompt of {len(prompt_token_ids)} tokens + max_tokens={params.max_tokens} = {needed} tokens "
                 f"exceeds max_model_len={self.max_model_len}"
                 + (f" (the KV cache of the CP group holds {self.kv_capacity_tokens} tokens)"
-                   if self.max_model_len == self.kv_capacity_tokens else "")
+                   if self._capacity_bounds_length and self.max_model_len == self.kv_capacity_tokens else "")
             )
 
     def abort_request(self, request_id: str) -> None:
@@ -165,15 +198,19 @@ class LLMEngine:
 
     @property
     def kv_cache_usage(self) -> float:
-        """Fraction of KV blocks in use: every rank's (block ids are shared over the replica's ranks)."""
-        return self.pool.usage()
+        """Fraction of KV memory in use: every rank's (block ids are shared over the replica's ranks), each KV
+        group's blocks weighted by its layers."""
+        layers = [len(group.layers) for group in self.kv_groups]
+        total = sum(pool.num_blocks * n for pool, n in zip(self.pools, layers))
+        return sum(pool.num_used * n for pool, n in zip(self.pools, layers)) / total
 
     @property
     def scheduler_totals(self) -> "SchedulerTotals":
         """The scheduler's running totals since start (the server exports their increments)."""
         s = self.scheduler
         return SchedulerTotals(preemptions=s.num_preemptions, prefix_query_tokens=s.num_prefix_query_tokens,
-                               prefix_hit_tokens=s.num_prefix_hit_tokens)
+                               prefix_hit_tokens=s.num_prefix_hit_tokens,
+                               peak_request_blocks=tuple(s.peak_request_blocks))
 
     # ---- the step -------------------------------------------------------------------------------------
 

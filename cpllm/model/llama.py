@@ -257,16 +257,21 @@ class LlamaForCausalLM(torch.nn.Module):
 
     @torch.inference_mode()
     def forward(self, token_ids, positions, kv_caches, meta: AttentionMetadata,
-                keep: torch.Tensor | None = None) -> torch.Tensor:
+                keep: torch.Tensor | None = None, layer_meta=None) -> torch.Tensor:
         """token_ids, positions [N] -> hidden [N, hidden_size] (before the final norm), or [len(keep), hidden_size]:
         the rows `keep` names, in its order, with the last layer's projections and MLP run on those rows only
-        (each row's result is independent of the others', so the kept rows come out as in the full forward)."""
-        return self.decoder_stack(token_ids, positions, kv_caches, meta, call_layer, self.fused_decode, keep)
+        (each row's result is independent of the others', so the kept rows come out as in the full forward).
+        `layer_meta`: each layer's own metadata (its KV group's block tables), see decoder_stack."""
+        return self.decoder_stack(token_ids, positions, kv_caches, meta, call_layer, self.fused_decode, keep,
+                                  layer_meta)
 
     def decoder_stack(self, token_ids, positions, kv_caches, meta: AttentionMetadata, run_layer,
-                      fused: FusedDecode | None = None, keep: torch.Tensor | None = None) -> torch.Tensor:
+                      fused: FusedDecode | None = None, keep: torch.Tensor | None = None,
+                      layer_meta: tuple[AttentionMetadata, ...] | None = None) -> torch.Tensor:
         """The forward with each layer run by `run_layer` (`call_layer`, or its compiled form:
-        cpllm/model/decode_graph.py), or by `fused` (one C call per layer) for the steps planned fused."""
+        cpllm/model/decode_graph.py), or by `fused` (one C call per layer) for the steps planned fused.
+        `layer_meta[i]`: layer i's metadata, laid out with its KV group's block tables (cpllm/kv_groups.py: a model
+        with sliding-window and full layers has one table per group); None: `meta` for every layer."""
         hidden = self.embed_tokens(token_ids)
         rope_tables = self.rope.tables(positions, hidden.dtype)  # once per step, for every layer
         if meta.plan.fused:
@@ -276,9 +281,10 @@ class LlamaForCausalLM(torch.nn.Module):
             return hidden if keep is None else hidden.index_select(0, keep)
         last = len(self.layers) - 1
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            layer_step = meta if layer_meta is None else layer_meta[index]
             if index == last and keep is not None:
-                return layer(hidden, rope_tables, kv_cache, meta, keep)
-            hidden = run_layer(layer, hidden, rope_tables, kv_cache, meta)
+                return layer(hidden, rope_tables, kv_cache, layer_step, keep)
+            hidden = run_layer(layer, hidden, rope_tables, kv_cache, layer_step)
         return hidden
 
     @torch.inference_mode()

@@ -1,4 +1,6 @@
-"""Per-rank KV pools: one flat [num_slots, kv_heads, head_dim] K and V tensor per layer."""
+"""Per-rank KV pools: one flat [num_slots, kv_heads, head_dim] K and V tensor per layer, each layer's sized by its KV
+group's block count (cpllm/kv_groups.py: a sliding-window group needs only its requests' windows, the full-attention
+layers take the rest of the memory)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import os
 import torch
 
 from cpllm.config import EngineConfig
+from cpllm.kv_groups import KVGroupSpec, group_block_needs, split_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -55,29 +58,46 @@ def usable_blocks(config: EngineConfig) -> int:
     return s.max_num_seqs * -(-s.max_model_len // tokens_per_block)
 
 
-def kv_block_count(config: EngineConfig, device: torch.device, per_block: int) -> int:
-    """This rank's blocks: what the budget holds, but no more than the run can use when no size was given (a
-    one-prompt `generate` needs megabytes, not a fifth of the machine). An explicit kv_cache_memory_bytes is
-    taken as asked: its spare blocks keep finished prompts in the prefix cache. The same on every rank of a
-    replica, since the config is; the runner still takes the replica's minimum."""
-    budget_blocks = kv_budget_bytes(config, device) // per_block
+def layer_bytes_per_block(config: EngineConfig, num_kv_heads: int, dtype: torch.dtype) -> int:
+    """KV bytes of one block of one layer on one rank."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.cache.block_size * num_kv_heads * config.model.head_dim * element
+
+
+def group_block_counts(config: EngineConfig, device: torch.device, groups: tuple[KVGroupSpec, ...],
+                       layer_block_bytes: int) -> tuple[int, ...]:
+    """This rank's blocks in each KV group's pools. Every group gets what full attention in every layer would
+    (the budget over all layers) unless it needs fewer (kv_groups.split_blocks); what a windowed group cannot use
+    (max_num_seqs windows plus a step's tokens) goes to the full-attention groups. Without an explicit
+    kv_cache_memory_bytes no group gets more than the run can use (a one-prompt `generate` needs megabytes, not a
+    fifth of the machine); an explicit budget is taken as asked: its spare blocks keep finished prompts in the
+    prefix cache (in the full groups, or, when every layer slides, in the windowed ones). The same on every rank of
+    a replica, since the config is; the runner still takes the replica's minimum."""
+    s = config.scheduler
+    tokens_per_block = config.cache.block_size * config.parallel.dims.kv_shard_size
+    needs: tuple[int | None, ...] = group_block_needs(groups, tokens_per_block, s.max_num_seqs, s.max_model_len,
+                                                      s.max_num_batched_tokens)
     if config.cache.kv_cache_memory_bytes is not None:
-        return budget_blocks
-    usable = usable_blocks(config)
-    if usable < budget_blocks:
-        logger.info("KV cache: %d blocks per rank are all max_num_seqs=%d sequences of max_model_len=%d tokens "
-                    "can hold, fewer than the budget's %d", usable, config.scheduler.max_num_seqs,
-                    config.scheduler.max_model_len, budget_blocks)
-    return min(budget_blocks, usable)
+        has_full = any(g.window is None for g in groups)
+        needs = tuple(None if g.window is None or not has_full else n for g, n in zip(groups, needs))
+    budget = kv_budget_bytes(config, device)
+    counts = split_blocks(tuple(len(g.layers) for g in groups), needs, layer_block_bytes, budget)
+    budget_blocks = budget // (layer_block_bytes * config.model.num_hidden_layers)
+    for group, count in zip(groups, counts):
+        if count < budget_blocks:
+            logger.info("KV cache: %d blocks per rank for the %s: all max_num_seqs=%d sequences (max_model_len=%d, "
+                        "max_num_batched_tokens=%d) can hold there, fewer than the budget's %d", count,
+                        group.describe(), s.max_num_seqs, s.max_model_len, s.max_num_batched_tokens, budget_blocks)
+    return counts
 
 
-def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+def allocate_kv_cache(layer_blocks: list[int], block_size: int, num_kv_heads: int, head_dim: int,
                       dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    slots = num_blocks * block_size
+    """One (K, V) pool pair per layer; layer i holds `layer_blocks[i]` blocks (its KV group's count)."""
     return [
-        (zeroed_pool((slots, num_kv_heads, head_dim), dtype, device),
-         zeroed_pool((slots, num_kv_heads, head_dim), dtype, device))
-        for _ in range(num_layers)
+        (zeroed_pool((blocks * block_size, num_kv_heads, head_dim), dtype, device),
+         zeroed_pool((blocks * block_size, num_kv_heads, head_dim), dtype, device))
+        for blocks in layer_blocks
     ]
 
 

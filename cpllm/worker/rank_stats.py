@@ -15,13 +15,16 @@ class KVCapacity:
     """One rank's paged KV cache. Every rank of a replica holds the same (the block count is agreed at start)."""
 
     num_blocks: int
-    """Physical blocks in each layer's pool."""
+    """Physical blocks in each pool of KV group 0 (the full-attention layers when the model has any)."""
     block_size: int
     """Tokens per block on one rank."""
     bytes: int
     """Bytes of K and V over every layer."""
     dtype: str
     """dtype the pools store, e.g. "bfloat16"."""
+    group_blocks: tuple[int, ...] = ()
+    """Blocks in the pools of each KV group (cpllm/kv_groups.py order; a sliding-window group holds only its
+    requests' windows); () from a rank that predates groups: one group of num_blocks."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -23,9 +24,10 @@ from cpllm.model.llama import local_kv_heads
 from cpllm.model.loader import open_weights
 from cpllm.model.moe_placement import MoEShard
 from cpllm.model.registry import model_class
+from cpllm.kv_groups import kv_groups, layer_groups
 from cpllm.planner.runtime import StepStrategy, device_hardware, engine_cost
 from cpllm.step import SchedulerOutput, output_positions
-from cpllm.worker.kv_cache import allocate_kv_cache, bytes_per_block, kv_block_count
+from cpllm.worker.kv_cache import allocate_kv_cache, group_block_counts, layer_bytes_per_block
 from cpllm.worker.rank_stats import DecodeLayers, KVCapacity, RankInfo, RankStats
 
 logger = logging.getLogger(__name__)
@@ -60,8 +62,13 @@ class ModelRunner:
         element_bytes = torch.empty((), dtype=self.dtype).element_size()
         self.step_strategy = StepStrategy(config.parallel, engine_cost(
             config.parallel, config.model, element_bytes, device_hardware(device, torch.get_num_threads())))
-        self.num_blocks = self._count_blocks()
-        self.kv_caches = allocate_kv_cache(config.model.num_hidden_layers, self.num_blocks, config.cache.block_size,
+        self.kv_groups = kv_groups(config.model, config.scheduler.max_model_len)
+        """The layers' KV groups (cpllm/kv_groups.py): each has its own pools' size and block tables."""
+        self.layer_group = layer_groups(self.kv_groups)
+        """Layer index -> its group's index."""
+        self.group_blocks = self._count_blocks()
+        self.num_blocks = self.group_blocks[0]
+        self.kv_caches = allocate_kv_cache([self.group_blocks[g] for g in self.layer_group], config.cache.block_size,
                                            self.num_kv_heads, config.model.head_dim, self.kv_dtype, device)
         if self.model.fused_decode is not None and not self.model.fused_decode.fits_pools(self.kv_caches):
             logger.info("decode steps: eager layers (K/V pools the fused layers do not read)")
@@ -97,14 +104,15 @@ class ModelRunner:
                         kind)
             self.model.fused_decode = None
 
-    def _count_blocks(self) -> int:
-        """Blocks per rank, the same on every rank of the replica (block ids are shared across the CP group)."""
-        per_block = bytes_per_block(self.config, self.num_kv_heads, self.kv_dtype)
-        count = torch.tensor([kv_block_count(self.config, self.device, per_block)], dtype=torch.long,
-                             device=self.device)
+    def _count_blocks(self) -> tuple[int, ...]:
+        """Blocks per rank of each KV group, the same on every rank of the replica (block ids are shared across the
+        CP group)."""
+        per_block = layer_bytes_per_block(self.config, self.num_kv_heads, self.kv_dtype)
+        count = torch.tensor(group_block_counts(self.config, self.device, self.kv_groups, per_block),
+                             dtype=torch.long, device=self.device)
         # the replica's ranks on the default backend, bounded by --distributed-timeout (the control group is not)
         all_reduce(count, self.groups.moe_group, op=dist.ReduceOp.MIN)
-        return int(count.item())
+        return tuple(int(c) for c in count.tolist())
 
     @property
     def kv_bytes(self) -> int:
@@ -128,16 +136,18 @@ class ModelRunner:
         plan = self._plan(step.chunks)
         self.plan_counts[plan.value] = self.plan_counts.get(plan.value, 0) + 1
         logger.debug("step %d: plan %s", step.step_id, plan.value)
-        # Every tensor of the step (token ids, positions, all attention metadata) on this rank's device.
-        batch = build_step_batch(step.chunks, self.layout, self.groups.pcp_size, self.groups.pcp_rank,
-                                 output_positions, device=self.device, non_blocking=True, strategy=strategy,
-                                 split_single_tokens=self.replicated, plan=plan)
+        batches = self._group_batches(step.chunks, strategy, plan)
+        batch = batches[0]  # token ids, positions and output rows are every group's; the metadata is group 0's
         forward = self.compiled_decode if plan is StepPlan.COMPILED else self.model
         keep = self._rows_kept(batch) if forward is self.model else None
         args = (batch.token_ids, batch.positions, self.kv_caches, batch.attention)
-        hidden = forward(*args) if keep is None else forward(*args, keep)  # keep: the sampled rows, in order
-        if batch.replica_sync is not None:  # decode K/V computed on one PCP rank reach the other copies
-            sync_replicas(self.kv_caches, batch.replica_sync, self.groups.pcp_group, self.groups.pcp_rank)
+        # each layer reads its own group's metadata (its block tables' slots); one group: batch.attention
+        layers = {} if len(batches) == 1 else {"layer_meta": tuple(batches[g].attention for g in self.layer_group)}
+        hidden = forward(*args, **layers) if keep is None else forward(*args, keep, **layers)  # keep: sampled rows
+        for group, group_batch in zip(self.kv_groups, batches):
+            if group_batch.replica_sync is not None:  # decode K/V computed on one PCP rank reach the other copies
+                caches = self.kv_caches if len(batches) == 1 else [self.kv_caches[i] for i in group.layers]
+                sync_replicas(caches, group_batch.replica_sync, self.groups.pcp_group, self.groups.pcp_rank)
         if not batch.output_rows:
             return None
         rows = hidden if keep is not None else self._gather_output_rows(hidden, batch)
@@ -145,6 +155,19 @@ class ModelRunner:
             return None  # the LM head runs on PCP rank 0's TP group only
         logits = self.model.logits(rows)  # split over PCP: every PCP rank computes a share of the vocabulary
         return logits if self.is_driver else None
+
+    def _group_batches(self, chunks, strategy, plan: StepPlan) -> list[StepBatch]:
+        """The step laid out once per KV group, each with that group's block tables (a windowed group's freed
+        entries are never read: its layers attend only in-window keys). Every tensor of the step (token ids,
+        positions, all attention metadata) on this rank's device."""
+        batches = []
+        for g in range(len(self.kv_groups)):
+            group_chunks = chunks if g == 0 else tuple(
+                dataclasses.replace(chunk, block_table=chunk.group_table(g)) for chunk in chunks)
+            batches.append(build_step_batch(group_chunks, self.layout, self.groups.pcp_size, self.groups.pcp_rank,
+                                            output_positions, device=self.device, non_blocking=True,
+                                            strategy=strategy, split_single_tokens=self.replicated, plan=plan))
+        return batches
 
     def _plan(self, chunks) -> StepPlan:
         """The step's path, decided here once (every later stage follows `AttentionMetadata.plan`): fused layers,
@@ -190,7 +213,7 @@ class ModelRunner:
                               team=team.describe() if team is not None else None,
                               compiled=self.compiled_decode is not None)
         kv = KVCapacity(num_blocks=self.num_blocks, block_size=self.config.cache.block_size, bytes=self.kv_bytes,
-                        dtype=str(self.kv_caches[0][0].dtype).removeprefix("torch."))
+                        dtype=str(self.kv_caches[0][0].dtype).removeprefix("torch."), group_blocks=self.group_blocks)
         devices = {self.device.type, *(k.device.type for k, _ in self.kv_caches),
                    *(p.device.type for p in self.model.parameters())}
         return RankInfo(rank=self.groups.rank, devices=frozenset(devices), kv=kv, decode=decode)
