@@ -7,6 +7,8 @@ so the model mixes both kinds.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from cpllm import LLM, SamplingParams
@@ -56,12 +58,19 @@ def test_the_window_changes_the_reference(tiny):
     assert max(abs(a - b) for a, b in zip(prompt_lp, refs[-1][2])) > 1e-2
 
 
-def test_batch_of_mixed_lengths(tiny):
-    _, folder, prompts, refs = tiny
-    outputs, _ = generate(folder, prompts, GREEDY)
+def test_batch_of_mixed_lengths(tiny, caplog):
+    family, folder, prompts, refs = tiny
+    with caplog.at_level(logging.INFO, logger="cpllm.model.llama"):
+        outputs, _ = generate(folder, prompts, GREEDY)
     for output, ref in zip(outputs, refs):
         assert len(output.outputs[0].token_ids) == MAX_TOKENS
         check_against_hf(output, *ref)
+    # the start-up log: each group of layers with its kind, window and K/V bytes (256 tokens x 2 heads x 16 x K, V
+    # x 4 bytes = 64 KiB per layer), and no fused decode layers
+    sliding = "layers 0-1 (2)" if family == "mistral" else "layers 1-2 (2)"
+    assert f"{sliding}: sliding window of {WINDOW} tokens; K/V of one 256-token request: 64.0 KiB" in caplog.text
+    assert ("layers 0 (1): full attention" in caplog.text) == (family == "qwen2")
+    assert "decode steps: eager layers (sliding-window attention)" in caplog.text
 
 
 def test_chunked_prefill_mixed_with_decodes(tiny):
