@@ -22,6 +22,11 @@ WINDOWED_ARCHITECTURES = ("MistralForCausalLM", "Qwen2ForCausalLM", "Gemma2ForCa
 """Families whose sliding windows cpllm runs; a window in effect in another family's config is refused."""
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 """The Gemma text families (cpllm/model/gemma.py)."""
+GEMMA_DEFAULTS = {
+    "Gemma2ForCausalLM": dict(sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    "Gemma3ForCausalLM": dict(sliding_window=4096, attn_logit_softcapping=None, final_logit_softcapping=None),
+}
+"""transformers 5's values of the keys a Gemma config.json may leave out (Gemma2Config, Gemma3TextConfig)."""
 GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh",)
 """MLP activations of the Gemma families cpllm runs (GeGLU with the tanh approximation of GELU)."""
 
@@ -43,7 +48,8 @@ def _default_layer_types(arch: str, cfg: dict[str, Any], sliding: int | None, la
 
 def hf_layer_types(arch: str, cfg: dict[str, Any]) -> tuple[int | None, tuple[str, ...]]:
     """(sliding_window, layer_types) of a config.json: the window None and the kinds empty when no layer slides."""
-    sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    default = GEMMA_DEFAULTS.get(arch, {}).get("sliding_window")
+    sliding = cfg.get("sliding_window", default) if cfg.get("use_sliding_window", True) else None
     if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
         sliding = None
     if arch == "MistralForCausalLM" and sliding is not None and sliding >= cfg.get("max_position_embeddings", 0):
@@ -66,11 +72,13 @@ def hf_gemma_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if arch in GEMMA_ARCHITECTURES:
         if cfg.get("use_bidirectional_attention"):
             raise ValueError(f"{arch} with use_bidirectional_attention=True (an encoder) is not supported")
+        defaults = GEMMA_DEFAULTS[arch]
         fields.update(
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256),
-            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            final_logit_softcapping=cfg.get("final_logit_softcapping", defaults["final_logit_softcapping"]),
             # transformers' Gemma3 attention never applies attn_logit_softcapping, so neither does cpllm
-            attn_logit_softcapping=cfg.get("attn_logit_softcapping") if arch == "Gemma2ForCausalLM" else None,
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping", defaults["attn_logit_softcapping"])
+            if arch == "Gemma2ForCausalLM" else None,
             hidden_activation=cfg.get("hidden_activation") or "gelu_pytorch_tanh",  # what transformers reads
         )
     if arch == "Gemma3ForCausalLM":

@@ -265,6 +265,12 @@ def test_gemma2_without_layer_types_alternates(variant):
     assert model.layer_types == ("sliding_attention", "full_attention") and model.attn_logit_softcapping == 50.0
 
 
+def test_gemma2_keys_left_out_take_transformers_defaults(variant):
+    model = build_engine_config(variant(architectures=["Gemma2ForCausalLM"])).model
+    assert (model.sliding_window, model.attn_logit_softcapping, model.final_logit_softcapping) == (4096, 50.0, 30.0)
+    assert model.layer_types == ("sliding_attention", "full_attention") and model.query_pre_attn_scalar == 256
+
+
 def test_gemma_refusals(variant):
     refused(variant(architectures=["Gemma2ForCausalLM"], use_bidirectional_attention=True),
             "use_bidirectional_attention=True")
