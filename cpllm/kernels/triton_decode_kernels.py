@@ -40,7 +40,7 @@ def decode_split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, lengths_ptr, out_ptr, ls
     for start in range(begin, end, BLOCK_N):
         pos = start + offs_n
         n_ok = pos < end
-        slot = tl.load(slots_ptr + b * stride_sb + pos, mask=n_ok, other=0)  # [BLOCK_N], in place
+        slot = tl.load(slots_ptr + b * stride_sb + pos, mask=n_ok, other=0).to(tl.int64)  # [BLOCK_N], in place
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + slot[:, None] * stride_kn + kv_head * stride_kh + offs_d[None, :], mask=kv_mask,
                     other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]

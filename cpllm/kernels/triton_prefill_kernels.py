@@ -47,9 +47,9 @@ def prefill_kernel(q_ptr, ck_ptr, cv_ptr, slots_ptr, nk_ptr, nv_ptr, out_ptr, ls
         pos = start + offs_n
         n_ok = pos < ctx_len
         if USE_SLOTS:
-            index = tl.load(slots_ptr + pos, mask=n_ok, other=0)
+            index = tl.load(slots_ptr + pos, mask=n_ok, other=0).to(tl.int64)
         else:
-            index = pos
+            index = pos.to(tl.int64)
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(ck_ptr + index[:, None] * stride_ckn + kv_head * stride_ckh + offs_d[None, :], mask=kv_mask,
                     other=0.0).to(q.dtype)

@@ -1,0 +1,111 @@
+"""The device-independent part of the CUDA-graph decode (cpllm/worker/cuda_graphs.py): buckets, the choice of a
+bucket, every reason to run eager (logged once), and the static buffers: a step written into them (padded to its
+bucket) and attended through the metadata the graphs are captured with gives the step's own outputs and K/V
+writes. Capture and replay themselves run on CUDA only (scripts/gpu_check.sh)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from cpllm.context_parallel.attention import CPComm, PagedCPAttention
+from cpllm.context_parallel.gqa_backend import GQAPagedBackend
+from cpllm.context_parallel.kv_layout import KVLayout
+from cpllm.context_parallel.metadata import build_step_batch
+from cpllm.context_parallel.plan import StepPlan
+from cpllm.step import ScheduledChunk
+from cpllm.worker.cuda_graphs import (FallbackLog, StaticDecodeInputs, bucket_for, capture_sizes, model_reason,
+                                      sizes_within_memory, step_reason)
+
+HQ, HKV, D, BLOCK = 4, 2, 8, 4
+
+
+def test_capture_sizes_cover_every_batch_up_to_max_num_seqs():
+    assert capture_sizes(1) == (1,)
+    assert capture_sizes(10) == (1, 2, 4, 8, 10)
+    assert capture_sizes(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+    assert capture_sizes(4096)[-1] == 512 and len(capture_sizes(4096)) == 3 + 64
+    for max_num_seqs in (1, 3, 10, 64, 100):
+        sizes = capture_sizes(max_num_seqs)
+        assert all(bucket_for(sizes, b) is not None for b in range(1, max_num_seqs + 1))
+
+
+def test_bucket_is_the_smallest_size_that_holds_the_batch():
+    sizes = (1, 2, 4, 8, 16)
+    assert [bucket_for(sizes, b) for b in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
+    assert bucket_for(sizes, 17) is None
+
+
+def test_buckets_are_bounded_by_the_static_slot_table():
+    assert sizes_within_memory((1, 2, 4, 8), width=1 << 20, budget=16 << 20) == (1, 2, 4)
+
+
+def test_model_reasons():
+    ok = dict(device=torch.device("cuda"), enforce_eager=False, backend_name="gqa-triton", replica_ranks=1,
+              scored_layers=False, moe=False)
+    assert model_reason(**ok) is None
+    for change, words in [({"device": torch.device("cpu")}, "device cpu"), ({"enforce_eager": True}, "enforce_eager"),
+                          ({"backend_name": "gqa"}, "Triton kernels"), ({"replica_ranks": 2}, "replica of 2"),
+                          ({"scored_layers": True}, "sliding window"), ({"moe": True}, "mixture-of-experts")]:
+        assert words in model_reason(**{**ok, **change})
+
+
+def _chunks(requests):
+    return [ScheduledChunk(request_id=str(i), token_ids=tuple([5 + i] * new), start_pos=ctx,
+                           block_table=tuple(range(1 + 16 * i, 17 + 16 * i)), sample=True, prompt_logits=False)
+            for i, (ctx, new) in enumerate(requests)]
+
+
+def _batch(requests, plan=StepPlan.ONE_SHARD):
+    layout = KVLayout(cp_size=1, cp_rank=0, interleave=1, block_size=BLOCK)
+    plan = StepPlan.PREFILL if any(new > 1 for _, new in requests) else plan
+    return build_step_batch(_chunks(requests), layout, 1, 0, lambda c: [len(c.token_ids) - 1], plan=plan), layout
+
+
+def test_step_reasons():
+    sizes = (1, 2, 4)
+    assert step_reason(_batch([(10, 1), (3, 1)])[0], sizes, width=64) is None
+    assert step_reason(_batch([(10, 4), (3, 1)])[0], sizes, width=64) == "plan prefill"
+    assert step_reason(_batch([(10, 1)], StepPlan.GATHERED_DECODE)[0], sizes, 64) == "plan gathered-decode"
+    assert "batch of 5 rows over the largest captured size 4" in step_reason(_batch([(3, 1)] * 5)[0], sizes, 64)
+    assert "context of 41 slots over the captured width 40" in step_reason(_batch([(40, 1)])[0], sizes, 40)
+
+
+def test_fallback_reasons_are_logged_once_and_counted(caplog):
+    log = FallbackLog()
+    with caplog.at_level(logging.INFO, logger="cpllm.worker.cuda_graphs"):
+        for reason in ("plan prefill", "plan prefill", "batch of 9 rows", "plan prefill"):
+            log.note(reason)
+    assert log.counts == {"plan prefill": 3, "batch of 9 rows": 1}
+    assert sum("plan prefill" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("requests, size", [([(10, 1), (3, 1), (21, 1)], 4), ([(7, 1)], 1), ([(30, 1), (2, 1)], 8)])
+def test_a_step_in_the_static_buffers_attends_as_the_step_itself(requests, size):
+    """Rows [:B] of the padded bucket give the step's outputs; rows B.. repeat row B-1 (same K/V to the same slot),
+    so the pools end equal too. Slot tables are int32 in the buffers, wider than the step's and stale past each
+    length."""
+    batch, layout = _batch(requests)
+    meta = batch.attention
+    g = torch.Generator().manual_seed(size)
+    pools = [torch.randn(16 * len(requests) * BLOCK + BLOCK, HKV, D, generator=g) for _ in range(2)]
+    rows = len(requests)
+    q, k, v = (torch.randn(rows, h, D, generator=g) for h in (HQ, HKV, HKV))
+    layer = PagedCPAttention(CPComm(), scale=D**-0.5, backend=GQAPagedBackend())
+    want_pools = [p.clone() for p in pools]
+    want = layer(q, k, v, *want_pools, meta)
+
+    static = StaticDecodeInputs.allocate(16, width=48, device="cpu")
+    static.slots.fill_(10**6)  # stale garbage past every length: never read
+    static.fill(batch, size)
+    assert torch.equal(static.token_ids[:rows], batch.token_ids)
+    assert torch.equal(static.token_ids[rows:size], batch.token_ids[-1].expand(size - rows))
+    assert torch.equal(static.lengths[:rows].long(), meta.decode.lengths)
+    pad = lambda t: torch.cat((t, t[-1:].expand(size - rows, *t.shape[1:])))  # noqa: E731 - what the model sees
+    got_pools = [p.clone() for p in pools]
+    got = layer(pad(q), pad(k), pad(v), *got_pools, static.metadata(size, layout))
+    assert got.shape[0] == size and torch.allclose(got[:rows], want, atol=1e-6, rtol=0)
+    assert torch.allclose(got[rows:], want[-1:].expand(size - rows, *want.shape[1:]), atol=1e-6, rtol=0)
+    assert all(torch.equal(a, b) for a, b in zip(got_pools, want_pools))
