@@ -40,6 +40,7 @@ CHANGED: dict[str, tuple[list[str], object, dict]] = {
     "distributed_timeout": (["--distributed-timeout", "5.5"], 5.5, {}),
     "collective_transport": (["--collective-transport", "gloo"], "gloo", {}),
     "threads_per_rank": (["--threads-per-rank", "2"], 2, {}),
+    "max_replica_restarts": (["--max-replica-restarts", "5"], 5, {}),
 }
 """option -> (flags that change it, the value they give, other options the value needs)."""
 
@@ -113,7 +114,7 @@ def test_defaults_fill_the_config(folder):
 def test_a_bad_value_names_the_value_and_the_limit(folder, flags, values):
     """The same message whether the value came from the command line or from LLM(...) keywords."""
     from_cli = engine_kwargs(build_parser().parse_args(["serve", *flags]))
-    del from_cli["threads_per_rank"]
+    del from_cli["threads_per_rank"], from_cli["max_replica_restarts"]
     name = next(option.name for option in ENGINE_OPTIONS if option.flag in flags or option.short in flags)
     for options in (from_cli, {name: from_cli[name]}):
         with pytest.raises(ValueError) as error:

@@ -1,4 +1,8 @@
-"""Data parallelism: independent engine replicas behind one front on global rank 0.
+"""Data parallelism under torchrun: engine replicas in one world, behind a front on global rank 0.
+
+Spawned DP (`cpllm serve -dp N` on one machine) isolates its replicas instead (replica_front.py: a process tree
+each, ZeroMQ, restarts). Under torchrun the replicas' ranks are torchrun's processes in one world, so a failed
+rank fails the world and torchrun's own `--max-restarts` restarts it (the server exits non-zero first).
 
 The replica drivers (global ranks with pcp = tp = 0) advance in lockstep ticks:
 the front broadcasts each replica's new requests and aborts over the DP group,
@@ -123,6 +127,8 @@ class DataParallelFront:
 
     @property
     def num_running(self) -> int:
+        """Unfinished requests of every replica (their schedulers run on their drivers; the isolated front of
+        spawned DP reports each replica's scheduled and waiting sequences instead)."""
         return sum(self._load)
 
     @property
