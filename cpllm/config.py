@@ -294,6 +294,10 @@ class EngineConfig:
     """Run decode steps through torch.compile (cpllm/model/decode_graph.py): one rank per replica, dense models,
     CPU. Off by default: the first decode steps of a process pay the compile (15-60 s on CPU, cached on disk).
     Steps the fused decode layers take (cpllm/model/fused_decode.py: all-int4 models) run fused instead."""
+    enforce_eager: bool = False
+    """Never capture CUDA graphs: every decode step runs eager (vLLM's flag). Off: a CUDA rank holding its replica
+    alone captures its decode steps per batch-size bucket at start-up and replays them (cpllm/worker/cuda_graphs.py);
+    no effect on the CPU."""
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:

@@ -142,6 +142,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("compile_decode", bool, "engine.compile_decode",
                  help="run decode steps through torch.compile (one rank per replica, dense models, CPU): faster "
                       "steps after a one-time compile of 15-60 s, cached on disk"),
+    EngineOption("enforce_eager", bool, "engine.enforce_eager",
+                 help="never capture CUDA graphs: decode steps run eager (by default a CUDA rank holding its replica "
+                      "alone replays captured graphs per batch-size bucket)"),
     EngineOption("distributed_timeout", float, "parallel.distributed_timeout_s",
                  help="seconds before a stuck or dead rank fails the run"),
     EngineOption("collective_transport", str, "parallel.collective_transport", choices=COLLECTIVE_TRANSPORTS,
