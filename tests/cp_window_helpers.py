@@ -23,7 +23,7 @@ from cpllm.context_parallel.metadata import build_step_batch
 from cpllm.context_parallel.sdpa import reference_attention
 from cpllm.distributed.groups import ParallelGroups
 from cpllm.distributed.launch import init_distributed, shutdown_distributed
-from cpllm.step import ScheduledChunk
+from cpllm.step import FREED_BLOCK, ScheduledChunk
 
 Req = base.Req
 HQ, HKV, D, BLOCK, SCALE = base.HQ, base.HKV, base.D, base.BLOCK, base.SCALE
@@ -65,6 +65,14 @@ def scenario(name: str, window: int) -> list[Req]:
     if name == "one_decode":
         return [Req(6 * w + 5, 1)]
     raise ValueError(name)
+
+
+def freed_table(table: tuple[int, ...], req: Req, cp: int, window: int) -> tuple[int, ...]:
+    """The table as a windowed KV group holds it: FREED_BLOCK for each virtual block wholly before the window of
+    the request's first query of the step: a slot computed from the -1 entry is negative, so reading one raises
+    and fails the case (the layer must read in-window slots only)."""
+    first_kept = max(req.context - window + 1, 0) // (BLOCK * cp)
+    return tuple(FREED_BLOCK if b < first_kept else block for b, block in enumerate(table))
 
 
 def case_window(mods: Mods) -> int:
@@ -136,6 +144,8 @@ def run_case(groups: ParallelGroups, strategy: str, interleave: int, name: str, 
                   cp_rank=groups.cp_rank, strategy=strategy, dcp_group=groups.dcp_group)
     reqs = scenario(name, case_window(mods))
     tables, num_blocks = base.block_tables(reqs, cp)
+    if mods.window is not None:
+        tables = [freed_table(t, r, cp, mods.window) for t, r in zip(tables, reqs)]
     data = base.make_data(reqs, groups.tp_size * HQ, seed)
     heads = slice(groups.tp_rank * HQ, (groups.tp_rank + 1) * HQ)
     g = torch.Generator().manual_seed(seed + 7)
@@ -158,6 +168,8 @@ def run_case(groups: ParallelGroups, strategy: str, interleave: int, name: str, 
     held_ids = {int(t) for t in batch.token_ids.tolist() if t}
     for i, (req, (_, k, v)) in enumerate(zip(reqs, data)):
         for pos in range(req.context + req.new):
+            if tables[i][pos // (BLOCK * cp)] == FREED_BLOCK:
+                continue  # slid out of the window: the scheduler gave the block back
             slot = layout.slot(pos, tables[i])
             if slot is None:
                 continue

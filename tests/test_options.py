@@ -37,6 +37,7 @@ CHANGED: dict[str, tuple[list[str], object, dict]] = {
     "cp_kv_cache_layout": (["--cp-kv-cache-layout", "replicated"], "replicated", {}),
     "enable_expert_parallel": (["--enable-expert-parallel"], True, {}),
     "compile_decode": (["--compile-decode"], True, {}),
+    "enforce_eager": (["--enforce-eager"], True, {}),
     "distributed_timeout": (["--distributed-timeout", "5.5"], 5.5, {}),
     "collective_transport": (["--collective-transport", "gloo"], "gloo", {}),
     "threads_per_rank": (["--threads-per-rank", "2"], 2, {}),

@@ -493,12 +493,15 @@ def _window_batch(decode: DecodeBatch, meta: AttentionMetadata, window: int) -> 
     width = max(max(lengths), 1)
     device = decode.slots.device
     index = (torch.tensor(starts).unsqueeze(1) + torch.arange(width)).clamp_(max=decode.slots.shape[1] - 1)
-    slots = decode.slots.gather(1, index.to(device))  # [B, width]; past a row's length: masked, never read
+    slots = decode.slots.gather(1, index.to(device))  # [B, width]
     key_mask = None
     if min(lengths) < width:
         valid = torch.arange(width) < torch.tensor(lengths).unsqueeze(1)  # [B, width]
         key_mask = torch.zeros(len(lengths), 1, 1, width).masked_fill(~valid[:, None, None, :], float("-inf"))
         key_mask = key_mask.to(device)
+        # Padding reads slot 0 under the mask, as in the batch itself: the slots gathered there may lie in blocks
+        # a windowed KV group has freed.
+        slots = slots.masked_fill(~valid.to(device), 0)
     contiguous = None
     if decode.window is not None and lengths[0]:  # one request in consecutive slots: a narrower run of them
         contiguous = (decode.window[0] + starts[0], lengths[0])
