@@ -298,10 +298,6 @@ class EngineConfig:
     """Never capture CUDA graphs: every decode step runs eager (vLLM's flag). Off: a CUDA rank holding its replica
     alone captures its decode steps per batch-size bucket at start-up and replays them (cpllm/worker/cuda_graphs.py);
     no effect on the CPU."""
-    enforce_eager: bool = False
-    """Never capture CUDA graphs: every decode step runs eager (vLLM's flag). Off: a CUDA rank holding its replica
-    alone captures its decode steps per batch-size bucket at start-up and replays them (cpllm/worker/cuda_graphs.py);
-    no effect on the CPU."""
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
