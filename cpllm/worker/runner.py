@@ -27,6 +27,7 @@ from cpllm.model.registry import model_class
 from cpllm.kv_groups import kv_groups, layer_groups
 from cpllm.planner.runtime import StepStrategy, device_hardware, engine_cost
 from cpllm.step import SchedulerOutput, output_positions
+from cpllm.worker.cuda_graphs import decode_graphs_for
 from cpllm.worker.kv_cache import allocate_kv_cache, group_block_counts, layer_bytes_per_block
 from cpllm.worker.rank_stats import DecodeLayers, KVCapacity, RankInfo, RankStats
 
@@ -81,6 +82,11 @@ class ModelRunner:
         """Steps run with each plan since start (`StepPlan` values), counted once per step."""
         if self.model.fused_decode is None and self.compiled_decode is None:
             self.model.pack_weights()
+        self.decode_graphs = decode_graphs_for(
+            self.model, self.kv_caches, self.layout, device=device, enforce_eager=config.enforce_eager,
+            replica_ranks=groups.dims.replica_size, max_num_seqs=config.scheduler.max_num_seqs,
+            max_local_context=config.scheduler.max_model_len)
+        """Decode steps captured as CUDA graphs per batch bucket (None: eager, the reason logged at start)."""
 
     def _form_decode_team(self) -> None:
         """The PCP ranks (or, with TP and PCP = 1, the TP ranks) of one host run fused decode steps as one team
@@ -143,7 +149,12 @@ class ModelRunner:
         args = (batch.token_ids, batch.positions, self.kv_caches, batch.attention)
         # each layer reads its own group's metadata (its block tables' slots); one group: batch.attention
         layers = {} if len(batches) == 1 else {"layer_meta": tuple(batches[g].attention for g in self.layer_group)}
-        hidden = forward(*args, **layers) if keep is None else forward(*args, keep, **layers)  # keep: sampled rows
+        graphed = plan is StepPlan.ONE_SHARD and self.decode_graphs is not None and len(batches) == 1
+        hidden = self.decode_graphs.run(batch) if graphed else None  # a CUDA graph replay (worker/cuda_graphs.py)
+        if hidden is not None:
+            keep = None  # the graph returns every row; the sampled ones are picked below
+        else:
+            hidden = forward(*args, **layers) if keep is None else forward(*args, keep, **layers)  # keep: sampled rows
         for group, group_batch in zip(self.kv_groups, batches):
             if group_batch.replica_sync is not None:  # decode K/V computed on one PCP rank reach the other copies
                 caches = self.kv_caches if len(batches) == 1 else [self.kv_caches[i] for i in group.layers]
