@@ -3,7 +3,8 @@
 The tiny models (tests/tiny_window_models.py) mix sliding layers (window 8) with a full one, and carry every
 Gemma feature at a size where it changes the outputs (checked first, on transformers alone): the window,
 Gemma2's attention soft-cap, the final soft-cap, query_pre_attn_scalar, and Gemma3's local rotary base and
-linearly scaled global one. The prompts are up to 6 windows long.
+linearly scaled global one. The prompts are up to 6 windows long. The same families also load from GGUF files
+written as llama.cpp's converter writes them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from cpllm import LLM, SamplingParams
 from cpllm.model.safetensors_source import read_hf_config
 from reference import check_against_hf, hf_greedy
 from test_engine_vs_hf import random_prompts
-from tiny_window_models import WINDOW, make_tiny_window_model, save_tiny_window_model
+from tiny_window_models import WINDOW, make_tiny_window_model, save_tiny_window_model, write_tiny_gemma_gguf
 
 MAX_TOKENS = 24
 PROMPT_LENGTHS = (1, 5, 3 * WINDOW + 6, 6 * WINDOW)
@@ -96,3 +97,30 @@ def test_prefix_cache_hits(tiny):
     for a, b, ref in zip(first, second, refs):
         check_against_hf(a, ref[0], ref[1])
         check_against_hf(b, ref[0], ref[1])
+
+
+GGUF_MODELS = {  # what llama.cpp decides without a key: the score scale from head_dim, Gemma 3's pattern and base
+    "gemma2": dict(query_pre_attn_scalar=16),
+    "gemma3": dict(query_pre_attn_scalar=16, num_hidden_layers=6, layer_types=None, rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(GGUF_MODELS))
+def test_gguf_file_as_llama_cpp_writes_it(family, tmp_path):
+    hf = make_tiny_window_model(family, seed=5, **GGUF_MODELS[family])
+    path = str(tmp_path / f"tiny-{family}.gguf")
+    write_tiny_gemma_gguf(path, hf)
+    folder = save_tiny_window_model(str(tmp_path / "hf"), family, seed=5, **GGUF_MODELS[family])
+    from cpllm.model.gguf_source import GGUFSource
+
+    gguf_config, hf_config = GGUFSource(path).config, read_hf_config(folder)
+    for field in ("architecture", "sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
+                  "final_logit_softcapping", "rope_theta", "rope_local_theta", "qk_norm", "tie_word_embeddings"):
+        assert getattr(gguf_config, field) == getattr(hf_config, field), field
+    assert (gguf_config.rope_scaling or {}).get("factor") == (hf_config.rope_scaling or {}).get("factor")
+    prompts = random_prompts(hf.config.vocab_size, (5, 6 * WINDOW), seed=6)
+    outputs = generate(path, prompts, GREEDY, quantization="none")
+    for output, prompt in zip(outputs, prompts):
+        check_against_hf(output, *hf_greedy(hf, prompt, MAX_TOKENS))

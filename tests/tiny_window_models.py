@@ -5,7 +5,9 @@ transformers 5 configs (nothing is downloaded): Mistral, Qwen2 with `use_sliding
 - `make_tiny_window_model(family, seed=, **overrides)`: the random transformers model (float32, eval), weights
   randomized as tests/tiny_models.py does (norms, biases, sharpened q/k);
 - `save_tiny_window_model(folder, family, seed=, **overrides)`: the same model as a Hugging Face folder with the
-  tiny tokenizer.
+  tiny tokenizer;
+- `write_tiny_gemma_gguf(path, model)`: a Gemma model as llama.cpp's converter writes it (gemma2 / gemma3 names,
+  norm weights stored as 1 + w, the window and soft-caps in the metadata), every tensor F32.
 
 Shapes are tests/tiny_models.py's (vocab 300, hidden 64, 4 heads of 16, 2 KV heads, MLP 128, 256 positions)
 with a window of WINDOW tokens, so prompts a few times the window reach keys that have left it:
@@ -22,9 +24,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import gguf
 import torch
 
-from tiny_models import randomize_weights, tiny_hf_tokenizer, tiny_vocab
+from tiny_models import TINY_CHAT_TEMPLATE, randomize_weights, tiny_hf_tokenizer, tiny_vocab
 
 WINDOW = 8
 """The tiny models' sliding window: the tests' prompts are 3-6 times as long."""
@@ -80,3 +83,72 @@ def save_tiny_window_model(folder: str, family: str, *, seed: int = 0, **overrid
     make_tiny_window_model(family, seed=seed, **overrides).save_pretrained(folder)
     tiny_hf_tokenizer().save_pretrained(folder)
     return folder
+
+
+_GEMMA_GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+}  # fmt: skip
+
+
+def _gemma_gguf_name(hf_name: str) -> str:
+    globals_ = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if hf_name in globals_:
+        return globals_[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)  # model.layers.{i}.{module}.weight
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_GEMMA_GGUF_NAMES[module]}.{kind}"
+
+
+def write_tiny_gemma_gguf(path: str, model) -> None:
+    """`model` (a tiny Gemma2ForCausalLM / Gemma3ForCausalLM, tied) as a GGUF file the way llama.cpp's converter
+    writes one: its names, 1 + w for every norm, rope scaling and the sliding window in the metadata. llama.cpp
+    keeps no query_pre_attn_scalar (it uses head_dim) and no layer pattern for Gemma 3 (five sliding of six), so
+    the model must have those."""
+    config = model.config
+    arch = {"gemma2": "gemma2", "gemma3_text": "gemma3"}[config.model_type]
+    vocab = tiny_vocab()
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_sliding_window(config.sliding_window)
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    if rope.get("rope_type", "default") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+    if config.final_logit_softcapping is not None:
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(list(vocab.tokens))
+    writer.add_token_types(list(vocab.token_types))
+    writer.add_token_merges(list(vocab.merges))
+    writer.add_bos_token_id(vocab.bos_token_id)
+    writer.add_eos_token_id(vocab.eos_token_id)
+    writer.add_pad_token_id(vocab.pad_token_id)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(TINY_CHAT_TEMPLATE)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied: llama.cpp writes no output.weight
+        weight = tensor.detach().to(torch.float32)
+        if name.endswith("norm.weight"):
+            weight = weight + 1  # llama.cpp's RMSNorm multiplies by the stored weight
+        writer.add_tensor(_gemma_gguf_name(name), weight.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -27,6 +27,7 @@ from gguf.quants import dequantize
 from cpllm.config import QUANT_GROUP, ModelConfig
 from cpllm.config_rope import yarn_mscale
 from cpllm.model.gguf_file import GGUFFile, StoredTensor
+from cpllm.model.gguf_gemma import GEMMA_GGUF_ARCHITECTURES, gemma_gguf_fields, gemma_layer_name, stores_one_plus_w
 from cpllm.model.gguf_moe import gguf_moe_config, hf_architecture, moe_hf_names
 from cpllm.model.loader import resolve_slice
 from cpllm.model.quant_gguf import (
@@ -46,7 +47,7 @@ SUPPORTED_TENSOR_TYPES = frozenset(
 )
 """Tensor types this loader dequantizes (through gguf.quants.dequantize)."""
 
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", **GEMMA_GGUF_ARCHITECTURES}
 """GGUF `general.architecture` -> Hugging Face architecture."""
 
 _GLOBAL_NAMES = {
@@ -72,14 +73,17 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 _QK_RE = re.compile(r"model\.layers\.\d+\.self_attn\.([qk])_proj\.(weight|bias)")
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a llama.cpp tensor name, or None if it has none."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face name of a llama.cpp tensor name, or None if it has none (`arch`: the file's
+    general.architecture; Gemma names its norms differently, cpllm/model/gguf_gemma.py)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_RE.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    if match is None:
         return None
-    return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    rest = (gemma_layer_name(match.group(2)) if arch in GEMMA_GGUF_ARCHITECTURES else None) \
+        or _LAYER_NAMES.get(match.group(2))
+    return None if rest is None else f"model.layers.{match.group(1)}.{rest}"
 
 
 def _meta(reader: GGUFFile, key: str, default: Any = None) -> Any:
@@ -150,6 +154,7 @@ def gguf_model_config(reader: GGUFFile, tensor_shapes: dict[str, tuple[int, ...]
     hidden = int(_meta(reader, f"{arch}.embedding_length"))
     heads = int(_meta(reader, f"{arch}.attention.head_count"))
     bos = _meta(reader, "tokenizer.ggml.bos_token_id")
+    layers, head_dim = int(_meta(reader, f"{arch}.block_count")), _head_dim(reader, arch, hidden, heads)
     return ModelConfig(
         architecture=hf_arch,
         # the embedding's rows are what the weights are shaped by; the token list may be shorter
@@ -170,6 +175,7 @@ def gguf_model_config(reader: GGUFFile, tensor_shapes: dict[str, tuple[int, ...]
         eos_token_ids=_eos_ids(reader),
         qk_norm="blk.0.attn_q_norm.weight" in tensor_shapes,
         moe=gguf_moe_config(arch, meta, set(tensor_shapes), int(_meta(reader, f"{arch}.block_count"))),
+        **gemma_gguf_fields(arch, meta, layers, hidden, heads, head_dim),
     )
 
 
@@ -197,7 +203,7 @@ class GGUFSource:
         self._arch = _meta(self._reader, "general.architecture")
         self._tensors: dict[str, StoredTensor] = {}
         for tensor in self._reader.tensors:
-            name = hf_name(tensor.name)
+            name = hf_name(tensor.name, self._arch)
             # MoE / Qwen3 names; a stacked expert tensor gives one view per expert ([out, in] slice of the stack)
             names = [(name, None)] if name is not None else moe_hf_names(tensor.name, self.config.moe)
             if not names:
@@ -295,6 +301,8 @@ class GGUFSource:
         shape = tensor.shape  # HF order: (out, in)
         span = resolve_slice(name, shape, dim, start, end)
         out = _read(tensor, shape, span, self._row_order(name, shape[0]))
+        if self._arch in GEMMA_GGUF_ARCHITECTURES and stores_one_plus_w(name):
+            out = out - np.float32(1)  # llama.cpp stored 1 + w (cpllm/model/gguf_gemma.py)
         if not (out.flags.owndata and out.flags.writeable and out.flags.c_contiguous):
             out = np.array(out)  # detach from the read-only memory map
         return torch.from_numpy(out).to(dtype)
