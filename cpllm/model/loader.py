@@ -7,12 +7,13 @@ Face layout, so the model code never knows which file format it came from:
     model.layers.{i}.self_attn.{q,k,v,o}_proj.weight  (out, in)
     model.layers.{i}.self_attn.{q,k,v}_proj.bias      (Qwen2)
     model.layers.{i}.mlp.{gate,up,down}_proj.weight
-    model.layers.{i}.self_attn.{q,k}_norm.weight      (Qwen3)
+    model.layers.{i}.self_attn.{q,k}_norm.weight      (Qwen3, Gemma3)
     model.layers.{i}.mlp.gate.weight                  (MoE router; Mixtral: block_sparse_moe.gate)
     model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight   (one per expert; Mixtral: w1, w3, w2)
     model.layers.{i}.mlp.shared_expert.{gate,up,down}_proj.weight, mlp.shared_expert_gate.weight  (Qwen2-MoE)
     model.layers.{i}.input_layernorm.weight
     model.layers.{i}.post_attention_layernorm.weight
+    model.layers.{i}.{pre,post}_feedforward_layernorm.weight  (Gemma2, Gemma3; a GGUF file's 1 + w undone)
     model.norm.weight
     lm_head.weight                                  (absent when tied to the embedding)
 
