@@ -12,12 +12,13 @@ from typing import Any
 
 from cpllm.config_attention import (GEMMA_ARCHITECTURES, check_attention_fields, check_compile_decode_attention,
                                     hf_gemma_fields, hf_layer_types)
+from cpllm.config_deepseek import DEEPSEEK_MOE_ARCHITECTURES, MLAConfig, deepseek_moe_config
 from cpllm.config_moe import MOE_ARCHITECTURES, MoEConfig
 from cpllm.config_rope import resolve_rope_scaling, rope_context_length
 from cpllm.distributed.parallel_dims import KV_CACHE_LAYOUTS, REPLICATED, SHARDED, ParallelDims
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           *MOE_ARCHITECTURES, *GEMMA_ARCHITECTURES)
+                           *MOE_ARCHITECTURES, *GEMMA_ARCHITECTURES, *DEEPSEEK_MOE_ARCHITECTURES)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 """Values of ModelConfig.layer_types (config.json's spelling)."""
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
@@ -102,6 +103,10 @@ class ModelConfig:
     moe: MoEConfig | None = None
     """The sparse MLP of a mixture-of-experts model (None: dense)."""
     quantization: str = DEFAULT_QUANTIZATION
+    mla: MLAConfig | None = None
+    """Multi-head latent attention's shapes (DeepSeek-V2/V3, GLM-4.7-Flash; None: grouped-query attention). With it
+    the cache holds one latent row per token and layer, one latent "head" every query head reads:
+    num_key_value_heads is 1 and head_dim is the query/key width qk_nope_head_dim + qk_rope_head_dim."""
     """How the weights run, one of QUANTIZATION_CHOICES. Kept here, as vLLM does, because every rank builds its
     model from this config alone; checks that need the parallel layout are in EngineConfig."""
 
@@ -135,14 +140,16 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         sliding, layer_types = hf_layer_types(archs[0], cfg)  # which layers slide (cpllm/config_attention.py)
         return cls(
+        mla = MLAConfig.from_hf_config(cfg) if archs[0] in DEEPSEEK_MOE_ARCHITECTURES else None
             architecture=archs[0],
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=num_heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            # MLA: one latent row per token that every head reads, replicated over TP like a single KV head
+            num_key_value_heads=1 if mla else cfg.get("num_key_value_heads") or num_heads,
+            head_dim=mla.qk_head_dim if mla else cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=cfg.get("rope_theta", 10000.0),
             rope_scaling=cfg.get("rope_scaling"),
@@ -151,7 +158,8 @@ class ModelConfig:
             attention_bias=cfg.get("qkv_bias", True) if archs[0] == "Qwen2MoeForCausalLM"
             else cfg.get("attention_bias", archs[0] == "Qwen2ForCausalLM"),
             qk_norm=archs[0] in QK_NORM_ARCHITECTURES,
-            moe=MoEConfig.from_hf_config(cfg),
+            moe=deepseek_moe_config(cfg) if mla else MoEConfig.from_hf_config(cfg),
+            mla=mla,
             sliding_window=sliding,
             layer_types=layer_types,
             **hf_gemma_fields(archs[0], cfg),

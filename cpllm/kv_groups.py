@@ -35,13 +35,29 @@ class KVGroupSpec:
     """Sliding window W of its layers (query position q sees keys q - W < j <= q); None: full attention."""
     layers: tuple[int, ...]
     """Indices of its decoder layers, ascending."""
+    latent_width: int | None = None
+    """Multi-head latent attention (DeepSeek): each layer caches one latent row of this many values per token
+    (kv_lora_rank + qk_rope_head_dim) in one pool [slots, 1, latent_width], which its layer reads as both K and
+    V; the pool is replicated over TP and sharded over the KV-shard group like any other. None: a K and a V pool
+    of the rank's KV heads."""
 
     @property
     def kind(self) -> str:
+        if self.latent_width is not None:
+            return "latent_attention"
         return "full_attention" if self.window is None else "sliding_attention"
+
+    def pool_rows(self, num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:
+        """(pools per layer, heads, width) of one slot: (1, 1, latent_width) for a latent group, else
+        (2, num_kv_heads, head_dim) (a K and a V pool)."""
+        if self.latent_width is not None:
+            return 1, 1, self.latent_width
+        return 2, num_kv_heads, head_dim
 
     def describe(self) -> str:
         what = "full attention" if self.window is None else f"sliding window {self.window}"
+        if self.latent_width is not None:
+            what = f"latent attention ({self.latent_width} values per token)"
         return f"{what} (layers {', '.join(map(str, self.layers))})"
 
 
@@ -53,7 +69,9 @@ def kv_groups(config, max_model_len: int) -> tuple[KVGroupSpec, ...]:
     for index in range(config.num_hidden_layers):
         by_window.setdefault(layer_window(config, index, max_model_len), []).append(index)
     order = sorted(by_window, key=lambda w: -1 if w is None else w)
-    return tuple(KVGroupSpec(window=w, layers=tuple(by_window[w])) for w in order)
+    mla = getattr(config, "mla", None)
+    latent = None if mla is None else mla.latent_width  # every MLA layer caches latents (no MLA model slides)
+    return tuple(KVGroupSpec(window=w, layers=tuple(by_window[w]), latent_width=latent) for w in order)
 
 
 def layer_groups(groups: tuple[KVGroupSpec, ...]) -> tuple[int, ...]:

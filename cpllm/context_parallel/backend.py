@@ -21,6 +21,7 @@ from typing import Callable, Protocol
 import torch
 
 from cpllm.context_parallel.gqa_backend import GQAPagedBackend
+from cpllm.context_parallel.mla_backend import MLAPagedBackend
 from cpllm.context_parallel.triton_backend import TritonPagedBackend
 
 
@@ -82,6 +83,7 @@ class AttentionBackend(Protocol):
 BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
     "gqa": GQAPagedBackend,
     "gqa-triton": TritonPagedBackend,  # the same kind, Triton kernels: chosen on CUDA (triton_backend.kind_for)
+    "mla": MLAPagedBackend,  # one latent pool per layer, read as K and V (mla_backend.py)
 }
 """Attention kinds by name: a factory each."""
 

@@ -62,7 +62,9 @@ class ParallelDims:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{option} must be an integer >= 1, got {value!r}")
         if self.tp % self.dcp != 0:
-            raise ValueError(f"decode_context_parallel_size={self.dcp} must divide tensor_parallel_size={self.tp}")
+            raise ValueError(f"decode_context_parallel_size={self.dcp} must divide tensor_parallel_size={self.tp} "
+                             "(the DCP group is DCP of the TP ranks; for multi-head latent attention, whose one "
+                             "latent head every TP rank holds, any divisor of TP is valid)")
 
     # ---- sizes -------------------------------------------------------------------------------------------
 
@@ -161,6 +163,10 @@ class ParallelDims:
     def validate(self, model: ModelConfig) -> None:
         """Every rule the model's shapes put on the layout, checked before any weight is cut."""
         tp, kv_heads = self.tp, model.num_key_value_heads
+        if model.mla is not None and kv_heads != 1:
+            # MLA's cache is one latent row per token that every query head reads: one KV "head", replicated
+            # on all TP ranks (kv_heads_of_tp_rank(1, TP, t) = head 0), so every DCP dividing TP shards it
+            raise ValueError(f"multi-head latent attention caches one latent head, not num_key_value_heads={kv_heads}")
         if model.num_attention_heads % tp != 0:
             raise ValueError(f"num_attention_heads={model.num_attention_heads} is not divisible by "
                              f"tensor_parallel_size={tp}")

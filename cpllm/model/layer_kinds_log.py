@@ -19,9 +19,9 @@ def _ranges(indices: list[int]) -> str:
 
 
 def layer_kinds_lines(model) -> list[str]:
-    """Lines for the load summary of a model whose layers hold `self_attn` with `attn` (PagedCPAttention),
-    `num_kv_heads`, `head_dim` and, for a windowed layer, `window`. Every layer's pool keeps every position of a
-    request, windowed or not (keys that leave a window are masked, not freed), so the bytes are the same."""
+    """Lines for the load summary of a model whose layers hold `self_attn` with `attn` (PagedCPAttention), for a
+    windowed layer `window`, and (for the bytes) `num_kv_heads` and `head_dim`. The bytes are a full layer's: a windowed
+    layer's KV group frees what leaves its window (cpllm/kv_groups.py), so it holds at most its window and a block."""
     config, max_len = model.config, getattr(model, "max_positions", None)
     groups: dict[tuple[str, int | None], list[int]] = {}
     for index, layer in enumerate(model.layers):
@@ -29,17 +29,21 @@ def layer_kinds_lines(model) -> list[str]:
         kind = SLIDING if window is not None else "full_attention"
         groups.setdefault((kind, window), []).append(index)
     attn = model.layers[0].self_attn
+    # bytes of layers whose cache shape is known: K and V heads, or MLA's latent rows
+    sized = max_len is not None and (hasattr(attn, "cache_values_per_token") or hasattr(attn, "num_kv_heads"))
     lines = ["attention layers:"]
     for (kind, window), indices in groups.items():
         what = f"sliding window of {window} tokens" if window is not None else "full attention"
         if window is None and any(layer_kind(config, i) == SLIDING for i in indices):
             what += f" (window {config.sliding_window} >= max_model_len {max_len}: no position leaves it)"
         size = ""
-        if max_len is not None:
+        if sized:
             tokens = math.ceil(max_len / attn.attn.comm.kv_size)  # this rank's share of the request's positions
             dtype = model.embed_tokens.dtype  # the pools' unless --kv-cache-dtype narrows them
-            per_layer = tokens * attn.num_kv_heads * attn.head_dim * 2 * dtype.itemsize
-            size = (f"; K/V of one {max_len}-token request: {per_layer / 2**10:.1f} KiB per layer on this rank "
+            # MLA caches one latent row (cache_values_per_token values) per token instead of K and V per head
+            values = getattr(attn, "cache_values_per_token", None) or attn.num_kv_heads * attn.head_dim * 2
+            per_layer = tokens * values * dtype.itemsize
+            size = (f"; {'latents' if hasattr(attn, 'cache_values_per_token') else 'K/V'} of one {max_len}-token request: {per_layer / 2**10:.1f} KiB per layer on this rank "
                     f"(at {str(dtype).removeprefix('torch.')})")
         lines.append(f"  layers {_ranges(indices)} ({len(indices)}): {what}{size}")
     return lines

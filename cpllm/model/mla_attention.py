@@ -84,6 +84,8 @@ class MLAAttention(torch.nn.Module):
         self.o_proj = RowParallelLinear(f"{prefix}.o_proj", num_heads * mla.v_head_dim, hidden, tp, dtype,
                                         quantization)
         self.attn = PagedCPAttention(comm, scale=scale, backend=backend or MLAPagedBackend())
+        self.cache_values_per_token = mla.latent_width
+        """Values this layer caches per token (one latent row, the same on every TP rank; the start-up log's)."""
 
     def load(self, source: WeightSource) -> None:
         # the projections and norms load themselves (the model loads every module with a `load`)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from cpllm.model.deepseek import DeepseekForCausalLM
 from cpllm.model.gemma import GemmaForCausalLM
 from cpllm.model.gpt_oss import GptOssForCausalLM
 from cpllm.model.llama import LlamaForCausalLM
@@ -19,6 +20,9 @@ MODEL_CLASSES: dict[str, type[torch.nn.Module]] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
+    "Glm4MoeLiteForCausalLM": DeepseekForCausalLM,
 }
 """Architecture name -> the class whose constructor takes (config, tp, comm, dtype, max_positions, moe, pcp)."""
 

@@ -58,10 +58,13 @@ def usable_blocks(config: EngineConfig) -> int:
     return s.max_num_seqs * -(-s.max_model_len // tokens_per_block)
 
 
-def layer_bytes_per_block(config: EngineConfig, num_kv_heads: int, dtype: torch.dtype) -> int:
-    """KV bytes of one block of one layer on one rank."""
+def layer_bytes_per_block(config: EngineConfig, num_kv_heads: int, dtype: torch.dtype,
+                          group: KVGroupSpec | None = None) -> int:
+    """KV bytes of one block of one layer on one rank (a latent group's: one pool of latent rows)."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.cache.block_size * num_kv_heads * config.model.head_dim * element
+    pools, heads, width = (2, num_kv_heads, config.model.head_dim) if group is None else \
+        group.pool_rows(num_kv_heads, config.model.head_dim)
+    return pools * config.cache.block_size * heads * width * element
 
 
 def group_block_counts(config: EngineConfig, device: torch.device, groups: tuple[KVGroupSpec, ...],
@@ -92,8 +95,14 @@ def group_block_counts(config: EngineConfig, device: torch.device, groups: tuple
 
 
 def allocate_kv_cache(layer_blocks: list[int], block_size: int, num_kv_heads: int, head_dim: int,
-                      dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (K, V) pool pair per layer; layer i holds `layer_blocks[i]` blocks (its KV group's count)."""
+                      dtype: torch.dtype, device: torch.device,
+                      latent_width: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One (K, V) pool pair per layer; layer i holds `layer_blocks[i]` blocks (its KV group's count).
+    `latent_width` (a latent group, KVGroupSpec.latent_width): one pool [slots, 1, latent_width] per layer, the
+    same tensor as K and V."""
+    if latent_width is not None:
+        pools = [zeroed_pool((blocks * block_size, 1, latent_width), dtype, device) for blocks in layer_blocks]
+        return [(pool, pool) for pool in pools]
     return [
         (zeroed_pool((blocks * block_size, num_kv_heads, head_dim), dtype, device),
          zeroed_pool((blocks * block_size, num_kv_heads, head_dim), dtype, device))

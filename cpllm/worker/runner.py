@@ -70,7 +70,8 @@ class ModelRunner:
         self.group_blocks = self._count_blocks()
         self.num_blocks = self.group_blocks[0]
         self.kv_caches = allocate_kv_cache([self.group_blocks[g] for g in self.layer_group], config.cache.block_size,
-                                           self.num_kv_heads, config.model.head_dim, self.kv_dtype, device)
+                                           self.num_kv_heads, config.model.head_dim, self.kv_dtype, device,
+                                           self.kv_groups[0].latent_width)  # MLA: one latent pool per layer
         if self.model.fused_decode is not None and not self.model.fused_decode.fits_pools(self.kv_caches):
             logger.info("decode steps: eager layers (K/V pools the fused layers do not read)")
             self.model.fused_decode = None
@@ -113,7 +114,7 @@ class ModelRunner:
     def _count_blocks(self) -> tuple[int, ...]:
         """Blocks per rank of each KV group, the same on every rank of the replica (block ids are shared across the
         CP group)."""
-        per_block = layer_bytes_per_block(self.config, self.num_kv_heads, self.kv_dtype)
+        per_block = layer_bytes_per_block(self.config, self.num_kv_heads, self.kv_dtype, self.kv_groups[0])
         count = torch.tensor(group_block_counts(self.config, self.device, self.kv_groups, per_block),
                              dtype=torch.long, device=self.device)
         # the replica's ranks on the default backend, bounded by --distributed-timeout (the control group is not)
@@ -123,7 +124,7 @@ class ModelRunner:
     @property
     def kv_bytes(self) -> int:
         """KV bytes allocated on this rank."""
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+        return sum(k.numel() * k.element_size() * (1 if k is v else 2) for k, v in self.kv_caches)
 
     @property
     def strategy_counts(self) -> dict[str, int]:
