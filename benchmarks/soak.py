@@ -12,6 +12,11 @@ strings, JSON-schema outputs, clients that disconnect mid-stream, and bad reques
 
     python benchmarks/soak.py                   # SmolLM2, 180 s, 12 clients
     python benchmarks/soak.py --duration 60 --clients 6 -- -pcp 2   # extra flags go to `cpllm serve`
+    python benchmarks/soak.py --faults 20 -- -dp 2 --distributed-timeout 10   # kill / stop a replica's rank every 20 s
+
+With --faults (soak_faults.py) the books change: a request whose replica failed after it had sent tokens ends with
+an error naming the replica (an in-band event, or a 503), which counts as "errored", not as a problem; one that
+neither completed nor errored is "lost" (the target: 0). RSS and log checks are off (restarts reload the model).
 
 Prints a JSON summary (requests, errors by kind, p50/p99 latency, RSS before/after); exit status 1 if a check fails.
 """
@@ -33,6 +38,7 @@ import httpx
 import psutil
 
 from cpllm.server.process import ServerProcess
+from soak_faults import FaultSchedule
 
 SERVER_FLAGS = ["--max-model-len", "1024", "--kv-cache-memory-bytes", "96MiB", "--max-num-seqs", "8",
                 "--max-queued-requests", "8", "--max-n", "4"]
@@ -68,6 +74,19 @@ class Books:
     """Response id -> times seen."""
     problems: list[str] = field(default_factory=list)
     """Broken invariants, with what was seen."""
+    faults: bool = False
+    """Faults are injected: errors naming a failed replica are expected."""
+    errored: int = 0
+    """Requests ended with an error naming a failed replica (streams: in-band; whole: 503)."""
+    lost: int = 0
+    """Requests that neither completed nor ended with an error (a broken connection, a stream cut short)."""
+    completions: list[tuple[float, int]] = field(default_factory=list)
+    """(time.monotonic() at the end, output tokens) of each completed generation request."""
+
+
+def _replica_error(books: Books, message: str) -> bool:
+    """An error the fault schedule causes: its replica failed (the messages name it)."""
+    return books.faults and "replica " in message
 
 
 def _body(rng: random.Random) -> tuple[str, dict]:
@@ -95,7 +114,7 @@ async def _stream(client: httpx.AsyncClient, path: str, body: dict, books: Books
             await response.aread()
             books.kinds[f"status_{response.status_code}"] += 1
             return
-        events, finishes, done, response_id = 0, collections.Counter(), 0, None
+        events, finishes, done, response_id, errored, tokens = 0, collections.Counter(), 0, None, False, 0
         async for line in response.aiter_lines():
             if not line:
                 continue
@@ -108,18 +127,28 @@ async def _stream(client: httpx.AsyncClient, path: str, body: dict, books: Books
                 continue
             chunk = json.loads(line.removeprefix("data: "))
             if "error" in chunk:
-                books.problems.append(f"in-band error: {chunk}")
+                if _replica_error(books, chunk["error"]["message"]):
+                    errored = True
+                else:
+                    books.problems.append(f"in-band error: {chunk}")
                 continue
+            tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
             if done:
                 books.problems.append(f"event after [DONE]: {line[:200]}")
             response_id = chunk["id"]
             for choice in chunk["choices"]:
                 if choice.get("finish_reason"):
                     finishes[choice["index"]] += 1
+        if errored and done == 1:
+            books.errored += 1
+            books.kinds["errored_stream"] += 1
+            return
         if done != 1 or sorted(finishes) != list(range(body["n"])) or any(v != 1 for v in finishes.values()):
+            books.lost += 1
             books.problems.append(f"stream ended with done={done} finishes={dict(finishes)} for n={body['n']}")
         books.ids[response_id] += 1
     books.latencies.append(time.monotonic() - start)
+    books.completions.append((time.monotonic(), tokens))
     books.kinds["ok_stream"] += 1
 
 
@@ -127,6 +156,10 @@ async def _whole(client: httpx.AsyncClient, path: str, body: dict, books: Books)
     start = time.monotonic()
     response = await client.post(path, json=body)
     books.statuses[response.status_code] += 1
+    if response.status_code == 503 and _replica_error(books, response.text):
+        books.errored += 1
+        books.kinds["errored_whole"] += 1
+        return
     if response.status_code != 200:
         books.kinds[f"status_{response.status_code}"] += 1
         return
@@ -136,6 +169,7 @@ async def _whole(client: httpx.AsyncClient, path: str, body: dict, books: Books)
     if indexes != list(range(body["n"])) or any(c["finish_reason"] is None for c in data["choices"]):
         books.problems.append(f"response choices {indexes} for n={body['n']}: {str(data)[:300]}")
     books.latencies.append(time.monotonic() - start)
+    books.completions.append((time.monotonic(), data["usage"]["completion_tokens"]))
     books.kinds["ok_whole"] += 1
 
 
@@ -168,6 +202,7 @@ async def _client(url: str, seed: int, deadline: float, books: Books) -> None:
                 if books.statuses[429] > busy:
                     await asyncio.sleep(rng.uniform(0.1, 0.5))  # backs off after a 429, as Retry-After asks
             except httpx.HTTPError as exc:
+                books.lost += 1
                 books.kinds[f"client_error_{type(exc).__name__}"] += 1
                 books.problems.append(f"client error: {exc!r}")
 
@@ -201,10 +236,18 @@ def soak(args: argparse.Namespace) -> dict:
         asyncio.run(_run(server.url, args.clients, 15.0, args.seed + 1000, warm))  # first allocations, caches
         rss_before = _rss_mib(server.process.pid)
         before = _metrics(server.url)
-        books = Books()
+        books = Books(faults=args.faults is not None)
+        schedule = FaultSchedule(server.url, server.process.pid, args.faults, args.seed) if args.faults else None
         started = time.monotonic()
+        if schedule is not None:
+            schedule.start()
         asyncio.run(_run(server.url, args.clients, args.duration, args.seed, books))
         elapsed = time.monotonic() - started
+        faults = None
+        if schedule is not None:
+            schedule.stop()  # returns once the last fault's replica serves again
+            _wait_healthy(server.url)
+            faults = schedule.summary(books.completions, started, started + elapsed)
         idle = _wait_idle(server.url)
         after = _metrics(server.url)
         rss_after = _rss_mib(server.process.pid)
@@ -212,7 +255,18 @@ def soak(args: argparse.Namespace) -> dict:
         log = server.log()
     finally:
         server.close()
-    return _summary(args, books, before, after, idle, healthy, rss_before, rss_after, elapsed, log)
+    return _summary(args, books, before, after, idle, healthy, rss_before, rss_after, elapsed, log, faults)
+
+
+def _wait_healthy(url: str, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
 
 
 async def _run(url: str, clients: int, duration: float, seed: int, books: Books) -> None:
@@ -245,7 +299,8 @@ def _http_counts(before: dict, after: dict) -> collections.Counter:
     return +diff
 
 
-def _summary(args, books: Books, before, after, idle, healthy, rss_before, rss_after, elapsed, log) -> dict:
+def _summary(args, books: Books, before, after, idle, healthy, rss_before, rss_after, elapsed, log,
+             faults: dict | None = None) -> dict:
     server_counts = _http_counts(before, after)
     problems = list(books.problems)
     if server_counts != +books.statuses:
@@ -253,16 +308,26 @@ def _summary(args, books: Books, before, after, idle, healthy, rss_before, rss_a
     repeated = [i for i, n in books.ids.items() if n != 1]
     if repeated:
         problems.append(f"{len(repeated)} response ids seen more than once, e.g. {repeated[:3]}")
-    if any(s >= 500 for s in books.statuses):
+    unexplained_5xx = sum(n for s, n in books.statuses.items() if s >= 500) - books.kinds["errored_whole"]
+    if unexplained_5xx:
         problems.append(f"5xx responses: {dict(books.statuses)}")
     if any(idle.values()):
         problems.append(f"not idle after the soak: {idle}")
     if not healthy:
         problems.append("/health is not 200 after the soak")
-    if rss_after - rss_before > args.rss_bound_mib:
+    if faults is None and rss_after - rss_before > args.rss_bound_mib:
         problems.append(f"RSS grew {rss_after - rss_before:.0f} MiB > {args.rss_bound_mib} MiB")
-    if "Traceback" in log:
+    if faults is None and "Traceback" in log:
         problems.append("a traceback in the server log")
+    if books.lost:
+        problems.append(f"{books.lost} request(s) lost (neither completed nor ended with an error)")
+    if faults is not None:
+        requeued = sum(v for _, v in after.get("cpllm_requests_requeued_total", [])) - \
+            sum(v for _, v in before.get("cpllm_requests_requeued_total", []))
+        faults = {**faults, "served": len(books.completions), "failed_over": int(requeued),
+                  "errored": books.errored, "lost": books.lost}
+        if faults["undetected"] or faults["unrecovered"]:
+            problems.append(f"faults not detected or not recovered: {faults['injected']}")
     total = sum(books.statuses.values())
     return {
         "duration_s": round(elapsed, 1), "clients": args.clients, "requests": total,
@@ -272,7 +337,7 @@ def _summary(args, books: Books, before, after, idle, healthy, rss_before, rss_a
                       "p99": round(_percentile(books.latencies, 99), 3), "completed": len(books.latencies)},
         "idle_after": idle, "rss_mib": {"before": round(rss_before, 1), "after": round(rss_after, 1),
                                         "bound_growth": args.rss_bound_mib},
-        "problems": problems, "ok": not problems,
+        "faults": faults, "problems": problems, "ok": not problems,
     }
 
 
@@ -284,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rss-bound-mib", type=float, default=64.0,
                         help="largest RSS growth accepted over the soak (default: %(default)s)")
+    parser.add_argument("--faults", type=float, default=None, metavar="SECONDS",
+                        help="kill or stop a rank of the next DP replica every SECONDS (serve with -dp 2)")
     parser.add_argument("serve_args", nargs="*", help="extra `cpllm serve` flags (after --)")
     args = parser.parse_args(argv)
     if args.duration <= 0 or args.duration > 1800:

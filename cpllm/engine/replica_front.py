@@ -221,7 +221,8 @@ class ReplicaFront:
     def _check(self) -> None:
         for replica in self.replicas:
             if replica.state in ("serving", "starting"):
-                problem = replica.exit_problem() or replica.silent_problem(self._stall_s)
+                problem = replica.exit_problem() or replica.silent_problem(self._stall_s) \
+                    or self._lasting_problem(replica)
                 if problem is None and replica.state == "starting" \
                         and time.monotonic() - replica.started_at > START_TIMEOUT_S:
                     problem = f"replica {replica.index} was not ready {START_TIMEOUT_S:g} s after its start"
@@ -231,6 +232,19 @@ class ReplicaFront:
                 logger.warning("restarting replica %d (restart %d of %d)", replica.index, replica.restarts,
                                self.max_restarts)
                 replica.start()
+
+    def _lasting_problem(self, replica: ReplicaHandle) -> str | None:
+        """A rank stopped (or dead) for longer than the deadline, even while the replica is idle and no step of its
+        own would run into its watchdog: the replica cannot serve, so it is failed and restarted."""
+        problems = replica.live_problems()
+        if not problems:
+            replica.unhealthy_since = None
+            return None
+        now = time.monotonic()
+        replica.unhealthy_since = replica.unhealthy_since or now
+        if now - replica.unhealthy_since <= self._stall_s:
+            return None
+        return f"{'; '.join(problems)} for {now - replica.unhealthy_since:.1f} s (deadline {self._stall_s:g} s)"
 
     def _fail(self, replica: ReplicaHandle, reason: str) -> None:
         """Out of rotation at once; its requests re-queued (not started) or ended (started); a restart scheduled."""

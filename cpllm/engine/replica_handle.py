@@ -52,6 +52,8 @@ class ReplicaHandle:
         """When a failed replica is started again (None: not scheduled, e.g. no restart left)."""
         self.reason: str | None = None
         """Why it last failed."""
+        self.unhealthy_since: float | None = None
+        """Since when a rank of this serving replica has been stopped or dead (None: all well)."""
 
     # ---- life --------------------------------------------------------------------------------------------
 
@@ -61,6 +63,7 @@ class ReplicaHandle:
         function, args = self._start_args(self.index, address, self.incarnation)
         self.process = start_process(self.index, function, args, {})
         self.state, self.info, self.report = "starting", None, ReplicaState()
+        self.unhealthy_since = None
         self.started_at = self.last_seen = time.monotonic()
         self.next_start = None
 
