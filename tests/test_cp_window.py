@@ -312,3 +312,68 @@ def test_one_rank_matches_transformers_attention(family, steps):
             worst = max(worst, (got[(i, j)] - want[0, j]).abs().max().item())
     assert worst <= 2e-5
     assert family != "gpt_oss" or sink_effect > 0.05, f"the sinks barely matter here ({sink_effect:.3g})"
+
+
+# --- the pieces themselves ---------------------------------------------------------------------------------------
+
+
+def _coverage(pieces, q_start: int, q_len: int, key_index):
+    """{(query, key): times kept} over the pieces; `key_index(row)` is the new-token index of a key row."""
+    import torch
+    kept: dict = {}
+    for piece in pieces:
+        queries = range(q_start + piece.queries.start, q_start + piece.queries.stop)
+        keys = [key_index(r) for r in range(piece.keys.start, piece.keys.stop)]
+        if piece.mask is not None:
+            keep = piece.mask
+        elif piece.causal:
+            keep = torch.ones(len(queries), len(keys), dtype=torch.bool).tril()
+        else:
+            keep = torch.ones(len(queries), len(keys), dtype=torch.bool)
+        assert keep.shape == (len(queries), len(keys))
+        for a, i in enumerate(queries):
+            for b, j in enumerate(keys):
+                if keep[a, b]:
+                    kept[(i, j)] = kept.get((i, j), 0) + 1
+    return kept
+
+
+@pytest.mark.parametrize("block", [1024, 16, 5])
+@pytest.mark.parametrize("window", [None, 1, 8, 13])
+def test_pieces_keep_each_visible_pair_exactly_once(monkeypatch, block, window):
+    """Head-tail runs of a 96-token prompt on PCP = 2 (and a 40-token one in one run): for every query run, the
+    pieces against every key run keep exactly the pairs the window shows, each once, with query blocks of
+    `block` rows for runs longer than that."""
+    from cpllm.context_parallel import window as window_module
+    from cpllm.context_parallel.window import ScoreMods, new_key_pieces
+    monkeypatch.setattr(window_module, "QUERY_BLOCK", block)
+    mods = ScoreMods(window=window)
+    for total, pcp in ((96, 2), (40, 1)):
+        runs = {p: rank_token_ranges(total, pcp, p) for p in range(pcp)}
+        source = [(start, start, end - start) for p in range(pcp) for start, end in runs[p]]  # row = index
+        for p in range(pcp):
+            for qs, qe in runs[p]:
+                kept = _coverage(new_key_pieces(source, qs, qe - qs, mods), qs, qe - qs, lambda r: r)
+                want = {(i, j): 1 for i in range(qs, qe) for j in range(total)
+                        if j <= i and (window is None or i - j < window)}
+                assert kept == want, (qs, qe)
+
+
+def test_long_runs_in_query_blocks_match_direct_attention(monkeypatch):
+    """One rank, QUERY_BLOCK set to 16: a 100-token fresh prompt and a 70-token continuation on a cached context
+    attend themselves in blocks, with windows of 8 and 20 and a soft-cap, against float64 attention."""
+    import torch
+
+    from cpllm.context_parallel import window as window_module
+    from cpllm.context_parallel.attention import CPComm, PagedCPAttention
+    monkeypatch.setattr(window_module, "QUERY_BLOCK", 16)
+    Req = helpers.Req
+    reqs = [Req(0, 100), Req(45, 70), Req(60, 1)]
+    for mods in (helpers.Mods(8, None, False), helpers.Mods(20, 10.0, True)):
+        sinks = torch.rand(helpers.HQ, generator=torch.Generator().manual_seed(2)) * 5 + 6 if mods.sinks else None
+        layer = PagedCPAttention(CPComm(), helpers.SCALE, window=mods.window, softcap=mods.softcap)
+        data, got, _ = _one_rank_step(reqs, layer, sinks, seed=4)
+        refs, _ = helpers.reference_outputs(reqs, data, slice(0, helpers.HQ), mods, sinks)
+        worst = max((got[(i, j)].double() - refs[i][j]).abs().max().item()
+                    for i, r in enumerate(reqs) for j in range(r.new))
+        assert worst <= 2e-5, mods

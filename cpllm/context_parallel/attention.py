@@ -257,11 +257,10 @@ class PagedCPAttention(torch.nn.Module):
         """`_new_token_attention` with score modifiers: the keys before each run trimmed to the window (skipped
         where it leaves none), the run itself band-masked where it is longer than the window."""
         for chunk in request.local_chunks:
-            rows = slice(chunk.row, chunk.row + chunk.length)
             # key runs in new-token index space (row = index into new_kv_rows): [0, s) before, [s, s+n) itself
             source = ((0, 0, chunk.new_start), (chunk.new_start, chunk.new_start, chunk.length))
             for piece in new_key_pieces(source, chunk.new_start, chunk.length, self.mods):
-                keys = request.new_kv_rows[piece.keys]
+                keys, rows = request.new_kv_rows[piece.keys], piece.rows(chunk.row)
                 _accumulate(out, lse, rows, *attend_piece(self.backend, self.scale, self.mods, q[rows],
                                                           k_all[keys], v_all[keys], piece))
 
@@ -284,9 +283,9 @@ class PagedCPAttention(torch.nn.Module):
     def _ring_pair(self, q, block, source: int, request: RequestAttention, out, lse) -> None:
         if self.mods is not None:  # the window trims (or skips) each key run
             for chunk in request.local_chunks:
-                rows = slice(chunk.row, chunk.row + chunk.length)
                 for piece in new_key_pieces(request.source_rank_rows[source], chunk.new_start, chunk.length,
                                             self.mods):
+                    rows = piece.rows(chunk.row)
                     _accumulate(out, lse, rows, *attend_piece(self.backend, self.scale, self.mods, q[rows],
                                                               block[0][piece.keys], block[1][piece.keys], piece))
             return
@@ -361,7 +360,7 @@ class PagedCPAttention(torch.nn.Module):
                 piece = context_piece(layout, request.context_len, lo, request.start_pos + new_start, length, mods)
                 if piece is None:
                     continue
-                rows = slice(piece_index * n + row, piece_index * n + row + length)
+                rows = piece.rows(piece_index * n + row)
                 o_part[rows], lse_part[rows] = attend_piece(self.backend, self.scale, mods, q_all[rows],
                                                             k_ctx[piece.keys], v_ctx[piece.keys], piece)
 

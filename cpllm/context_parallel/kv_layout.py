@@ -61,6 +61,10 @@ class KVLayout:
         """Index of `pos` in its owner's local sequence (meaningful on the owner only)."""
         return (pos // self.cycle) * self.interleave + pos % self.interleave
 
+    def local_position(self, local: int) -> int:
+        """The absolute position of this rank's local index `local` (the inverse of `local_index` on the owner)."""
+        return (local // self.interleave) * self.cycle + self.cp_rank * self.interleave + local % self.interleave
+
     def num_local_tokens(self, seq_len: int) -> int:
         """Number of positions `< seq_len` that this rank owns, in O(1)."""
         if seq_len < 0:

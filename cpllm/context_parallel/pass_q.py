@@ -141,15 +141,15 @@ class _PieceAttention:
                 piece = context_piece(layout, request.context_len, lo, request.start_pos + new_start, length,
                                       self.mods)
                 if piece is not None:
-                    rows = slice(row, row + length)
+                    rows = piece.rows(row)
                     accumulate(out, lse, rows, *attend_piece(self.backend, self.scale, self.mods, q_block[rows],
                                                              k_ctx[piece.keys], v_ctx[piece.keys], piece))
 
     def _new_tokens(self, q_block, src_pcp: int, request: RequestAttention, out, lse) -> None:
         if self.mods is not None:
             for q_row, q_start, q_len in request.source_rank_rows[src_pcp]:
-                rows = slice(q_row, q_row + q_len)
                 for piece in new_key_pieces(request.source_rank_rows[self.my_pcp], q_start, q_len, self.mods):
+                    rows = piece.rows(q_row)
                     accumulate(out, lse, rows, *attend_piece(self.backend, self.scale, self.mods, q_block[rows],
                                                              self.k[piece.keys], self.v[piece.keys], piece))
             return

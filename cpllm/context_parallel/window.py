@@ -45,17 +45,30 @@ class ScoreMods:
         return 0 if self.window is None else max(q_first - self.window + 1, 0)
 
 
+QUERY_BLOCK = 1024
+"""A query run longer than this and than the window attends itself in blocks of this many queries (each block's
+own keys plus the window before it), so its mask and its work grow with run x (block + window), not run^2."""
+
+
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """One attend call of a query run against part of a key run (rows of the key buffer)."""
+    """One attend call: some queries of a run against part of a key run (rows of the key buffer)."""
 
+    queries: slice
+    """The run's query rows the call computes, counted from the run's first row (the window trims the queries
+    too: only the first ones of a run see keys before it)."""
     keys: slice
     """Rows of the key run's buffer the call reads (already trimmed to the window)."""
     causal: bool
-    """The key run is the query run itself and the window does not bite inside it: square causal, no mask."""
+    """The keys are the queries' own positions and the window does not bite among them: square causal, no
+    mask."""
     mask: torch.Tensor | None
     """[L, S] bool, True keeps: the band the window leaves (causality included), or None (every key visible to
     every query, or `causal`)."""
+
+    def rows(self, first_row: int) -> slice:
+        """The queries' rows in a batch whose run starts at `first_row`."""
+        return slice(first_row + self.queries.start, first_row + self.queries.stop)
 
 
 def band_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -67,35 +80,63 @@ def band_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, window: int 
     return keep
 
 
+def _before(q_first: int, q_len: int, keys: slice, first_key: int, last_key: int, key_positions,
+            window: int | None, q_offset: int = 0) -> Piece:
+    """Queries at positions [q_first, q_first + q_len) against keys all before them, already trimmed to the first
+    query's window (first_key >= q_first - window + 1): only the queries before last_key + window see any of them,
+    and the call is unmasked where the last of those still sees the first key."""
+    q_stop = q_len if window is None else min(q_len, last_key + window - q_first)
+    q_last = q_first + q_stop - 1
+    mask = None
+    if window is not None and first_key <= q_last - window:
+        mask = band_mask(torch.arange(q_first, q_last + 1), key_positions(), window)
+    return Piece(slice(q_offset, q_offset + q_stop), keys, False, mask)
+
+
+def _own_run(key_row: int, q_start: int, q_len: int, window: int | None) -> list[Piece]:
+    """A query run against its own keys: one causal call where the window does not bite inside it, one band-masked
+    call up to QUERY_BLOCK queries, else blocks of QUERY_BLOCK queries, each its own keys (causal, or banded when
+    the block is longer than the window) and the window's keys before it in the run."""
+    if window is None or q_len <= window:
+        return [Piece(slice(0, q_len), slice(key_row, key_row + q_len), True, None)]
+    block = q_len if q_len <= QUERY_BLOCK else QUERY_BLOCK
+    pieces = []
+    for a in range(0, q_len, block):
+        b = min(a + block, q_len)
+        if b - a <= window:
+            pieces.append(Piece(slice(a, b), slice(key_row + a, key_row + b), True, None))
+        else:
+            idx = torch.arange(b - a)
+            pieces.append(Piece(slice(a, b), slice(key_row + a, key_row + b), False, band_mask(idx, idx, window)))
+        lo = max(a - window + 1, 0)
+        if lo < a:  # the window's keys of the run before this block
+            pieces.append(_before(q_start + a, b - a, slice(key_row + lo, key_row + a), q_start + lo,
+                                  q_start + a - 1, lambda lo=lo, a=a: torch.arange(q_start + lo, q_start + a),
+                                  window, q_offset=a))
+    return pieces
+
+
 def new_key_pieces(source_rows, q_start: int, q_len: int, mods: ScoreMods) -> list[Piece]:
     """The attend calls of a query run (new-token indices [q_start, q_start + q_len)) against one source's key
-    runs [(row in the block, first new-token index, length)]: the run itself (causal), runs wholly before it
-    (trimmed to the window, unmasked where the whole run sees them), runs after it or out of the window skipped.
-    The request's start position cancels: new-token indices are positions up to one offset."""
+    runs [(row in the block, first new-token index, length)]: the run itself (causal, banded or in blocks), runs
+    wholly before it (keys trimmed to the window, queries to those that see them, unmasked where all of those see
+    all of them), runs after it or out of the window skipped. The request's start position cancels: new-token
+    indices are positions up to one offset."""
     window, pieces = mods.window, []
-    q_last = q_start + q_len - 1
     for key_row, key_start, key_len in source_rows:
         if key_len == 0:
             continue
         if key_start == q_start:  # the run itself
-            if window is None or q_len <= window:
-                pieces.append(Piece(slice(key_row, key_row + key_len), True, None))
-            else:
-                idx = torch.arange(q_len)
-                pieces.append(Piece(slice(key_row, key_row + key_len), False, band_mask(idx, idx, window)))
+            pieces += _own_run(key_row, q_start, q_len, window)
             continue
-        if key_start + key_len > q_start:
+        end = key_start + key_len
+        if end > q_start:
             continue  # after the run (head-tail chunks never overlap otherwise)
         lo = max(key_start, mods.first_visible(q_start))
-        end = key_start + key_len
         if lo >= end:
             continue  # wholly out of the window: no call
-        keys = slice(key_row + lo - key_start, key_row + key_len)
-        if window is None or lo > q_last - window:  # the last query still sees the first key kept
-            pieces.append(Piece(keys, False, None))
-        else:
-            pieces.append(Piece(keys, False, band_mask(torch.arange(q_start, q_last + 1), torch.arange(lo, end),
-                                                       window)))
+        pieces.append(_before(q_start, q_len, slice(key_row + lo - key_start, key_row + key_len), lo, end - 1,
+                              lambda lo=lo, end=end: torch.arange(lo, end), window))
     return pieces
 
 
@@ -116,18 +157,14 @@ def context_piece(layout: KVLayout, context_len: int, lo_base: int, q_first: int
                   mods: ScoreMods) -> Piece | None:
     """The attend call of queries at positions [q_first, q_first + q_len) against this rank's cached context, read
     from local index `lo_base` on (rows of the key buffer count from there); None when the window leaves none
-    of its keys. Every cached position lies before every query of the run, so only the window masks."""
+    of its keys. Every cached position lies before every query of the run, so only the window masks (and trims
+    the queries: only those within a window of the last cached key see any)."""
     lo, hi = context_range(layout, context_len, q_first, mods)
     lo = max(lo, lo_base)
     if lo >= hi:
         return None
-    keys = slice(lo - lo_base, hi - lo_base)
-    q_last = q_first + q_len - 1
-    first_pos = int(local_positions(layout, lo, lo + 1)[0])
-    if mods.window is None or first_pos > q_last - mods.window:
-        return Piece(keys, False, None)
-    mask = band_mask(torch.arange(q_first, q_last + 1), local_positions(layout, lo, hi), mods.window)
-    return Piece(keys, False, mask)
+    return _before(q_first, q_len, slice(lo - lo_base, hi - lo_base), layout.local_position(lo),
+                   layout.local_position(hi - 1), lambda: local_positions(layout, lo, hi), mods.window)
 
 
 def attend_piece(backend, scale: float, mods: ScoreMods | None, q, k, v, piece: Piece):
