@@ -15,7 +15,7 @@ import pytest
 
 from cpllm import LLM, SamplingParams
 from cpllm.kv_groups import window_blocks
-from parallel_helpers import assert_same_greedy, random_prompt
+from parallel_helpers import assert_same_greedy, generate_counted, random_prompt
 from reference import check_against_hf, hf_greedy
 from tiny_window_models import make_tiny_window_model, save_tiny_window_model
 
@@ -120,3 +120,24 @@ def test_sharded_pcp2_frees_each_ranks_share_like_one_rank(mistral):
         single = run_steps(llm, prompt, PARAMS, "one", BLOCK_SIZE)
     check_against_hf(single, *ref)
     assert_same_greedy(output, single, what="PCP=2 sharded, window 10", prompt_logprobs=True)
+
+
+@pytest.mark.timeout(300)
+def test_hybrid_replicated_pcp2_syncs_each_groups_pools(tmp_path):
+    """Qwen2 (a full layer and two windowed ones, two KV groups) under PCP = 2 with the replicated layout: decode-only
+    steps split their tokens over the PCP copies, and each group's K/V reach the other copy at that group's slots."""
+    folder = save_tiny_window_model(str(tmp_path / "qwen2"), "qwen2", seed=1)
+    prompts = {f"len{n}": random_prompt(n, seed=n) for n in (5, 37, 60)}
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    common = dict(max_model_len=256, block_size=BLOCK_SIZE, max_num_batched_tokens=9, max_num_seqs=4,
+                  kv_cache_memory_bytes=40 * 3 * LAYER_BLOCK_BYTES)
+    with LLM(folder, **common) as llm:
+        single = generate_counted(llm, prompts, params, "one")
+    with LLM(folder, **common, threads_per_rank=1, distributed_timeout=60, prefill_context_parallel_size=2,
+             cp_kv_cache_layout="replicated", cp_prefill_strategy="ring") as llm:
+        groups = llm.engine.executor.rank_info.kv.group_blocks
+        assert len(groups) == 2 and groups[1] < groups[0]
+        replicated = generate_counted(llm, prompts, params, "repl")
+        assert llm.engine.scheduler_totals.peak_request_blocks[1] <= window_blocks(8, BLOCK_SIZE, 9)
+    for name in prompts:
+        assert_same_greedy(replicated[name], single[name], what=f"replicated PCP=2 {name}", prompt_logprobs=True)
