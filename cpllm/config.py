@@ -14,6 +14,7 @@ from cpllm.config_attention import (GEMMA_ARCHITECTURES, check_attention_fields,
                                     hf_gemma_fields, hf_layer_types)
 from cpllm.config_deepseek import DEEPSEEK_MOE_ARCHITECTURES, MLAConfig, deepseek_moe_config
 from cpllm.config_moe import MOE_ARCHITECTURES, MoEConfig
+from cpllm.config_speculative import SpeculativeConfig
 from cpllm.config_rope import resolve_rope_scaling, rope_context_length
 from cpllm.distributed.parallel_dims import KV_CACHE_LAYOUTS, REPLICATED, SHARDED, ParallelDims
 
@@ -306,6 +307,8 @@ class EngineConfig:
     """Never capture CUDA graphs: every decode step runs eager (vLLM's flag). Off: a CUDA rank holding its replica
     alone captures its decode steps per batch-size bucket at start-up and replays them (cpllm/worker/cuda_graphs.py);
     no effect on the CPU."""
+    speculative_config: SpeculativeConfig | None = None
+    """Speculative decoding (cpllm/config_speculative.py): how requests are drafted; None = one token per step."""
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -317,6 +320,9 @@ class EngineConfig:
                 f"cp_kv_cache_interleave_size={interleave} must divide block_size={self.cache.block_size}"
             )
         check_quantized_widths(self.model, self.parallel.tensor_parallel_size)
+        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            raise ValueError("speculative_config must be a SpeculativeConfig here (build_engine_config validates "
+                             f"the dict), got {type(self.speculative_config).__name__}")
         if self.compile_decode:
             _check_compile_decode(self.parallel, self.model)
             check_compile_decode_attention(self.model, self.scheduler.max_model_len)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from cpllm.engine_options import ENGINE_OPTIONS, EngineOption, parse_bytes
@@ -65,5 +66,5 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         if option.type is bool:
             flags.append(option.flag if value else "--no-" + option.flag.removeprefix("--"))
         else:
-            flags += [option.flag, str(value)]
+            flags += [option.flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return flags

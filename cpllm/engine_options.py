@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import difflib
 import inspect
+import json
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -86,6 +87,17 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+def parse_json_object(text: str) -> dict:
+    """'{"method": "ngram", ...}' -> the dict (the config it fills validates the keys)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {text!r} ({error})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
+    return value
+
+
 def config_field_default(path: str) -> Any:
     """The default of a config field named "section.field"."""
     section, name = path.split(".")
@@ -145,6 +157,10 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("enforce_eager", bool, "engine.enforce_eager",
                  help="never capture CUDA graphs: decode steps run eager (by default a CUDA rank holding its replica "
                       "alone replays captured graphs per batch-size bucket)"),
+    EngineOption("speculative_config", dict, "engine.speculative_config", default=None, parse=parse_json_object,
+                 help="speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                      "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} drafts by prompt lookup and verifies "
+                      "k + 1 rows per request in one step (default: off)"),
     EngineOption("distributed_timeout", float, "parallel.distributed_timeout_s",
                  help="seconds before a stuck or dead rank fails the run"),
     EngineOption("collective_transport", str, "parallel.collective_transport", choices=COLLECTIVE_TRANSPORTS,

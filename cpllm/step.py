@@ -32,6 +32,9 @@ class ScheduledChunk:
     """The chunk ends the known tokens: the driver samples the next one from its last position."""
     prompt_logits: bool
     """Return logits of every position in the chunk (prompt logprobs)."""
+    num_draft_tokens: int = 0
+    """Of token_ids, the last this many are drafts (speculative decoding): the chunk is a verify chunk, the
+    request's last known token then its drafts, and every one of those rows comes back as logits."""
     block_tables: tuple[tuple[int, ...], ...] = ()
     """One table per KV group, in cpllm/kv_groups.py order (group 0's is `block_table`), all of the same length:
     entry i is virtual block i of that group's pool, or FREED_BLOCK where a windowed group has freed it (a prefix
@@ -61,7 +64,10 @@ class SchedulerOutput:
 
 
 def output_positions(chunk: ScheduledChunk) -> list[int]:
-    """New-token indices whose hidden state the driver needs: all of them for prompt logprobs, else the last."""
+    """New-token indices whose hidden state the driver needs: all of them for prompt logprobs, the last known
+    token and the drafts of a verify chunk, else the last."""
     if chunk.prompt_logits:
         return list(range(len(chunk.token_ids)))
+    if chunk.num_draft_tokens:  # a verify chunk: the last known token and each draft predict the next token
+        return list(range(len(chunk.token_ids) - chunk.num_draft_tokens - 1, len(chunk.token_ids)))
     return [len(chunk.token_ids) - 1] if chunk.sample else []

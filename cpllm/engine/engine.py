@@ -19,6 +19,7 @@ from cpllm.engine.sampler import Sampler, SamplingRow, make_generator, prompt_lo
 from cpllm.engine.sampling_params import SamplingParams
 from cpllm.engine.scheduler import Scheduler
 from cpllm.engine.sequence import RequestState, Sequence, finish_status
+from cpllm.engine.spec_decode import SpecDecodeTotals, SpeculativeDecoding
 from cpllm.kv_groups import kv_groups, window_blocks
 from cpllm.model.tokenizer import Tokenizer
 from cpllm.structured.manager import StructuredOutputManager
@@ -75,6 +76,11 @@ class LLMEngine:
         self.pool = self.pools[0]
         self.scheduler = Scheduler(scheduler_config, self.pools, self.tokens_per_block, self.kv_groups)
         self.sampler = Sampler()
+        spec = config.speculative_config
+        self.spec = SpeculativeDecoding(spec, self.max_model_len) if spec is not None else None
+        """Drafting and verification (cpllm/engine/spec_decode.py); None without speculative_config."""
+        if spec is not None:
+            logger.info("speculative decoding: %s", spec.describe())
         self.eos_token_ids = tuple(config.model.eos_token_ids) or tuple(tokenizer.eos_token_ids)
         self.structured = StructuredOutputManager(tokenizer, config.model.vocab_size, self.eos_token_ids)
         self._seed_stream = random.Random(config.seed)
@@ -212,6 +218,11 @@ class LLMEngine:
                                prefix_hit_tokens=s.num_prefix_hit_tokens,
                                peak_request_blocks=tuple(s.peak_request_blocks))
 
+    @property
+    def spec_decode_totals(self) -> SpecDecodeTotals:
+        """Drafted and accepted tokens since start (all zero without speculative decoding)."""
+        return self.spec.totals if self.spec is not None else SpecDecodeTotals()
+
     # ---- the step -------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -242,13 +253,16 @@ class LLMEngine:
             self.structured.remove(seq.request.request_id)
 
     def _process_logits(self, step: SchedulerOutput, logits: torch.Tensor | None) -> list[RequestState]:
-        row, rows, to_sample, touched = 0, [], [], {}
+        row, rows, to_sample, to_verify, touched = 0, [], [], [], {}
         for chunk in step.chunks:
             state, seq = self._sequences[chunk.request_id]
             num_rows = len(output_positions(chunk))
             if chunk.prompt_logits:
                 self._add_prompt_logprobs(state, seq, chunk, logits[row : row + num_rows])
-            if chunk.sample:
+            if chunk.sample and chunk.num_draft_tokens:  # a verify chunk: its last k + 1 rows, in order
+                first = row + num_rows - chunk.num_draft_tokens - 1
+                to_verify.append((state, seq, chunk, logits[first : row + num_rows]))
+            elif chunk.sample:
                 rows.append(row + num_rows - 1)
                 to_sample.append((state, seq))
             row += num_rows
@@ -264,7 +278,32 @@ class LLMEngine:
             for (state, seq), token in zip(to_sample, sampled):
                 self._append_token(state, seq, token)
                 touched[state.request_id] = state
+        for state, seq, chunk, chunk_logits in to_verify:
+            self._verify(state, seq, chunk, chunk_logits)
+            touched[state.request_id] = state
+        if self.spec is not None:  # the next step's drafts follow every token just emitted
+            for _, seq in to_sample + [(state, seq) for state, seq, _, _ in to_verify]:
+                seq.request.draft_token_ids = [] if seq.finished else self.spec.propose(seq.request)
         return list(touched.values())
+
+    def _verify(self, state: RequestState, seq: Sequence, chunk, chunk_logits: torch.Tensor) -> None:
+        """Emit the tokens of a verify chunk (chunk_logits: [k + 1, vocab]) one row at a time, each sampled as a
+        decode step would sample it; the scheduler counts each accepted draft's K/V as it goes (so a request that
+        ends inside the chunk registers the blocks a decode-only run would), then gives back the blocks only rejected drafts wrote."""
+        request = seq.request
+        row = SamplingRow(params=request.sampling_params, prompt_token_ids=request.prompt_token_ids,
+                          output_token_ids=request.output_token_ids, generator=seq.generator,
+                          eos_token_ids=self.eos_token_ids)  # output_token_ids: the list the tokens join
+
+        def emit(row_logits: torch.Tensor, draft: int | None) -> tuple[bool, bool]:
+            bitmask = self.structured.bitmask([request.request_id])  # the grammar after the accepted drafts
+            token, accepted = self.sampler.against_draft(row_logits, row, bitmask, draft)
+            self._append_token(state, seq, token)
+            return accepted, seq.finished
+
+        self.spec.verify(chunk_logits, chunk.token_ids[-chunk.num_draft_tokens :], emit,
+                         lambda: self.scheduler.accept_drafts(request.request_id, 1))
+        self.scheduler.drop_rejected(request.request_id)
 
     def _add_prompt_logprobs(self, state: RequestState, seq: Sequence, chunk, chunk_logits: torch.Tensor) -> None:
         """Row i predicts position start + i + 1; fill the prompt positions not filled before (recompute)."""

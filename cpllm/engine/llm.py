@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cpllm.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from cpllm.config_speculative import speculative_config
 from cpllm.engine.outputs import RequestOutput
 from cpllm.engine.sampling_params import SamplingParams
 from cpllm.engine_options import CONFIG_OPTIONS, config_fields, keyword_signature, resolve_options
@@ -25,6 +26,9 @@ def build_engine_config(model: str | None = None, **options: Any) -> EngineConfi
     # quantization lives in ModelConfig (as in vLLM): every rank builds its model from that config alone
     model_config = dataclasses.replace(open_weights(path).config, **sections["model"])
     scheduler = {"max_model_len": model_config.max_position_embeddings, **sections["scheduler"]}
+    sections["engine"]["speculative_config"] = speculative_config(
+        sections["engine"].get("speculative_config"), model_config.vocab_size,
+        lambda draft: open_weights(draft).config.vocab_size)
     return EngineConfig(model_path=path, model=model_config, parallel=parallel,
                         cache=CacheConfig(**sections["cache"]), scheduler=SchedulerConfig(**scheduler),
                         **sections["engine"])

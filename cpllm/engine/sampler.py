@@ -17,6 +17,7 @@ import torch
 
 from cpllm.engine.outputs import Logprob
 from cpllm.engine.sampling_params import SamplingParams
+from cpllm.engine.rejection_sampler import rejection_sample
 from cpllm.structured.bitmask import apply_bitmask_
 
 
@@ -67,6 +68,30 @@ class Sampler:
         token_ids = _choose_tokens(processed, rows)
         logprobs = _sampled_logprobs(logits, rows, token_ids)
         return [SampledToken(token_id=t, logprobs=lp) for t, lp in zip(token_ids, logprobs)]
+
+    def against_draft(self, logits: torch.Tensor, row: SamplingRow, bitmask: torch.Tensor | None,
+                      draft: int | None) -> tuple[SampledToken, bool]:
+        """One row of a verify chunk (cpllm/engine/spec_decode.py): the token this row yields, and whether it is
+        the draft. The same processing as `__call__`; a greedy row takes the argmax, a sampled one keeps the
+        draft by rejection sampling (so its token has the distribution `__call__` would draw from). No draft
+        (the row after the last one): an ordinary draw.
+
+        logits: [1, vocab]; bitmask: [1, ceil(vocab/32)] or None."""
+        if draft is None or row.params.greedy:
+            token = self(logits, [row], bitmask)[0]
+            return token, token.token_id == draft
+        logits = logits.float()
+        if bitmask is not None:
+            logits = logits.clone()
+            apply_bitmask_(logits, bitmask)
+        processed = _process_logits(logits, [row])[0].to(row.generator.device)  # [vocab]
+        probs = restricted_probs(processed, row.params)
+        if not torch.isfinite(probs).all() or not probs.sum() > 0:
+            token_id = int(processed.argmax().item())  # as _sample_row: every token masked
+        else:
+            token_id, _ = rejection_sample(probs, draft, row.generator)
+        logprobs = _sampled_logprobs(logits, [row], [token_id])[0]
+        return SampledToken(token_id=token_id, logprobs=logprobs), token_id == draft
 
 
 def _sampled_logprobs(

@@ -95,12 +95,14 @@ class Scheduler:
         for request in list(self.running):
             if budget == 0 or request not in self.running:
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget, self._chunk_cap(request))
-            if not self._reserve(request, num_new, scheduled, preempted):
+            cap = self._chunk_cap(request)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget, cap)
+            drafts = self._drafts(request, num_new, min(budget, cap))
+            if not self._reserve(request, num_new + len(drafts), scheduled, preempted):
                 continue
-            chunks.append(self._chunk(request, num_new))
+            chunks.append(self._chunk(request, num_new, drafts))
             scheduled.add(request.request_id)
-            budget -= num_new
+            budget -= num_new + len(drafts)
         return budget
 
     def _admit_waiting(self, chunks: list[ScheduledChunk], budget: int, preempted: set[str]) -> None:
@@ -132,17 +134,49 @@ class Scheduler:
             request = self.requests.get(chunk.request_id)
             if request is None:
                 continue
-            request.num_computed_tokens = chunk.end_pos
+            # a verify chunk's drafts count once accepted (accept_drafts); their K/V past that are never read
+            request.num_computed_tokens = chunk.end_pos - chunk.num_draft_tokens
             self._register_full_blocks(request)
             self._slide(request)
 
-    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    def accept_drafts(self, request_id: str, num_accepted: int) -> None:
+        """During a verify chunk: `num_accepted` more of its drafts became output tokens, so their K/V (computed in
+        the step) count; the blocks they fill are registered, as a decode step would have registered them."""
+        request = self.requests.get(request_id)
+        if request is None:  # finished during verification: its blocks are already back
+            return
+        request.num_computed_tokens += num_accepted
+        self._register_full_blocks(request)
+
+    def drop_rejected(self, request_id: str) -> None:
+        """After a verify chunk: give back the blocks past the computed tokens, which only rejected drafts wrote.
+        The request then holds what it would hold without speculation, and no prefix hash names a rejected
+        token's K/V (slots past the computed tokens in a kept block are written again before any query reads
+        them: queries read positions below their own)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        keep = -(-request.num_computed_tokens // self.tokens_per_block)
+        for pool, table in zip(self.pools, request.block_tables):
+            pool.free(table[keep:])
+            del table[keep:]
+        self._slide(request)
+
+    def _drafts(self, request: Request, num_new: int, room: int) -> tuple[int, ...]:
+        """The request's drafts that fit its step (speculative decoding): only in a decode step (its one known
+        token left to compute), within the step's budget and chunk cap (`room` rows in all)."""
+        if not request.draft_token_ids or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
+            return ()
+        return tuple(request.draft_token_ids[: max(0, room - 1)])
+
+    def _chunk(self, request: Request, num_new: int, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
         start = request.num_computed_tokens
         end = start + num_new
         tables = tuple(tuple(table) for table in request.block_tables)
         return ScheduledChunk(
             request_id=request.request_id,
-            token_ids=tuple(request.all_token_ids[start:end]),
+            token_ids=tuple(request.all_token_ids[start:end]) + drafts,
+            num_draft_tokens=len(drafts),
             start_pos=start,
             block_table=tables[0],
             sample=end == request.num_tokens,

@@ -1,0 +1,81 @@
+"""Speculative decoding on the driver: drafts in, verified tokens out, and the counters the server exports.
+
+A verify chunk (cpllm/step.py, `num_draft_tokens`) brings back k + 1 rows of logits for a request: row i scores the
+token after the last known token and drafts 1..i. The rows are taken in order, each exactly as a decode step
+would take it (penalties, masks and the grammar's bitmask on the output so far, the accepted drafts included):
+greedy rows keep the argmax, sampled rows run rejection sampling against the draft. A row whose token differs
+from its draft (or the row after the last draft) gives the step's last token. So every token the request emits
+has the distribution it has without speculation; greedy ones are the same tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from cpllm.config_speculative import SpeculativeConfig
+from cpllm.engine.ngram_drafter import NgramDrafter
+from cpllm.engine.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class SpecDecodeTotals:
+    """Counters since start, as vLLM's spec_decode metrics count them."""
+
+    num_drafts: int = 0
+    """Verify chunks run (requests x steps that carried drafts)."""
+    num_draft_tokens: int = 0
+    """Draft tokens scored."""
+    num_accepted_tokens: int = 0
+    """Of those, the ones kept (the model's own token at that position)."""
+    accepted_per_position: tuple[int, ...] = ()
+    """Accepted drafts by their index in the chunk (0 = the first draft)."""
+
+
+class SpeculativeDecoding:
+    """Drafts for each request and verifies them; one per engine."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config, self.max_model_len = config, max_model_len
+        self.drafter = NgramDrafter(config)
+        self._drafts = self._draft_tokens = self._accepted = 0
+        self._per_position = [0] * config.num_speculative_tokens
+
+    def propose(self, request: Request) -> list[int]:
+        """Drafts after the request's tokens, no more than it may still emit minus the token every verify step
+        adds (so a verify chunk never passes max_tokens or max_model_len)."""
+        params = request.sampling_params
+        limit = params.max_tokens if params.max_tokens is not None else self.max_model_len
+        room = min(limit - len(request.output_token_ids), self.max_model_len - request.num_tokens) - 1
+        return self.drafter.propose(request.all_token_ids, room) if room > 0 else []
+
+    def verify(self, logits: torch.Tensor, drafts: tuple[int, ...],
+               emit: Callable[[torch.Tensor, int | None], tuple[bool, bool]], accept: Callable[[], None]) -> int:
+        """Take the rows in order; `emit(row_logits [1, vocab], draft or None)` samples one row against its draft,
+        appends the token and returns (accepted, finished); `accept()` is called after each accepted draft the
+        request goes on from (its K/V now count, before the next row's token is appended). Returns the number
+        of drafts accepted.
+
+        logits: [len(drafts) + 1, vocab]."""
+        accepted = 0
+        for i in range(len(drafts) + 1):
+            ok, finished = emit(logits[i : i + 1], drafts[i] if i < len(drafts) else None)
+            if not ok or i == len(drafts):
+                break
+            accepted += 1
+            self._per_position[i] += 1
+            if finished:
+                break
+            accept()
+        self._drafts += 1
+        self._draft_tokens += len(drafts)
+        self._accepted += accepted
+        return accepted
+
+    @property
+    def totals(self) -> SpecDecodeTotals:
+        return SpecDecodeTotals(num_drafts=self._drafts, num_draft_tokens=self._draft_tokens,
+                                num_accepted_tokens=self._accepted,
+                                accepted_per_position=tuple(self._per_position))
