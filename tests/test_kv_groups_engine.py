@@ -38,12 +38,12 @@ def mistral(tmp_path_factory):
     return folder, prompt, hf_greedy(hf, prompt, MAX_TOKENS)
 
 
-def run_steps(llm, prompt, params, tag, tokens_per_block):
+def run_steps(llm, prompt, params, tag, tokens_per_block, window=WINDOW):
     """The prompt through the engine's step loop; asserts after every step that each request holds at most its
     window plus one block in the windowed group. Returns the final output."""
     engine = llm.engine
     engine.add_request(tag, prompt, params)
-    limit = window_blocks(WINDOW, tokens_per_block)
+    limit = window_blocks(window, tokens_per_block)
     final = None
     for _ in range(10 * (len(prompt) + MAX_TOKENS)):
         if not engine.has_unfinished_requests():
@@ -141,3 +141,18 @@ def test_hybrid_replicated_pcp2_syncs_each_groups_pools(tmp_path):
         assert llm.engine.scheduler_totals.peak_request_blocks[1] <= window_blocks(8, BLOCK_SIZE, 9)
     for name in prompts:
         assert_same_greedy(replicated[name], single[name], what=f"replicated PCP=2 {name}", prompt_logprobs=True)
+
+
+@pytest.mark.timeout(300)
+def test_window_shorter_than_the_interleave_span(tmp_path):
+    """W = 5 under PCP = 2 with interleave 4 (a cycle of 8 positions): a decode's window often lies on one rank
+    alone, the other's shard holds none of it; freeing whole virtual blocks of 8 stays exact."""
+    folder = save_tiny_window_model(str(tmp_path / "mistral5"), "mistral", seed=3, sliding_window=5)
+    hf = make_tiny_window_model("mistral", seed=3, sliding_window=5)
+    prompt = random_prompt(60, seed=11)
+    with LLM(folder, max_model_len=256, block_size=BLOCK_SIZE, max_num_batched_tokens=9, threads_per_rank=1,
+             distributed_timeout=60, prefill_context_parallel_size=2, cp_kv_cache_interleave_size=4,
+             kv_cache_memory_bytes=4 * 2 * LAYER_BLOCK_BYTES) as llm:
+        assert llm.engine.kv_capacity_tokens == 32 < len(prompt)
+        output = run_steps(llm, prompt, PARAMS, "w5", 2 * BLOCK_SIZE, window=5)
+    check_against_hf(output, *hf_greedy(hf, prompt, MAX_TOKENS))
