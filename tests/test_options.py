@@ -10,6 +10,7 @@ import inspect
 import pytest
 
 from cpllm.cli import build_parser
+from cpllm.config_speculative import speculative_config
 from cpllm.engine.llm import LLM, build_engine_config
 from cpllm.engine_args import engine_flags, engine_kwargs
 from cpllm.engine_options import CONFIG_OPTIONS, ENGINE_OPTIONS, OPTIONS, config_field_default, resolve_options
@@ -38,6 +39,8 @@ CHANGED: dict[str, tuple[list[str], object, dict]] = {
     "enable_expert_parallel": (["--enable-expert-parallel"], True, {}),
     "compile_decode": (["--compile-decode"], True, {}),
     "enforce_eager": (["--enforce-eager"], True, {}),
+    "speculative_config": (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+                           {"method": "ngram", "num_speculative_tokens": 3}, {}),
     "distributed_timeout": (["--distributed-timeout", "5.5"], 5.5, {}),
     "collective_transport": (["--collective-transport", "gloo"], "gloo", {}),
     "threads_per_rank": (["--threads-per-rank", "2"], 2, {}),
@@ -93,6 +96,8 @@ def test_every_option_reaches_the_engine_from_the_cli_and_from_llm(folder, name)
     config = build_engine_config(folder, **needs, **{name: value})
     section, field = option.fills.split(".")
     filled = config if section == "engine" else getattr(config, section)
+    if name == "speculative_config":  # the dict is validated into its frozen config
+        value = speculative_config(value, config.model.vocab_size)
     assert getattr(filled, field) == value
 
 
