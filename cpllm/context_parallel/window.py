@@ -8,9 +8,10 @@ on its own keys, so the log-sum-exp merge of the pieces stays exact: each partia
 of its piece that the window keeps. What this module decides for a piece, from positions alone (plain ints, no
 tensor read):
 - which of its keys can be visible at all (the window trims a run of keys to a suffix: keys at or after
-  `first query - W + 1`), and skip the piece when none is (no attend call: that is where a window saves time);
-- whether the keys left are visible to every query of the run (no mask: the backend's fastest kernel), or need a
-  band mask built from positions.
+  `first query - W + 1`) and which queries see any of them (those before `last key + W`), and skip the piece when
+  none is (no attend call: that is where a window saves time);
+- whether the keys left are visible to every query left (no mask: the backend's fastest kernel), or need a band
+  mask built from positions; a long run against itself goes in query blocks (`QUERY_BLOCK`).
 
 Soft-capping `c` (Gemma 2) rewrites every scaled score `s` as `c * tanh(s / c)` before the mask; the kernels do
 not know it, so a soft-capped piece always runs the backend's scored (math) path.
