@@ -24,7 +24,7 @@ from cpllm.config_attention import layer_window
 from cpllm.step import FREED_BLOCK
 
 __all__ = ["FREED_BLOCK", "KVGroupSpec", "kv_groups", "layer_groups", "first_kept_block", "blocks_touched",
-           "window_blocks", "max_chunk", "split_blocks", "group_block_needs"]
+           "window_blocks", "max_chunk", "split_blocks", "group_block_needs", "length_capacity"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +110,14 @@ def max_chunk(window: int | None, first_query: int, num_blocks: int, tokens_per_
     its blocks [first_kept_block, (first_query + n - 1) // V] must fit the group's pool."""
     first = first_kept_block(window, first_query, tokens_per_block)
     return (num_blocks + first) * tokens_per_block - first_query
+
+
+def length_capacity(groups: tuple[KVGroupSpec, ...], group_blocks: tuple[int, ...],
+                    tokens_per_block: int) -> int | None:
+    """Longest request the pools can hold: what the smallest full-attention group's pool holds (a full group keeps
+    every position); None when every layer slides (a windowed group keeps only a window, whatever the length)."""
+    full = [n for group, n in zip(groups, group_blocks) if group.window is None]
+    return min(full) * tokens_per_block if full else None
 
 
 def group_block_needs(groups: tuple[KVGroupSpec, ...], tokens_per_block: int, max_num_seqs: int,

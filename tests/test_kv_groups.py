@@ -22,6 +22,7 @@ from cpllm.kv_groups import (
     group_block_needs,
     kv_groups,
     layer_groups,
+    length_capacity,
     max_chunk,
     split_blocks,
     window_blocks,
@@ -251,3 +252,12 @@ def test_memory_goes_to_full_layers_what_windows_do_not_need():
     needs = group_block_needs((FULL, windowed(6)), V, max_num_seqs=2, max_model_len=256,
                               max_num_batched_tokens=16)
     assert needs == (2 * 64, 2 * (window_blocks(6, V) + 1) + 4)
+
+
+def test_only_full_groups_bound_the_request_length():
+    window = windowed(8)
+    assert length_capacity((FULL,), (30,), V) == 120
+    assert length_capacity((FULL, window), (30, 5), V) == 120  # the windowed pool's 20 tokens do not count
+    assert length_capacity((window, windowed(16, 2)), (5, 7), V) is None  # every layer slides: no bound
+    # a full group is the bound even where it has more blocks than a windowed one, and the smallest full one wins
+    assert length_capacity((FULL, KVGroupSpec(window=None, layers=(2,)), window), (30, 25, 90), V) == 100

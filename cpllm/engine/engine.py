@@ -20,7 +20,8 @@ from cpllm.engine.sampling_params import SamplingParams
 from cpllm.engine.scheduler import Scheduler
 from cpllm.engine.sequence import RequestState, Sequence, finish_status
 from cpllm.engine.spec_decode import SpecDecodeTotals, SpeculativeDecoding
-from cpllm.kv_groups import kv_groups, window_blocks
+from cpllm.config_deepseek import latent_cache_line
+from cpllm.kv_groups import kv_groups, length_capacity, window_blocks
 from cpllm.model.tokenizer import Tokenizer
 from cpllm.structured.manager import StructuredOutputManager
 from cpllm.step import SchedulerOutput, output_positions
@@ -58,14 +59,14 @@ class LLMEngine:
         # The layers' KV groups (full attention, each sliding window), as the ranks built their pools.
         self.kv_groups = kv_groups(config.model, config.scheduler.max_model_len)
         group_blocks = self.executor.rank_info.kv.group_blocks or (num_blocks,)
-        full = [n for group, n in zip(self.kv_groups, group_blocks) if group.window is None]
         self._check_windows(group_blocks)
         # Only full-attention layers keep a request's every position: they alone bound its length.
-        self.kv_capacity_tokens = (min(full) if full else min(group_blocks)) * self.tokens_per_block
-        self._capacity_bounds_length = bool(full)
+        capacity = length_capacity(self.kv_groups, group_blocks, self.tokens_per_block)
+        self.kv_capacity_tokens = capacity if capacity is not None else min(group_blocks) * self.tokens_per_block
+        self._capacity_bounds_length = capacity is not None
         self.max_model_len = config.scheduler.max_model_len
-        if full:
-            self.max_model_len = min(self.max_model_len, self.kv_capacity_tokens)
+        if capacity is not None:
+            self.max_model_len = min(self.max_model_len, capacity)
         self._log_layout(num_blocks)
         if self.max_model_len < config.scheduler.max_model_len:
             logger.warning("max_model_len lowered from %d to %d: the KV cache of the CP group holds only %d tokens",
@@ -121,6 +122,10 @@ class LLMEngine:
             num_blocks, self.config.cache.block_size, kv.bytes / 2**20, kv.dtype,
             p.cp_kv_cache_layout, dims.kv_shard_size, self.kv_capacity_tokens,
         )
+        if self.config.model.mla is not None:  # MLA: replicated over TP unless DCP shards it
+            logger.info("%s", latent_cache_line(self.config.model.mla, self.config.model.num_hidden_layers, kv.bytes,
+                                                num_blocks * self.config.cache.block_size, dims.kv_shard_size,
+                                                self.kv_capacity_tokens))
         if p.prefill_context_parallel_size > 1:
             per_rank = num_blocks * self.config.cache.block_size
             logger.info("KV capacity by layout with these blocks: sharded %d tokens (over PCP x DCP = %d ranks), "
