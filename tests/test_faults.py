@@ -18,6 +18,7 @@ import psutil
 import pytest
 from tiny_models import save_tiny_hf_model
 
+from cpllm.server.options import ServeOptions
 from cpllm.server.process import ServerProcess
 
 LONG_FLAGS = ["--max-model-len", "4096", "--kv-cache-memory-bytes", "24MiB", "--block-size", "16",
@@ -151,6 +152,13 @@ def health(url: str, path: str = "/health") -> httpx.Response:
 # ---- 2. shutdown ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("value", [-1.0, 3601.0])
+def test_shutdown_timeout_out_of_range_is_refused_naming_the_flag(value):
+    with pytest.raises(ValueError, match=r"--shutdown-timeout must be in \[0, 3600\] seconds, got"):
+        ServeOptions(shutdown_timeout_s=value)
+    assert ServeOptions().shutdown_timeout_s < 30  # inside Kubernetes' default grace period
+
+
 @pytest.mark.timeout(240)
 def test_sigterm_ends_long_streams_with_an_error_event_and_done(long_model):
     timeout_s = 2.0
@@ -220,8 +228,10 @@ def _stalled_message(rank1: int) -> str:
 
 
 @pytest.mark.timeout(240)
-def test_rank_stopped_inside_a_step_is_named_within_the_deadline(long_model):
-    args = [long_model, *LONG_FLAGS, *PCP2, "--distributed-timeout", str(DEADLINE_S)]
+@pytest.mark.parametrize("transport", ["auto", "gloo"])
+def test_rank_stopped_inside_a_step_is_named_within_the_deadline(long_model, transport):
+    args = [long_model, *LONG_FLAGS, *PCP2, "--distributed-timeout", str(DEADLINE_S), "--collective-transport",
+            transport]
     with ServerProcess.running(args, timeout_s=180) as server:
         rank1 = rank_pids(server)[1]
         reader = StreamReader(server.url)
@@ -241,7 +251,8 @@ def test_rank_stopped_inside_a_step_is_named_within_the_deadline(long_model):
         assert error is not None and _stalled_message(rank1) in error["message"], reader.events[-3:]
         assert reader.events[-1] == "[DONE]"
         assert_exits_failed(server)
-        print(f"stopped rank named {named_after:.2f} s after SIGSTOP (--distributed-timeout {DEADLINE_S})")
+        print(f"{transport}: stopped rank named {named_after:.2f} s after SIGSTOP (--distributed-timeout "
+              f"{DEADLINE_S})")
 
 
 @pytest.mark.timeout(240)

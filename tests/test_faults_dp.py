@@ -186,11 +186,20 @@ def test_stopped_replica_is_taken_out_named_and_restarted(long_model):
 
 
 @pytest.mark.timeout(300)
-def test_no_restart_left_exits_nonzero_once_no_replica_serves(long_model):
+def test_idle_stopped_replica_fails_and_without_restarts_the_server_exits(long_model):
+    """Replica 1 stopped while idle: out of rotation at once, failed after the deadline (no restart left), replica
+    0 serves meanwhile; then replica 0 is killed and nothing can serve: exit status 3."""
     with ServerProcess.running([long_model, *DP2, "--max-replica-restarts", "0"], timeout_s=240) as server:
         pids = replica_pids(server)
-        os.kill(pids[1], signal.SIGKILL)
-        assert wait_for(lambda: health(server.url).json()["replicas"][1]["state"] == "failed", 5)
+        os.kill(pids[1], signal.SIGSTOP)
+        unhealthy = wait_for(lambda: (r := health(server.url)).status_code == 503 and r, 5)
+        assert unhealthy and f"pid {pids[1]}) is stopped by a signal" in unhealthy.json()["error"]["message"]
+        assert unhealthy.json()["replicas"][1]["state"] == "unhealthy"
+        for _ in range(3):  # all of them on replica 0, the one in rotation
+            ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)
+            assert ok.status_code == 200
+        assert wait_for(lambda: health(server.url).json()["replicas"][1]["state"] == "failed", DEADLINE_S + 8)
+        assert not psutil.pid_exists(pids[1]) or psutil.Process(pids[1]).status() == psutil.STATUS_ZOMBIE
         assert health(server.url, "/health/live").status_code == 200  # replica 0 still serves
         ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)
         assert ok.status_code == 200

@@ -73,12 +73,13 @@ class ReplicaHandle:
     def send(self, command: tuple) -> None:
         self.link.send(self.socket, command)
 
-    def kill(self) -> None:
-        """SIGKILL the driver and every rank it reported (a stopped rank would not see its driver go), reap it."""
-        pids = list(self.info.pids) if self.info is not None else []
-        if self.process is not None:
-            pids.insert(0, self.process.pid)
-        for pid in dict.fromkeys(pids):
+    def kill(self, ranks: bool = True) -> None:
+        """SIGKILL the driver and (`ranks`) every other rank it reported, since a stopped rank would not see its
+        driver go; then reap the driver. A driver that stopped cleanly has reaped its ranks: their pids are not
+        signalled then (they may belong to someone else by now)."""
+        if self.process is not None and self.process.exitcode is None:
+            self.process.kill()
+        for pid in (self.info.pids[1:] if ranks and self.info is not None else ()):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -99,7 +100,7 @@ class ReplicaHandle:
     def join(self, timeout_s: float) -> None:
         if self.process is not None and self.process.exitcode is None:
             self.process.join(timeout_s)
-        self.kill()
+        self.kill(ranks=self.process is None or self.process.exitcode != 0)
 
     # ---- what is wrong ----------------------------------------------------------------------------------
 
