@@ -127,3 +127,50 @@ def test_layout_matches_single_rank(launches, layout):
     assert run.prefix_hits > 0, "pass 2 repeats pass 1's prompts and should hit the prefix cache"
     # one latent pool per layer, [blocks x block_size, 1, 48] float32, read as both K and V
     assert run.kv_bytes == NUM_LAYERS * run.num_blocks * BLOCK_SIZE * LATENT_WIDTH * FLOAT32
+
+
+CAPACITY_BLOCKS = 16
+"""Blocks per rank of the capacity test: 16 x 4 = 64 latent rows per layer pool on each rank."""
+LONG = 100
+"""Tokens of the request that one rank's pools cannot hold (prompt 92 + 8 generated) but two ranks' can."""
+
+
+def _capacity_run(folder: str, caplog, **options):
+    """(kv bytes per rank, blocks per rank, tokens the replica holds, the latent log line, the long request's
+    output or the ValueError refusing it) at the same kv_cache_memory_bytes."""
+    budget = CAPACITY_BLOCKS * NUM_LAYERS * BLOCK_SIZE * LATENT_WIDTH * FLOAT32  # one latent pool per layer
+    prompt = [3 + (7 * i) % 250 for i in range(LONG - MAX_TOKENS)]
+    caplog.clear()
+    with LLM(folder, **{**COMMON, "kv_cache_memory_bytes": budget}, **options) as llm:
+        kv = llm.engine.executor.rank_info.kv
+        line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("latent cache (MLA)")]
+        try:
+            result = generate_counted(llm, {"long": prompt}, greedy_params(MAX_TOKENS, prompt_logprobs=False),
+                                      "cap")["long"]
+        except ValueError as error:
+            result = error
+        return kv.bytes, kv.num_blocks, llm.engine.kv_capacity_tokens, line, result, prompt
+
+
+@pytest.mark.timeout(600)
+def test_dcp_divides_latent_bytes_and_serves_what_tp_refuses(launches, caplog):
+    caplog.set_level("INFO", logger="cpllm.engine.engine")
+    folder = launches.folder("v3-yarn")
+    tp_bytes, tp_blocks, tp_tokens, tp_line, tp_result, prompt = _capacity_run(folder, caplog, tensor_parallel_size=2)
+    dcp_bytes, dcp_blocks, dcp_tokens, dcp_line, dcp_result, _ = _capacity_run(
+        folder, caplog, tensor_parallel_size=2, decode_context_parallel_size=2)
+    # the same pools per rank (the same budget), and every byte a latent row: 48 values x 3 layers x 4 bytes
+    assert tp_blocks == dcp_blocks == CAPACITY_BLOCKS
+    assert tp_bytes == dcp_bytes == CAPACITY_BLOCKS * BLOCK_SIZE * NUM_LAYERS * LATENT_WIDTH * FLOAT32
+    # TP replicates the latents on both ranks; DCP=2 stores each token on one: half the bytes per token per rank
+    assert (tp_tokens, dcp_tokens) == (64, 128)
+    assert dcp_bytes / dcp_tokens == tp_bytes / tp_tokens / 2
+    assert "576 bytes per token stored on a rank" in tp_line[0] and "the replica holds 64 tokens" in tp_line[0]
+    assert "divided over 2 rank(s), so 288 bytes per token" in dcp_line[0]
+    assert "the replica holds 128 tokens" in dcp_line[0]
+    # a 100-token request: refused by TP=2 alone, naming the cache's 64 tokens; served under DCP=2 as one rank
+    assert isinstance(tp_result, ValueError) and "holds 64 tokens" in str(tp_result), tp_result
+    assert not isinstance(dcp_result, ValueError), dcp_result
+    with LLM(folder, **{**COMMON, "max_num_batched_tokens": 128}) as llm:
+        want = generate_counted(llm, {"long": prompt}, greedy_params(MAX_TOKENS, prompt_logprobs=False), "one")
+    assert_same_greedy(dcp_result, want["long"], what="DCP=2 long request", prompt_logprobs=False)
