@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cpllm.config import EngineConfig
+from cpllm.config_deepseek import latent_cache_line
 from cpllm.engine.detokenizer import IncrementalDetokenizer
 from cpllm.engine.kv_blocks import BlockPool
 from cpllm.engine.outputs import RequestOutput
@@ -20,7 +21,6 @@ from cpllm.engine.sampling_params import SamplingParams
 from cpllm.engine.scheduler import Scheduler
 from cpllm.engine.sequence import RequestState, Sequence, finish_status
 from cpllm.engine.spec_decode import SpecDecodeTotals, SpeculativeDecoding
-from cpllm.config_deepseek import latent_cache_line
 from cpllm.kv_groups import kv_groups, length_capacity, window_blocks
 from cpllm.model.tokenizer import Tokenizer
 from cpllm.structured.manager import StructuredOutputManager
