@@ -23,6 +23,15 @@ non-zero when any check fails. Checks, on the chosen device:
 - with --compare FILE (written by a --cpu --dump FILE run): the same engine
   outputs against the CPU engine's.
 
+On CUDA also (issue 28):
+- triton_*: the Triton kernels (cpllm/kernels/triton_attention.py, triton_prefill.py) on the GPU against float64
+  attention through torch: decode over the slot table with split-K (head sizes 64/128/256, GQA, long contexts),
+  prefill of a chunk against its context in place; and one line timing the decode kernel against the SDPA path
+  (gather + efficient attention) at batch 1, 32K keys;
+- cp_triton_*: the CP layer's layouts with the gqa-triton backend (the engine's choice on CUDA);
+- the engine checks twice: with CUDA graphs (the default on CUDA; the llama run must replay graphs) and with
+  enforce_eager=True (`*_eager`), both against transformers (and, with --compare, the CPU engine).
+
 The single-rank engine picks its device itself (cpllm.worker.worker.device_for:
 cuda:0 when CUDA is visible); --cpu hides CUDA (CUDA_VISIBLE_DEVICES="") before
 torch is imported, so the same code runs on the CPU. Without --cpu the check
@@ -59,6 +68,7 @@ import torch  # noqa: E402
 
 from cpllm.context_parallel import attention as attention_module  # noqa: E402
 from cpllm.context_parallel.attention import CPComm, PagedCPAttention  # noqa: E402
+from cpllm.context_parallel.backend import attention_backend  # noqa: E402
 from cpllm.context_parallel.kv_layout import KVLayout  # noqa: E402
 from cpllm.context_parallel.metadata import build_step_batch, iter_tensors  # noqa: E402
 from cpllm.context_parallel.sdpa import attention_with_lse, reference_attention  # noqa: E402
@@ -263,7 +273,7 @@ def simulated_collectives():
 
 def run_cp_layer(requests, *, pcp: int, dcp: int, strategy: str, interleave: int, dtype: torch.dtype,
                  device: torch.device, block_size: int = 4, hq_total: int = 4, hkv: int = 2, head_dim: int = 16,
-                 seed: int = 0):
+                 seed: int = 0, backend: str = "gqa"):
     """PagedCPAttention on pcp x dcp simulated CP ranks.
 
     Returns (max abs error vs float64, KV writes ok, {(out dtype, device type)})."""
@@ -317,7 +327,7 @@ def run_cp_layer(requests, *, pcp: int, dcp: int, strategy: str, interleave: int
         _local.cp_rank = c
         r = ranks[c]
         try:
-            layer = PagedCPAttention(r["comm"], scale=scale)
+            layer = PagedCPAttention(r["comm"], scale=scale, backend=attention_backend(backend))
             results[c] = layer(r["q"], r["k"], r["v"], r["k_pool"], r["v_pool"], r["meta"])
         except BaseException as exc:  # noqa: BLE001 - reported by the caller
             errors.append(exc)
@@ -375,16 +385,106 @@ CP_STEPS = {
 }
 
 
-def check_cp(device: torch.device, dtype_name: str, layout_name: str, step_name: str):
+def check_cp(device: torch.device, dtype_name: str, layout_name: str, step_name: str, backend: str = "gqa"):
     pcp, dcp, strategy, interleave = CP_LAYOUTS[layout_name]
     dtype = DTYPES[dtype_name]
     worst, writes_ok, dtypes = run_cp_layer(CP_STEPS[step_name], pcp=pcp, dcp=dcp, strategy=strategy,
-                                            interleave=interleave, dtype=dtype, device=device)
+                                            interleave=interleave, dtype=dtype, device=device, backend=backend)
     ok = worst <= CP_TOL[dtype_name] and writes_ok and dtypes == {(dtype, device.type)}
     detail = f"max_err={worst:.2e} tol={CP_TOL[dtype_name]:.0e} kv_writes={'ok' if writes_ok else 'WRONG'}"
     if dtypes != {(dtype, device.type)}:
         detail += f" out={sorted(str(x) for x in dtypes)}"
     return ok, detail
+
+
+# --- Triton kernels on the GPU ---------------------------------------------------------------------------------
+
+TRITON_TOL = {"fp32": 2e-5, "bf16": 3e-2, "fp16": 4e-3}
+"""Max |kernel - float64| on values of order 1: float32 products (IEEE) for fp32; bf16/fp16 tensor-core products
+with float32 accumulation, the probabilities rounded to the dtype before P @ V (FlashAttention's habit)."""
+TRITON_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _ref_attention(q, k, v, scale, keep=None):
+    """float64 attention of q [L, Hq, D] over k/v [S, Hkv, D] with an optional keep-mask [L, S] -> (out, lse)."""
+    out, lse = reference_attention(q.double().cpu().transpose(0, 1)[None], k.double().cpu().transpose(0, 1)[None],
+                                   v.double().cpu().transpose(0, 1)[None], scale=scale,
+                                   mask=None if keep is None else keep.cpu())
+    return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+
+
+def check_triton_decode(device: torch.device, dtype_name: str):
+    from cpllm.kernels.triton_attention import paged_decode_attention
+
+    dtype, g, worst = TRITON_DTYPES[dtype_name], torch.Generator().manual_seed(1), 0.0
+    for hq, hkv, d, lengths, splits in [(32, 8, 64, [4100, 0, 77], None), (16, 2, 128, [2048, 1], 5),
+                                        (8, 1, 256, [900, 513], None), (4, 4, 128, [33], 1)]:
+        pool_size = sum(lengths) + 100
+        k_pool = torch.randn(pool_size, hkv, d, generator=g).to(dtype).to(device)
+        v_pool = torch.randn(pool_size, hkv, d, generator=g).to(dtype).to(device)
+        q = torch.randn(len(lengths), hq, d, generator=g).to(dtype).to(device)
+        slots = torch.zeros(len(lengths), max(lengths) + 5, dtype=torch.long)
+        for b, n in enumerate(lengths):
+            slots[b, :n] = torch.randperm(pool_size, generator=g)[:n]
+        out, lse = paged_decode_attention(q, k_pool, v_pool, slots.to(device), torch.tensor(lengths).to(device),
+                                          d**-0.5, splits=splits)
+        for b, n in enumerate(lengths):
+            rows = slots[b, :n].to(device)
+            ref_out, ref_lse = _ref_attention(q[b : b + 1], k_pool[rows], v_pool[rows], d**-0.5)
+            if n == 0:
+                if not (torch.isneginf(lse[b]).all() and (out[b] == 0).all()):
+                    return False, "a row of length 0 is not (0, -inf)"
+                continue
+            worst = max(worst, (out[b].cpu().double() - ref_out[0]).abs().max().item(),
+                        (lse[b].cpu().double() - ref_lse[0]).abs().max().item())
+    return worst <= TRITON_TOL[dtype_name], f"max_err={worst:.2e} tol={TRITON_TOL[dtype_name]:.0e}"
+
+
+def check_triton_prefill(device: torch.device, dtype_name: str):
+    from cpllm.kernels.triton_prefill import prefill_attention
+
+    dtype, g, worst = TRITON_DTYPES[dtype_name], torch.Generator().manual_seed(2), 0.0
+    for hq, hkv, d, num_q, ctx in [(32, 8, 64, 300, 700), (16, 4, 128, 129, 0), (8, 2, 256, 70, 250)]:
+        pool = [torch.randn(ctx + 64, hkv, d, generator=g).to(dtype).to(device) for _ in range(2)]
+        q = torch.randn(num_q, hq, d, generator=g).to(dtype).to(device)
+        new = [torch.randn(num_q, hkv, d, generator=g).to(dtype).to(device) for _ in range(2)]
+        slots = torch.randperm(ctx + 64, generator=g)[:ctx].to(device)
+        out, lse = prefill_attention(q, pool[0], pool[1], d**-0.5, slots=slots, new_k=new[0], new_v=new[1])
+        keep = torch.ones(num_q, ctx + num_q, dtype=torch.bool)
+        keep[:, ctx:] = torch.ones(num_q, num_q, dtype=torch.bool).tril()
+        ref_out, ref_lse = _ref_attention(q, torch.cat((pool[0][slots], new[0])), torch.cat((pool[1][slots], new[1])),
+                                          d**-0.5, keep)
+        worst = max(worst, (out.cpu().double() - ref_out).abs().max().item(),
+                    (lse.cpu().double() - ref_lse).abs().max().item())
+    return worst <= TRITON_TOL[dtype_name], f"max_err={worst:.2e} tol={TRITON_TOL[dtype_name]:.0e}"
+
+
+def time_triton_decode(device: torch.device):
+    """Batch 1, 32K keys of Llama-3.2-1B's heads (32 / 8, 64), bf16: the kernel against the SDPA path."""
+    from cpllm.context_parallel import local_attention
+    from cpllm.context_parallel.metadata import DecodeBatch
+    from cpllm.kernels.triton_attention import paged_decode_attention
+
+    n, pool_size = 32768, 40000
+    k_pool, v_pool = (torch.randn(pool_size, 8, 64, dtype=torch.bfloat16, device=device) for _ in range(2))
+    q = torch.randn(1, 32, 64, dtype=torch.bfloat16, device=device)
+    slots = torch.randperm(pool_size, device=device)[:n].unsqueeze(0)
+    lengths = torch.tensor([n], device=device)
+    decode = DecodeBatch(requests=(0,), slots=slots, key_mask=None, rows=torch.zeros(1, 1, dtype=torch.long),
+                         max_local_context=n, lengths=lengths)
+    timings = {}
+    for name, fn in [("triton", lambda: paged_decode_attention(q, k_pool, v_pool, slots, lengths, 0.125)),
+                     ("sdpa", lambda: local_attention.attend_decode(q, k_pool, v_pool, decode, 0.125))]:
+        fn()
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize(device)
+        timings[name] = (time.perf_counter() - start) / 20 * 1e6
+    read = 2 * n * 8 * 64 * 2 / (timings["triton"] * 1e-6) / 1e9
+    return True, (f"decode attention b1 32K keys bf16: triton {timings['triton']:.0f} us ({read:.0f} GB/s of K/V), "
+                  f"sdpa path {timings['sdpa']:.0f} us")
 
 
 # --- engine -----------------------------------------------------------------------------------------------------
@@ -412,7 +512,7 @@ def _value(entry) -> float:
     return entry.logprob if hasattr(entry, "logprob") else float(entry)
 
 
-def run_engine(folder: str, dtype_name: str, prompts: list[list[int]]):
+def run_engine(folder: str, dtype_name: str, prompts: list[list[int]], enforce_eager: bool = False):
     """Two rounds of the same prompts: with prompt logprobs (which skip the prefix cache), then without (prefix-cache
     hits, decodes over cached context). Returns (results, device types of runner/KV/weights, prefix-hit tokens)."""
     from cpllm import LLM, SamplingParams
@@ -421,8 +521,8 @@ def run_engine(folder: str, dtype_name: str, prompts: list[list[int]]):
                              prompt_logprobs=1),
               SamplingParams(temperature=0, max_tokens=ENGINE_MAX_TOKENS, ignore_eos=True, logprobs=1)]
     results = []
-    with LLM(folder, dtype=ENGINE_DTYPES[dtype_name], max_model_len=128, block_size=4,
-             max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 22) as llm:
+    with LLM(folder, dtype=ENGINE_DTYPES[dtype_name], max_model_len=128, block_size=4, max_num_seqs=8,
+             max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 22, enforce_eager=enforce_eager) as llm:
         device_types = set(llm.engine.executor.rank_info.devices)
         for params in rounds:
             for output in llm.generate([{"prompt_token_ids": p} for p in prompts], params):
@@ -455,9 +555,18 @@ def compare_with_hf(results, hf_model, tol: float):
     return worst_diff, worst_margin
 
 
-def check_engine(device: torch.device, dtype_name: str, folder: str, hf_model, prompts, store: dict, key: str):
-    results, device_types, hits = run_engine(folder, dtype_name, prompts)
+def check_engine(device: torch.device, dtype_name: str, folder: str, hf_model, prompts, store: dict, key: str,
+                 enforce_eager: bool = False, want_replays: bool = False):
+    from cpllm.worker import cuda_graphs
+
+    replays = cuda_graphs.REPLAYS[0]
+    results, device_types, hits = run_engine(folder, dtype_name, prompts, enforce_eager)
+    replays = cuda_graphs.REPLAYS[0] - replays
     store[key] = results
+    if want_replays and not replays:
+        return False, "no decode step replayed a CUDA graph (see the 'no CUDA graphs' / 'eager' log lines)"
+    if enforce_eager and replays:
+        return False, f"{replays} graph replays under enforce_eager=True"
     if device_types != {device.type}:
         return False, f"runner, KV cache or weights on {sorted(device_types)}, expected {device.type}"
     tol = ENGINE_TOL[dtype_name]
@@ -465,7 +574,7 @@ def check_engine(device: torch.device, dtype_name: str, folder: str, hf_model, p
     repeat_ok = all(a["tokens"] == b["tokens"] for a, b in zip(results[: len(prompts)], results[len(prompts):]))
     ok = diff <= tol and margin <= tol and hits > 0 and (repeat_ok or dtype_name != "fp32")
     return ok, (f"vs transformers: logprob_diff={diff:.2e} greedy_margin={margin:.2e} tol={tol:g} "
-                f"prefix_hit_tokens={hits} repeat_same={repeat_ok}")
+                f"prefix_hit_tokens={hits} repeat_same={repeat_ok} graph_replays={replays}")
 
 
 def check_cross(dtype_name: str, mine: list, theirs: list):
@@ -532,6 +641,16 @@ def main(argv=None) -> int:
             for step_name in CP_STEPS:
                 report.run(f"cp_{dtype_name}_{layout_name}_{step_name}", check_cp, device, dtype_name,
                            layout_name, step_name)
+    if device.type == "cuda":  # the Triton kernels and the backend the engine picks on CUDA
+        for dtype_name in TRITON_DTYPES:
+            report.run(f"triton_decode_{dtype_name}", check_triton_decode, device, dtype_name)
+            report.run(f"triton_prefill_{dtype_name}", check_triton_prefill, device, dtype_name)
+        report.run("triton_decode_timing", time_triton_decode, device)
+        for dtype_name in DTYPES:
+            for layout_name in CP_LAYOUTS:
+                for step_name in CP_STEPS:
+                    report.run(f"cp_triton_{dtype_name}_{layout_name}_{step_name}", check_cp, device, dtype_name,
+                               layout_name, step_name, "gqa-triton")
 
     if not args.skip_engine:
         _ensure_gguf_importable()
@@ -550,7 +669,11 @@ def main(argv=None) -> int:
                 prompts = engine_prompts(hf_model.config.vocab_size)
                 for dtype_name in DTYPES:
                     report.run(f"engine_{prefix}{dtype_name}", check_engine, device, dtype_name, folder, hf_model,
-                               prompts, store, f"{prefix}{dtype_name}")
+                               prompts, store, f"{prefix}{dtype_name}",
+                               want_replays=device.type == "cuda" and model_name == "llama")
+                    if device.type == "cuda":  # graphs off: the same checks on the eager steps
+                        report.run(f"engine_{prefix}{dtype_name}_eager", check_engine, device, dtype_name, folder,
+                                   hf_model, prompts, store, f"{prefix}{dtype_name}_eager", enforce_eager=True)
         if args.dump:
             with open(args.dump, "w") as f:
                 json.dump(store, f)
@@ -564,8 +687,9 @@ def main(argv=None) -> int:
             for prefix in ENGINE_MODELS.values():
                 for dtype_name in DTYPES:
                     key = f"{prefix}{dtype_name}"
-                    report.run(f"engine_{key}_vs_cpu_engine", check_cross, dtype_name, store.get(key, []),
-                               theirs.get(key, []))
+                    for mine in (key, f"{key}_eager"):
+                        report.run(f"engine_{mine}_vs_cpu_engine", check_cross, dtype_name, store.get(mine, []),
+                                   theirs.get(key, []))
 
     # A fused kernel must have served every call: the matmul path is announced by a WARNING (logged once per reason).
     report.line(not fallback.messages, "no_matmul_fallback",

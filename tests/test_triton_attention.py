@@ -74,6 +74,14 @@ def test_cp_layer_with_the_triton_backend_matches_the_gqa_backend(interpreted):
     _assert_cases(interpreted("layer"), 5)
 
 
+@needs_triton
+def test_cp_layouts_with_the_triton_backend_match_float64(interpreted):
+    """scripts/gpu_check.py's CP layouts (PCP 2/4 by all-gather and ring, DCP 2, PCP 2 x DCP 2; fp32 and bf16;
+    prefill with context and decodes sharing a prefix) with gqa-triton, each rank's kernels under the interpreter:
+    within the CP layer's tolerance of float64, every KV write where it belongs."""
+    _assert_cases(interpreted("cp"), 24)
+
+
 def test_registry_and_interface():
     assert isinstance(attention_backend("gqa-triton"), TritonPagedBackend) and BACKENDS["gqa-triton"]().name == \
         "gqa-triton"

@@ -147,7 +147,27 @@ def group_layer() -> dict:
     return layer_cases()
 
 
-GROUPS = {"decode": group_decode, "prefill": group_prefill, "layer": group_layer}
+def group_cp() -> dict:
+    """scripts/gpu_check.py's CP layouts (PCP 2/4 all-gather and ring, DCP 2, PCP x DCP; simulated ranks as threads)
+    with the gqa-triton backend, against float64 over each request's whole sequence."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import gpu_check
+
+    cases = {}
+    for dtype_name in gpu_check.DTYPES:
+        for layout in gpu_check.CP_LAYOUTS:
+            for step in gpu_check.CP_STEPS:
+                def case(dtype_name=dtype_name, layout=layout, step=step):
+                    pcp, dcp, strategy, interleave = gpu_check.CP_LAYOUTS[layout]
+                    worst, writes_ok, _ = gpu_check.run_cp_layer(
+                        gpu_check.CP_STEPS[step], pcp=pcp, dcp=dcp, strategy=strategy, interleave=interleave,
+                        dtype=gpu_check.DTYPES[dtype_name], device=torch.device("cpu"), backend="gqa-triton")
+                    return (worst if writes_ok else float("inf")), gpu_check.CP_TOL[dtype_name]
+                cases[f"cp_{dtype_name}_{layout}_{step}"] = case
+    return cases
+
+
+GROUPS = {"decode": group_decode, "prefill": group_prefill, "layer": group_layer, "cp": group_cp}
 
 
 def main(group: str) -> None:

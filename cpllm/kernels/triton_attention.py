@@ -16,8 +16,10 @@ before triton is imported), which is how tests/test_triton_attention.py checks i
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
 
 import torch
 
@@ -67,6 +69,16 @@ def split_count(batch: int, kv_heads: int, width: int) -> int:
 def interpreting() -> bool:
     """Triton's interpreter runs the kernels (on the CPU, with NumPy)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+_INTERPRETER_LOCK = threading.Lock()
+"""Triton's interpreter patches triton.language while a kernel runs, so two threads (the simulated CP ranks of
+scripts/gpu_check.py) must not run kernels at once under it."""
+
+
+def launch_guard():
+    """A context for one kernel launch: the interpreter's lock when interpreting, else nothing."""
+    return _INTERPRETER_LOCK if interpreting() else contextlib.nullcontext()
 
 
 def widen(dtype: torch.dtype) -> bool:
@@ -122,18 +134,20 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     if batch == 0:
         return part[:, :, 0], part_lse[:, :, 0]
     block_d = next_pow2(head_dim)
-    split_kernel[(batch, kv_heads, splits)](
-        q, k_pool, v_pool, slots, lengths, part, part_lse, float(scale), split_len,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        slots.stride(0), part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_G=next_pow2(group), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
-        WIDEN=widen(q.dtype))
+    with launch_guard():
+        split_kernel[(batch, kv_heads, splits)](
+            q, k_pool, v_pool, slots, lengths, part, part_lse, float(scale), split_len,
+            q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+            slots.stride(0), part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0), part_lse.stride(1),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_G=next_pow2(group), BLOCK_D=block_d, BLOCK_N=BLOCK_N,
+            WIDEN=widen(q.dtype))
     if splits == 1:
         return part[:, :, 0], part_lse[:, :, 0]
     out = torch.empty(batch, heads, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, heads, dtype=torch.float32, device=q.device)
-    merge_kernel[(batch, heads)](
-        part, part_lse, out, lse, splits, part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0),
-        part_lse.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_pow2(splits, least=2))
+    with launch_guard():
+        merge_kernel[(batch, heads)](
+            part, part_lse, out, lse, splits, part.stride(0), part.stride(1), part.stride(2), part_lse.stride(0),
+            part_lse.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_pow2(splits, least=2))
     return out, lse

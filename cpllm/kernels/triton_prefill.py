@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from cpllm.kernels.triton_attention import POOL_DTYPES, next_pow2, widen
+from cpllm.kernels.triton_attention import POOL_DTYPES, launch_guard, next_pow2, widen
 
 
 def _blocks(head_dim: int) -> tuple[int, int]:
@@ -71,11 +71,12 @@ def prefill_attention(q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor,
     else:
         new_k, new_v, num_new = _rows(new_k.to(ctx_k.dtype)), _rows(new_v.to(ctx_k.dtype)), new_k.shape[0]
     block_m, block_n = _blocks(head_dim)
-    prefill_kernel[(-(-num_q // block_m), heads)](
-        q, ctx_k, ctx_v, slot_table, new_k, new_v, out, lse, float(scale), num_q, ctx_len, num_new,
-        q.stride(0), q.stride(1), ctx_k.stride(0), ctx_k.stride(1), ctx_v.stride(0), ctx_v.stride(1),
-        new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1), out.stride(0), out.stride(1),
-        lse.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim),
-        USE_SLOTS=slots is not None, WIDEN=widen(q.dtype))
+    with launch_guard():
+        prefill_kernel[(-(-num_q // block_m), heads)](
+            q, ctx_k, ctx_v, slot_table, new_k, new_v, out, lse, float(scale), num_q, ctx_len, num_new,
+            q.stride(0), q.stride(1), ctx_k.stride(0), ctx_k.stride(1), ctx_v.stride(0), ctx_v.stride(1),
+            new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1), out.stride(0), out.stride(1),
+            lse.stride(0),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim),
+            USE_SLOTS=slots is not None, WIDEN=widen(q.dtype))
     return out, lse
