@@ -55,7 +55,7 @@ else
   # issue 28's figures (reported, not checked): bounds, 1B batch-1 decode graphs/eager vs HBM bound and
   # transformers, TTFT 8K/32K vs the matmul rate, batch-64 decode of the 8B shape (8 of its 32 layers)
   timeout 230 "$PY" benchmarks/cuda_decode.py --out "$(dirname "$dump")/cuda_figures.json" \
-    || echo "FAIL bench/cuda_decode the figures did not complete (timeout or error)"
+    || echo "# figures: benchmarks/cuda_decode.py did not complete (timeout or error)"
 fi
 if [ "$status" -ne 0 ]; then
   echo "# gpu_check: FAILED"
