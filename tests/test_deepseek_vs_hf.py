@@ -9,6 +9,7 @@ prefill over cached latents, prefix hits and decode run in one engine.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -69,3 +70,26 @@ def test_chunked_prefill_and_prefix_hits(tiny):
     for a, b, ref in zip(first, second, refs):
         check_against_hf(a, ref[0], ref[1])
         check_against_hf(b, ref[0], ref[1])
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_mla_dcp_may_be_any_divisor_of_tp(tiny, tp):
+    """One latent head, replicated on every TP rank: every DCP dividing TP is accepted (a GQA model with 2 KV
+    heads accepts only DCP <= TP / 2), and any other DCP is refused naming the MLA rule."""
+    from cpllm.config import ParallelConfig
+    from cpllm.distributed.parallel_dims import valid_dcp_sizes
+
+    name, folder, _, _ = tiny
+    if name != "v3-yarn":
+        pytest.skip("a config rule: one family suffices")
+    config = dataclasses.replace(read_hf_config(folder), num_attention_heads=8)  # heads for TP up to 8
+    assert valid_dcp_sizes(tp, config.num_key_value_heads) == [d for d in range(1, tp + 1) if tp % d == 0]
+    for dcp in range(1, tp + 1):
+        if tp % dcp == 0:
+            ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp).dims.validate(config)
+        else:
+            with pytest.raises(ValueError, match="multi-head latent attention, whose one latent head every TP rank"):
+                ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp)
+    with pytest.raises(ValueError, match="different KV heads"):  # the GQA rule it replaces
+        ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=tp).dims.validate(
+            dataclasses.replace(config, mla=None, num_key_value_heads=2))
