@@ -377,3 +377,34 @@ def test_long_runs_in_query_blocks_match_direct_attention(monkeypatch):
         worst = max((got[(i, j)].double() - refs[i][j]).abs().max().item()
                     for i, r in enumerate(reqs) for j in range(r.new))
         assert worst <= 2e-5, mods
+
+
+def test_the_window_view_is_built_once_per_step_and_only_where_the_window_hides_keys():
+    """Every layer of a step gets the same in-window view of the decode batch (cached per window), and a window
+    that hides no key gives the batch itself (no copy); a view row keeps exactly its in-window local slots."""
+    from cpllm.context_parallel.kv_layout import KVLayout
+    from cpllm.context_parallel.metadata import build_step_batch, window_view
+    from cpllm.step import ScheduledChunk
+    layout = KVLayout(cp_size=2, cp_rank=1, interleave=2, block_size=4)
+    chunks = [ScheduledChunk(request_id=str(i), token_ids=(1,), start_pos=ctx, block_table=tuple(range(8 * i, 8 * i + 8)),
+                             sample=True, prompt_logits=False) for i, ctx in enumerate((40, 5))]
+    meta = build_step_batch(chunks, layout, 1, 0, lambda c: []).attention
+    view = window_view(meta, 8)
+    assert window_view(meta, 8) is view and window_view(meta, 64) is meta.decode
+    assert window_view(meta, None) is meta.decode
+    for b, ctx in enumerate((40, 5)):  # positions this rank (cp rank 1, interleave 2) holds in the window
+        want = [layout.slot(p, chunks[b].block_table) for p in range(max(ctx - 7, 0), ctx + 1) if layout.owner(p) == 1]
+        assert view.slots[b, : int(view.lengths[b])].tolist() == want
+
+
+def test_bad_score_modifiers_are_refused():
+    import torch
+
+    from cpllm.context_parallel.attention import CPComm, PagedCPAttention
+    with pytest.raises(ValueError, match="window must be an integer >= 1"):
+        PagedCPAttention(CPComm(), 1.0, window=0)
+    with pytest.raises(ValueError, match="softcap must be > 0"):
+        PagedCPAttention(CPComm(), 1.0, softcap=0.0)
+    layer = PagedCPAttention(CPComm(), helpers.SCALE)
+    with pytest.raises(ValueError, match=r"sinks \(3,\): want one logit per local query head, \[4\]"):
+        _one_rank_step([helpers.Req(4, 1)], layer, torch.zeros(3), seed=1)

@@ -117,6 +117,8 @@ class PagedCPAttention(torch.nn.Module):
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         # q [N, Hq, D]; k, v [N, Hkv, D]; k_pool, v_pool [num_slots, Hkv, D]; sinks [Hq] float32
         if self.mods is not None or sinks is not None:
+            if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
+                raise ValueError(f"sinks {tuple(sinks.shape)}: want one logit per local query head, [{q.shape[1]}]")
             out, lse = self._scored(q, k, v, k_pool, v_pool, meta, sinks)
             return (out if sinks is None else apply_sinks(out.float(), lse, sinks)).to(q.dtype)
         plan = meta.plan  # the runner's (plan.py); these decode paths read the new K/V only from the pools
