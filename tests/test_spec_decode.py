@@ -227,3 +227,22 @@ def test_seeded_rows_repeat():
         sample_row, sampler = row(params, seed=7), Sampler()
         runs.append([sampler.against_draft(logits, sample_row, None, d)[0].token_id for d in range(20)])
     assert runs[0] == runs[1]
+
+
+# --- metrics ----------------------------------------------------------------------------------------------------
+
+def test_spec_decode_counters_under_vllm_names():
+    from prometheus_client import CollectorRegistry
+
+    from cpllm.engine.engine import SchedulerTotals
+    from cpllm.server.metrics_vllm import VllmMetrics
+
+    registry = CollectorRegistry()
+    metrics = VllmMetrics(registry, "m")
+    for drafts, tokens, accepted in ((2, 8, 5), (3, 12, 9)):  # running totals: counters take the increments
+        metrics.set_engine_state(1, 0, 0.1, SchedulerTotals(spec_drafts=drafts, spec_draft_tokens=tokens,
+                                                            spec_accepted_tokens=accepted))
+    value = lambda name: registry.get_sample_value(name, {"model_name": "m"})  # noqa: E731
+    assert value("vllm:spec_decode_num_drafts_total") == 3
+    assert value("vllm:spec_decode_num_draft_tokens_total") == 12
+    assert value("vllm:spec_decode_num_accepted_tokens_total") == 9

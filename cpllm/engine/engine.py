@@ -45,6 +45,12 @@ class SchedulerTotals:
     peak_request_blocks: tuple[int, ...] = ()
     """Most blocks one request held at once in each KV group's pool (cpllm/kv_groups.py order); a sliding-window
     group's stays within its window plus one block plus a prompt chunk's tokens (kv_groups.window_blocks)."""
+    spec_drafts: int = 0
+    """Verify chunks run (speculative decoding: a request's drafts scored in one step)."""
+    spec_draft_tokens: int = 0
+    """Draft tokens scored."""
+    spec_accepted_tokens: int = 0
+    """Draft tokens accepted (each the token the request would have produced anyway)."""
 
 
 class LLMEngine:
@@ -221,7 +227,10 @@ class LLMEngine:
         s = self.scheduler
         return SchedulerTotals(preemptions=s.num_preemptions, prefix_query_tokens=s.num_prefix_query_tokens,
                                prefix_hit_tokens=s.num_prefix_hit_tokens,
-                               peak_request_blocks=tuple(s.peak_request_blocks))
+                               peak_request_blocks=tuple(s.peak_request_blocks),
+                               spec_drafts=self.spec_decode_totals.num_drafts,
+                               spec_draft_tokens=self.spec_decode_totals.num_draft_tokens,
+                               spec_accepted_tokens=self.spec_decode_totals.num_accepted_tokens)
 
     @property
     def spec_decode_totals(self) -> SpecDecodeTotals:

@@ -122,6 +122,11 @@ class BlockPool:
         self._blocks[block_id].hash = h
         self._cached[h] = block_id
 
+    @property
+    def cached_hashes(self) -> frozenset[bytes]:
+        """The prefix hashes registered now: what a later request could find."""
+        return frozenset(self._cached) if self.enable_prefix_caching else frozenset()
+
     def reset_prefix_cache(self) -> None:
         for block in self._blocks:
             block.hash = None

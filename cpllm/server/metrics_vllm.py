@@ -37,6 +37,9 @@ class VllmMetrics:
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.preemptions = counter("vllm:num_preemptions", "Running requests preempted to free KV blocks")
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Verify chunks run (a request's drafts in a step)")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens scored")
+        self.spec_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens of finished requests")
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Arrival to first generated token",
@@ -60,6 +63,9 @@ class VllmMetrics:
         self.kv_usage.set(kv_usage)
         seen = self._totals_seen
         self.preemptions.inc(max(0, totals.preemptions - seen.preemptions))
+        self.spec_drafts.inc(max(0, totals.spec_drafts - seen.spec_drafts))
+        self.spec_draft_tokens.inc(max(0, totals.spec_draft_tokens - seen.spec_draft_tokens))
+        self.spec_accepted_tokens.inc(max(0, totals.spec_accepted_tokens - seen.spec_accepted_tokens))
         self.prefix_queries.inc(max(0, totals.prefix_query_tokens - seen.prefix_query_tokens))
         self.prefix_hits.inc(max(0, totals.prefix_hit_tokens - seen.prefix_hit_tokens))
         self._totals_seen = totals
