@@ -11,8 +11,10 @@ import triton.language as tl
 def dot(a, b, WIDEN: tl.constexpr):
     """a @ b accumulated in float32: in float32 (IEEE) where WIDEN, else in a's dtype (tensor cores)."""
     if WIDEN:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b)
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
 
 
 @triton.jit
