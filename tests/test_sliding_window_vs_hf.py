@@ -65,10 +65,14 @@ def test_batch_of_mixed_lengths(tiny, caplog):
     for output, ref in zip(outputs, refs):
         assert len(output.outputs[0].token_ids) == MAX_TOKENS
         check_against_hf(output, *ref)
-    # the start-up log: each group of layers with its kind, window and K/V bytes (256 tokens x 2 heads x 16 x K, V
-    # x 4 bytes = 64 KiB per layer), and no fused decode layers
+    # the start-up log: each group of layers with its kind, window and K/V bytes (a windowed layer keeps its last
+    # WINDOW = 8 positions: 8 tokens x 2 heads x 16 x K, V x 4 bytes = 2 KiB; a full one all 256: 64 KiB per layer),
+    # and no fused decode layers
     sliding = "layers 0-1 (2)" if family == "mistral" else "layers 1-2 (2)"
-    assert f"{sliding}: sliding window of {WINDOW} tokens; K/V of one 256-token request: 64.0 KiB" in caplog.text
+    assert (f"{sliding}: sliding window of {WINDOW} tokens; K/V of one 256-token request: 2.0 KiB per layer on this "
+            f"rank (its last {WINDOW} positions, plus at most one block)") in caplog.text
+    if family == "qwen2":
+        assert "layers 0 (1): full attention; K/V of one 256-token request: 64.0 KiB per layer" in caplog.text
     assert ("layers 0 (1): full attention" in caplog.text) == (family == "qwen2")
     assert "decode steps: eager layers (sliding-window attention)" in caplog.text
 

@@ -20,8 +20,8 @@ def _ranges(indices: list[int]) -> str:
 
 def layer_kinds_lines(model) -> list[str]:
     """Lines for the load summary of a model whose layers hold `self_attn` with `attn` (PagedCPAttention), for a
-    windowed layer `window`, and (for the bytes) `num_kv_heads` and `head_dim`. The bytes are a full layer's: a windowed
-    layer's KV group frees what leaves its window (cpllm/kv_groups.py), so it holds at most its window and a block."""
+    windowed layer `window`, and (for the bytes) `num_kv_heads` and `head_dim`. A windowed layer's bytes are its window's: its KV group
+    frees what leaves the window (cpllm/kv_groups.py), so it holds at most the window and one block."""
     config, max_len = model.config, getattr(model, "max_positions", None)
     groups: dict[tuple[str, int | None], list[int]] = {}
     for index, layer in enumerate(model.layers):
@@ -38,12 +38,17 @@ def layer_kinds_lines(model) -> list[str]:
             what += f" (window {config.sliding_window} >= max_model_len {max_len}: no position leaves it)"
         size = ""
         if sized:
-            tokens = math.ceil(max_len / attn.attn.comm.kv_size)  # this rank's share of the request's positions
+            # this rank's share of the positions a request keeps: all of them, or a windowed group's last W (its KV
+            # group frees the blocks that leave the window; cpllm/kv_groups.py)
+            kept = max_len if window is None else min(window, max_len)
+            tokens = math.ceil(kept / attn.attn.comm.kv_size)
             dtype = model.embed_tokens.dtype  # the pools' unless --kv-cache-dtype narrows them
             # MLA caches one latent row (cache_values_per_token values) per token instead of K and V per head
             values = getattr(attn, "cache_values_per_token", None) or attn.num_kv_heads * attn.head_dim * 2
             per_layer = tokens * values * dtype.itemsize
-            size = (f"; {'latents' if hasattr(attn, 'cache_values_per_token') else 'K/V'} of one {max_len}-token request: {per_layer / 2**10:.1f} KiB per layer on this rank "
-                    f"(at {str(dtype).removeprefix('torch.')})")
+            what_cached = "latents" if hasattr(attn, "cache_values_per_token") else "K/V"
+            held = "" if window is None else f" (its last {kept} positions, plus at most one block)"
+            size = (f"; {what_cached} of one {max_len}-token request: {per_layer / 2**10:.1f} KiB per layer on this "
+                    f"rank{held} (at {str(dtype).removeprefix('torch.')})")
         lines.append(f"  layers {_ranges(indices)} ({len(indices)}): {what}{size}")
     return lines
