@@ -20,13 +20,6 @@ DEFAULT_MEMORY_FRACTION = 0.2
 """Share of this machine's available memory (split among its ranks) used for KV when no size is given."""
 
 
-def bytes_per_block(config: EngineConfig, num_kv_heads: int, dtype: torch.dtype) -> int:
-    """KV bytes of one block on one rank, all layers."""
-    m = config.model
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * m.num_hidden_layers * config.cache.block_size * num_kv_heads * m.head_dim * element
-
-
 def available_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
