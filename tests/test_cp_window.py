@@ -166,6 +166,11 @@ def decode_keys_in_window(world, interleave: int, reqs, coords, held, window) ->
 # --- the tests ---------------------------------------------------------------------------------------------------
 
 
+DECODE_PLANS = {(1, 1, False): "one-shard", (2, 1, False): "pcp-decode", (1, 2, False): "gathered-decode",
+                (2, 2, False): "gathered-decode", (2, 1, True): "one-shard", (2, 2, True): "gathered-decode"}
+"""The decode path each world's decode-only steps take: every one of them is covered."""
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world", WORLDS, ids=_world_id)
 def test_window_softcap_sinks_match_direct_attention(reports, world):
@@ -175,6 +180,9 @@ def test_window_softcap_sinks_match_direct_attention(reports, world):
         for key, case in report["cases"].items():
             strategy, interleave, name, mods = key
             where = f"{strategy} i{interleave} {name} {mods.name} rank {rank} {report['coords']} ({case['plan']})"
+            want_plan = DECODE_PLANS[world] if name in ("decode_only", "one_decode") else "prefill"
+            if case["plan"] != want_plan:
+                failures.append(f"{where}: plan {case['plan']}, want {want_plan}")
             failures += [f"{where}: {p}" for p in case["problems"]]
             if not case["max_err"] <= ATOL:
                 failures.append(f"{where}: max abs error {case['max_err']:.3g} > {ATOL} at {case['worst']}")
