@@ -11,10 +11,12 @@ phases; the reference is the single-rank engine without speculation on the same 
 from __future__ import annotations
 
 import collections
+import re
 
 import pytest
 
 from cpllm import LLM, SamplingParams
+from cpllm.structured.params import StructuredOutputsParams
 from parallel_helpers import max_abs_diff, sampled_logprobs
 from spec_decode_helpers import random_tokens, save_cycle_model, walk
 from tiny_models import save_tiny_hf_model
@@ -46,7 +48,8 @@ def phases(successor) -> list[dict[str, tuple[list[int], SamplingParams]]]:
     return [
         {"copy10": (copy, greedy()), "copy3": (walk(successor, 50, 3), greedy()),
          "copy-stop": (copy, greedy(stop_token_ids=[STOP_TOKEN])),
-         "copy-short": (walk(successor, 120, 9), greedy(max_tokens=6))},
+         "copy-short": (walk(successor, 120, 9), greedy(max_tokens=6)),
+         "grammar": (copy, greedy(structured_outputs=StructuredOutputsParams(regex="(ab|ba|cab)+"), max_tokens=16))},
         {"random13": (random_tokens(13, seed=13), greedy()), "long37": (long, greedy())},
         {"shared": (long[:24] + random_tokens(7, seed=99), greedy()), "copy-again": (copy, greedy())},
     ]
@@ -133,6 +136,7 @@ def test_greedy_with_prompt_lookup_is_token_identical(runs, layout):
         assert want["copy-stop"].outputs[0].finish_reason == "stop", "the tiny model's tokens changed: pick STOP_TOKEN"
         assert len(want["copy-stop"].outputs[0].token_ids) < MAX_TOKENS
         assert len(want["copy-short"].outputs[0].token_ids) == 6
+        assert re.fullmatch("(ab|ba|cab)+", want["grammar"].outputs[0].text), want["grammar"].outputs[0].text
 
 
 @pytest.mark.parametrize("model", ["cycle", "random"])

@@ -18,7 +18,8 @@ class StepPlan(str, enum.Enum):
     """The path one step takes through the decoder layers (the value names it in logs and `plan_counts`)."""
 
     PREFILL = "prefill"
-    """Some chunk has several new tokens: eager layers, the new tokens moved over PCP by the step's strategy
+    """Some chunk has several new tokens (a prompt chunk, or a verify chunk of speculative decoding: a running
+    request's last token and its drafts, cpllm/step.py): eager layers, the new tokens moved over PCP by the step's strategy
     (`AttentionMetadata.strategy`), single tokens of the step attended to the context beside them."""
     FUSED = "fused"
     """Single tokens only, one C call per decoder layer on this rank alone (cpllm/model/fused_decode.py)."""
