@@ -416,3 +416,26 @@ def test_bad_score_modifiers_are_refused():
     layer = PagedCPAttention(CPComm(), helpers.SCALE)
     with pytest.raises(ValueError, match=r"sinks \(3,\): want one logit per local query head, \[4\]"):
         _one_rank_step([helpers.Req(4, 1)], layer, torch.zeros(3), seed=1)
+
+
+def test_scored_layers_take_the_eager_plans(monkeypatch):
+    """`scored_plan`: the fused, team and compiled plans become the layout's eager plan; the others stay. The layer
+    itself refuses a fused, team or compiled plan."""
+    import dataclasses
+
+    from cpllm.context_parallel import metadata as metadata_module
+    from cpllm.context_parallel.attention import CPComm, PagedCPAttention
+    from cpllm.context_parallel.plan import StepPlan, scored_plan
+    eager = StepPlan.PCP_DECODE
+    for plan in StepPlan:
+        moved = plan.fused or plan is StepPlan.COMPILED
+        assert scored_plan(plan, eager) is (eager if moved else plan)
+    layer = PagedCPAttention(CPComm(), helpers.SCALE, window=8)
+    real = metadata_module.build_step_batch
+    for plan in (StepPlan.FUSED, StepPlan.COMPILED, StepPlan.TP_TEAM):
+        def planned(*args, plan=plan, **kwargs):  # the step laid out as usual, carrying `plan`
+            batch = real(*args, **kwargs)
+            return dataclasses.replace(batch, attention=dataclasses.replace(batch.attention, plan=plan))
+        monkeypatch.setattr(metadata_module, "build_step_batch", planned)
+        with pytest.raises(ValueError, match=f"plan '{plan.value}' runs kernels that know no window"):
+            _one_rank_step([helpers.Req(20, 1)], layer, None, seed=1)
