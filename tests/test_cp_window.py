@@ -15,6 +15,13 @@ The sinks are drawn in [6, 11] where every capped score lies in [-10, 10], so th
 than the tolerance. Each rank's backend counts its attend calls, and the count must equal a brute-force count of
 the (query run, key run) pairs in which some key is inside some query's window: a piece the window leaves empty
 issues no call. A decode rank whose shard has no key in any of its rows' windows makes no decode call either.
+Block tables of windowed cases hold FREED_BLOCK before the window (as a windowed KV group's do): reading such a
+slot raises.
+
+Without processes: one rank against transformers' own sliding-window mask function and Gemma 2's and GPT-OSS's
+attention; the pieces of every head-tail run keep each visible (query, key) pair exactly once (also with query
+blocks); long runs in query blocks against direct attention; the in-window decode view cached per step; the sink
+merge rule; bad modifiers and plans refused.
 """
 
 from __future__ import annotations
