@@ -145,16 +145,24 @@ def run_steps(layer: MLAAttention, rope: RotaryEmbedding, x: dict, decode_plan: 
     return got, pool
 
 
+@pytest.mark.parametrize("expanded_prefill", [True, False], ids=["expanded-prefill", "absorbed-prefill"])
 @pytest.mark.parametrize("decode_plan", [None, StepPlan.GATHERED_DECODE], ids=["one-shard", "partials"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_absorbed_steps_match_transformers(name, decode_plan):
+def test_absorbed_steps_match_transformers(name, decode_plan, expanded_prefill, monkeypatch):
+    """Decode absorbed; prefill chunks expanded (new tokens) + absorbed (cached context), or wholly absorbed."""
     seed = list(CASES).index(name)
     family, overrides = CASES[name]
     config = hf_config(family, **overrides)
     attention, rotary = hf_attention(family, config, seed)
     layer, rope = ours(family, config, attention)
+    layer.expanded_prefill = expanded_prefill
+    expansions = []
+    expand = layer.expand
+    monkeypatch.setattr(layer, "expand", lambda latent: expansions.append(latent.shape[0]) or expand(latent))
     x = inputs(seed)
     got, pool = run_steps(layer, rope, x, decode_plan)
+    # the expanded form runs on the prompt chunks' new tokens only (9, then 5 + 6), never on a decode or the cache
+    assert expansions == ([9, 11] if expanded_prefill else [])
     for request, rows in got.items():
         want = hf_outputs(family, attention, rotary, x[request])
         diff = (rows - want).abs().max().item()

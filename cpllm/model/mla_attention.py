@@ -9,14 +9,18 @@ The projections, as transformers computes them (H heads, r = kv_lora_rank):
 The cache holds c | k_pe per token (the latent, `r + rope` wide), never the per-head keys and values.
 
 Two exact forms:
-- absorbed (`forward`, every step): kv_b_proj's key rows W_UK [H, nope, r] are folded into each query,
+- absorbed (`forward`: decode, the cached context of every step, and prefill under PCP): kv_b_proj's key rows
+  W_UK [H, nope, r] are folded into each query,
   q_lat = (q_nope W_UK) | q_pe [N, H, r + rope], which attends the latent rows as multi-query attention (keys and
   values both the latent; its first r columns are the value); the output's first r columns times W_UV [H, v, r]
   per head are the heads' outputs. It reads the cache as it is, through PagedCPAttention with the MLA backend
   (cpllm/context_parallel/mla_backend.py), under every plan the CP layer has.
-- expanded (`forward_expanded`, one sequence on one rank, as the reference computes every step): the keys and
-  values of every head built from the latents (`expand`), attended with key width nope + rope and value width v.
-  The CP layer's prefill takes this form once it can take per-head keys beside a latent pool (issue 25).
+- expanded (the new tokens of a prefill step on one PCP rank, `_expanded_prefill`; `forward_expanded` runs a
+  whole sequence this way, as the reference does): the keys and values of every head built from the latents
+  (`expand`), attended with key width nope + rope and value width v. It wins for a chunk of many tokens (0.39 s
+  against 0.52 s at 512 tokens, one layer of DeepSeek-V2-Lite's shape), the absorbed form for decode (about 40x
+  at 2K context: it never expands the cache). A prefill step's cached context still goes through the CP layer
+  absorbed (`PagedCPAttention.context`), so under DCP the other ranks' heads meet this rank's latents.
 Interleaved rotary pairs are taken apart (evens, then odds) before the rotate-half rotary of cpllm/model/rope.py,
 in q and k alike, so their dot products are the reference's.
 TP splits the heads (q, kv_b_proj rows, o_proj columns); the latent projection and the cache are replicated.
@@ -30,9 +34,10 @@ import torch.nn.functional as F
 from cpllm.config_deepseek import MLAConfig
 from cpllm.context_parallel.attention import CPComm, PagedCPAttention
 from cpllm.context_parallel.backend import AttentionBackend
-from cpllm.context_parallel.merge import merge_two
+from cpllm.context_parallel.merge import accumulator_dtype, merge_two
 from cpllm.context_parallel.metadata import AttentionMetadata
 from cpllm.context_parallel.mla_backend import MLAPagedBackend
+from cpllm.context_parallel.plan import StepPlan
 from cpllm.model.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, RowRange, TPShard
 from cpllm.model.loader import WeightSource
 from cpllm.model.rope import apply_rope
@@ -84,6 +89,9 @@ class MLAAttention(torch.nn.Module):
         self.o_proj = RowParallelLinear(f"{prefix}.o_proj", num_heads * mla.v_head_dim, hidden, tp, dtype,
                                         quantization)
         self.attn = PagedCPAttention(comm, scale=scale, backend=backend or MLAPagedBackend())
+        self.expanded_prefill = True
+        """Prefill steps on one PCP rank take the expanded form for their new tokens (False: the absorbed form, as
+        every other step; both exact). Under PCP the absorbed form runs, so the latents travel, not the heads."""
         self.cache_values_per_token = mla.latent_width
         """Values this layer caches per token (one latent row, the same on every TP rank; the start-up log's)."""
 
@@ -115,18 +123,62 @@ class MLAAttention(torch.nn.Module):
         LlamaAttention (the rows whose output is needed; every row's latent is stored and attended)."""
         mla, r = self.mla, self.mla.kv_lora_rank
         q_nope, q_pe, c, k_pe = self._project(hidden, rope_tables)
-        w_uk, w_uv = self.kv_b.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)  # [H, nope, r], [H, v, r]
+        w_uk = self.kv_b[:, :mla.qk_nope_head_dim]  # [H, nope, r]
         q_c = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [N, H, r]
         q_lat = torch.cat((q_c, q_pe), dim=-1)  # [N, H, r + rope]
         latent = torch.cat((c.unsqueeze(1), k_pe), dim=-1)  # [N, 1, r + rope]
         pool = kv_cache[0]
+        if self.expanded_prefill and meta.plan is StepPlan.PREFILL and self.attn.comm.pcp_size == 1:
+            heads_out = self._expanded_prefill(q_nope, q_pe, q_lat, latent, pool, meta)  # [N, H, v]
+            if keep is not None:
+                if keep.numel() == 0:
+                    return hidden[:0]
+                heads_out = heads_out.index_select(0, keep)
+            return self._output(heads_out)
         out = self.attn(q_lat, latent, latent, pool, pool, meta)[..., :r]  # [N, H, r]: the value columns
         if keep is not None:
             if keep.numel() == 0:
                 return hidden[:0]  # no row wanted: no projection (nor its all-reduce) on any rank
             out = out.index_select(0, keep)
-        heads_out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [N, H, v]
-        return self._output(heads_out)
+        return self._output(self._up_values(out))
+
+    def _up_values(self, out: torch.Tensor) -> torch.Tensor:
+        # out [N, H, r] (attention over the latents' value columns) -> [N, H, v]: each head's W_UV after attention
+        w_uv = self.kv_b[:, self.mla.qk_nope_head_dim:]  # [H, v, r]
+        return torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2).to(out.dtype)).transpose(0, 1)
+
+    def _expanded_prefill(self, q_nope, q_pe, q_lat, latent, pool, meta: AttentionMetadata) -> torch.Tensor:
+        """A prefill step on one PCP rank: the new tokens attend each other in the expanded form (every head's keys
+        and values built from their latents, as the reference computes them: faster than the absorbed form for a
+        chunk of many tokens), the cached context in the absorbed form through the CP layer (its queries gathered
+        over the KV-shard group under DCP, where other ranks' heads meet this rank's latents); W_UV is linear, so
+        the context partial taken to the heads' values merges exactly with the new tokens' -> [N, H, v]."""
+        backend, r = self.attn.backend, self.mla.kv_lora_rank
+        if pool.dtype != latent.dtype:  # a narrower --kv-cache-dtype: attend the rounded latents, as read back
+            latent = latent.to(pool.dtype).to(latent.dtype)
+        backend.store_kv(pool, pool, meta.write_slots, latent, latent, meta.write_rows)  # this rank's own rows
+        q = torch.cat((q_nope, q_pe), dim=-1)  # [N, H, nope + rope]
+        n = q.shape[0]
+        out = torch.zeros(n, self.heads, self.mla.v_head_dim, dtype=accumulator_dtype(q.dtype), device=q.device)
+        lse = torch.full((n, self.heads), float("-inf"), dtype=torch.float32, device=q.device)
+        k_all = v_all = None
+        for request in meta.requests:
+            if request.num_new <= 1:
+                continue  # a single token attends its context, itself included (stored above)
+            if k_all is None:
+                k_all, v_all = self.expand(latent)  # [N, H, nope + rope], [N, H, v]
+            for chunk in request.local_chunks:
+                rows = slice(chunk.row, chunk.row + chunk.length)
+                own = request.new_kv_rows[chunk.new_start:chunk.new_start + chunk.length]
+                out[rows], lse[rows] = backend.attend(q[rows], k_all[own], v_all[own], self.scale, True)
+                if chunk.new_start > 0:
+                    before = request.new_kv_rows[:chunk.new_start]
+                    o_b, lse_b = backend.attend(q[rows], k_all[before], v_all[before], self.scale, False)
+                    out[rows], lse[rows] = merge_two(out[rows], lse[rows], o_b, lse_b)
+        if meta.has_context:
+            o_ctx, lse_ctx = self.attn.context(q_lat, pool, pool, meta)  # [N, H, r + rope] float32
+            out, lse = merge_two(out, lse, self._up_values(o_ctx[..., :r].float()), lse_ctx)
+        return out.to(q.dtype)
 
     def expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every head's keys and values from latent rows [S, 1, r + rope] -> k [S, H, nope + rope], v [S, H, v]."""
