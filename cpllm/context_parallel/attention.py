@@ -313,6 +313,12 @@ class PagedCPAttention(torch.nn.Module):
             o_piece, lse_piece = by_dcp_rank[piece % dcp_size]
             o_part[rows], lse_part[rows] = o_piece.to(o_part.dtype), lse_piece  # index_put wants equal dtypes
 
+    def context(self, q, k_pool, v_pool, meta: AttentionMetadata):
+        """The cached-context partial alone (out, lse), every row's queries gathered over the KV-shard group and
+        merged back exactly, for a layer that computes its new tokens' part in another form (MLA's expanded
+        prefill: cpllm/model/mla_attention.py); the caller stores the new K/V first and merges the two parts."""
+        return self._context(q, k_pool, v_pool, meta)
+
     def _context(self, q, k_pool, v_pool, meta: AttentionMetadata):
         """Queries of the whole KV shard group against this rank's shard, merged back on their owners."""
         comm, n = self.comm, meta.num_rows
