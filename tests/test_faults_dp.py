@@ -146,6 +146,9 @@ def test_killed_replica_fails_over_and_comes_back(long_model):
         body = health(server.url).json()
         assert body["replicas"][1]["state"] == "restarting" and body["replicas"][0]["state"] == "serving"
         assert health(server.url, "/health/ready").status_code == 200  # replica 0 keeps serving
+        gauges = metrics(server.url)
+        assert total(gauges, "cpllm_replica_healthy", replica="0") == 1
+        assert total(gauges, "cpllm_replica_healthy", replica="1") == 0
         during = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)
         assert during.status_code == 200
         settle(threads)
@@ -170,7 +173,8 @@ def test_stopped_replica_is_taken_out_named_and_restarted(long_model):
     with ServerProcess.running([long_model, *DP2, "--max-replica-restarts", "1"], timeout_s=240) as server:
         pids = replica_pids(server)
         outcome, threads = load(server.url, 4, 3000)
-        assert wait_for(lambda: total(metrics(server.url), "vllm:num_requests_running") >= 4, 20)
+        # 2 running slots on each replica: the gauge sums both (replica 0's alone would read 2)
+        assert wait_for(lambda: total(metrics(server.url), "vllm:num_requests_running") == 4, 20)
         os.kill(pids[0], signal.SIGSTOP)
         stopped_at = time.monotonic()
         unhealthy = wait_for(lambda: (r := health(server.url)).status_code == 503 and r, 5)
