@@ -20,8 +20,8 @@ from typing import Any
 from cpllm.config_moe import MoEConfig
 
 DEEPSEEK_MOE_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
-"""Hugging Face architectures whose sparse layers are DeepSeek MoE blocks (not yet in SUPPORTED_ARCHITECTURES:
-their attention is MLA, issue 25)."""
+"""Hugging Face architectures whose sparse layers are DeepSeek MoE blocks and whose attention is MLA (MLAConfig;
+cpllm/model/deepseek.py builds them)."""
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = {"softmax": ("greedy", "group_limited_greedy"), "sigmoid": ("noaux_tc",)}
 """The top-k selections each scoring function is combined with (transformers' V2 and V3 routers)."""

@@ -52,16 +52,19 @@ class MLALayout:
     ep: bool = False
     strategy: str = "allgather"
     interleave: int = 1
+    kv_layout: str = "sharded"
 
     def label(self) -> str:
         parts = [self.case, f"tp{self.tp}", f"pcp{self.pcp}", f"dcp{self.dcp}", f"i{self.interleave}"]
         parts += [self.strategy] if self.pcp > 1 else []
+        parts += [self.kv_layout] if self.kv_layout != "sharded" else []
         return "-".join(parts + (["ep"] if self.ep else []))
 
     def engine_options(self) -> dict:
         return dict(tensor_parallel_size=self.tp, prefill_context_parallel_size=self.pcp,
                     decode_context_parallel_size=self.dcp, enable_expert_parallel=self.ep,
-                    cp_prefill_strategy=self.strategy, cp_kv_cache_interleave_size=self.interleave)
+                    cp_prefill_strategy=self.strategy, cp_kv_cache_interleave_size=self.interleave,
+                    cp_kv_cache_layout=self.kv_layout)
 
 
 LAYOUTS = [
@@ -69,10 +72,13 @@ LAYOUTS = [
     MLALayout("v2-lora-groups-yarn", tp=2, dcp=2, interleave=2, ep=True),
     MLALayout("glm", pcp=2, strategy="ring"),
     MLALayout("v3-direct", tp=2, pcp=2, dcp=2, strategy="pass-q", interleave=4),
+    MLALayout("v2", pcp=2, strategy="allgather", ep=True, kv_layout="replicated"),
 ]
-"""Four launches, one on 4 ranks: TP=2 (latents replicated, the MoE group is the TP group); TP=2 x DCP=2 with
+"""Five launches, one on 4 ranks: TP=2 (latents replicated, the MoE group is the TP group); TP=2 x DCP=2 with
 EP (latents sharded over the TP ranks, interleave 2); PCP=2 with the pass-KV ring (latent rows travel, prefix
-hits read sharded latents); TP=2 x PCP=2 x DCP=2 with pass-Q (queries travel, latents sharded over 4 ranks)."""
+hits read sharded latents); TP=2 x PCP=2 x DCP=2 with pass-Q (queries travel, latents sharded over 4 ranks,
+interleave = block size); PCP=2 all-gather under the replicated layout with EP (a whole latent copy per PCP rank,
+decode rows split over PCP and their latents synced)."""
 
 
 @dataclass
