@@ -22,8 +22,8 @@ METHODS = [name for name in AttentionBackend.__dict__ if not name.startswith("_"
 def test_registry_names_each_backend():
     assert isinstance(attention_backend("gqa"), GQAPagedBackend) and attention_backend().name == "gqa"
     assert all(factory().name == name for name, factory in BACKENDS.items())
-    with pytest.raises(ValueError, match="no attention backend 'mla'"):
-        attention_backend("mla")
+    with pytest.raises(ValueError, match="no attention backend 'linear'"):
+        attention_backend("linear")
 
 
 def test_gqa_backend_has_the_whole_interface():
