@@ -232,7 +232,8 @@ class PagedCPAttention(torch.nn.Module):
 
     def _gathered_new_tokens(self, q, k, v, k_pool, v_pool, meta, out, lse) -> None:
         if meta.has_new:
-            k_all, v_all = all_gather(k, self.comm.pcp_group), all_gather(v, self.comm.pcp_group)
+            k_all = all_gather(k, self.comm.pcp_group)
+            v_all = k_all if v is k else all_gather(v, self.comm.pcp_group)  # MLA: one latent row is both
             rows = meta.write_rows
         else:  # only single tokens: every PCP rank holds them at the same rows, so PCP rank 0's rows are local
             k_all, v_all = k, v
@@ -269,13 +270,13 @@ class PagedCPAttention(torch.nn.Module):
     def _ring_new_tokens(self, q, k, v, k_pool, v_pool, meta, out, lse) -> None:
         """Pass-KV ring: the block of PCP rank (me - i) arrives at step i while step i-1's attention runs."""
         comm, n = self.comm, meta.num_rows
-        block = torch.stack((k, v))  # [2, N, Hkv, D]
+        block = k.unsqueeze(0) if v is k else torch.stack((k, v))  # [2, N, Hkv, D]; MLA's latents once: [1, ...]
         for step in range(comm.pcp_size):
             source = (comm.pcp_rank - step) % comm.pcp_size
             transfer = ring_exchange(block, comm.pcp_group) if step < comm.pcp_size - 1 else None
             mine = (meta.write_rows >= source * n) & (meta.write_rows < (source + 1) * n)
             rows = meta.write_rows[mine] - source * n
-            self.backend.store_kv(k_pool, v_pool, meta.write_slots[mine], block[0], block[1], rows)
+            self.backend.store_kv(k_pool, v_pool, meta.write_slots[mine], block[0], block[-1], rows)
             for request in meta.requests:
                 if request.num_new > 1:
                     self._ring_pair(q, block, source, request, out, lse)
@@ -289,13 +290,13 @@ class PagedCPAttention(torch.nn.Module):
                                             self.mods):
                     rows = piece.rows(chunk.row)
                     _accumulate(out, lse, rows, *attend_piece(self.backend, self.scale, self.mods, q[rows],
-                                                              block[0][piece.keys], block[1][piece.keys], piece))
+                                                              block[0][piece.keys], block[-1][piece.keys], piece))
             return
         for chunk in request.local_chunks:
             rows = slice(chunk.row, chunk.row + chunk.length)
             for keys, causal in key_runs(request.source_rank_rows[source], chunk.new_start):
                 _accumulate(out, lse, rows,
-                            *self.backend.attend(q[rows], block[0][keys], block[1][keys], self.scale, causal))
+                            *self.backend.attend(q[rows], block[0][keys], block[-1][keys], self.scale, causal))
 
     def _decode_context(self, q_all, k_pool, v_pool, meta: AttentionMetadata, o_part, lse_part, dcp_size,
                         num_pieces: int) -> None:
