@@ -12,7 +12,8 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPECTED = ("bound/hbm_bandwidth", "bound/matmul_rate", "decode_b1_smoke_ctx32/fraction_of_bound",
             "decode_b1_smoke_ctx64/vs_hf_static", "decode_b1_smoke_ctx64/graphs_same_tokens",
-            "ttft_smoke_ctx64/fraction_of_matmul_rate", "ttft_smoke_ctx64/vs_hf_sdpa", "decode_b3_smoke_ctx16/vs_hf_static")
+            "ttft_smoke_ctx64/fraction_of_matmul_rate", "ttft_smoke_ctx64/vs_hf_sdpa",
+            "decode_b3_smoke_ctx16/vs_hf_static")
 
 
 def test_cuda_decode_benchmark_smoke(tmp_path):
