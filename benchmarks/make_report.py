@@ -20,6 +20,7 @@ from report_cp import CP_SECTIONS  # noqa: E402
 from report_sections import SECTIONS  # noqa: E402
 from report_single_rank import SINGLE_RANK_SECTIONS  # noqa: E402
 from report_structure import STRUCTURE_SECTIONS  # noqa: E402
+from report_window import WINDOW_SECTIONS  # noqa: E402
 
 
 def load_results(folder: str) -> dict[str, dict[str, Any]]:
@@ -40,7 +41,8 @@ def build_page(results: dict[str, dict[str, Any]], images: str, out_dir: str) ->
              "Numbers are not edited by hand.", ""]
     rel_images = os.path.relpath(images, out_dir)
     # the list of commands stays last
-    for section in [*SECTIONS[:-1], *SINGLE_RANK_SECTIONS, *CP_SECTIONS, *STRUCTURE_SECTIONS, SECTIONS[-1]]:
+    for section in [*SECTIONS[:-1], *SINGLE_RANK_SECTIONS, *CP_SECTIONS, *STRUCTURE_SECTIONS, *WINDOW_SECTIONS,
+                    SECTIONS[-1]]:
         parts += section(results, images, rel_images)
         parts.append("")
     return "\n".join(parts).rstrip() + "\n"

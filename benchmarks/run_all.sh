@@ -2,7 +2,7 @@
 # Regenerate every result under benchmarks/results/ and docs/benchmarks.md (with its plots).
 #   benchmarks/run_all.sh            # everything (about an hour on 2 cores)
 #   benchmarks/run_all.sh prefill    # one step: ceiling prefill comm memory decode tp compare quality attention int4 profile serve chunk
-#                                    #   decode_layouts dcp transport plan breakdown moe structure report
+#                                    #   decode_layouts dcp transport plan breakdown moe structure window report
 # Threads are always explicit: more busy threads than cores make torch's OpenMP spin-waits ruinous.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +11,7 @@ IMG=docs/img
 mkdir -p "$R" "$IMG"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(ceiling prefill comm memory decode tp compare quality attention int4 profile serve chunk decode_layouts dcp transport plan
-                                 breakdown moe structure report)
+                                 breakdown moe structure window report)
 bench() { python -m cpllm --log-level WARNING bench "$@"; }
 
 for step in "${steps[@]}"; do
@@ -60,6 +60,12 @@ for step in "${steps[@]}"; do
     moe) python benchmarks/moe_bench.py --threads 1 --prefill-tokens 1024,4096 --pcp-tokens 4096 --repeats 3 \
            --pcp-repeats 2 --out "$R/moe.json"
          python benchmarks/profile_moe.py --tokens 1024,4096 --json "$R/moe_profile.json" ;;
+    # issue 31: a random model of Gemma 3 1B's shape cut to 6 layers and a 32K vocabulary (benchmarks/window_model.py)
+    window) python benchmarks/window_bench.py --part prefill --lengths 2048,4096 --rounds 3 --threads 1 \
+              --out "$R/window_prefill.json"
+            python benchmarks/window_bench.py --part pcp --pcp-tokens 16384 --rounds 2 --out "$R/window_pcp.json"
+            python benchmarks/window_bench.py --part decode --context 32768 --rounds 4 --steps 16 --threads 1 \
+              --out "$R/window_decode.json" ;;
     plan) bench plan --lengths 4096,8000 --repeats 3 --quantization none --json "$R/plan_check.json" ;;
     breakdown) python benchmarks/profile_prefill.py --lengths 4096,8000 --repeats 2 \
                  --json "$R/prefill_breakdown.json" ;;

@@ -206,3 +206,35 @@ def test_compare_script_and_report(tiny_folder, tmp_path):
     assert "## cpllm vs transformers vs llama.cpp" in text and "| transformers | 1 thread | 1 | 16 |" in text
     assert "_No results yet: run `benchmarks/run_all.sh prefill`._" in text
     assert (tmp_path / "img" / "compare_prefill.png").stat().st_size > 0
+
+
+def test_window_bench_and_report(tmp_path):
+    """benchmarks/window_bench.py (issue 31) at a tiny Gemma 3 shape (window 16): the KV each request holds comes
+    from the engine's accounting, the sliding group within its window plus a block, the full group as the
+    all-global model's; then the report's section from it."""
+    from cpllm.kv_groups import window_blocks
+
+    results = tmp_path / "results"
+    results.mkdir()
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    common = [sys.executable, os.path.join(REPO, "benchmarks", "window_bench.py"), "--shape", "tiny", "--vocab",
+              "300", "--max-positions", "256", "--cache", str(tmp_path / "models")]
+    for part in (["decode", "--context", "64", "--steps", "2", "--rounds", "2", "--chunk", "32"],
+                 ["prefill", "--lengths", "32", "--rounds", "2"]):
+        subprocess.run([*common, "--part", *part, "--out", str(results / f"window_{part[0]}.json")], check=True,
+                       env=env, cwd=tmp_path, capture_output=True)
+    hybrid, full = _read(results / "window_decode.json")["decode"]
+    assert [g["group"] for g in hybrid["kv"]["groups"]] == ["full attention (layers 5)",
+                                                           "sliding window 16 (layers 0, 1, 2, 3, 4)"]
+    assert hybrid["kv"]["groups"][0]["blocks"] == full["kv"]["groups"][0]["blocks"] == 64 // 16
+    assert 1 <= hybrid["kv"]["groups"][1]["blocks"] <= window_blocks(16, 16)
+    assert hybrid["kv"]["bytes"] == sum(g["blocks"] * len(g["group"].split(",")) for g in hybrid["kv"]["groups"]) \
+        * hybrid["kv"]["layer_block_bytes"] < full["kv"]["bytes"]
+    prefill = _read(results / "window_prefill.json")["prefill"]
+    assert {(r["system"], r["prompt_tokens"]) for r in prefill} == {("cpllm", 32), ("transformers", 32)}
+    page = tmp_path / "benchmarks.md"
+    subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "make_report.py"), "--results", str(results),
+                    "--out", str(page), "--images", str(tmp_path / "img")], check=True, env=env, capture_output=True)
+    text = page.read_text()
+    assert "## Sliding windows: Gemma 3 1B's shape (issue 31)" in text and "### KV bytes per request at 64 tokens" in text
+    assert "| transformers | 1 | 32 |" in text
