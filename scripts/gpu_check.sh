@@ -40,7 +40,11 @@ modules="transformers tokenizers safetensors numpy jinja2"
 for module in $modules; do
   if ! "$PY" -c "import $module" 2>/dev/null; then
     echo "# $module is missing: pip install $module==${PINS[$module]}"
-    "$PY" -m pip install -q "$module==${PINS[$module]}" || { echo "FAIL setup cannot install $module"; exit 1; }
+    if ! "$PY" -m pip install -q "$module==${PINS[$module]}"; then
+      # without triton the rest still runs: the engine takes the SDPA path, and each Triton check FAILs by name
+      [ "$module" = triton ] && { echo "# triton cannot be installed: the Triton checks will fail"; continue; }
+      echo "FAIL setup cannot install $module"; exit 1
+    fi
   fi
 done
 
