@@ -93,3 +93,17 @@ def test_mla_dcp_may_be_any_divisor_of_tp(tiny, tp):
     with pytest.raises(ValueError, match="different KV heads"):  # the GQA rule it replaces
         ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=tp).dims.validate(
             dataclasses.replace(config, mla=None, num_key_value_heads=2))
+
+
+def test_preemption_keeps_every_request(tiny):
+    """A latent cache too small for the batch: requests are preempted and recomputed, outputs unchanged."""
+    _, folder, prompts, refs = tiny
+    # 3 layers x one latent pool x 4 tokens x 48 values x 4 bytes = 2,304 bytes per block; 13 blocks = 52 tokens,
+    # the longest request alone, where the four need 30 blocks together
+    with LLM(folder, max_model_len=52, block_size=4, quantization="none", kv_cache_memory_bytes=13 * 2304) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        assert llm.engine.executor.rank_info.kv.num_blocks == 13
+        assert llm.engine.scheduler.num_preemptions > 0
+    for output, ref in zip(outputs, refs):
+        assert len(output.outputs[0].token_ids) == MAX_TOKENS
+        check_against_hf(output, *ref)
