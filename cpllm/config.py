@@ -103,11 +103,11 @@ class ModelConfig:
     """Per-head RMSNorm of queries and keys before rotary (Qwen3)."""
     moe: MoEConfig | None = None
     """The sparse MLP of a mixture-of-experts model (None: dense)."""
-    quantization: str = DEFAULT_QUANTIZATION
     mla: MLAConfig | None = None
     """Multi-head latent attention's shapes (DeepSeek-V2/V3, GLM-4.7-Flash; None: grouped-query attention). With it
     the cache holds one latent row per token and layer, one latent "head" every query head reads:
     num_key_value_heads is 1 and head_dim is the query/key width qk_nope_head_dim + qk_rope_head_dim."""
+    quantization: str = DEFAULT_QUANTIZATION
     """How the weights run, one of QUANTIZATION_CHOICES. Kept here, as vLLM does, because every rank builds its
     model from this config alone; checks that need the parallel layout are in EngineConfig."""
 
@@ -140,8 +140,8 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         sliding, layer_types = hf_layer_types(archs[0], cfg)  # which layers slide (cpllm/config_attention.py)
-        return cls(
         mla = MLAConfig.from_hf_config(cfg) if archs[0] in DEEPSEEK_MOE_ARCHITECTURES else None
+        return cls(
             architecture=archs[0],
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
