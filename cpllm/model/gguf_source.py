@@ -26,6 +26,7 @@ from gguf.quants import dequantize
 
 from cpllm.config import QUANT_GROUP, ModelConfig
 from cpllm.config_rope import yarn_mscale
+from cpllm.model.gguf_deepseek import DEEPSEEK_GGUF_ARCH, deepseek_hf_config, deepseek_layer_name
 from cpllm.model.gguf_file import GGUFFile, StoredTensor
 from cpllm.model.gguf_gemma import GEMMA_GGUF_ARCHITECTURES, gemma_gguf_fields, gemma_layer_name, stores_one_plus_w
 from cpllm.model.gguf_moe import gguf_moe_config, hf_architecture, moe_hf_names
@@ -82,6 +83,7 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if match is None:
         return None
     rest = (gemma_layer_name(match.group(2)) if arch in GEMMA_GGUF_ARCHITECTURES else None) \
+        or (deepseek_layer_name(match.group(2)) if arch == DEEPSEEK_GGUF_ARCH else None) \
         or _LAYER_NAMES.get(match.group(2))
     return None if rest is None else f"model.layers.{match.group(1)}.{rest}"
 
@@ -144,6 +146,8 @@ def gguf_model_config(reader: GGUFFile, tensor_shapes: dict[str, tuple[int, ...]
     """ModelConfig from GGUF metadata; `tensor_shapes` (GGUF names, HF order) supply vocab and tying."""
     arch = _meta(reader, "general.architecture")
     meta = lambda key, default: _meta(reader, key, default)  # noqa: E731
+    if arch == DEEPSEEK_GGUF_ARCH:  # MLA + the DeepSeek MoE: read as the config.json it stands for
+        return ModelConfig.from_hf_config(deepseek_hf_config(meta, tensor_shapes, _eos_ids(reader)))
     hf_arch = hf_architecture(arch, meta) or GGUF_ARCHITECTURES.get(arch)
     if hf_arch is None:
         raise ValueError(

@@ -97,8 +97,20 @@ class MLAAttention(torch.nn.Module):
 
     def load(self, source: WeightSource) -> None:
         # the projections and norms load themselves (the model loads every module with a `load`)
+        if not source.has(self.kv_b_name) and source.has(self.kv_b_name.replace("kv_b_proj", "k_b_proj")):
+            self.kv_b.copy_(self._joined_kv_b(source))
+            return
         w = source.get(self.kv_b_name, dim=0, start=self.kv_b_rows[0], end=self.kv_b_rows[1], dtype=self.kv_b.dtype)
         self.kv_b.copy_(w.view(self.kv_b.shape))
+
+    def _joined_kv_b(self, source: WeightSource) -> torch.Tensor:
+        """kv_b_proj's rows of this rank's heads [H_local, nope + v, r] from llama.cpp's split form (a GGUF file:
+        k_b [H, r, nope], the key rows transposed, and v_b [H, v, r]; cpllm/model/gguf_deepseek.py)."""
+        first = self.kv_b_rows[0] // self.kv_b.shape[1]
+        dtype = self.kv_b.dtype
+        k_b = source.get(self.kv_b_name.replace("kv_b_proj", "k_b_proj"), dtype=dtype)[first:first + self.heads]
+        v_b = source.get(self.kv_b_name.replace("kv_b_proj", "v_b_proj"), dtype=dtype)[first:first + self.heads]
+        return torch.cat((k_b.transpose(1, 2), v_b), dim=1)
 
     def _project(self, hidden: torch.Tensor, rope_tables) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
                                                                     torch.Tensor]:
