@@ -2,7 +2,7 @@
 # Regenerate every result under benchmarks/results/ and docs/benchmarks.md (with its plots).
 #   benchmarks/run_all.sh            # everything (about an hour on 2 cores)
 #   benchmarks/run_all.sh prefill    # one step: ceiling prefill comm memory decode tp compare quality attention int4 profile serve chunk
-#                                    #   decode_layouts dcp transport plan breakdown moe structure window report
+#                                    #   decode_layouts dcp transport plan breakdown moe structure window faults report
 # Threads are always explicit: more busy threads than cores make torch's OpenMP spin-waits ruinous.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +11,7 @@ IMG=docs/img
 mkdir -p "$R" "$IMG"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(ceiling prefill comm memory decode tp compare quality attention int4 profile serve chunk decode_layouts dcp transport plan
-                                 breakdown moe structure window report)
+                                 breakdown moe structure window faults report)
 bench() { python -m cpllm --log-level WARNING bench "$@"; }
 
 for step in "${steps[@]}"; do
@@ -66,6 +66,11 @@ for step in "${steps[@]}"; do
             python benchmarks/window_bench.py --part pcp --pcp-tokens 16384 --rounds 2 --out "$R/window_pcp.json"
             python benchmarks/window_bench.py --part decode --context 32768 --rounds 4 --steps 16 --threads 1 \
               --out "$R/window_decode.json" ;;
+    # issue 29: soaks of -dp 2 with no faults, then a replica's rank killed or stopped every 25 s
+    faults) python benchmarks/soak.py --duration 150 --clients 8 --json "$R/soak_dp2.json" -- -dp 2 \
+              --distributed-timeout 10 --threads-per-rank 1 || true
+            python benchmarks/soak.py --duration 150 --clients 8 --faults 25 --json "$R/soak_faults.json" -- -dp 2 \
+              --distributed-timeout 10 --threads-per-rank 1 || true ;;
     plan) bench plan --lengths 4096,8000 --repeats 3 --quantization none --json "$R/plan_check.json" ;;
     breakdown) python benchmarks/profile_prefill.py --lengths 4096,8000 --repeats 2 \
                  --json "$R/prefill_breakdown.json" ;;

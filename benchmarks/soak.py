@@ -333,6 +333,7 @@ def _summary(args, books: Books, before, after, idle, healthy, rss_before, rss_a
         "duration_s": round(elapsed, 1), "clients": args.clients, "requests": total,
         "requests_per_s": round(total / elapsed, 2),
         "by_status": dict(sorted(books.statuses.items())), "by_kind": dict(sorted(books.kinds.items())),
+        "output_tokens_per_s": round(sum(n for _, n in books.completions) / elapsed, 1),
         "latency_s": {"p50": round(_percentile(books.latencies, 50), 3),
                       "p99": round(_percentile(books.latencies, 99), 3), "completed": len(books.latencies)},
         "idle_after": idle, "rss_mib": {"before": round(rss_before, 1), "after": round(rss_after, 1),
@@ -351,12 +352,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="largest RSS growth accepted over the soak (default: %(default)s)")
     parser.add_argument("--faults", type=float, default=None, metavar="SECONDS",
                         help="kill or stop a rank of the next DP replica every SECONDS (serve with -dp 2)")
+    parser.add_argument("--json", default=None, help="also write the summary to this file")
     parser.add_argument("serve_args", nargs="*", help="extra `cpllm serve` flags (after --)")
     args = parser.parse_args(argv)
     if args.duration <= 0 or args.duration > 1800:
         parser.error(f"--duration must be in (0, 1800] seconds, got {args.duration}")
-    summary = soak(args)
+    summary = {**soak(args), "argv": ["python", "benchmarks/soak.py", *(argv if argv is not None else sys.argv[1:])]}
     print(json.dumps(summary, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
     return 0 if summary["ok"] else 1
 
 

@@ -58,6 +58,10 @@ class FaultSchedule:
         self.timeline: list[tuple[float, dict[int, str]]] = []
         """(time, replica -> state) every poll."""
         self._stop = threading.Event()
+        """Set: no more faults."""
+        self._watching = threading.Event()
+        """Cleared: the monitor stops."""
+        self._watching.set()
         self._threads = [threading.Thread(target=self._inject, daemon=True),
                          threading.Thread(target=self._monitor, daemon=True)]
 
@@ -66,18 +70,14 @@ class FaultSchedule:
             thread.start()
 
     def stop(self, settle_s: float = 180.0) -> None:
-        """No more faults; the monitor keeps watching until every replica serves again (or `settle_s` passes)."""
+        """No more faults; the monitor keeps watching until every fault was seen and its replica serves again (or
+        `settle_s` passes)."""
         self._stop.set()
         self._threads[0].join(10)
         deadline = time.monotonic() + settle_s
-        while time.monotonic() < deadline and (not self.timeline or self.degraded(time.monotonic())
-                                               or any(f.recovered is None for f in self.faults)):
-            now, states = time.monotonic(), self.states()
-            self.timeline.append((now, states))
-            for fault in self.faults:
-                if fault.detected is not None and fault.recovered is None and states.get(fault.replica) == "serving":
-                    fault.recovered = now
+        while time.monotonic() < deadline and any(f.recovered is None for f in self.faults):
             time.sleep(0.1)
+        self._watching.clear()
         self._threads[1].join(10)
 
     def states(self) -> dict[int, str]:
@@ -88,10 +88,11 @@ class FaultSchedule:
             return {}
 
     def _monitor(self) -> None:
-        while not self._stop.wait(0.1):
+        while self._watching.is_set():
+            time.sleep(0.1)
             now, states = time.monotonic(), self.states()
             self.timeline.append((now, states))
-            for fault in self.faults:
+            for fault in list(self.faults):
                 if now < fault.at:
                     continue
                 state = states.get(fault.replica)

@@ -42,7 +42,8 @@ def replica_main(index: int, config: EngineConfig, commands_address: str, front_
         if workers is not None:
             workers.arm_watchdog(config.parallel.distributed_timeout_s)
         pids = (os.getpid(), *(workers.pids.values() if workers is not None else ()))
-        link.send("ready", ReplicaInfo(engine.max_model_len, engine.kv_capacity_tokens, tuple(pids)))
+        link.send("ready", ReplicaInfo(engine.max_model_len, engine.kv_capacity_tokens, tuple(pids),
+                                       getattr(engine, "_capacity_bounds_length", True)))
         _serve(engine, link, workers)
     except BaseException as exc:
         link.send("failed", f"{exc}")

@@ -94,6 +94,8 @@ class ReplicaFront:
             raise
         info = self.replicas[0].info
         self.max_model_len, self.kv_capacity_tokens = info.max_model_len, info.kv_capacity_tokens
+        self._capacity_bounds_length = info.capacity_bounds_length
+        """Read by LLMEngine.check_prompt (run on the front): whether the KV capacity bounds a request's length."""
         eos = tuple(config.model.eos_token_ids) or tuple(tokenizer.eos_token_ids)
         self.structured = StructuredOutputManager(tokenizer, config.model.vocab_size, eos)
         """The front's grammar cache: checks a request's grammar before it is accepted (each replica compiles its

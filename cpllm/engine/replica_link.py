@@ -50,6 +50,8 @@ class ReplicaInfo:
     kv_capacity_tokens: int
     pids: tuple[int, ...]
     """Process id of each of its ranks, its driver first."""
+    capacity_bounds_length: bool = True
+    """Whether its KV capacity bounds a request's length (False when sliding-window layers keep fewer positions)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
