@@ -1,5 +1,5 @@
 """Speculative decoding through the engine (real processes on gloo): greedy with prompt lookup is token for token the
-engine without it, on one rank, PCP=2 and TP=2 x DCP=2, with chunked prefill, prefix hits, stop tokens and
+engine without it, on one rank, PCP=2, TP=2 x DCP=2 and TP=2, with chunked prefill, prefix hits, stop tokens and
 max_tokens; KV blocks and the prefix cache end as without speculation; seeded sampled runs repeat.
 
 The model is tests/spec_decode_helpers.py's successor-map Llama (one KV head, so DCP=2 under TP=2 holds): prompts
@@ -30,7 +30,10 @@ LAYOUTS = {
     "one": {},
     "pcp2": {"prefill_context_parallel_size": 2},
     "tp2-dcp2": {"tensor_parallel_size": 2, "decode_context_parallel_size": 2},
+    "tp2": {"tensor_parallel_size": 2},
 }
+"""Where each rank holds every row and its whole context (one rank, TP=2) a verify chunk runs as decode rows
+(ModelRunner._verify_rows); under PCP and DCP as a prefill chunk over the sharded context."""
 MAX_TOKENS = 24
 STOP_TOKEN = 5
 """A token of the cycle the successor model's output for the copy prompt enters (its 8th output token)."""
@@ -108,6 +111,7 @@ class Runs:
             pool = llm.engine.pool
             return dict(outputs=outputs, totals=totals, cached=pool.cached_hashes, used=pool.num_used,
                         scheduler_totals=llm.engine.scheduler_totals,
+                        plans=llm.engine.executor.rank_stats().plan_counts,
                         seeded=self._seeded(llm) if name == "one" and folder == self.folder else None)
 
     def _seeded(self, llm: LLM) -> list[list[list[int]]]:
@@ -155,6 +159,10 @@ def test_drafts_mostly_accepted_by_the_cycle_model_and_mostly_rejected_by_the_ra
     assert cycle.num_draft_tokens > 50 and cycle.num_accepted_tokens > 0.6 * cycle.num_draft_tokens, cycle
     assert random.num_draft_tokens > 50 and random.num_accepted_tokens < 0.3 * random.num_draft_tokens, random
     assert runs.get("one")["scheduler_totals"].spec_accepted_tokens == cycle.num_accepted_tokens
+    # one rank: verify chunks run as decode rows (runner._verify_rows): only steps with a prompt chunk take the
+    # prefill plan (the reference's prompt steps), not the many verify steps
+    plans, reference = runs.get("one")["plans"], runs.get("reference")["plans"]
+    assert plans.get("prefill", 0) <= reference["prefill"] + 2 < cycle.num_drafts / 2, (plans, reference, cycle)
 
 
 @pytest.mark.parametrize("model", ["", "random-"])

@@ -139,11 +139,12 @@ class ModelRunner:
         """Run one step; returns logits [num_output_rows, vocab] on the replica driver, None elsewhere."""
         if not step.chunks:
             return None
-        strategy = self.step_strategy(step.step_id, step.chunks)  # the same choice on every rank
-        plan = self._plan(step.chunks)
+        chunks = self._verify_rows(step.chunks)
+        strategy = self.step_strategy(step.step_id, chunks)  # the same choice on every rank
+        plan = self._plan(chunks)
         self.plan_counts[plan.value] = self.plan_counts.get(plan.value, 0) + 1
         logger.debug("step %d: plan %s", step.step_id, plan.value)
-        batches = self._group_batches(step.chunks, strategy, plan)
+        batches = self._group_batches(chunks, strategy, plan)
         batch = batches[0]  # token ids, positions and output rows are every group's; the metadata is group 0's
         forward = self.compiled_decode if plan is StepPlan.COMPILED else self.model
         keep = self._rows_kept(batch) if forward is self.model else None
@@ -180,6 +181,23 @@ class ModelRunner:
                                             output_positions, device=self.device, non_blocking=True,
                                             strategy=strategy, split_single_tokens=self.replicated, plan=plan))
         return batches
+
+    def _verify_rows(self, chunks):
+        """Verify chunks (a request's last token and its drafts) as that many single-token rows, where this rank
+        computes every row and holds each request's whole context (one PCP rank, one KV shard): row i is a decode
+        row whose context is every position up to its own, and every layer stores the step's K/V before any row
+        attends, so row i sees rows < i as the causal chunk would. The step can then take the decode plans (the
+        fused layers among them). The rows come back in the chunk's order. Elsewhere the chunk runs as prefill."""
+        if self.groups.pcp_size > 1 or self.layout.cp_size > 1 or not any(c.num_draft_tokens for c in chunks):
+            return chunks
+        rows = []
+        for chunk in chunks:
+            if not chunk.num_draft_tokens or len(chunk.token_ids) != chunk.num_draft_tokens + 1:
+                rows.append(chunk)
+                continue
+            rows += [dataclasses.replace(chunk, token_ids=(token,), start_pos=chunk.start_pos + i, num_draft_tokens=0)
+                     for i, token in enumerate(chunk.token_ids)]
+        return tuple(rows)
 
     def _plan(self, chunks) -> StepPlan:
         """The step's path, decided here once (every later stage follows `AttentionMetadata.plan`): fused layers,
