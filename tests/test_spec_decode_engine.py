@@ -1,5 +1,5 @@
 """Speculative decoding through the engine (real processes on gloo): greedy with prompt lookup is token for token the
-engine without it, on one rank, PCP=2, TP=2 x DCP=2 and TP=2, with chunked prefill, prefix hits, stop tokens and
+engine without it, on one rank, PCP=2 (both KV layouts), TP=2 x DCP=2 and TP=2, with chunked prefill, prefix hits, stop tokens and
 max_tokens; KV blocks and the prefix cache end as without speculation; seeded sampled runs repeat.
 
 The model is tests/spec_decode_helpers.py's successor-map Llama (one KV head, so DCP=2 under TP=2 holds): prompts
@@ -31,6 +31,7 @@ LAYOUTS = {
     "pcp2": {"prefill_context_parallel_size": 2},
     "tp2-dcp2": {"tensor_parallel_size": 2, "decode_context_parallel_size": 2},
     "tp2": {"tensor_parallel_size": 2},
+    "pcp2-replicated": {"prefill_context_parallel_size": 2, "cp_kv_cache_layout": "replicated"},
 }
 """Where each rank holds every row and its whole context (one rank, TP=2) a verify chunk runs as decode rows
 (ModelRunner._verify_rows); under PCP and DCP as a prefill chunk over the sharded context."""
