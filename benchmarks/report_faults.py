@@ -45,6 +45,11 @@ def faults_section(results: Results, images: str, rel: str) -> list[str]:
               "Detection: until /health shows the replica out of rotation; recovery: until it serves again (a "
               "new process tree importing torch and loading the model, on the same 2 shared cores).", ""]
     lines += _overview(base, faults) + [""]
+    for name, data in (("no faults", base), ("faults", faults)):
+        for problem in data["problems"]:
+            lines.append(f"Problem reported by the {name} run: {problem}.")
+    if base["problems"] or faults["problems"]:
+        lines.append("")
     lines += _faults(faults) + [""]
     tokens, seconds = f["output_tokens_per_s"], f["seconds"]
     lines.append(f"Detection: mean {f['detect_s']['mean']} s, max {f['detect_s']['max']} s; recovery: mean "
