@@ -36,7 +36,6 @@ sys.path.insert(0, HERE)
 
 from window_model import SHAPES, build_folders  # noqa: E402
 
-from cpllm.bench.ceiling import prefill_flops  # noqa: E402
 from cpllm.bench.common import BenchLayout, machine_info, parse_int_list, parse_layout, random_prompt  # noqa: E402
 from cpllm.bench.engines import build_llm, model_config_of  # noqa: E402
 from cpllm.bench.prefill import WARMUP_TOKENS, parallel_efficiency, run_prefill_bench, time_prefill  # noqa: E402
@@ -55,6 +54,14 @@ def time_transformers(model, prompt: list[int]) -> float:
     return time.perf_counter() - start
 
 
+def timed(run, *args) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of one prefill. At one thread the CPU time is what the run would
+    take on an idle core: on this shared machine it moves far less than the wall time."""
+    cpu = time.process_time()
+    wall = run(*args)
+    return wall, time.process_time() - cpu
+
+
 def prefill_part(folder: str, args) -> dict:
     """cpllm against transformers' forward, same weights and threads, alternating within each round."""
     from transformers import AutoModelForCausalLM
@@ -65,28 +72,33 @@ def prefill_part(folder: str, args) -> dict:
     llm, _ = build_llm(folder, BenchLayout.of(threads_per_rank=args.threads), strategy=None,
                        threads_per_rank=args.threads, context_tokens=max(lengths) + 64,
                        batch_tokens=max(lengths) + 64, engine_options=dict(quantization="none"))
-    runs = {"cpllm": lambda p: time_prefill(llm, p), "transformers": lambda p: time_transformers(hf, p)}
-    vocab, config, rows = hf.config.vocab_size, model_config_of(folder), []
+    runs = {"cpllm": lambda p: timed(time_prefill, llm, p), "transformers": lambda p: timed(time_transformers, hf, p)}
+    vocab, rows = hf.config.vocab_size, []
     try:
         for run in runs.values():
             run(random_prompt(WARMUP_TOKENS, vocab, seed=-1))
         for n in lengths:
             times: dict[str, list[float]] = {name: [] for name in runs}
+            cpu: dict[str, list[float]] = {name: [] for name in runs}
             for r in range(args.rounds):
                 prompt = random_prompt(n, vocab, seed=1000 * n + r)  # the same prompt for both in a round
                 for name in list(runs)[::1 if r % 2 == 0 else -1]:
-                    times[name].append(runs[name](prompt))
-                _log(f"prefill {n} round {r}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()))
-            flops = prefill_flops(config, n, logits_rows=1).total
+                    wall, cpu_s = runs[name](prompt)
+                    times[name].append(wall)
+                    cpu[name].append(cpu_s)
+                _log(f"prefill {n} round {r}: " + ", ".join(f"{k} {v[-1]:.2f} s (cpu {cpu[k][-1]:.2f} s)"
+                                                            for k, v in times.items()))
             best = {k: min(v) for k, v in times.items()}
             median = {k: statistics.median(v) for k, v in times.items()}
+            cpu_best = {k: min(v) for k, v in cpu.items()}
             for name, seconds in times.items():
                 rows.append({"system": name, "threads": args.threads, "prompt_tokens": n,
                              "ttft_s": round(best[name], 3), "ttft_median_s": round(median[name], 3),
-                             "tokens_per_s": round(n / best[name], 1), "gflops": round(flops / best[name] / 1e9, 1),
+                             "cpu_s": round(cpu_best[name], 3), "tokens_per_s": round(n / best[name], 1),
                              "cpllm_speedup_best": round(best[name] / best["cpllm"], 3),
                              "cpllm_speedup_median": round(median[name] / median["cpllm"], 3),
-                             "all_s": [round(t, 3) for t in seconds]})
+                             "cpllm_speedup_cpu": round(cpu_best[name] / cpu_best["cpllm"], 3),
+                             "all_s": [round(t, 3) for t in seconds], "all_cpu_s": [round(t, 3) for t in cpu[name]]})
     finally:
         llm.shutdown()
     return {"prefill": rows}

@@ -66,6 +66,10 @@ class Piece:
     mask: torch.Tensor | None
     """[L, S] bool, True keeps: the band the window leaves (causality included), or None (every key visible to
     every query, or `causal`)."""
+    reverse: bool = False
+    """With `causal`, the far edge of the band instead: as many keys as queries, ending W - 1 positions before
+    the last query, query t seeing key s iff s >= t; computed as the causal call on both runs reversed (the C
+    kernel, no mask)."""
 
     def rows(self, first_row: int) -> slice:
         """The queries' rows in a batch whose run starts at `first_row`."""
@@ -95,11 +99,14 @@ def _before(q_first: int, q_len: int, keys: slice, first_key: int, last_key: int
 
 
 def _own_run(key_row: int, q_start: int, q_len: int, window: int | None) -> list[Piece]:
-    """A query run against its own keys: one causal call where the window does not bite inside it, one band-masked
-    call up to QUERY_BLOCK queries, else blocks of QUERY_BLOCK queries, each its own keys (causal, or banded when
-    the block is longer than the window) and the window's keys before it in the run."""
+    """A query run against its own keys: one causal call where the window does not bite inside it, else
+    `_banded_run` (windows of 2 or more), else one band-masked call up to QUERY_BLOCK queries or blocks of
+    QUERY_BLOCK queries, each its own keys (causal, or banded when the block is longer than the window) and the
+    window's keys before it in the run."""
     if window is None or q_len <= window:
         return [Piece(slice(0, q_len), slice(key_row, key_row + q_len), True, None)]
+    if window >= 2:
+        return _banded_run(key_row, q_start, q_len, window)
     block = q_len if q_len <= QUERY_BLOCK else QUERY_BLOCK
     pieces = []
     for a in range(0, q_len, block):
@@ -114,6 +121,29 @@ def _own_run(key_row: int, q_start: int, q_len: int, window: int | None) -> list
             pieces.append(_before(q_start + a, b - a, slice(key_row + lo, key_row + a), q_start + lo,
                                   q_start + a - 1, lambda lo=lo, a=a: torch.arange(q_start + lo, q_start + a),
                                   window, q_offset=a))
+    return pieces
+
+
+def _banded_run(key_row: int, q_start: int, q_len: int, window: int) -> list[Piece]:
+    """A run longer than its window, with no mask where the window lies wholly inside the run: blocks of
+    n <= min(W - 1, QUERY_BLOCK) queries [a, a + n), each three unmasked calls whose key sets partition its band:
+    its own keys (causal: the window cannot bite within n < W), the keys [a + n - W + 1, a) every query of the
+    block sees, and the band's far edge [a - W + 1, a - W + n] (`reverse`). Work ~ run x W, no score wasted but
+    the diagonals'. Blocks within a window of the run's start see keys from its first on (`_before`, masked)."""
+    block = min(window - 1, QUERY_BLOCK)
+    pieces = []
+    for a in range(0, q_len, block):
+        b = min(a + block, q_len)
+        pieces.append(Piece(slice(a, b), slice(key_row + a, key_row + b), True, None))
+        if a - window + 1 < 0:  # the band starts before the run: its first keys are all the block can see
+            if a > 0:
+                pieces.append(_before(q_start + a, b - a, slice(key_row, key_row + a), q_start, q_start + a - 1,
+                                      lambda a=a: torch.arange(q_start, q_start + a), window, q_offset=a))
+            continue
+        if b - window + 1 < a:  # keys every query of the block sees
+            pieces.append(Piece(slice(a, b), slice(key_row + b - window + 1, key_row + a), False, None))
+        edge = key_row + a - window + 1
+        pieces.append(Piece(slice(a, b), slice(edge, edge + b - a), True, None, reverse=True))
     return pieces
 
 
@@ -172,6 +202,10 @@ def attend_piece(backend, scale: float, mods: ScoreMods | None, q, k, v, piece: 
     """One piece on this rank -> (out, lse): the backend's plain `attend` (its fastest kernel) where neither a mask
     nor a soft-cap applies, else its scored path."""
     softcap = None if mods is None else mods.softcap
+    if piece.reverse:  # query t sees key s >= t: causal with both runs reversed, the output turned back
+        out, lse = attend_piece(backend, scale, mods, q.flip(0), k.flip(0), v.flip(0),
+                                Piece(piece.queries, piece.keys, True, None))
+        return out.flip(0), lse.flip(0)
     if piece.mask is None and softcap is None:
         return backend.attend(q, k, v, scale, piece.causal)
     return backend.attend_scored(q, k, v, scale, causal=piece.causal, mask=piece.mask, softcap=softcap)
