@@ -11,7 +11,8 @@ tensor read):
   `first query - W + 1`) and which queries see any of them (those before `last key + W`), and skip the piece when
   none is (no attend call: that is where a window saves time);
 - whether the keys left are visible to every query left (no mask: the backend's fastest kernel), or need a band
-  mask built from positions; a long run against itself goes in query blocks (`QUERY_BLOCK`).
+  mask built from positions; a run longer than the window against itself goes in query blocks of unmasked
+  calls (`_banded_run`).
 
 Soft-capping `c` (Gemma 2) rewrites every scaled score `s` as `c * tanh(s / c)` before the mask; the kernels do
 not know it, so a soft-capped piece always runs the backend's scored (math) path.
