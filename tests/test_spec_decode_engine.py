@@ -1,6 +1,7 @@
 """Speculative decoding through the engine (real processes on gloo): greedy with prompt lookup is token for token the
-engine without it, on one rank, PCP=2 (both KV layouts), TP=2 x DCP=2 and TP=2, with chunked prefill, prefix hits, stop tokens and
-max_tokens; KV blocks and the prefix cache end as without speculation; seeded sampled runs repeat.
+engine without it, on one rank, PCP=2 (both KV layouts), TP=2 x DCP=2 and TP=2, with chunked prefill, prefix hits,
+stop tokens, max_tokens and a grammar; KV blocks and the prefix cache end as without speculation; seeded sampled
+runs repeat and sampled tokens keep their distribution.
 
 The model is tests/spec_decode_helpers.py's successor-map Llama (one KV head, so DCP=2 under TP=2 holds): prompts
 that walk its cycles are copied by the model, so drafts are mostly accepted; random prompts with

@@ -303,7 +303,8 @@ class LLMEngine:
     def _verify(self, state: RequestState, seq: Sequence, chunk, chunk_logits: torch.Tensor) -> None:
         """Emit the tokens of a verify chunk (chunk_logits: [k + 1, vocab]) one row at a time, each sampled as a
         decode step would sample it; the scheduler counts each accepted draft's K/V as it goes (so a request that
-        ends inside the chunk registers the blocks a decode-only run would), then gives back the blocks only rejected drafts wrote."""
+        ends inside the chunk registers the blocks a decode-only run would), then gives back the blocks that only
+        rejected drafts wrote."""
         request = seq.request
         row = SamplingRow(params=request.sampling_params, prompt_token_ids=request.prompt_token_ids,
                           output_token_ids=request.output_token_ids, generator=seq.generator,
