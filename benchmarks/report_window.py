@@ -93,13 +93,18 @@ def prefill(data: dict[str, Any]) -> list[str]:
               "ttft_s": r["ttft_s"], "ttft_median_s": r["ttft_median_s"], "tokens_per_s": r["tokens_per_s"],
               "cpllm speed-up (fastest)": f"{r['cpllm_speedup_best']:.2f}",
               "cpllm speed-up (median)": f"{r['cpllm_speedup_median']:.2f}",
+              "cpu_s": r.get("cpu_s", "-"),
+              "cpllm speed-up (CPU time)": f"{r['cpllm_speedup_cpu']:.2f}" if "cpllm_speedup_cpu" in r else "-",
               "rounds (s)": ", ".join(map(str, r["all_s"]))} for r in rows]
     return ["### Prefill against transformers, same weights and threads", "",
             "One process, one rank: cpllm and transformers' own Gemma3ForCausalLM forward (sdpa attention, "
             "`logits_to_keep=1` as its `generate` prefills) load the same safetensors and run with the same torch "
             "threads, taking turns on the same prompt in every round (the one going first alternates). "
             "transformers attends each sliding layer over the whole prompt with a band mask; cpllm's window pieces "
-            "skip the keys the window hides (context_parallel/window.py). Target: cpllm / transformers >= 1.2.",
+            "skip the keys the window hides (context_parallel/window.py). The speed-ups are transformers' time over "
+            "cpllm's: of the fastest rounds, of the medians, and of the CPU time of the process (the fastest round; "
+            "at one thread that is what an idle core would take, and the other helpers' load moves it much less "
+            "than the wall time). Target: cpllm / transformers >= 1.2.",
             "", *md_table(table), "", _load(data) + "."]
 
 
