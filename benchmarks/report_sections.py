@@ -34,7 +34,8 @@ def machine_section(results: Results, images: str, rel: str) -> list[str]:
         return lines + _missing("")
     for key in ("cpu", "cores", "platform", "python", "torch", "transformers", "llama_cpp"):
         # a package installed between two runs shows up in the later files only
-        value = next((d["machine"][key] for d in results.values() if d["machine"].get(key) is not None), None)
+        value = next((d["machine"][key] for d in results.values() if d.get("machine", {}).get(key) is not None),
+                     None)
         lines.append(f"- {key}: {value if value is not None else 'not installed'}")
     lines += ["", "Load average (1, 5, 15 min) when each result was started and written; the machine is shared, so "
               "compare only numbers from the same file (they were measured side by side, interleaved)."]
@@ -46,7 +47,7 @@ def machine_section(results: Results, images: str, rel: str) -> list[str]:
               "reports the fastest of its repeats (other load only ever adds time) next to the median.", ""]
     rows = [{"result": name, "load_at_start": loads(data["machine"], "load_average_start"),
              "load_at_end": loads(data["machine"], "load_average_end") or loads(data["machine"], "load_average")}
-            for name, data in results.items()]
+            for name, data in results.items() if "machine" in data]  # a file without one has no load to show
     return lines + md_table(rows)
 
 
