@@ -2,7 +2,7 @@
 # Regenerate every result under benchmarks/results/ and docs/benchmarks.md (with its plots).
 #   benchmarks/run_all.sh            # everything (about an hour on 2 cores)
 #   benchmarks/run_all.sh prefill    # one step: ceiling prefill comm memory decode tp compare quality attention int4 profile serve chunk
-#                                    #   decode_layouts dcp transport plan breakdown moe structure window faults report
+#                                    #   decode_layouts dcp transport plan breakdown moe structure window mla faults report
 # Threads are always explicit: more busy threads than cores make torch's OpenMP spin-waits ruinous.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +11,7 @@ IMG=docs/img
 mkdir -p "$R" "$IMG"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(ceiling prefill comm memory decode tp compare quality attention int4 profile serve chunk decode_layouts dcp transport plan
-                                 breakdown moe structure window faults report)
+                                 breakdown moe structure window mla faults report)
 bench() { python -m cpllm --log-level WARNING bench "$@"; }
 
 for step in "${steps[@]}"; do
@@ -66,6 +66,12 @@ for step in "${steps[@]}"; do
             python benchmarks/window_bench.py --part pcp --pcp-tokens 16384 --rounds 2 --out "$R/window_pcp.json"
             python benchmarks/window_bench.py --part decode --context 32768 --rounds 4 --steps 16 --threads 1 \
               --out "$R/window_decode.json" ;;
+    # issue 25: a random model of DeepSeek-V2-Lite's per-layer shape cut to 2 layers and a 32K vocabulary
+    mla) python benchmarks/mla_bench.py --part dcp --context 16384 --rounds 4 --steps 12 --out "$R/mla_dcp.json"
+         python benchmarks/mla_bench.py --part layer --contexts 2048,16384 --rounds 3 --threads 1 \
+           --out "$R/mla_layer.json"
+         python benchmarks/mla_bench.py --part prefill --lengths 2048 --rounds 3 --threads 1 \
+           --out "$R/mla_prefill.json" ;;
     # issue 29: soaks of -dp 2 with no faults, then a replica's rank killed or stopped every 25 s
     faults) python benchmarks/soak.py --duration 150 --clients 8 --json "$R/soak_dp2.json" -- -dp 2 \
               --distributed-timeout 10 --threads-per-rank 1 || true

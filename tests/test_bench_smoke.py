@@ -238,3 +238,36 @@ def test_window_bench_and_report(tmp_path):
     text = page.read_text()
     assert "## Sliding windows: Gemma 3 1B's shape (issue 31)" in text and "### KV bytes per request at 64 tokens" in text
     assert "| transformers | 1 | 32 |" in text
+
+
+def test_mla_bench_and_report(tmp_path):
+    """benchmarks/mla_bench.py (issue 25) at a tiny DeepSeek-V2 shape: the KV figures come from each engine's own
+    accounting (DCP=2 at the same budget: half the bytes per token of a request per rank, twice the tokens), the
+    two decode forms of one layer agree to float32 rounding; then the report's section from the three JSONs."""
+    results = tmp_path / "results"
+    results.mkdir()
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    common = [sys.executable, os.path.join(REPO, "benchmarks", "mla_bench.py"), "--shape", "tiny", "--vocab", "300",
+              "--max-positions", "256", "--rounds", "1", "--cache", str(tmp_path / "models")]
+    for part in (["dcp", "--context", "64", "--steps", "2", "--chunk", "32", "--kv-bytes", "200000"],
+                 ["layer", "--contexts", "32,64"], ["prefill", "--lengths", "32"]):
+        subprocess.run([*common, "--part", *part, "--out", str(results / f"mla_{part[0]}.json")], check=True,
+                       env=env, cwd=tmp_path, capture_output=True)
+    tp, dcp = _read(results / "mla_dcp.json")["dcp"]
+    width = (32 + 16) * 4  # kv_lora_rank + rope, fp32, per layer
+    assert tp["kv"]["bytes_per_token_stored"] == dcp["kv"]["bytes_per_token_stored"] == 2 * width
+    assert (tp["kv"]["kv_shard_ranks"], dcp["kv"]["kv_shard_ranks"]) == (1, 2)
+    assert dcp["kv"]["bytes_per_token_per_rank"] * 2 == tp["kv"]["bytes_per_token_per_rank"]
+    assert dcp["kv"]["tokens_held"] == 2 * tp["kv"]["tokens_held"] == 2 * tp["kv"]["slots_per_rank"]
+    layer = _read(results / "mla_layer.json")["layer"]
+    assert {(r["form"], r["context_tokens"]) for r in layer} == {(f, c) for f in ("absorbed", "expanded")
+                                                                 for c in (32, 64)}
+    assert all(r["max_abs_diff"] <= 1e-4 * max(1.0, r["max_abs_out"]) for r in layer)
+    prefill = _read(results / "mla_prefill.json")["prefill"]
+    assert [r["system"] for r in prefill][0] == "cpllm" and len(prefill) == 2
+    page = tmp_path / "benchmarks.md"
+    subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "make_report.py"), "--results", str(results),
+                    "--out", str(page), "--images", str(tmp_path / "img")], check=True, env=env, capture_output=True)
+    text = page.read_text()
+    assert "## Multi-head latent attention: DeepSeek-V2-Lite's shape (issue 25)" in text
+    assert "### Decode at 64 tokens: TP=2 x DCP=2 against TP=2" in text and "| 2x1x2@1 | 64 |" in text
