@@ -1,0 +1,112 @@
+"""Prompt-lookup speculative decoding on SmolLM2 (its default weights), batch 1: output tokens/s against no
+speculation, the acceptance rate and the mean tokens per verify step.
+
+    python benchmarks/spec_decode.py --json benchmarks/results/spec_decode.json [--pcp 2] [--ks 2 4 8]
+
+Two workloads, greedy, chat template: "copy", a document of ~1.5K tokens (this repository's
+docs/architecture.md, its first sections) and a request to rewrite it with one change, so most of the answer copies
+the prompt; "chat", a short free-form question, where drafts are few and mostly wrong (speculation must cost little).
+Every configuration is its own engine, all built up front in this process; each request runs once per engine to
+warm up (which also leaves its prompt in the prefix cache; `--warmup 0` skips it), then `--repeats` rounds run every configuration in
+turn, so a change in the machine's load reaches them alike. Reported: the median decode rate, output tokens after
+the first over the time from the first token to the last (prefill is the same work in every configuration).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+from cpllm import LLM, SamplingParams
+from cpllm.bench.common import machine_info
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHAT = "Tell me a short story about a lighthouse keeper and a storm."
+
+
+def copy_prompt(tokenizer, target_tokens: int) -> str:
+    """A rewrite request over the first ~target_tokens tokens of docs/architecture.md (whole paragraphs)."""
+    with open(os.path.join(HERE, "..", "docs", "architecture.md")) as f:
+        paragraphs = f.read().split("\n\n")
+    document = ""
+    for paragraph in paragraphs:
+        if len(tokenizer.encode(document + paragraph)) > target_tokens:
+            break
+        document += paragraph + "\n\n"
+    return ("Rewrite the following text exactly as it is, except that every occurrence of the word 'rank' becomes "
+            "'worker'.\n\n" + document.strip())
+
+
+def token_ids(llm: LLM, prompt: str) -> dict:
+    tokenizer = llm.get_tokenizer()
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    return {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+
+def decode_rate(llm: LLM, ids: dict, params: SamplingParams) -> tuple[float, list[int]]:
+    result = llm.generate(ids, params)[0]
+    out, m = result.outputs[0], result.metrics
+    return (len(out.token_ids) - 1) / (m.finished_time - m.first_token_time), out.token_ids
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--pcp", type=int, default=1)
+    parser.add_argument("--doc-tokens", type=int, default=1500)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, choices=(0, 1), default=1, help="one unmeasured run per engine first")
+    parser.add_argument("--threads-per-rank", type=int, default=None)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    results = {"machine": machine_info(), "pcp": args.pcp, "max_tokens": args.max_tokens, "runs": []}
+    engines = {}
+    for k in [0, *args.ks]:
+        spec = None if k == 0 else {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+                                    "prompt_lookup_min": 2}
+        engines[k] = LLM(prefill_context_parallel_size=args.pcp, max_model_len=4096, speculative_config=spec,
+                         kv_cache_memory_bytes=256 << 20, threads_per_rank=args.threads_per_rank)
+    tokenizer_llm = engines[0]
+    prompts = {"copy": copy_prompt(tokenizer_llm.get_tokenizer(), args.doc_tokens), "chat": CHAT}
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    for workload, prompt in prompts.items():
+        ids = token_ids(tokenizer_llm, prompt)
+        before, rates, outputs = {}, {k: [] for k in engines}, {}
+        for k, llm in engines.items():
+            if args.warmup:
+                decode_rate(llm, ids, params)  # prefix cache filled; the decode rate leaves prefill out anyway
+            before[k] = llm.engine.spec_decode_totals
+        for _ in range(args.repeats):
+            for k, llm in engines.items():
+                rate, outputs[k] = decode_rate(llm, ids, params)
+                rates[k].append(rate)
+        for k, llm in engines.items():
+            after = llm.engine.spec_decode_totals
+            drafted = after.num_draft_tokens - before[k].num_draft_tokens
+            accepted = after.num_accepted_tokens - before[k].num_accepted_tokens
+            steps = after.num_drafts - before[k].num_drafts
+            result = dict(k=k, workload=workload, prompt_tokens=len(ids["prompt_token_ids"]),
+                          output_tokens=len(outputs[k]), tokens_per_s=statistics.median(rates[k]), rates=rates[k],
+                          output=outputs[k], draft_tokens=drafted, accepted_tokens=accepted, verify_steps=steps,
+                          acceptance_rate=accepted / drafted if drafted else None,
+                          mean_accepted_per_verify=accepted / steps if steps else None)
+            results["runs"].append(result)
+            print(f"k={k} {workload}: {result['prompt_tokens']} prompt tokens, {result['output_tokens']} out, "
+                  f"{result['tokens_per_s']:.1f} tok/s, acceptance {result['acceptance_rate']}, "
+                  f"accepted/verify {result['mean_accepted_per_verify']}", flush=True)
+    for llm in engines.values():
+        llm.shutdown()
+    base = {r["workload"]: r for r in results["runs"] if r["k"] == 0}
+    for r in results["runs"]:
+        r["speedup"] = r["tokens_per_s"] / base[r["workload"]]["tokens_per_s"]
+        r["same_output"] = r["output"] == base[r["workload"]]["output"]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
