@@ -60,6 +60,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, choices=(0, 1), default=1, help="one unmeasured run per engine first")
     parser.add_argument("--threads-per-rank", type=int, default=None)
+    parser.add_argument("--workloads", nargs="+", choices=("copy", "chat"), default=["copy", "chat"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     results = {"machine": machine_info(), "pcp": args.pcp, "max_tokens": args.max_tokens, "runs": []}
@@ -73,6 +74,8 @@ def main() -> None:
     prompts = {"copy": copy_prompt(tokenizer_llm.get_tokenizer(), args.doc_tokens), "chat": CHAT}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     for workload, prompt in prompts.items():
+        if workload not in args.workloads:
+            continue
         ids = token_ids(tokenizer_llm, prompt)
         before, rates, outputs = {}, {k: [] for k in engines}, {}
         for k, llm in engines.items():

@@ -224,13 +224,11 @@ class LLMEngine:
     @property
     def scheduler_totals(self) -> "SchedulerTotals":
         """The scheduler's running totals since start (the server exports their increments)."""
-        s = self.scheduler
+        s, spec = self.scheduler, self.spec_decode_totals
         return SchedulerTotals(preemptions=s.num_preemptions, prefix_query_tokens=s.num_prefix_query_tokens,
                                prefix_hit_tokens=s.num_prefix_hit_tokens,
-                               peak_request_blocks=tuple(s.peak_request_blocks),
-                               spec_drafts=self.spec_decode_totals.num_drafts,
-                               spec_draft_tokens=self.spec_decode_totals.num_draft_tokens,
-                               spec_accepted_tokens=self.spec_decode_totals.num_accepted_tokens)
+                               peak_request_blocks=tuple(s.peak_request_blocks), spec_drafts=spec.num_drafts,
+                               spec_draft_tokens=spec.num_draft_tokens, spec_accepted_tokens=spec.num_accepted_tokens)
 
     @property
     def spec_decode_totals(self) -> SpecDecodeTotals:
