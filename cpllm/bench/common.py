@@ -84,7 +84,10 @@ def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
 
 
 def kv_bytes_per_token(model_config: Any, dtype_bytes: int = 4) -> int:
-    """K and V of one token over all layers on a single rank (no sharding)."""
+    """K and V of one token over all layers on a single rank (no sharding); an MLA model's one latent row."""
+    mla = getattr(model_config, "mla", None)
+    if mla is not None:  # one pool per layer, the same rows as K and V (cpllm/kv_groups.py's latent group)
+        return model_config.num_hidden_layers * mla.latent_width * dtype_bytes
     return 2 * model_config.num_hidden_layers * model_config.num_key_value_heads * model_config.head_dim * dtype_bytes
 
 
