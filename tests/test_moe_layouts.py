@@ -251,4 +251,4 @@ def test_unsupported_features_refused():
     with pytest.raises(ValueError, match="o_proj bias"):
         ModelConfig(architecture="Qwen3ForCausalLM", qk_norm=True, attention_bias=True, **base)
     with pytest.raises(ValueError, match="unsupported architecture"):
-        ModelConfig(architecture="DeepseekV3ForCausalLM", **base)
+        ModelConfig(architecture="JambaForCausalLM", **base)
