@@ -143,21 +143,23 @@ def dp_prompts() -> list[list[int]]:
 
 
 def run_dp_prompts(llm: LLM, run: Run) -> None:
-    """Greedy with prompt logprobs on DP_LENGTHS; under DP, records which requests replica 0 (in-process) served."""
-    local = getattr(llm.engine, "local", None)
-    if local is not None:
-        original = local.add_request
+    """Greedy with prompt logprobs on DP_LENGTHS; under DP, records which requests the front sent replica 0."""
+    replicas = getattr(llm.engine, "replicas", None)  # ReplicaFront: each replica its own process tree
+    replica0 = replicas[0] if replicas else None
+    if replica0 is not None:
+        original = replica0.send
 
-        def recording_add(request_id, *args, **kwargs):
-            run.replica0_requests.add(request_id)
-            return original(request_id, *args, **kwargs)
+        def recording_send(message):
+            if message[0] == "add":
+                run.replica0_requests.add(message[1])
+            return original(message)
 
-        local.add_request = recording_add
+        replica0.send = recording_send
     try:
         run.logprob_outputs = llm.generate(as_inputs(dp_prompts()), greedy(GREEDY_TOKENS, prompt_logprobs=True))
     finally:
-        if local is not None:
-            del local.add_request  # the class's method again
+        if replica0 is not None:
+            del replica0.send  # the class's method again
 
 
 # --- launches -------------------------------------------------------------------------------------------------
