@@ -18,7 +18,7 @@ def _model_line(data: dict[str, Any]) -> str:
             f"{m['qk_rope_head_dim']}, nope {m['qk_nope_head_dim']}, v {m['v_head_dim']}: a latent row of "
             f"{m['kv_lora_rank'] + m['qk_rope_head_dim']} values per token and layer; {m['n_routed_experts']} routed "
             f"experts of {m['moe_intermediate_size']} rows, {m['num_experts_per_tok']} active, "
-            f"{m['n_shared_experts']} shared; the first {m['first_k_dense_replace']} layer dense with "
+            f"{m['n_shared_experts']} shared; first_k_dense_replace {m['first_k_dense_replace']}, a dense MLP of "
             f"{m['intermediate_size']} rows; V2-Lite's YaRN rotary), cut to **{m['layers']} layers** (the first "
             f"dense, the rest sparse; 27 released: one sparse layer is 2.2 GB of fp32 weights, and transformers' "
             f"copy sits beside cpllm's in the prefill comparison) and a **vocabulary of {m['vocab']}** (102400 "
@@ -54,7 +54,7 @@ def kv_and_dcp(data: dict[str, Any]) -> list[str]:
                     f"vs {base['layout']} (median of rounds)": f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}",
                     "per-round ratios": ", ".join(map(str, r["ratio_rounds"])),
                     "rounds (tokens/s)": ", ".join(map(str, r["tokens_per_s_rounds"])),
-                    "set-up prefill (s)": r["prefill_s"]} for r in rows]
+                    "set-up prefill (s, one run, not compared)": r["prefill_s"]} for r in rows]
     context, steps = base["context_tokens"], base["steps"]
     return [
         "### Latent KV per rank: TP=2 against TP=2 x DCP=2", "",
@@ -70,7 +70,11 @@ def kv_and_dcp(data: dict[str, Any]) -> list[str]:
         f"time); then they take turns, {steps} batch-1 decode steps each per round, the one going first "
         "alternating (a warm-up round first, not counted). DCP=2 gathers the 16 heads' absorbed queries over the "
         "DCP group, attends half the latents on each rank and returns float32 partials and log-sum-exps by "
-        "all-to-all (context_parallel.md, \"MLA\").", "", *md_table(decode_rows), "", _load(data) + "."]
+        "all-to-all (context_parallel.md, \"MLA\"). Per rank the two layouts do the same attention arithmetic "
+        "(TP=2: its 8 heads over every latent; DCP=2: all 16 heads over half of them); DCP=2 reads half the latent "
+        "bytes and adds two small collectives per layer, and the weights each rank reads per step are the same TP "
+        "halves. What DCP buys is the tokens held, above; decode speed is expected to stay about even.", "",
+        *md_table(decode_rows), "", _load(data) + "."]
 
 
 def layer(data: dict[str, Any]) -> list[str]:

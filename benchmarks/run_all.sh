@@ -67,7 +67,7 @@ for step in "${steps[@]}"; do
             python benchmarks/window_bench.py --part decode --context 32768 --rounds 4 --steps 16 --threads 1 \
               --out "$R/window_decode.json" ;;
     # issue 25: a random model of DeepSeek-V2-Lite's per-layer shape cut to 2 layers and a 32K vocabulary
-    mla) python benchmarks/mla_bench.py --part dcp --context 16384 --rounds 6 --steps 16 --out "$R/mla_dcp.json"
+    mla) python benchmarks/mla_bench.py --part dcp --context 16384 --rounds 6 --steps 32 --out "$R/mla_dcp.json"
          python benchmarks/mla_bench.py --part layer --contexts 2048,16384 --rounds 5 --threads 1 \
            --out "$R/mla_layer.json"
          python benchmarks/mla_bench.py --part prefill --lengths 2048 --rounds 3 --threads 1 \
