@@ -17,12 +17,11 @@ import torch
 
 from cpllm.config import ModelConfig
 from cpllm.context_parallel.attention import CPComm
-from cpllm.context_parallel.backend import AttentionBackend, attention_backend
+from cpllm.context_parallel.backend import AttentionBackend
 from cpllm.distributed.comm import low_latency
 from cpllm.distributed.groups import PCPSplit
 from cpllm.model.deepseek_moe import DeepseekMoEBlock
-from cpllm.model.fused_decode import FusedDecode
-from cpllm.model.layers import ParallelLMHead, RMSNorm, TPShard, VocabParallelEmbedding
+from cpllm.model.layers import RMSNorm, TPShard
 from cpllm.model.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from cpllm.model.mla_attention import MLAAttention
 from cpllm.model.moe_placement import MoEShard
@@ -57,29 +56,20 @@ class DeepseekForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: ModelConfig, tp: TPShard, comm: CPComm, dtype: torch.dtype, max_positions: int,
                  moe: MoEShard | None = None, pcp: PCPSplit | None = None):
-        """As LlamaForCausalLM (its constructor would build Llama layers, so the same members are set here)."""
-        torch.nn.Module.__init__(self)
         if config.mla is None or config.moe is None:
             raise ValueError(f"{config.architecture} needs ModelConfig.mla and ModelConfig.moe")
-        self.config = config
-        h = config.hidden_size
-        self.attention_backend = attention_backend(ATTENTION_KIND)
-        self.embed_tokens = VocabParallelEmbedding("model.embed_tokens.weight", config.vocab_size, h, tp, dtype,
-                                                   config.quantization)
-        self.layers = torch.nn.ModuleList(
-            DeepseekDecoderLayer(config, i, tp, comm, dtype, moe, self.attention_backend, pcp)
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm("model.norm.weight", h, config.rms_norm_eps, dtype)
-        tied = self.embed_tokens if config.tie_word_embeddings else None
-        head_pcp = pcp if pcp is not None and low_latency(pcp.group) else None
-        self.lm_head = ParallelLMHead(tied, "lm_head.weight", config.vocab_size, h, tp, dtype, config.quantization,
-                                      pcp=head_pcp)
+        super().__init__(config, tp, comm, dtype, max_positions, moe, pcp)
+
+    def attention_kind(self) -> str:
+        return ATTENTION_KIND
+
+    def decoder_layer(self, config: ModelConfig, index: int, tp: TPShard, comm: CPComm, dtype: torch.dtype,
+                      moe: MoEShard | None, pcp: PCPSplit | None, max_positions: int) -> torch.nn.Module:
+        return DeepseekDecoderLayer(config, index, tp, comm, dtype, moe, self.attention_backend, pcp)
+
+    def rotary(self, config: ModelConfig, max_positions: int) -> torch.nn.Module:
         # only the decoupled rope part of queries and keys rotates
-        self.rope = RotaryEmbedding(config.mla.qk_rope_head_dim, config.rope_theta, config.rope_scaling,
-                                    max_positions)
-        self.fused_decode: FusedDecode | None = None
-        self.max_positions = max_positions
+        return RotaryEmbedding(config.mla.qk_rope_head_dim, config.rope_theta, config.rope_scaling, max_positions)
 
     def eager_decode_reason(self) -> str | None:
         return "multi-head latent attention"  # the fused C layers compute GQA layers

@@ -22,11 +22,10 @@ import torch.nn.functional as F
 from cpllm.config import ModelConfig
 from cpllm.config_attention import FULL, SLIDING, layer_kind, layer_window
 from cpllm.context_parallel.attention import CPComm, PagedCPAttention
-from cpllm.context_parallel.backend import AttentionBackend, attention_backend
+from cpllm.context_parallel.backend import AttentionBackend
 from cpllm.context_parallel.metadata import AttentionMetadata
-from cpllm.distributed.comm import low_latency
 from cpllm.distributed.groups import PCPSplit
-from cpllm.model.layers import ParallelLMHead, RMSNorm, TPShard, VocabParallelEmbedding
+from cpllm.model.layers import RMSNorm, TPShard, VocabParallelEmbedding
 from cpllm.model.llama import ATTENTION_KIND, LlamaAttention, LlamaForCausalLM, LlamaMLP
 from cpllm.model.loader import WeightSource
 from cpllm.model.moe_placement import MoEShard
@@ -134,28 +133,22 @@ class GemmaForCausalLM(LlamaForCausalLM):
     """LlamaForCausalLM's stack, loading and step paths over Gemma layers, with the scaled embedding, the (1 + w)
     final norm and the soft-capped logits."""
 
-    def __init__(self, config: ModelConfig, tp: TPShard, comm: CPComm, dtype: torch.dtype, max_positions: int,
-                 moe: MoEShard | None = None, pcp: PCPSplit | None = None):
-        """As LlamaForCausalLM (whose constructor would build Llama layers, so the same members are set here);
-        `moe` is unused (the Gemma MLPs are dense)."""
-        torch.nn.Module.__init__(self)
-        self.config = config
-        h = config.hidden_size
-        self.attention_backend = attention_backend(ATTENTION_KIND)
-        self.embed_tokens = GemmaEmbedding("model.embed_tokens.weight", config.vocab_size, h, tp, dtype,
-                                           config.quantization)
-        self.layers = torch.nn.ModuleList(
-            GemmaDecoderLayer(config, i, tp, comm, dtype, self.attention_backend, max_positions)
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = GemmaRMSNorm("model.norm.weight", h, config.rms_norm_eps, dtype)
-        tied = self.embed_tokens if config.tie_word_embeddings else None
-        head_pcp = pcp if pcp is not None and low_latency(pcp.group) else None  # as LlamaForCausalLM
-        self.lm_head = ParallelLMHead(tied, "lm_head.weight", config.vocab_size, h, tp, dtype, config.quantization,
-                                      pcp=head_pcp)
-        self.rope = GemmaRopes(config, max_positions)
-        self.fused_decode = None
-        self.max_positions = max_positions
+    def attention_kind(self) -> str:
+        return ATTENTION_KIND  # plain GQA everywhere: soft-capped scores run on its math path
+
+    def embedding(self, config: ModelConfig, tp: TPShard, dtype: torch.dtype) -> torch.nn.Module:
+        return GemmaEmbedding("model.embed_tokens.weight", config.vocab_size, config.hidden_size, tp, dtype,
+                              config.quantization)
+
+    def decoder_layer(self, config: ModelConfig, index: int, tp: TPShard, comm: CPComm, dtype: torch.dtype,
+                      moe: MoEShard | None, pcp: PCPSplit | None, max_positions: int) -> torch.nn.Module:
+        return GemmaDecoderLayer(config, index, tp, comm, dtype, self.attention_backend, max_positions)  # dense MLPs
+
+    def final_norm(self, config: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
+        return GemmaRMSNorm("model.norm.weight", config.hidden_size, config.rms_norm_eps, dtype)
+
+    def rotary(self, config: ModelConfig, max_positions: int) -> torch.nn.Module:
+        return GemmaRopes(config, max_positions)
 
     def eager_decode_reason(self) -> str | None:
         return "Gemma layers: sandwich norms, GeGLU, soft-capping"

@@ -17,19 +17,16 @@ import torch
 from cpllm.config import ModelConfig
 from cpllm.config_attention import layer_window
 from cpllm.context_parallel.attention import CPComm, PagedCPAttention
-from cpllm.context_parallel.backend import AttentionBackend, attention_backend
+from cpllm.context_parallel.backend import AttentionBackend
 from cpllm.context_parallel.metadata import AttentionMetadata
-from cpllm.distributed.comm import low_latency
 from cpllm.distributed.groups import PCPSplit
 from cpllm.kernels.decode_rows import rope_qk_
-from cpllm.model.fused_decode import FusedDecode
 from cpllm.model.gpt_oss_moe import GptOssMoEBlock
-from cpllm.model.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RowParallelLinear, RowRange, TPShard,
-                                VocabParallelEmbedding)
+from cpllm.model.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, RowRange, TPShard
 from cpllm.model.llama import ATTENTION_KIND, LlamaForCausalLM, local_kv_heads
 from cpllm.model.loader import WeightSource
 from cpllm.model.moe_placement import MoEShard
-from cpllm.model.rope import RotaryEmbedding, apply_rope
+from cpllm.model.rope import apply_rope
 
 
 class GptOssAttention(torch.nn.Module):
@@ -108,23 +105,9 @@ class GptOssDecoderLayer(torch.nn.Module):
 class GptOssForCausalLM(LlamaForCausalLM):
     """LlamaForCausalLM's stack, loading, step paths and LM head over GPT-OSS decoder layers."""
 
-    def __init__(self, config: ModelConfig, tp: TPShard, comm: CPComm, dtype: torch.dtype, max_positions: int,
-                 moe: MoEShard | None = None, pcp: PCPSplit | None = None):
-        """As LlamaForCausalLM (its constructor would build Llama layers, so the same members are set here)."""
-        torch.nn.Module.__init__(self)
-        self.config = config
-        h = config.hidden_size
-        self.attention_backend = attention_backend(ATTENTION_KIND)
-        self.embed_tokens = VocabParallelEmbedding("model.embed_tokens.weight", config.vocab_size, h, tp, dtype,
-                                                   config.quantization)
-        self.layers = torch.nn.ModuleList(
-            GptOssDecoderLayer(config, i, tp, comm, dtype, moe, self.attention_backend, max_positions)
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm("model.norm.weight", h, config.rms_norm_eps, dtype)
-        tied = self.embed_tokens if config.tie_word_embeddings else None
-        head_pcp = pcp if pcp is not None and low_latency(pcp.group) else None
-        self.lm_head = ParallelLMHead(tied, "lm_head.weight", config.vocab_size, h, tp, dtype, config.quantization,
-                                      pcp=head_pcp)
-        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, max_positions)
-        self.fused_decode: FusedDecode | None = None
+    def attention_kind(self) -> str:
+        return ATTENTION_KIND  # plain GQA everywhere: the sinks run on its paths (not the Triton kernels')
+
+    def decoder_layer(self, config: ModelConfig, index: int, tp: TPShard, comm: CPComm, dtype: torch.dtype,
+                      moe: MoEShard | None, pcp: PCPSplit | None, max_positions: int) -> torch.nn.Module:
+        return GptOssDecoderLayer(config, index, tp, comm, dtype, moe, self.attention_backend, max_positions)

@@ -200,25 +200,44 @@ class LlamaForCausalLM(torch.nn.Module):
         super().__init__()
         self.config = config
         h = config.hidden_size
-        self.attention_backend = attention_backend(kind_for(ATTENTION_KIND))  # Triton kernels on CUDA
+        self.attention_backend = attention_backend(self.attention_kind())
         """Every layer's attention on this rank (cpllm/context_parallel/backend.py)."""
-        self.embed_tokens = VocabParallelEmbedding("model.embed_tokens.weight", config.vocab_size, h, tp, dtype,
-                                                   config.quantization)
+        self.embed_tokens = self.embedding(config, tp, dtype)
         self.layers = torch.nn.ModuleList(
-            LlamaDecoderLayer(config, i, tp, comm, dtype, moe, self.attention_backend, pcp, max_positions)
+            self.decoder_layer(config, i, tp, comm, dtype, moe, pcp, max_positions)
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm("model.norm.weight", h, config.rms_norm_eps, dtype)
+        self.norm = self.final_norm(config, dtype)
         tied = self.embed_tokens if config.tie_word_embeddings else None
         # the head split adds one collective per step: only where collectives are cheap
         head_pcp = pcp if pcp is not None and low_latency(pcp.group) else None
         self.lm_head = ParallelLMHead(tied, "lm_head.weight", config.vocab_size, h, tp, dtype, config.quantization,
                                       pcp=head_pcp)
-        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, max_positions)
+        self.rope = self.rotary(config, max_positions)
         self.fused_decode: FusedDecode | None = None
         """Decode steps one C call per layer, where the loaded layers allow it (set by load_weights)."""
         self.max_positions = max_positions
         """The longest request (max_model_len), for the start-up log of the layers' K/V."""
+
+    # ---- what a family built on this stack replaces (Gemma, GPT-OSS, DeepSeek) ----------------------------------
+
+    def attention_kind(self) -> str:
+        """The `BACKENDS` key of every layer's attention (here: GQA, on the Triton kernels on CUDA)."""
+        return kind_for(ATTENTION_KIND)
+
+    def embedding(self, config: ModelConfig, tp: TPShard, dtype: torch.dtype) -> torch.nn.Module:
+        return VocabParallelEmbedding("model.embed_tokens.weight", config.vocab_size, config.hidden_size, tp, dtype,
+                                      config.quantization)
+
+    def decoder_layer(self, config: ModelConfig, index: int, tp: TPShard, comm: CPComm, dtype: torch.dtype,
+                      moe: MoEShard | None, pcp: PCPSplit | None, max_positions: int) -> torch.nn.Module:
+        return LlamaDecoderLayer(config, index, tp, comm, dtype, moe, self.attention_backend, pcp, max_positions)
+
+    def final_norm(self, config: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
+        return RMSNorm("model.norm.weight", config.hidden_size, config.rms_norm_eps, dtype)
+
+    def rotary(self, config: ModelConfig, max_positions: int) -> torch.nn.Module:
+        return RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, max_positions)
 
     def load_weights(self, source: WeightSource) -> None:
         for module in list(self.modules()):  # loading swaps in quantized submodules
