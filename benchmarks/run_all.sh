@@ -70,7 +70,7 @@ for step in "${steps[@]}"; do
     mla) python benchmarks/mla_bench.py --part dcp --context 16384 --rounds 6 --steps 32 --out "$R/mla_dcp.json"
          python benchmarks/mla_bench.py --part layer --contexts 2048,16384 --rounds 5 --threads 1 \
            --out "$R/mla_layer.json"
-         python benchmarks/mla_bench.py --part prefill --lengths 2048 --rounds 3 --threads 1 \
+         python benchmarks/mla_bench.py --part prefill --lengths 2048,4096 --rounds 3 --threads 1 \
            --out "$R/mla_prefill.json" ;;
     # issue 29: soaks of -dp 2 with no faults, then a replica's rank killed or stopped every 25 s
     faults) python benchmarks/soak.py --duration 150 --clients 8 --json "$R/soak_dp2.json" -- -dp 2 \
