@@ -126,44 +126,16 @@ class PagedCPAttention(torch.nn.Module):
             return self._one_shard_decode(q, k, v, k_pool, v_pool, meta)
         if plan is _PCP_DECODE:
             return self._pcp_decode(q, k, v, k_pool, v_pool, meta)
+        out, _ = self._general(q, k, v, k_pool, v_pool, meta)
+        return out.to(q.dtype)
+
+    def _general(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata):
+        """The path of steps with prompt chunks (and of single tokens the runner did not plan otherwise): new tokens
+        over PCP by the step's strategy, then the cached context over the KV-shard group -> (out, lse) of the last
+        merge. The layer's score modifiers (`mods`, None for a plain layer) restrict each piece."""
         if k_pool.dtype != k.dtype:
             # A narrower --kv-cache-dtype: new tokens attend to the rounded K/V too, exactly what they read back from
             # the pool in later steps, so outputs do not depend on which tokens shared a chunk (nor on the layout).
-            k, v = k.to(k_pool.dtype).to(k.dtype), v.to(v_pool.dtype).to(v.dtype)
-        strategy = meta.strategy if meta.strategy is not None else self.comm.strategy
-        if strategy == "pass-q" and self.comm.pcp_size > 1 and meta.has_new:
-            if meta.pass_q is None:
-                raise ValueError("strategy 'pass-q' needs the step's K/V store plan: build the metadata with "
-                                 "build_step_batch(..., strategy='pass-q')")
-            out, _ = pass_q_attention(self.comm, self.backend, self.scale, q, k, v, k_pool, v_pool, meta)
-            return out.to(q.dtype)
-        out = torch.zeros(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
-        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
-        if strategy == "ring" and self.comm.pcp_size > 1 and meta.has_new:
-            self._ring_new_tokens(q, k, v, k_pool, v_pool, meta, out, lse)
-        else:
-            self._gathered_new_tokens(q, k, v, k_pool, v_pool, meta, out, lse)
-        if meta.has_context:
-            o_ctx, lse_ctx = self._context(q, k_pool, v_pool, meta)
-            out, lse = merge_two(out, lse, o_ctx, lse_ctx)
-        return out.to(q.dtype)
-
-    def _scored(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata, sinks):
-        """forward's paths for a layer with a window, a soft-cap or sinks -> (out, lse) of the last merge: the same
-        collectives, each piece restricted to its keys in the window, the decode rows read through their
-        in-window view (no mask), soft-capped pieces on the backend's scored path."""
-        plan = meta.plan
-        if plan.fused or plan is _COMPILED:
-            raise ValueError(f"plan {plan.value!r} runs kernels that know no window, soft-cap or sink: plan the "
-                             f"steps of such a model eagerly (plan.py scored_plan)")
-        if self.window is not None and meta.decode is not None:
-            meta = dataclasses.replace(meta, decode=window_view(meta, self.window))
-        if plan is _ONE_SHARD:
-            return self._one_shard_scored(q, k, v, k_pool, v_pool, meta, whole=sinks is None)
-        if plan is _PCP_DECODE:
-            self.backend.store_kv(k_pool, v_pool, meta.write_slots, k, v, meta.write_rows)
-            return self._replicated_query_context(q, k_pool, v_pool, meta)
-        if k_pool.dtype != k.dtype:  # as forward: new tokens attend to the K/V rounded as the pool holds them
             k, v = k.to(k_pool.dtype).to(k.dtype), v.to(v_pool.dtype).to(v.dtype)
         strategy = meta.strategy if meta.strategy is not None else self.comm.strategy
         if strategy == "pass-q" and self.comm.pcp_size > 1 and meta.has_new:
@@ -181,6 +153,23 @@ class PagedCPAttention(torch.nn.Module):
             o_ctx, lse_ctx = self._context(q, k_pool, v_pool, meta)
             out, lse = merge_two(out, lse, o_ctx, lse_ctx)
         return out, lse
+
+    def _scored(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata, sinks):
+        """forward's paths for a layer with a window, a soft-cap or sinks -> (out, lse) of the last merge: the same
+        collectives, each piece restricted to its keys in the window, the decode rows read through their
+        in-window view (no mask), soft-capped pieces on the backend's scored path."""
+        plan = meta.plan
+        if plan.fused or plan is _COMPILED:
+            raise ValueError(f"plan {plan.value!r} runs kernels that know no window, soft-cap or sink: plan the "
+                             f"steps of such a model eagerly (plan.py scored_plan)")
+        if self.window is not None and meta.decode is not None:
+            meta = dataclasses.replace(meta, decode=window_view(meta, self.window))
+        if plan is _ONE_SHARD:
+            return self._one_shard_scored(q, k, v, k_pool, v_pool, meta, whole=sinks is None)
+        if plan is _PCP_DECODE:
+            self.backend.store_kv(k_pool, v_pool, meta.write_slots, k, v, meta.write_rows)
+            return self._replicated_query_context(q, k_pool, v_pool, meta)
+        return self._general(q, k, v, k_pool, v_pool, meta)
 
     def _one_shard_scored(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata, whole: bool):
         """`_one_shard_decode` on the in-window view; (out, lse) where sinks need the lse (`whole` False) or a
