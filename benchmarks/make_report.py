@@ -22,6 +22,7 @@ from report_mla import MLA_SECTIONS  # noqa: E402
 from report_sections import SECTIONS  # noqa: E402
 from report_single_rank import SINGLE_RANK_SECTIONS  # noqa: E402
 from report_spec import SPEC_SECTIONS  # noqa: E402
+from report_startup import STARTUP_SECTIONS  # noqa: E402
 from report_structure import STRUCTURE_SECTIONS  # noqa: E402
 from report_window import WINDOW_SECTIONS  # noqa: E402
 
@@ -44,7 +45,7 @@ def build_page(results: dict[str, dict[str, Any]], images: str, out_dir: str) ->
              "Numbers are not edited by hand.", ""]
     rel_images = os.path.relpath(images, out_dir)
     # the list of commands stays last
-    for section in [*SECTIONS[:-1], *SINGLE_RANK_SECTIONS, *CP_SECTIONS, *STRUCTURE_SECTIONS, *SPEC_SECTIONS, *WINDOW_SECTIONS,
+    for section in [*SECTIONS[:-1], *SINGLE_RANK_SECTIONS, *CP_SECTIONS, *STRUCTURE_SECTIONS, *STARTUP_SECTIONS, *SPEC_SECTIONS, *WINDOW_SECTIONS,
                     *MLA_SECTIONS, *FAULT_SECTIONS, SECTIONS[-1]]:
         parts += section(results, images, rel_images)
         parts.append("")

@@ -2,7 +2,7 @@
 # Regenerate every result under benchmarks/results/ and docs/benchmarks.md (with its plots).
 #   benchmarks/run_all.sh            # everything (about an hour on 2 cores)
 #   benchmarks/run_all.sh prefill    # one step: ceiling prefill comm memory decode tp compare quality attention int4 profile serve chunk
-#                                    #   decode_layouts dcp transport plan breakdown moe structure window mla faults report
+#                                    #   decode_layouts dcp transport plan breakdown moe structure startup window mla faults report
 # Threads are always explicit: more busy threads than cores make torch's OpenMP spin-waits ruinous.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +11,7 @@ IMG=docs/img
 mkdir -p "$R" "$IMG"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(ceiling prefill comm memory decode tp compare quality attention int4 profile serve chunk decode_layouts dcp transport plan
-                                 breakdown moe structure window mla faults report)
+                                 breakdown moe structure startup window mla faults report)
 bench() { python -m cpllm --log-level WARNING bench "$@"; }
 
 for step in "${steps[@]}"; do
@@ -53,6 +53,7 @@ for step in "${steps[@]}"; do
     dcp) python benchmarks/dcp_decode.py --rounds 5 --out "$R/decode_dcp.json" ;;
     transport) python benchmarks/collective_latency.py --ranks 2 --json "$R/collective_latency.json" ;;
     # issue 24: the figures the structural change must not move, against the commit before it
+    startup) python benchmarks/startup.py --before ef50ece --rounds 3 --out "$R/startup.json" ;;
     structure) python benchmarks/structure_before_after.py --before 45527f0 --rounds 4 --out "$R/structure.json"
         python benchmarks/structure_before_after.py --before 45527f0 --rounds 4 --cases 5 \
           --out "$R/structure_tp_team.json" ;;

@@ -34,9 +34,14 @@ GENERATE = [sys.executable, "-m", "cpllm", "generate", "--prompt", "The capital 
 IMPORT = [sys.executable, "-c", "import cpllm, torch, transformers"]
 
 
+NEUTRAL_CWD = tempfile.gettempdir()
+"""Where the commands run: not the checkout, whose cpllm/ would come first on sys.path (`python -m`, `-c`) and
+shadow the older commit's on PYTHONPATH."""
+
+
 def timed(argv: list[str], env: dict[str, str]) -> float:
     start = time.perf_counter()
-    subprocess.run(argv, env=env, check=True, capture_output=True)
+    subprocess.run(argv, env=env, check=True, capture_output=True, cwd=NEUTRAL_CWD)
     return time.perf_counter() - start
 
 
@@ -50,7 +55,7 @@ def serve_until_healthy(env: dict[str, str], limit_s: float = 120.0) -> float:
     port = free_port()
     start = time.perf_counter()
     server = subprocess.Popen([sys.executable, "-m", "cpllm", "serve", "--port", str(port)], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=NEUTRAL_CWD)
     try:
         while time.perf_counter() - start < limit_s:
             try:
@@ -105,7 +110,8 @@ def main() -> None:
         for side in order:
             runs[side].append(one_round(sides[side]))
             print(side, index, runs[side][-1], flush=True)
-    result = {"machine": machine_info(), "rounds": args.rounds, "before": args.before,
+    result = {"argv": ["python", "benchmarks/startup.py", *sys.argv[1:]], "machine": machine_info(),
+              "rounds": args.rounds, "before": args.before,
               "sides": {side: summary(r) for side, r in runs.items()}}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
