@@ -73,12 +73,15 @@ LAYOUTS = [
     MLALayout("glm", pcp=2, strategy="ring"),
     MLALayout("v3-direct", tp=2, pcp=2, dcp=2, strategy="pass-q", interleave=4),
     MLALayout("v2", pcp=2, strategy="allgather", ep=True, kv_layout="replicated"),
+    MLALayout("v3-yarn", pcp=2, strategy="allgather"),
+    MLALayout("glm", pcp=2, strategy="pass-q", interleave=4),
 ]
-"""Five launches, one on 4 ranks: TP=2 (latents replicated, the MoE group is the TP group); TP=2 x DCP=2 with
+"""Seven launches, one on 4 ranks: TP=2 (latents replicated, the MoE group is the TP group); TP=2 x DCP=2 with
 EP (latents sharded over the TP ranks, interleave 2); PCP=2 with the pass-KV ring (latent rows travel, prefix
 hits read sharded latents); TP=2 x PCP=2 x DCP=2 with pass-Q (queries travel, latents sharded over 4 ranks,
 interleave = block size); PCP=2 all-gather under the replicated layout with EP (a whole latent copy per PCP rank,
-decode rows split over PCP and their latents synced)."""
+decode rows split over PCP and their latents synced); and PCP=2 alone under the sharded layout with the other two
+strategies (all-gather of latent rows; pass-Q)."""
 
 
 @dataclass
