@@ -514,7 +514,8 @@ def _value(entry) -> float:
 
 def run_engine(folder: str, dtype_name: str, prompts: list[list[int]], enforce_eager: bool = False):
     """Two rounds of the same prompts: with prompt logprobs (which skip the prefix cache), then without (prefix-cache
-    hits, decodes over cached context). Returns (results, device types of runner/KV/weights, prefix-hit tokens)."""
+    hits, decodes over cached context). Returns (results, device types of runner/KV/weights, prefix-hit tokens, CUDA
+    graph replays of the driver rank)."""
     from cpllm import LLM, SamplingParams
 
     rounds = [SamplingParams(temperature=0, max_tokens=ENGINE_MAX_TOKENS, ignore_eos=True, logprobs=1,
@@ -536,7 +537,8 @@ def run_engine(folder: str, dtype_name: str, prompts: list[list[int]], enforce_e
                                      [_value(output.prompt_logprobs[i][ids[i]]) for i in range(1, len(ids))]),
                 ))
         hits = llm.engine.scheduler.num_prefix_hit_tokens
-    return results, device_types, hits
+        replays = llm.engine.executor.rank_stats().graph_replays
+    return results, device_types, hits, replays
 
 
 def compare_with_hf(results, hf_model, tol: float):
@@ -557,11 +559,7 @@ def compare_with_hf(results, hf_model, tol: float):
 
 def check_engine(device: torch.device, dtype_name: str, folder: str, hf_model, prompts, store: dict, key: str,
                  enforce_eager: bool = False, want_replays: bool = False):
-    from cpllm.worker import cuda_graphs
-
-    replays = cuda_graphs.REPLAYS[0]
-    results, device_types, hits = run_engine(folder, dtype_name, prompts, enforce_eager)
-    replays = cuda_graphs.REPLAYS[0] - replays
+    results, device_types, hits, replays = run_engine(folder, dtype_name, prompts, enforce_eager)
     store[key] = results
     if want_replays and not replays:
         return False, "no decode step replayed a CUDA graph (see the 'no CUDA graphs' / 'eager' log lines)"

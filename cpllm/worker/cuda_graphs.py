@@ -31,9 +31,6 @@ logger = logging.getLogger(__name__)
 
 MAX_CAPTURE_SIZE = 512
 """Largest bucket (vLLM's default bound): bigger decode batches are compute-bound and gain little from a graph."""
-REPLAYS = [0]
-"""Decode steps replayed in this process, every rank's graphs together (read by scripts/gpu_check.py, whose engine
-runs in its own process)."""
 STATIC_SLOT_BYTES = 256 << 20
 """Bytes the static slot table may take (int32, S x W): buckets beyond it are not captured (logged)."""
 
@@ -228,7 +225,6 @@ class DecodeGraphs:
         self.static.fill(batch, size)
         self.graphs[size].replay()
         self.replays += 1
-        REPLAYS[0] += 1
         return self.outputs[size][:rows]
 
 

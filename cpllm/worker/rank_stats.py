@@ -69,3 +69,5 @@ class RankStats:
     """Steps the fused decode layers ran."""
     compiled_steps: int
     """Steps the compiled decode graph ran."""
+    graph_replays: int = 0
+    """Decode steps replayed as a CUDA graph (cpllm/worker/cuda_graphs.py)."""

@@ -253,4 +253,5 @@ class ModelRunner:
         fused, compiled = self.model.fused_decode, self.compiled_decode
         return RankStats(strategy_counts=self.strategy_counts, plan_counts=dict(self.plan_counts),
                          fused_steps=fused.steps if fused is not None else 0,
-                         compiled_steps=compiled.steps if compiled is not None else 0)
+                         compiled_steps=compiled.steps if compiled is not None else 0,
+                         graph_replays=self.decode_graphs.replays if self.decode_graphs is not None else 0)
