@@ -23,12 +23,16 @@ from cpllm.server.process import ServerProcess
 
 DEADLINE_S = 5.0
 DP2 = [*LONG_FLAGS, "-dp", "2", "--threads-per-rank", "1", "--distributed-timeout", str(DEADLINE_S),
-       "--max-num-seqs", "2"]
+       "--max-num-seqs", "2", "--kv-cache-memory-bytes", "96MiB"]
+"""The last --kv-cache-memory-bytes wins: two 3,000-token requests of the model below fit a replica's pool."""
 
 
 @pytest.fixture(scope="module")
 def long_model(tmp_path_factory) -> str:
-    return save_tiny_hf_model(str(tmp_path_factory.mktemp("tiny_faults_dp")), max_position_embeddings=4096)
+    # wide and deep enough that a 3,000-token request runs for seconds on an idle machine (the 2-layer, 64-wide
+    # tiny model finishes one in about 1.5 s, before the test has looked at the metrics)
+    return save_tiny_hf_model(str(tmp_path_factory.mktemp("tiny_faults_dp")), max_position_embeddings=4096,
+                              hidden_size=256, intermediate_size=1024, num_hidden_layers=8)
 
 
 def replica_pids(server: ServerProcess) -> dict[int, int]:
@@ -66,6 +70,17 @@ class Outcome:
             getattr(self, kind).append(value)
 
 
+def sse_lines(response: httpx.Response):
+    """The stream's lines split at newlines only, as SSE and the openai client split them (httpx's iter_lines also
+    splits at U+2028, U+0085 and the like, which a random model's text may hold inside a JSON string)."""
+    buffer = ""
+    for text in response.iter_text():
+        *lines, buffer = (buffer + text).split("\n")
+        yield from (line.rstrip("\r") for line in lines)
+    if buffer:
+        yield buffer
+
+
 def run_request(url: str, index: int, outcome: Outcome, max_tokens: int) -> None:
     body = {"prompt": f"hello world {index}", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
     try:
@@ -75,7 +90,7 @@ def run_request(url: str, index: int, outcome: Outcome, max_tokens: int) -> None
                     outcome.add("problems", f"stream status {r.status_code}")
                     return
                 finishes, errors, done, ids = [], [], 0, set()
-                for line in r.iter_lines():
+                for line in sse_lines(r):
                     if line == "data: [DONE]":
                         done += 1
                     elif line.startswith("data: "):
