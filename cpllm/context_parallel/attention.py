@@ -161,7 +161,8 @@ class PagedCPAttention(torch.nn.Module):
         plan = meta.plan
         if plan.fused or plan is _COMPILED:
             raise ValueError(f"plan {plan.value!r} runs kernels that know no window, soft-cap or sink: plan the "
-                             f"steps of such a model eagerly (plan.py scored_plan)")
+                             "steps of such a model eagerly (its family builds no fused decode layers and refuses "
+                             "--compile-decode)")
         if self.window is not None and meta.decode is not None:
             meta = dataclasses.replace(meta, decode=window_view(meta, self.window))
         if plan is _ONE_SHARD:

@@ -62,13 +62,6 @@ def eager_decode_plan(kv_shards: int, pcp_size: int, replicated: bool) -> StepPl
     return StepPlan.GATHERED_DECODE
 
 
-def scored_plan(plan: StepPlan, eager: StepPlan) -> StepPlan:
-    """The plan of a step for a model whose attention has a sliding window, a soft-cap or sinks: the fused, team
-    and compiled plans run kernels that know none of them, so such a step takes `eager` (the eager layers' plan for
-    the layout, `eager_decode_plan`) instead; PagedCPAttention refuses those plans for such layers."""
-    return eager if plan.fused or plan is StepPlan.COMPILED else plan
-
-
 def single_token_rows(num_tokens: int, pcp_size: int, pcp_rank: int, split: bool) -> tuple[int, int]:
     """(rows this rank computes, rows of every rank's batch) for a step of `num_tokens` single tokens; `split`:
     each token on one PCP rank, dealt in turn (the replicated layout outside a team; metadata `_rank_runs`)."""
