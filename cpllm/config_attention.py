@@ -4,9 +4,11 @@ config.json (no torch). ModelConfig (config.py) holds the values; this module re
 A layer's kind is "full_attention" or "sliding_attention" (transformers' `layer_types` spelling). A sliding layer
 of window W lets query position i see key position j iff i - W < j <= i. Which layers slide, per family, as
 transformers 5 decides it:
-- Mistral: every layer, when `sliding_window` is set (no `layer_types`);
-- Qwen2: `layer_types` where the config has it, else layers i >= `max_window_layers`; none unless
+- Mistral and Mixtral: every layer, when `sliding_window` is set (no `layer_types`);
+- Qwen2 and Qwen3: `layer_types` where the config has it, else layers i >= `max_window_layers`; none unless
   `use_sliding_window` is true (its configs carry a `sliding_window` value either way);
+- Qwen3-MoE: every layer when `use_sliding_window` is true (transformers reads neither `layer_types` nor
+  `max_window_layers` for it);
 - Gemma2 / Gemma3: `layer_types`, else every second layer slides (Gemma2: even i) or all but every
   `sliding_window_pattern`-th (Gemma3, default 6: layers 5, 11, ... are full).
 """
@@ -17,8 +19,8 @@ from typing import Any
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 """The two attention kinds of ModelConfig.layer_types (config.LAYER_TYPES)."""
-WINDOWED_ARCHITECTURES = ("MistralForCausalLM", "Qwen2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-                          "GptOssForCausalLM")
+WINDOWED_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                          "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM")
 """Families whose sliding windows cpllm runs; a window in effect in another family's config is refused."""
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 """The Gemma text families (cpllm/model/gemma.py)."""
@@ -29,37 +31,41 @@ GEMMA_DEFAULTS = {
 """transformers 5's values of the keys a Gemma config.json may leave out (Gemma2Config, Gemma3TextConfig)."""
 GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh",)
 """MLP activations of the Gemma families cpllm runs (GeGLU with the tanh approximation of GELU)."""
+_USE_SLIDING_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+"""Families whose window is off unless `use_sliding_window` is true (transformers' default for them: false)."""
+_ALL_LAYERS = ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM")
+"""Families whose window, when set, applies to every layer (no `layer_types`)."""
 
 
 def _default_layer_types(arch: str, cfg: dict[str, Any], sliding: int | None, layers: int) -> list[str]:
     if sliding is None:
         return [FULL] * layers
-    if arch == "Qwen2ForCausalLM":
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         first = cfg.get("max_window_layers")
-        first = 28 if first is None else first  # transformers' Qwen2Config default
+        first = 28 if first is None else first  # transformers' Qwen2Config / Qwen3Config default
         return [SLIDING if i >= first else FULL for i in range(layers)]
     if arch in ("Gemma2ForCausalLM", "GptOssForCausalLM"):
         return [SLIDING if (i + 1) % 2 else FULL for i in range(layers)]
     if arch == "Gemma3ForCausalLM":
         pattern = cfg.get("sliding_window_pattern") or 6
         return [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
-    return [SLIDING] * layers  # Mistral: one window for every layer
+    return [SLIDING] * layers  # Mistral, Mixtral, Qwen3-MoE: one window for every layer
 
 
 def hf_layer_types(arch: str, cfg: dict[str, Any]) -> tuple[int | None, tuple[str, ...]]:
     """(sliding_window, layer_types) of a config.json: the window None and the kinds empty when no layer slides."""
     default = GEMMA_DEFAULTS.get(arch, {}).get("sliding_window")
     sliding = cfg.get("sliding_window", default) if cfg.get("use_sliding_window", True) else None
-    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+    if arch in _USE_SLIDING_WINDOW and not cfg.get("use_sliding_window", False):
         sliding = None
-    if arch == "MistralForCausalLM" and sliding is not None and sliding >= cfg.get("max_position_embeddings", 0):
+    if arch in _ALL_LAYERS and sliding is not None and sliding >= cfg.get("max_position_embeddings", 0):
         sliding = None  # a window as long as the context is no window at all
     if sliding is not None and arch not in WINDOWED_ARCHITECTURES:
         raise ValueError(f"sliding-window attention (sliding_window={sliding}) of {arch} is not supported by "
                          f"cpllm (windows run for {', '.join(WINDOWED_ARCHITECTURES)}); use a model without it")
     layers = cfg["num_hidden_layers"]
     kinds = cfg.get("layer_types")
-    if arch == "MistralForCausalLM" or not kinds:  # transformers' Mistral reads no layer_types
+    if arch in _ALL_LAYERS or not kinds:  # transformers' Mistral, Mixtral and Qwen3-MoE read no layer_types
         kinds = _default_layer_types(arch, cfg, sliding, layers)
     if sliding is None or SLIDING not in kinds:  # transformers: a "sliding" layer without a window attends fully
         return None, ()

@@ -243,8 +243,31 @@ def test_qwen2_layer_types_win_over_max_window_layers(variant):
 
 
 def test_window_of_a_family_without_windows_refused(variant):
-    folder = variant(architectures=["Qwen3ForCausalLM"], use_sliding_window=True, sliding_window=64)
-    refused(folder, "sliding_window=64", "Qwen3ForCausalLM")
+    folder = variant(architectures=["LlamaForCausalLM"], sliding_window=64)
+    refused(folder, "sliding_window=64", "LlamaForCausalLM")
+
+
+S, F = "sliding_attention", "full_attention"
+
+
+@pytest.mark.parametrize("arch, fields, expected", [
+    ("MixtralForCausalLM", dict(sliding_window=64), (64, (S, S, S))),
+    ("MixtralForCausalLM", dict(sliding_window=None), (None, ())),
+    ("MixtralForCausalLM", dict(sliding_window=256), (None, ())),  # as long as the context: no window
+    ("Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=64, max_window_layers=1), (64, (F, S, S))),
+    ("Qwen3ForCausalLM", dict(use_sliding_window=False, sliding_window=64, max_window_layers=1), (None, ())),
+    ("Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=64, layer_types=[S, F, S]), (64, (S, F, S))),
+    ("Qwen3ForCausalLM", dict(sliding_window=64), (None, ())),  # use_sliding_window defaults to false
+    # transformers' Qwen3-MoE reads neither max_window_layers nor layer_types: its window covers every layer
+    ("Qwen3MoeForCausalLM", dict(use_sliding_window=True, sliding_window=64, max_window_layers=2,
+                                 layer_types=[F, F, F]), (64, (S, S, S))),
+    ("Qwen3MoeForCausalLM", dict(sliding_window=64), (None, ())),
+])
+def test_windowed_layers_of_mixtral_and_qwen3(arch, fields, expected):
+    from cpllm.config_attention import hf_layer_types
+
+    cfg = dict(architectures=[arch], num_hidden_layers=3, max_position_embeddings=256, **fields)
+    assert hf_layer_types(arch, cfg) == expected
 
 
 def test_gemma3_config_of_transformers_4(variant):

@@ -1,8 +1,10 @@
-"""Mistral and Qwen2 with sliding windows: the single-rank engine against transformers on the same tiny weights.
+"""Mistral, Qwen2, Mixtral, Qwen3 and Qwen3-MoE with sliding windows: the single-rank engine against transformers
+on the same tiny weights.
 
 The window is 8 tokens (tests/tiny_window_models.py) and the prompts up to 6 times as long, so most keys of the
-long prompts and of the decode steps have left the window; Qwen2's first layer attends fully (max_window_layers=1),
-so the model mixes both kinds.
+long prompts and of the decode steps have left the window; Qwen2's and Qwen3's first layer attends fully
+(max_window_layers=1), so those models mix both kinds; Mixtral and Qwen3-MoE slide on every layer through their
+experts.
 """
 
 from __future__ import annotations
@@ -22,9 +24,16 @@ PROMPT_LENGTHS = (1, 5, 3 * WINDOW + 6, 6 * WINDOW)
 FAMILIES = {
     "mistral": ("sliding_attention",) * 2,
     "qwen2": ("full_attention", "sliding_attention", "sliding_attention"),
+    "mixtral": ("sliding_attention",) * 2,
+    "qwen3": ("full_attention", "sliding_attention", "sliding_attention"),
+    "qwen3_moe": ("sliding_attention",) * 2,
 }
 """family -> the layer kinds its tiny config must be read as."""
-NO_WINDOW = {"mistral": {"sliding_window": None}, "qwen2": {"use_sliding_window": False}}
+NO_WINDOW = {"mistral": {"sliding_window": None}, "qwen2": {"use_sliding_window": False},
+             "mixtral": {"sliding_window": None}, "qwen3": {"use_sliding_window": False},
+             "qwen3_moe": {"use_sliding_window": False}}
+ONE_FULL_LAYER = ("qwen2", "qwen3")
+"""Families whose tiny layer 0 attends fully (max_window_layers=1)."""
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2, prompt_logprobs=2)
 
 
@@ -68,12 +77,12 @@ def test_batch_of_mixed_lengths(tiny, caplog):
     # the start-up log: each group of layers with its kind, window and K/V bytes (a windowed layer keeps its last
     # WINDOW = 8 positions: 8 tokens x 2 heads x 16 x K, V x 4 bytes = 2 KiB; a full one all 256: 64 KiB per layer),
     # and no fused decode layers
-    sliding = "layers 0-1 (2)" if family == "mistral" else "layers 1-2 (2)"
+    sliding = "layers 1-2 (2)" if family in ONE_FULL_LAYER else "layers 0-1 (2)"
     assert (f"{sliding}: sliding window of {WINDOW} tokens; K/V of one 256-token request: 2.0 KiB per layer on this "
             f"rank (its last {WINDOW} positions, plus at most one block)") in caplog.text
-    if family == "qwen2":
+    if family in ONE_FULL_LAYER:
         assert "layers 0 (1): full attention; K/V of one 256-token request: 64.0 KiB per layer" in caplog.text
-    assert ("layers 0 (1): full attention" in caplog.text) == (family == "qwen2")
+    assert ("layers 0 (1): full attention" in caplog.text) == (family in ONE_FULL_LAYER)
     assert "decode steps: eager layers (sliding-window attention)" in caplog.text
 
 

@@ -1,5 +1,6 @@
 """Tiny random models of the families with sliding-window or hybrid attention, built on the spot with
-transformers 5 configs (nothing is downloaded): Mistral, Qwen2 with `use_sliding_window`, Gemma2, Gemma3 (text).
+transformers 5 configs (nothing is downloaded): Mistral, Qwen2 with `use_sliding_window`, Gemma2, Gemma3 (text),
+and the MoE / q-k-norm families of tests/tiny_moe_models.py with a window: Mixtral, Qwen3, Qwen3-MoE.
 
 - `window_hf_config(family, **overrides)`: the transformers config;
 - `make_tiny_window_model(family, seed=, **overrides)`: the random transformers model (float32, eval), weights
@@ -16,7 +17,11 @@ with a window of WINDOW tokens, so prompts a few times the window reach keys tha
 - "gemma2": 3 layers (sliding, full, sliding), query_pre_attn_scalar 24 (not head_dim, so the scale shows),
   attention scores soft-capped at 10 and logits at 3 (both bite at these sizes), tied embeddings;
 - "gemma3": 3 layers (sliding, full, sliding), q/k norms, a local rotary base of 1000 for the sliding layers and
-  a global base of 50000 with linear scaling x2 for the full one, final logits soft-capped at 3.
+  a global base of 50000 with linear scaling x2 for the full one, final logits soft-capped at 3;
+- "mixtral": tests/tiny_moe_models.py's Mixtral (2 layers, 8 experts, top-2), every layer sliding;
+- "qwen3": 3 layers with q/k norms, max_window_layers=1: layer 0 full, layers 1-2 sliding;
+- "qwen3_moe": tests/tiny_moe_models.py's Qwen3-MoE (layer 0 sparse, layer 1 dense), every layer sliding (its
+  transformers config reads no max_window_layers).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import gguf
 import torch
 
 from tiny_models import TINY_CHAT_TEMPLATE, randomize_weights, tiny_hf_tokenizer, tiny_vocab
+from tiny_moe_models import make_tiny_moe_model, tiny_moe_config
 
 WINDOW = 8
 """The tiny models' sliding window: the tests' prompts are 3-6 times as long."""
@@ -43,7 +49,12 @@ _FAMILY_FIELDS: dict[str, dict[str, Any]] = {
                    final_logit_softcapping=3.0,
                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}),
+    "mixtral": dict(sliding_window=WINDOW),
+    "qwen3": dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    "qwen3_moe": dict(use_sliding_window=True, sliding_window=WINDOW),
 }
+_MOE_BUILT = ("mixtral", "qwen3", "qwen3_moe")
+"""Families built by tests/tiny_moe_models.py (its shapes, routing sharpened) with the window fields above."""
 FAMILIES = tuple(_FAMILY_FIELDS)
 """Short names the builders take."""
 
@@ -52,6 +63,8 @@ def window_hf_config(family: str, **overrides: Any):
     """The transformers config of `family` at the tiny shape, with `overrides` applied."""
     from transformers import Gemma2Config, Gemma3TextConfig, MistralConfig, Qwen2Config
 
+    if family in _MOE_BUILT:
+        return tiny_moe_config(family, **{**_FAMILY_FIELDS[family], **overrides})
     classes = {"mistral": MistralConfig, "qwen2": Qwen2Config, "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig}
     if family not in classes:
         raise ValueError(f"unknown tiny family {family!r}; choose one of {FAMILIES}")
@@ -70,6 +83,10 @@ def make_tiny_window_model(family: str, *, seed: int = 0, **overrides: Any):
     """A random transformers model of `family` (float32, eval mode, eager attention)."""
     from transformers import AutoModelForCausalLM
 
+    if family in _MOE_BUILT:
+        model = make_tiny_moe_model(family, seed=seed, **{**_FAMILY_FIELDS[family], **overrides})
+        model.config._attn_implementation = "eager"
+        return model
     torch.manual_seed(seed)
     config = window_hf_config(family, **overrides)
     config._attn_implementation = "eager"  # the reference computes every score (Gemma2 refuses SDPA anyway)
