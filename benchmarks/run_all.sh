@@ -2,7 +2,7 @@
 # Regenerate every result under benchmarks/results/ and docs/benchmarks.md (with its plots).
 #   benchmarks/run_all.sh            # everything (about an hour on 2 cores)
 #   benchmarks/run_all.sh prefill    # one step: ceiling prefill comm memory decode tp compare quality attention int4 profile serve chunk
-#                                    #   decode_layouts dcp transport plan breakdown moe structure startup window mla faults report
+#                                    #   decode_layouts dcp transport plan breakdown moe structure startup window mla spec faults report
 # Threads are always explicit: more busy threads than cores make torch's OpenMP spin-waits ruinous.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +11,7 @@ IMG=docs/img
 mkdir -p "$R" "$IMG"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(ceiling prefill comm memory decode tp compare quality attention int4 profile serve chunk decode_layouts dcp transport plan
-                                 breakdown moe structure startup window mla faults report)
+                                 breakdown moe structure startup window mla spec faults report)
 bench() { python -m cpllm --log-level WARNING bench "$@"; }
 
 for step in "${steps[@]}"; do
@@ -67,6 +67,11 @@ for step in "${steps[@]}"; do
             python benchmarks/window_bench.py --part pcp --pcp-tokens 16384 --rounds 2 --out "$R/window_pcp.json"
             python benchmarks/window_bench.py --part decode --context 32768 --rounds 4 --steps 16 --threads 1 \
               --out "$R/window_decode.json" ;;
+    # issue 26: prompt lookup on SmolLM2, copy and chat workloads: one rank, PCP=2, and 16 requests at once
+    spec) python benchmarks/spec_decode.py --repeats 3 --json "$R/spec_decode.json"
+          python benchmarks/spec_decode.py --repeats 3 --pcp 2 --threads-per-rank 1 --json "$R/spec_decode_pcp2.json"
+          python benchmarks/spec_decode.py --repeats 2 --batch 16 --max-tokens 128 --kv-cache-memory $((1536 << 20)) \
+            --json "$R/spec_decode_batch16.json" ;;
     # issue 25: a random model of DeepSeek-V2-Lite's per-layer shape cut to 2 layers and a 32K vocabulary
     mla) python benchmarks/mla_bench.py --part dcp --context 16384 --rounds 6 --steps 32 --out "$R/mla_dcp.json"
          python benchmarks/mla_bench.py --part layer --contexts 2048,16384 --rounds 5 --threads 1 \

@@ -1,7 +1,7 @@
 """Prompt-lookup speculative decoding on SmolLM2 (its default weights), batch 1: output tokens/s against no
 speculation, the acceptance rate and the mean tokens per verify step.
 
-    python benchmarks/spec_decode.py --json benchmarks/results/spec_decode.json [--pcp 2] [--ks 2 4 8]
+    python benchmarks/spec_decode.py --json benchmarks/results/spec_decode.json [--pcp 2] [--ks 2 4 8] [--batch 16]
 
 Two workloads, greedy, chat template: "copy", a document of ~1.5K tokens (this repository's
 docs/architecture.md, its first sections) and a request to rewrite it with one change, so most of the answer copies
@@ -11,6 +11,9 @@ warm up (which also leaves its prompt in the prefix cache; `--warmup 0` skips it
 turn, so a change in the machine's load reaches them alike. Reported: the median and the best decode rate (on a
 shared machine the best round is the least disturbed one), output tokens after
 the first over the time from the first token to the last (prefill is the same work in every configuration).
+With `--batch B` each workload is B different requests run together (B documents cut from docs/architecture.md,
+docs/context_parallel.md and docs/serve.md in turn; B different chat questions): the rate is every request's output
+tokens after its first over the time from the first request's first token to the last one's end.
 """
 
 from __future__ import annotations
@@ -25,19 +28,36 @@ from cpllm.bench.common import machine_info
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHAT = "Tell me a short story about a lighthouse keeper and a storm."
+CHATS = [CHAT, "What should I pack for a week of hiking in the mountains?", "Explain how a bicycle stays upright.",
+         "Write a poem about autumn leaves.", "Why is the sky blue? Answer for a ten-year-old.",
+         "Give me three ideas for a birthday party for my grandmother.", "How do I make a good cup of tea?",
+         "Describe a day in the life of a medieval blacksmith.", "What are the pros and cons of working from home?",
+         "Tell me a story about a dragon who is afraid of the dark.", "How do bees make honey?",
+         "Suggest a weekly plan to start running.", "What is the difference between weather and climate?",
+         "Write a letter to a friend who moved to another country.", "Explain recursion to a beginner programmer.",
+         "Describe your ideal city of the future."]
+"""Free-form questions: the chat workload takes the first --batch of them."""
+DOCUMENTS = ("architecture.md", "context_parallel.md", "serve.md")
+"""The docs the copy workload's documents are cut from, in turn."""
 
 
-def copy_prompt(tokenizer, target_tokens: int) -> str:
-    """A rewrite request over the first ~target_tokens tokens of docs/architecture.md (whole paragraphs)."""
-    with open(os.path.join(HERE, "..", "docs", "architecture.md")) as f:
-        paragraphs = f.read().split("\n\n")
-    document = ""
+def copy_prompts(tokenizer, target_tokens: int, count: int) -> list[str]:
+    """`count` rewrite requests, each over ~target_tokens tokens of whole paragraphs, the first from the start of
+    docs/architecture.md, the later ones the next paragraphs of the docs in turn."""
+    paragraphs = []
+    for name in DOCUMENTS:
+        with open(os.path.join(HERE, "..", "docs", name)) as f:
+            paragraphs += f.read().split("\n\n")
+    prompts, document = [], ""
     for paragraph in paragraphs:
         if len(tokenizer.encode(document + paragraph)) > target_tokens:
-            break
+            prompts.append("Rewrite the following text exactly as it is, except that every occurrence of the word "
+                           "'rank' becomes 'worker'.\n\n" + document.strip())
+            if len(prompts) == count:
+                return prompts
+            document = ""
         document += paragraph + "\n\n"
-    return ("Rewrite the following text exactly as it is, except that every occurrence of the word 'rank' becomes "
-            "'worker'.\n\n" + document.strip())
+    raise ValueError(f"the docs hold {len(prompts)} documents of {target_tokens} tokens, not --batch {count}")
 
 
 def token_ids(llm: LLM, prompt: str) -> dict:
@@ -46,10 +66,13 @@ def token_ids(llm: LLM, prompt: str) -> dict:
     return {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
 
-def decode_rate(llm: LLM, ids: dict, params: SamplingParams) -> tuple[float, list[int]]:
-    result = llm.generate(ids, params)[0]
-    out, m = result.outputs[0], result.metrics
-    return (len(out.token_ids) - 1) / (m.finished_time - m.first_token_time), out.token_ids
+def decode_rate(llm: LLM, ids: list[dict], params: SamplingParams) -> tuple[float, list[list[int]]]:
+    """Output tokens after each request's first over the time from the first first token to the last end."""
+    results = llm.generate(ids, params)
+    first = min(r.metrics.first_token_time for r in results)
+    last = max(r.metrics.finished_time for r in results)
+    outputs = [list(r.outputs[0].token_ids) for r in results]
+    return sum(len(out) - 1 for out in outputs) / (last - first), outputs
 
 
 def main() -> None:
@@ -62,22 +85,28 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, choices=(0, 1), default=1, help="one unmeasured run per engine first")
     parser.add_argument("--threads-per-rank", type=int, default=None)
     parser.add_argument("--workloads", nargs="+", choices=("copy", "chat"), default=["copy", "chat"])
+    parser.add_argument("--batch", type=int, default=1, help="requests per workload, run together")
+    parser.add_argument("--kv-cache-memory", type=int, default=256 << 20, help="KV pool bytes per engine")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    results = {"machine": machine_info(), "pcp": args.pcp, "max_tokens": args.max_tokens, "runs": []}
+    if not 1 <= args.batch <= len(CHATS):
+        parser.error(f"--batch {args.batch} must be in [1, {len(CHATS)}] (the chat questions there are)")
+    results = {"machine": machine_info(), "pcp": args.pcp, "batch": args.batch, "max_tokens": args.max_tokens,
+               "runs": []}
     engines = {}
     for k in [0, *args.ks]:
         spec = None if k == 0 else {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
                                     "prompt_lookup_min": 2}
         engines[k] = LLM(prefill_context_parallel_size=args.pcp, max_model_len=4096, speculative_config=spec,
-                         kv_cache_memory_bytes=256 << 20, threads_per_rank=args.threads_per_rank)
+                         kv_cache_memory_bytes=args.kv_cache_memory, threads_per_rank=args.threads_per_rank)
     tokenizer_llm = engines[0]
-    prompts = {"copy": copy_prompt(tokenizer_llm.get_tokenizer(), args.doc_tokens), "chat": CHAT}
+    prompts = {"copy": copy_prompts(tokenizer_llm.get_tokenizer(), args.doc_tokens, args.batch),
+               "chat": CHATS[: args.batch]}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     for workload, prompt in prompts.items():
         if workload not in args.workloads:
             continue
-        ids = token_ids(tokenizer_llm, prompt)
+        ids = [token_ids(tokenizer_llm, p) for p in prompt]
         before, rates, outputs = {}, {k: [] for k in engines}, {}
         for k, llm in engines.items():
             if args.warmup:
@@ -92,8 +121,10 @@ def main() -> None:
             drafted = after.num_draft_tokens - before[k].num_draft_tokens
             accepted = after.num_accepted_tokens - before[k].num_accepted_tokens
             steps = after.num_drafts - before[k].num_drafts
-            result = dict(k=k, workload=workload, prompt_tokens=len(ids["prompt_token_ids"]),
-                          output_tokens=len(outputs[k]), tokens_per_s=statistics.median(rates[k]), rates=rates[k],
+            result = dict(k=k, workload=workload, prompt_tokens=sum(len(i["prompt_token_ids"]) for i in ids),
+                          output_tokens=sum(len(out) for out in outputs[k]),
+                          tokens_after_first=sum(len(out) - 1 for out in outputs[k]),
+                          tokens_per_s=statistics.median(rates[k]), rates=rates[k],
                           best_tokens_per_s=max(rates[k]),
                           output=outputs[k], draft_tokens=drafted, accepted_tokens=accepted, verify_steps=steps,
                           acceptance_rate=accepted / drafted if drafted else None,

@@ -195,7 +195,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=("prefill", "pcp", "decode"), required=True)
     parser.add_argument("--shape", choices=tuple(SHAPES), default="gemma3-1b", help="tiny: the smoke test's")
-    parser.add_argument("--layers", type=int, default=6, help="decoder layers, a multiple of 6 (Gemma 3 1B: 26)")
+    parser.add_argument("--layers", type=int, default=6, help="decoder layers, 6 or more (Gemma 3 1B: 26, full layers 5, 11, 17, 23)")
     parser.add_argument("--vocab", type=int, default=32768, help="vocabulary (Gemma 3 1B: 262144)")
     parser.add_argument("--max-positions", type=int, default=33280)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the one-rank parts")
