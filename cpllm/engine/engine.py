@@ -13,6 +13,7 @@ import torch
 from cpllm.config import EngineConfig
 from cpllm.config_deepseek import latent_cache_line
 from cpllm.engine.detokenizer import IncrementalDetokenizer
+from cpllm.engine.draft_model import DraftModel
 from cpllm.engine.kv_blocks import BlockPool
 from cpllm.engine.outputs import RequestOutput
 from cpllm.engine.request import Request, RequestStatus
@@ -84,10 +85,11 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduler_config, self.pools, self.tokens_per_block, self.kv_groups)
         self.sampler = Sampler()
         spec = config.speculative_config
-        self.spec = SpeculativeDecoding(spec, self.max_model_len) if spec is not None else None
+        draft = DraftModel(config, executor, self.kv_capacity_tokens) if spec and spec.method == "draft_model" else None
+        self.spec = SpeculativeDecoding(spec, self.max_model_len, draft) if spec is not None else None
         """Drafting and verification (cpllm/engine/spec_decode.py); None without speculative_config."""
-        if spec is not None:
-            logger.info("speculative decoding: %s", spec.describe())
+        if self.spec is not None:
+            logger.info("speculative decoding: %s", self.spec.describe())
         self.eos_token_ids = tuple(config.model.eos_token_ids) or tuple(tokenizer.eos_token_ids)
         self.structured = StructuredOutputManager(tokenizer, config.model.vocab_size, self.eos_token_ids)
         self._seed_stream = random.Random(config.seed)
@@ -201,6 +203,8 @@ class LLMEngine:
             if not seq.finished:
                 self.scheduler.finish(seq.request, RequestStatus.FINISHED_ABORTED)
                 seq.detokenizer.finish()
+            if self.spec is not None:
+                self.spec.release(seq.request.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
@@ -294,8 +298,10 @@ class LLMEngine:
             self._verify(state, seq, chunk, chunk_logits)
             touched[state.request_id] = state
         if self.spec is not None:  # the next step's drafts follow every token just emitted
-            for _, seq in to_sample + [(state, seq) for state, seq, _, _ in to_verify]:
-                seq.request.draft_token_ids = [] if seq.finished else self.spec.propose(seq.request)
+            advanced = [seq for _, seq in to_sample] + [seq for _, seq, _, _ in to_verify]
+            for seq in advanced:
+                seq.request.draft_token_ids = []
+            self.spec.propose_all([(seq.request, seq.generator) for seq in advanced if not seq.finished])
         return list(touched.values())
 
     def _verify(self, state: RequestState, seq: Sequence, chunk, chunk_logits: torch.Tensor) -> None:
@@ -308,14 +314,15 @@ class LLMEngine:
                           output_token_ids=request.output_token_ids, generator=seq.generator,
                           eos_token_ids=self.eos_token_ids)  # output_token_ids: the list the tokens join
 
-        def emit(row_logits: torch.Tensor, draft: int | None) -> tuple[bool, bool]:
+        def emit(row_logits: torch.Tensor, draft: int | None, q: torch.Tensor | None) -> tuple[bool, bool]:
             bitmask = self.structured.bitmask([request.request_id])  # the grammar after the accepted drafts
-            token, accepted = self.sampler.against_draft(row_logits, row, bitmask, draft)
+            token, accepted = self.sampler.against_draft(row_logits, row, bitmask, draft, q)
             self._append_token(state, seq, token)
             return accepted, seq.finished
 
         self.spec.verify(chunk_logits, chunk.token_ids[-chunk.num_draft_tokens :], emit,
-                         lambda: self.scheduler.accept_drafts(request.request_id, 1))
+                         lambda: self.scheduler.accept_drafts(request.request_id, 1),
+                         self.spec.draft_probs(request.request_id))  # q of a draft model's sampled drafts
         self.scheduler.drop_rejected(request.request_id)
 
     def _add_prompt_logprobs(self, state: RequestState, seq: Sequence, chunk, chunk_logits: torch.Tensor) -> None:

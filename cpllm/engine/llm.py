@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Sequence
 from typing import Any
 
 from cpllm.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from cpllm.config_rope import rope_context_length
 from cpllm.config_speculative import speculative_config
 from cpllm.engine.outputs import RequestOutput
 from cpllm.engine.sampling_params import SamplingParams
@@ -26,12 +28,19 @@ def build_engine_config(model: str | None = None, **options: Any) -> EngineConfi
     # quantization lives in ModelConfig (as in vLLM): every rank builds its model from that config alone
     model_config = dataclasses.replace(open_weights(path).config, **sections["model"])
     scheduler = {"max_model_len": model_config.max_position_embeddings, **sections["scheduler"]}
+    draft_config = functools.cache(lambda draft: open_weights(draft).config)  # a draft model is read once
     sections["engine"]["speculative_config"] = speculative_config(
         sections["engine"].get("speculative_config"), model_config.vocab_size,
-        lambda draft: open_weights(draft).config.vocab_size)
+        lambda draft: draft_config(draft).vocab_size, max_model_len=scheduler["max_model_len"],
+        draft_positions=lambda draft: draft_context_length(draft_config(draft)))
     return EngineConfig(model_path=path, model=model_config, parallel=parallel,
                         cache=CacheConfig(**sections["cache"]), scheduler=SchedulerConfig(**scheduler),
                         **sections["engine"])
+
+
+def draft_context_length(config) -> int:
+    """The longest context a draft model's rotary is meant for (its ModelConfig, as the target's is checked)."""
+    return rope_context_length(config.rope_scaling, config.max_position_embeddings)
 
 
 build_engine_config.__signature__ = keyword_signature(build_engine_config, CONFIG_OPTIONS)

@@ -70,13 +70,14 @@ class Sampler:
         return [SampledToken(token_id=t, logprobs=lp) for t, lp in zip(token_ids, logprobs)]
 
     def against_draft(self, logits: torch.Tensor, row: SamplingRow, bitmask: torch.Tensor | None,
-                      draft: int | None) -> tuple[SampledToken, bool]:
+                      draft: int | None, draft_probs: torch.Tensor | None = None) -> tuple[SampledToken, bool]:
         """One row of a verify chunk (cpllm/engine/spec_decode.py): the token this row yields, and whether it is
         the draft. The same processing as `__call__`; a greedy row takes the argmax, a sampled one keeps the
-        draft by rejection sampling (so its token has the distribution `__call__` would draw from). No draft
-        (the row after the last one): an ordinary draw.
+        draft by rejection sampling against q, the distribution the draft was drawn from (`draft_probs`; None: a
+        point mass on the draft), so its token has the distribution `__call__` would draw from. No draft (the row
+        after the last one): an ordinary draw.
 
-        logits: [1, vocab]; bitmask: [1, ceil(vocab/32)] or None."""
+        logits: [1, vocab]; bitmask: [1, ceil(vocab/32)] or None; draft_probs: [vocab] or None."""
         if draft is None or row.params.greedy:
             token = self(logits, [row], bitmask)[0]
             return token, token.token_id == draft
@@ -89,7 +90,8 @@ class Sampler:
         if not torch.isfinite(probs).all() or not probs.sum() > 0:
             token_id = int(processed.argmax().item())  # as _sample_row: every token masked
         else:
-            token_id, _ = rejection_sample(probs, draft, row.generator)
+            q = None if draft_probs is None else draft_probs.to(device=probs.device, dtype=probs.dtype)
+            token_id, _ = rejection_sample(probs, draft, row.generator, q)
         logprobs = _sampled_logprobs(logits, [row], [token_id])[0]
         return SampledToken(token_id=token_id, logprobs=logprobs), token_id == draft
 

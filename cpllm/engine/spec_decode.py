@@ -6,18 +6,25 @@ would take it (penalties, masks and the grammar's bitmask on the output so far, 
 greedy rows keep the argmax, sampled rows run rejection sampling against the draft. A row whose token differs
 from its draft (or the row after the last draft) gives the step's last token. So every token the request emits
 has the distribution it has without speculation; greedy ones are the same tokens.
+
+Drafts come from prompt lookup (cpllm/engine/ngram_drafter.py, q a point mass) or a draft model
+(cpllm/engine/draft_model.py, q its distribution for sampled requests, passed to the rows' rejection sampling).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from cpllm.config_speculative import SpeculativeConfig
 from cpllm.engine.ngram_drafter import NgramDrafter
 from cpllm.engine.request import Request
+
+if TYPE_CHECKING:
+    from cpllm.engine.draft_model import DraftModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,31 +44,65 @@ class SpecDecodeTotals:
 class SpeculativeDecoding:
     """Drafts for each request and verifies them; one per engine."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft_model: DraftModel | None = None):
+        """`draft_model`: the drafter of method "draft_model" (cpllm/engine/draft_model.py), built by the engine
+        on its executor."""
         self.config, self.max_model_len = config, max_model_len
-        self.drafter = NgramDrafter(config)
+        self.drafter = NgramDrafter(config) if config.method == "ngram" else None
+        self.draft_model = draft_model
+        if (config.method == "draft_model") != (draft_model is not None):
+            raise ValueError(f"speculative_config method={config.method!r} needs a draft model exactly when it is "
+                             "'draft_model'")
         self._drafts = self._draft_tokens = self._accepted = 0
         self._per_position = [0] * config.num_speculative_tokens
 
-    def propose(self, request: Request) -> list[int]:
-        """Drafts after the request's tokens, no more than it may still emit minus the token every verify step
-        adds (so a verify chunk never passes max_tokens or max_model_len)."""
+    def describe(self) -> str:
+        """One line for the start-up log: what drafts and how."""
+        return self.draft_model.describe() if self.draft_model is not None else self.config.describe()
+
+    def room(self, request: Request) -> int:
+        """Most drafts the request may take: what it may still emit minus the token every verify step adds (so a
+        verify chunk never passes max_tokens or max_model_len)."""
         params = request.sampling_params
         limit = params.max_tokens if params.max_tokens is not None else self.max_model_len
-        room = min(limit - len(request.output_token_ids), self.max_model_len - request.num_tokens) - 1
+        return min(limit - len(request.output_token_ids), self.max_model_len - request.num_tokens) - 1
+
+    def propose(self, request: Request) -> list[int]:
+        """Prompt lookup's drafts after the request's tokens, at most `room(request)`."""
+        room = self.room(request)
         return self.drafter.propose(request.all_token_ids, room) if room > 0 else []
 
-    def verify(self, logits: torch.Tensor, drafts: tuple[int, ...],
-               emit: Callable[[torch.Tensor, int | None], tuple[bool, bool]], accept: Callable[[], None]) -> int:
-        """Take the rows in order; `emit(row_logits [1, vocab], draft or None)` samples one row against its draft,
-        appends the token and returns (accepted, finished); `accept()` is called after each accepted draft the
-        request goes on from (its K/V now count, before the next row's token is appended). Returns the number
-        of drafts accepted.
+    def propose_all(self, requests: list[tuple[Request, torch.Generator | None]]) -> None:
+        """Set `draft_token_ids` of every (request, its generator) that just advanced and goes on; a draft model
+        drafts them together, in a few batched steps."""
+        if self.draft_model is None:
+            for request, _ in requests:
+                request.draft_token_ids = self.propose(request)
+            return
+        self.draft_model.propose([(request, generator, self.room(request)) for request, generator in requests])
 
-        logits: [len(drafts) + 1, vocab]."""
+    def draft_probs(self, request_id: str) -> list[torch.Tensor | None] | None:
+        """q of each of the request's current drafts ([vocab] rows; None: a point mass, as for prompt lookup)."""
+        return self.draft_model.draft_probs(request_id) if self.draft_model is not None else None
+
+    def release(self, request_id: str) -> None:
+        """The request is gone (aborted): its draft model state too."""
+        if self.draft_model is not None:
+            self.draft_model.release(request_id)
+
+    def verify(self, logits: torch.Tensor, drafts: tuple[int, ...],
+               emit: Callable[[torch.Tensor, int | None, torch.Tensor | None], tuple[bool, bool]],
+               accept: Callable[[], None], draft_probs: list[torch.Tensor | None] | None = None) -> int:
+        """Take the rows in order; `emit(row_logits [1, vocab], draft or None, q row or None)` samples one row
+        against its draft (drawn from q; None: a point mass), appends the token and returns (accepted, finished);
+        `accept()` is called after each accepted draft the request goes on from (its K/V now count, before the
+        next row's token is appended). Returns the number of drafts accepted.
+
+        logits: [len(drafts) + 1, vocab]; draft_probs: a [vocab] row (or None) per draft, or None."""
         accepted = 0
         for i in range(len(drafts) + 1):
-            ok, finished = emit(logits[i : i + 1], drafts[i] if i < len(drafts) else None)
+            q = draft_probs[i] if draft_probs is not None and i < len(drafts) else None
+            ok, finished = emit(logits[i : i + 1], drafts[i] if i < len(drafts) else None, q)
             if not ok or i == len(drafts):
                 break
             accepted += 1

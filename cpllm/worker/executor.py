@@ -16,6 +16,7 @@ from cpllm.distributed.groups import ParallelGroups
 from cpllm.distributed.launch import shutdown_distributed
 from cpllm.distributed.rank_processes import WorkerHandles
 from cpllm.step import SchedulerOutput
+from cpllm.worker.draft_runner import DraftRunner
 from cpllm.worker.rank_stats import RankInfo, RankStats
 from cpllm.worker.runner import ModelRunner
 from cpllm.worker.worker import device_for
@@ -37,6 +38,11 @@ class Executor:
     @property
     def num_blocks(self) -> int:
         return self.rank_info.kv.num_blocks
+
+    def draft_runner(self, config: EngineConfig, tokens: int) -> DraftRunner:
+        """A draft model's runner (speculative decoding) on this driver rank's device, alone, its KV pool holding
+        `tokens` tokens (cpllm/worker/draft_runner.py)."""
+        return DraftRunner(config, self._runner.device, tokens)
 
     def rank_stats(self) -> RankStats:
         """This driver rank's step counters (by prefill strategy, by plan, fused and compiled decode steps); the
