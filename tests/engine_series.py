@@ -1,0 +1,87 @@
+"""Several engines, one after another, in one world of real processes: the pytest process is rank 0, the ranks it
+spawns stay up, and every rank builds each config's engine in turn. A test that needs many (model, strategy) pairs
+under one layout pays for one launch instead of one per pair.
+
+Why this is sound: a world's process groups depend on the layout alone (`ParallelConfig.dims` and the collective
+transport), never on the model or the prefill strategy, so every config of a series must agree on those (checked).
+Between two engines the driver sends the shutdown step, which ends the workers' step loop (`run_worker`) but not
+the world; every rank then builds the next config's runner (weights, KV pools, the block-count agreement) exactly
+as a fresh launch would. The last engine's `shutdown` ends the world as `LLM.shutdown` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from cpllm.config import EngineConfig
+from cpllm.distributed.comm import broadcast_object
+from cpllm.distributed.launch import find_free_port, init_distributed, shutdown_distributed
+from cpllm.distributed.rank_processes import spawn_workers
+from cpllm.engine.engine import LLMEngine
+from cpllm.model.tokenizer import load_tokenizer
+from cpllm.step import SchedulerOutput
+from cpllm.worker.executor import Executor
+from cpllm.worker.worker import run_worker
+
+
+def _world_key(config: EngineConfig) -> tuple:
+    return config.parallel.dims, config.parallel.collective_transport, config.parallel.distributed_timeout_s
+
+
+def series_worker(rank: int, configs: Sequence[EngineConfig], master_addr: str, master_port: int,
+                  threads: int) -> None:
+    """A spawned rank of the series: join the world once, then serve each config's steps until its shutdown step."""
+    torch.set_num_threads(threads)
+    parallel = configs[0].parallel
+    groups = init_distributed(parallel, rank=rank, world_size=parallel.dims.world_size, master_addr=master_addr,
+                              master_port=master_port, timeout_s=parallel.distributed_timeout_s)
+    try:
+        for config in configs:
+            run_worker(config, groups)
+    finally:
+        shutdown_distributed()
+
+
+def run_series(configs: Sequence[EngineConfig], body: Callable[[LLMEngine], object], *, threads: int = 1) -> list:
+    """`body(engine)` for each config's engine in one world; returns each body's result, or the exception that
+    stopped it. After a failure the ranks may disagree on where they are, so the world is ended and every later
+    config gets a RuntimeError naming the one that failed."""
+    keys = {_world_key(c) for c in configs}
+    if len(keys) != 1:
+        raise ValueError(f"the configs of one series must share the layout, transport and timeout; got {keys}")
+    parallel = configs[0].parallel
+    world = parallel.dims.world_size
+    port = find_free_port()
+    workers = spawn_workers(world, series_worker, (list(configs), "127.0.0.1", port, threads), master_port=port)
+    results: list = []
+    try:
+        groups = init_distributed(parallel, rank=0, world_size=world, master_addr="127.0.0.1", master_port=port,
+                                  timeout_s=parallel.distributed_timeout_s, workers=workers)
+        torch.set_num_threads(threads)
+        for index, config in enumerate(configs):
+            engine = LLMEngine(config, load_tokenizer(config.model_path), Executor(config, groups, workers))
+            try:
+                results.append(body(engine))
+            except Exception as error:
+                results.append(error)
+                break
+            if index + 1 < len(configs):  # end this model's step loop on every rank; the world stays up
+                with workers.watch():
+                    broadcast_object(SchedulerOutput(step_id=-1, shutdown=True), src=groups.replica_driver,
+                                     group=groups.replica_group)
+            else:
+                engine.shutdown()  # the shutdown step, the workers' exit, the end of the world
+    except Exception as error:
+        if len(results) == len(configs):
+            raise
+        results.append(error)
+    finally:
+        workers.terminate_all()
+        shutdown_distributed()
+    failed = len(results) - 1
+    while len(results) < len(configs):
+        results.append(RuntimeError(f"not run: the series' world ended at config {failed} "
+                                    f"({configs[failed].model_path}): {results[failed]}"))
+    return results
