@@ -29,6 +29,13 @@ from cpllm.config_rope import yarn_mscale
 from cpllm.model.gguf_deepseek import DEEPSEEK_GGUF_ARCH, deepseek_hf_config, deepseek_layer_name
 from cpllm.model.gguf_file import GGUFFile, StoredTensor
 from cpllm.model.gguf_gemma import GEMMA_GGUF_ARCHITECTURES, gemma_gguf_fields, gemma_layer_name, stores_one_plus_w
+from cpllm.model.gguf_gpt_oss import (
+    GPT_OSS_GGUF_ARCH,
+    GptOssExpertStacks,
+    expert_stack,
+    gpt_oss_hf_config,
+    gpt_oss_layer_name,
+)
 from cpllm.model.gguf_moe import gguf_moe_config, hf_architecture, moe_hf_names
 from cpllm.model.loader import resolve_slice
 from cpllm.model.quant_gguf import (
@@ -44,7 +51,7 @@ from cpllm.model.quant_groups import Int4Groups, Int8Groups
 _Q = GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = frozenset(
     {_Q.F32, _Q.F16, _Q.BF16, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0}
-    | {_Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K}
+    | {_Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K, _Q.MXFP4}
 )
 """Tensor types this loader dequantizes (through gguf.quants.dequantize)."""
 
@@ -84,6 +91,7 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
         return None
     rest = (gemma_layer_name(match.group(2)) if arch in GEMMA_GGUF_ARCHITECTURES else None) \
         or (deepseek_layer_name(match.group(2)) if arch == DEEPSEEK_GGUF_ARCH else None) \
+        or (gpt_oss_layer_name(match.group(2)) if arch == GPT_OSS_GGUF_ARCH else None) \
         or _LAYER_NAMES.get(match.group(2))
     return None if rest is None else f"model.layers.{match.group(1)}.{rest}"
 
@@ -148,6 +156,9 @@ def gguf_model_config(reader: GGUFFile, tensor_shapes: dict[str, tuple[int, ...]
     meta = lambda key, default: _meta(reader, key, default)  # noqa: E731
     if arch == DEEPSEEK_GGUF_ARCH:  # MLA + the DeepSeek MoE: read as the config.json it stands for
         return ModelConfig.from_hf_config(deepseek_hf_config(meta, tensor_shapes, _eos_ids(reader)))
+    if arch == GPT_OSS_GGUF_ARCH:  # sinks, windows, the GPT-OSS MoE: read as the config.json it stands for
+        rope_scaling = _rope_scaling(reader, arch, set(tensor_shapes))
+        return ModelConfig.from_hf_config(gpt_oss_hf_config(meta, tensor_shapes, _eos_ids(reader), rope_scaling))
     hf_arch = hf_architecture(arch, meta) or GGUF_ARCHITECTURES.get(arch)
     if hf_arch is None:
         raise ValueError(
@@ -206,32 +217,40 @@ class GGUFSource:
         self.config = gguf_model_config(self._reader, shapes)
         self._arch = _meta(self._reader, "general.architecture")
         self._tensors: dict[str, StoredTensor] = {}
+        stacks: dict[tuple[int, str, str], StoredTensor] = {}
         for tensor in self._reader.tensors:
-            name = hf_name(tensor.name, self._arch)
+            stack = expert_stack(tensor.name) if self._arch == GPT_OSS_GGUF_ARCH else None
+            name = None if stack is not None else hf_name(tensor.name, self._arch)
             # MoE / Qwen3 names; a stacked expert tensor gives one view per expert ([out, in] slice of the stack)
             names = [(name, None)] if name is not None else moe_hf_names(tensor.name, self.config.moe)
-            if not names:
+            if not names and stack is None:
                 raise ValueError(f"GGUF tensor {tensor.name!r} has no Hugging Face Llama counterpart")
             if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
                 raise ValueError(
                     f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, which cannot be "
                     f"dequantized; supported: {', '.join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))}"
                 )
+            if stack is not None:  # GPT-OSS's split gate / up / down stacks, joined back under HF's names
+                stacks[stack] = tensor
+                continue
             for name, expert in names:
                 self._tensors[name] = tensor if expert is None else tensor._replace(
                     data=tensor.data[expert], shape=tensor.shape[1:])
+        self._experts = GptOssExpertStacks(stacks) if stacks else None
 
     def names(self) -> list[str]:
-        return sorted(self._tensors)
+        return sorted([*self._tensors, *(self._experts.names() if self._experts else [])])
 
     def has(self, name: str) -> bool:
-        return name in self._tensors
+        return name in self._tensors or (self._experts is not None and self._experts.has(name))
 
     def gguf_tensor_type(self, name: str) -> GGMLQuantizationType:
         """Storage type of a tensor (for logging and tests)."""
         return self._lookup(name).tensor_type
 
     def storage_type(self, name: str) -> str:
+        if self._experts is not None and self._experts.has(name):
+            return self._experts.storage_type(name)
         return self._lookup(name).tensor_type.name
 
     def _lookup(self, name: str) -> StoredTensor:
@@ -301,6 +320,8 @@ class GGUFSource:
         end: int | None = None,
         dtype: torch.dtype = torch.float32,
     ) -> torch.Tensor:
+        if self._experts is not None and self._experts.has(name):
+            return self._experts.get(name, dim=dim, start=start, end=end, dtype=dtype)
         tensor = self._lookup(name)
         shape = tensor.shape  # HF order: (out, in)
         span = resolve_slice(name, shape, dim, start, end)
