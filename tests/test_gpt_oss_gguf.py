@@ -22,8 +22,15 @@ from cpllm.model.gguf_gpt_oss import hf_mxfp4_blocks
 from cpllm.model.gguf_source import GGUFSource
 from cpllm.model.mxfp4 import dequantize_mxfp4
 from cpllm.model.safetensors_source import read_hf_config
-from parallel_helpers import MODEL_SEED, generate_counted, greedy_params, max_abs_diff, prompt_logprob_values
-from parallel_helpers import workload_prompts
+from parallel_helpers import (
+    MODEL_SEED,
+    assert_same_greedy,
+    generate_counted,
+    greedy_params,
+    max_abs_diff,
+    prompt_logprob_values,
+    workload_prompts,
+)
 from test_gpt_oss_vs_hf import COMMON, MAX_TOKENS, MODEL, check_against_transformers
 from tiny_gpt_oss import load_dequantized_reference, make_tiny_gpt_oss, save_mxfp4_folder
 from tiny_models import _add_metadata, tiny_vocab
@@ -170,18 +177,31 @@ def test_config_read_from_the_file(files):
     assert {k: got.rope_scaling.get(k) for k in keys} == {k: want.rope_scaling.get(k) for k in keys}
 
 
-def _run(path: str, quantization: str) -> dict:
+def _run(path: str, quantization: str, **options) -> dict:
     prompts = {name: p for name, p in workload_prompts(1).items() if name in ("len13", "len37")}
-    with LLM(path, **{**COMMON, "quantization": quantization}) as llm:
+    with LLM(path, **{**COMMON, "quantization": quantization, **options}) as llm:
         return generate_counted(llm, prompts, greedy_params(MAX_TOKENS, prompt_logprobs=True), quantization)
 
 
+@pytest.fixture(scope="module")
+def single_rank(files) -> dict:
+    return _run(files[1], "none")
+
+
 @pytest.mark.timeout(300)
-def test_gguf_matches_transformers_on_the_weights_it_holds(files):
+def test_gguf_matches_transformers_on_the_weights_it_holds(files, single_rank):
     """Greedy tokens identical, prompt and sampled-token logprobs within 1e-4 (prompts of 13 and 37 tokens
     over windows of 8, chunked prefill)."""
-    _, path, hf = files
-    check_against_transformers(_run(path, "none"), hf, names=("len13", "len37"))
+    check_against_transformers(single_rank, files[2], names=("len13", "len37"))
+
+
+@pytest.mark.timeout(300)
+def test_gguf_under_tp2_matches_single_rank(files, single_rank):
+    """TP = 2 reads its shard from the file: half the heads with their sinks and biases, half of every expert's
+    intermediate rows (the interleaved gate / up columns rebuilt from the split stacks, their biases)."""
+    got = _run(files[1], "none", tensor_parallel_size=2)
+    for name, output in got.items():
+        assert_same_greedy(output, single_rank[name], what=f"gguf tp2 {name}", prompt_logprobs=True)
 
 
 @pytest.mark.timeout(300)
