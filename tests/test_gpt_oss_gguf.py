@@ -87,16 +87,17 @@ def _experts(writer: gguf.GGUFWriter, layer: str, state: dict[str, torch.Tensor]
 
 def write_gpt_oss_gguf(path: str, config, state: dict[str, torch.Tensor], *, skip: tuple[str, ...] = (),
                        rope_type: gguf.RopeScalingType | None = None,
-                       swiglu_limits: tuple[float, ...] | None = ()) -> None:
+                       swiglu_limits: tuple[float, ...] | None = (), expert_count: int | None = None) -> None:
     """`state` (HF names; experts as MXFP4 blocks or floats) as llama.cpp's converter writes a gpt-oss file.
     `skip`: GGUF tensor names left out; `rope_type`: a scaling type written over YaRN (broken files);
-    `swiglu_limits`: the swiglu_clamp_exp values (empty: the config's limit for every layer; None: no key)."""
+    `swiglu_limits`: the swiglu_clamp_exp values (empty: the config's limit for every layer; None: no key);
+    `expert_count`: a count written instead of the config's."""
     writer = gguf.GGUFWriter(path, "gpt-oss")
     _add_metadata(writer, config, tiny_vocab())  # shapes, eps, rope base and YaRN, the tokenizer
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     writer.add_sliding_window(config.sliding_window)
-    writer.add_expert_count(config.num_local_experts)
+    writer.add_expert_count(expert_count or config.num_local_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
     writer.add_expert_feed_forward_length(config.intermediate_size)
     if swiglu_limits is not None:
@@ -241,6 +242,7 @@ def test_float_experts_and_llama_cpp_defaults(tmp_path):
     (dict(skip=("blk.0.ffn_gate_inp.bias",)), "lacks blk.0.ffn_gate_inp.bias"),
     (dict(rope_type=gguf.RopeScalingType.LONGROPE), "rope scaling type 'longrope' is not supported"),
     (dict(swiglu_limits=(1.5, 7.0)), r"swiglu_clamp_exp=\[1.5, 7.0\]"),
+    (dict(expert_count=4), r"blk.0.ffn_gate_exps.weight has shape \(8, 32, 64\); .*expert_count=4"),
 ])
 def test_inconsistent_file_refused_with_the_value(broken, message, tmp_path):
     model = make_tiny_gpt_oss(seed=MODEL_SEED, **MODEL)

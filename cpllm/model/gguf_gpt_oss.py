@@ -75,6 +75,22 @@ def _check_tensors(layers: int, names: set[str]) -> None:
             raise ValueError(f"gpt-oss GGUF file lacks {', '.join(missing)} (block_count={layers})")
 
 
+def _check_shapes(tensor_shapes: dict[str, tuple[int, ...]], layers: int, experts: int, width: int, hidden: int,
+                  heads: int) -> None:
+    """Each layer's stacks and sinks against the metadata: [E, I, hidden] gate / up, [E, hidden, I] down, [H] sinks."""
+    for i in range(layers):
+        want = {f"blk.{i}.ffn_gate_exps.weight": (experts, width, hidden),
+                f"blk.{i}.ffn_up_exps.weight": (experts, width, hidden),
+                f"blk.{i}.ffn_down_exps.weight": (experts, hidden, width)}
+        sinks = f"blk.{i}.attn_sinks.weight" if f"blk.{i}.attn_sinks.weight" in tensor_shapes else f"blk.{i}.attn_sinks"
+        want[sinks] = (heads,)
+        for name, shape in want.items():
+            if tuple(tensor_shapes[name]) != shape:
+                raise ValueError(f"gpt-oss GGUF tensor {name} has shape {tuple(tensor_shapes[name])}; the metadata "
+                                 f"(expert_count={experts}, expert_feed_forward_length={width}, "
+                                 f"embedding_length={hidden}, head_count={heads}) needs {shape}")
+
+
 def _layer_types(meta: Callable[[str, Any], Any], layers: int) -> list[str]:
     """llama.cpp's pattern for gpt-oss: n = 2 (layer i slides iff i % n < n - 1: the even layers), or the file's
     `sliding_window_pattern` (a number n, or one bool per layer)."""
@@ -119,19 +135,19 @@ def gpt_oss_hf_config(meta: Callable[[str, Any], Any], tensor_shapes: dict[str, 
     if rope_scaling is not None and rope_scaling.get("rope_type") == "yarn":
         rope_scaling = {**rope_scaling, "truncate": False}
     bos = meta("tokenizer.ggml.bos_token_id", None)
+    hidden, experts = int(m("embedding_length")), int(m("expert_count", required=True))
+    width = int(m("expert_feed_forward_length", None) or m("feed_forward_length", required=True))
+    _check_shapes(tensor_shapes, layers, experts, width, hidden, heads)
     return dict(
-        architectures=["GptOssForCausalLM"], vocab_size=tensor_shapes["token_embd.weight"][0],
-        hidden_size=int(m("embedding_length")),
-        intermediate_size=int(m("expert_feed_forward_length", None) or m("feed_forward_length", required=True)),
-        num_hidden_layers=layers, num_attention_heads=heads,
+        architectures=["GptOssForCausalLM"], vocab_size=tensor_shapes["token_embd.weight"][0], hidden_size=hidden,
+        intermediate_size=width, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=int(m("attention.head_count_kv", heads)), head_dim=head_dim,
         rms_norm_eps=float(m("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(m("rope.freq_base", 150000.0)), rope_scaling=rope_scaling,
         max_position_embeddings=int(m("context_length", 4096)),
         tie_word_embeddings="output.weight" not in tensor_shapes, attention_bias=True,
         sliding_window=int(m("attention.sliding_window", required=True)), layer_types=_layer_types(meta, layers),
-        num_local_experts=int(m("expert_count", required=True)),
-        num_experts_per_tok=int(m("expert_used_count", required=True)),
+        num_local_experts=experts, num_experts_per_tok=int(m("expert_used_count", required=True)),
         swiglu_limit=_swiglu_limit(meta, layers),
         bos_token_id=None if bos is None else int(bos), eos_token_id=list(eos_ids),
     )
