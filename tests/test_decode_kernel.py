@@ -2,7 +2,8 @@
 
 Layout and engine tests run with the kernel wherever it builds (it is on by default); these check the kernel
 alone: pool dtypes, head dims (the AVX-512 path for 64 and 128, the plain C path otherwise), grouped queries,
-requests longer than one unit of work, an empty context, one and two threads; that the engine's entry point
+requests longer than one unit of work, an empty context, one and two threads, the rows of a verify chunk (one
+request's consecutive positions, attending together); that the engine's entry point
 gives the same numbers with the kernel on and off; and that a failed build falls back with a warning.
 """
 
@@ -62,6 +63,47 @@ def test_kernel_matches_float64_attention(pool_dtype, head_dim, hq, hkv, threads
     live = lengths > 0
     assert (lse[live].double() - ref_lse[live]).abs().max().item() < 1e-5
     assert torch.isneginf(lse[~live]).all() and (out[~live] == 0).all()  # an empty context: (0, -inf)
+
+
+def _verify_rows(pool_dtype, head_dim: int, hq: int, hkv: int, rows: int, context: int, seed: int = 1):
+    """`rows` rows of one request at consecutive positions (a verify chunk run as single-token rows: row i sees the
+    context and rows < i), then one other request; the slot table is padded past each row's length with junk."""
+    gen = torch.Generator().manual_seed(seed)
+    num_slots = context + rows + 200
+    k_pool = torch.randn(num_slots, hkv, head_dim, generator=gen).to(pool_dtype)
+    v_pool = torch.randn(num_slots, hkv, head_dim, generator=gen).to(pool_dtype)
+    order = torch.randperm(num_slots, generator=gen)
+    width = context + rows
+    slots = order[:width].repeat(rows + 1, 1)
+    slots[rows] = order[-width:]
+    lengths = torch.tensor([context + 1 + i for i in range(rows)] + [57])
+    for b, length in enumerate(lengths.tolist()):
+        slots[b, length:] = 10**9  # never read
+    return torch.randn(rows + 1, hq, head_dim, generator=gen), k_pool, v_pool, slots.contiguous(), lengths
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,hq,hkv", [(64, 9, 3), (32, 8, 2)])  # the AVX-512 unit and the plain C one
+@pytest.mark.parametrize("rows", [2, 9, 17])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_of_one_context_attend_together_as_each_alone(pool_dtype, head_dim, hq, hkv, rows, threads):
+    """Rows whose contexts are prefixes of one another's share each unit's K/V reads: every row matches float64
+    attention over its own positions only, and at one thread (the same units as alone) equals, bit for bit, the
+    row run alone."""
+    q, k_pool, v_pool, slots, lengths = _verify_rows(pool_dtype, head_dim, hq, hkv, rows, 700)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse = paged_decode_attention(q, k_pool, v_pool, slots, lengths, scale=head_dim**-0.5)
+        alone = [paged_decode_attention(q[b:b + 1], k_pool, v_pool, slots[b:b + 1], lengths[b:b + 1],
+                                        scale=head_dim**-0.5) for b in range(rows + 1)]
+    finally:
+        torch.set_num_threads(before)
+    ref_out, ref_lse = _reference(q, k_pool, v_pool, slots, lengths, head_dim**-0.5)
+    assert (out.double() - ref_out).abs().max().item() < 1e-5
+    assert (lse.double() - ref_lse).abs().max().item() < 1e-5
+    if threads == 1:
+        assert torch.equal(out, torch.cat([o for o, _ in alone])) and torch.equal(lse, torch.cat([l for _, l in alone]))
 
 
 def test_kernel_keeps_the_query_dtype():

@@ -74,6 +74,26 @@ def test_decode_attention_reads_no_slot_past_a_length(build_kind):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def test_decode_attention_rows_of_one_context_equal_each_alone(build_kind):
+    """Rows whose contexts are prefixes of one another's (a verify chunk) attend as one group: each row's result is
+    its result alone (one thread: the same units), on both builds; a bad slot in the shared context is named."""
+    q, k_pool, v_pool, slots, _ = _attention_case(64, [5, 6, 7], width=7)
+    slots[:] = slots[2].clone()
+    lengths = torch.tensor([5, 6, 7])
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        together = paged_decode_attention(q, k_pool, v_pool, slots, lengths, 0.125)
+        alone = [paged_decode_attention(q[b:b + 1], k_pool, v_pool, slots[b:b + 1], lengths[b:b + 1], 0.125)
+                 for b in range(3)]
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(together[0], torch.cat([o for o, _ in alone]))
+    slots[:, 2] = NUM_SLOTS
+    with pytest.raises(IndexError, match=rf"slot {NUM_SLOTS} out of range"):
+        paged_decode_attention(q, k_pool, v_pool, slots, lengths, 0.125)
+
+
 @pytest.mark.parametrize("bad", [9, -1])
 def test_decode_attention_names_a_length_over_the_slot_table(build_kind, bad):
     q, k_pool, v_pool, slots, _ = _attention_case(64, [5, 8, 3])

@@ -7,6 +7,12 @@
  * its slots once (one contiguous [Hkv, D] row per slot), keeps its scores for all query heads in a small buffer,
  * and leaves a partial output with its log-sum-exp. Partials of a request are merged exactly afterwards
  * (log-sum-exp weights; docs/context_parallel.md, "Exact merge"). Accumulation is float32 throughout.
+ *
+ * Consecutive rows whose contexts are prefixes of one another's (the same slots: a verify chunk of speculative
+ * decoding run as single-token rows, each seeing one position more) form one group, and a unit then serves every
+ * row of its group: each K/V row is read once for all of them, where row by row it was read once per row (at
+ * SmolLM2's shapes and context 1.3K, 58 MB per row). Each row still computes exactly what it computes alone with
+ * the same units: its own positions, in the same order.
  */
 #include <math.h>
 #include <stdint.h>
@@ -159,48 +165,69 @@ static inline __attribute__((always_inline)) void prefetch_row(const void *pool,
     }
 }
 
+/* One unit for the `rows` rows of a group: row r (query q + r * hq * d) reads the first counts[r] positions of
+ * `slots` (counts non-decreasing, the last the most), its scores at scores + r * score_stride. Each K/V row is
+ * loaded once for every row still reading it; each row's sums run in the order of a unit of its own. */
 static inline __attribute__((always_inline)) void unit_avx512(
         const float *restrict q, const void *k_pool, const void *v_pool, const int dtype, const int64_t *slots,
-        int count, int hq, int hkv, const int d, float scale, float *restrict scores, float *restrict stats,
-        float *restrict out, float *restrict lse) {
-    const int group = hq / hkv, vecs = d / 16, row_len = hkv * d;
+        const int *counts, int rows, int hq, int hkv, const int d, float scale, float *restrict scores,
+        int64_t score_stride, float *restrict stats, float *const *outs, float *const *lses) {
+    const int group = hq / hkv, vecs = d / 16, row_len = hkv * d, count = counts[rows - 1];
     const int row_bytes = row_len * (dtype == KV_F32 ? 4 : 2);
-    for (int t = 0; t < count; t++) {
+    for (int t = 0, lo = 0; t < count; t++) {
+        while (counts[lo] <= t) lo++;  /* rows lo.. still read position t */
         const int64_t row = slots[t] * row_len;
         prefetch_row(k_pool, slots, t, count, row_bytes);
         for (int h = 0; h < hkv; h++) {
             __m512 k[MAX_VECS];
             load_head(k_pool, dtype, row + h * d, vecs, k);
-            for (int g = 0; g < group; g++) {
-                const int j = h * group + g;
-                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + j * d), k[0]);
-                for (int c = 1; c < vecs; c++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * d + c * 16), k[c], acc);
-                scores[j * count + t] = _mm512_reduce_add_ps(acc) * scale;
+            for (int r = lo; r < rows; r++) {
+                const float *qr = q + (int64_t)r * hq * d;
+                float *sr = scores + r * score_stride;
+                for (int g = 0; g < group; g++) {
+                    const int j = h * group + g;
+                    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qr + j * d), k[0]);
+                    for (int c = 1; c < vecs; c++)
+                        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + j * d + c * 16), k[c], acc);
+                    sr[j * counts[r] + t] = _mm512_reduce_add_ps(acc) * scale;
+                }
             }
         }
     }
-    softmax_avx512(scores, count, hq, stats, stats + hq);
-    for (int j = 0; j < hq * vecs; j++) _mm512_storeu_ps(out + j * 16, _mm512_setzero_ps());
-    for (int t = 0; t < count; t++) {
+    for (int r = 0; r < rows; r++) {
+        if (counts[r] <= 0) continue;
+        softmax_avx512(scores + r * score_stride, counts[r], hq, stats + 2 * r * hq, stats + (2 * r + 1) * hq);
+        for (int j = 0; j < hq * vecs; j++) _mm512_storeu_ps(outs[r] + j * 16, _mm512_setzero_ps());
+    }
+    for (int t = 0, lo = 0; t < count; t++) {
+        while (counts[lo] <= t) lo++;
         const int64_t row = slots[t] * row_len;
         prefetch_row(v_pool, slots, t, count, row_bytes);
         for (int h = 0; h < hkv; h++) {
             __m512 v[MAX_VECS];
             load_head(v_pool, dtype, row + h * d, vecs, v);
-            for (int g = 0; g < group; g++) {
-                const int j = h * group + g;
-                const __m512 p = _mm512_set1_ps(scores[j * count + t]);
-                for (int c = 0; c < vecs; c++) {
-                    float *o = out + j * d + c * 16;
-                    _mm512_storeu_ps(o, _mm512_fmadd_ps(p, v[c], _mm512_loadu_ps(o)));
+            for (int r = lo; r < rows; r++) {
+                const float *sr = scores + r * score_stride;
+                for (int g = 0; g < group; g++) {
+                    const int j = h * group + g;
+                    const __m512 p = _mm512_set1_ps(sr[j * counts[r] + t]);
+                    for (int c = 0; c < vecs; c++) {
+                        float *o = outs[r] + j * d + c * 16;
+                        _mm512_storeu_ps(o, _mm512_fmadd_ps(p, v[c], _mm512_loadu_ps(o)));
+                    }
                 }
             }
         }
     }
-    for (int j = 0; j < hq; j++) {
-        const __m512 inv = _mm512_set1_ps(1.0f / stats[hq + j]);
-        for (int c = 0; c < vecs; c++) _mm512_storeu_ps(out + j * d + c * 16, _mm512_mul_ps(inv, _mm512_loadu_ps(out + j * d + c * 16)));
-        lse[j] = stats[j] + logf(stats[hq + j]);
+    for (int r = 0; r < rows; r++) {
+        if (counts[r] <= 0) continue;
+        const float *st = stats + 2 * r * hq;
+        for (int j = 0; j < hq; j++) {
+            const __m512 inv = _mm512_set1_ps(1.0f / st[hq + j]);
+            for (int c = 0; c < vecs; c++)
+                _mm512_storeu_ps(outs[r] + j * d + c * 16, _mm512_mul_ps(inv, _mm512_loadu_ps(outs[r] + j * d + c * 16)));
+            lses[r][j] = st[j] + logf(st[hq + j]);
+        }
     }
 }
 #endif
@@ -229,34 +256,115 @@ static void merge_partials(const float *outs, const float *lses, int parts, int 
     }
 }
 
+enum { MAX_GROUP_ROWS = 64, MIN_GROUP_UNIT = 128 };
+
+/* Splits rows [0, batch) into groups of consecutive rows, each row's context a prefix of the next one's (a length
+ * no shorter, the same slots up to it), at most MAX_GROUP_ROWS a group: group i is rows starts[i] .. starts[i + 1]
+ * - 1 (starts [batch + 1]). Returns the number of groups. Comparing the slots costs a pass over a row's slot
+ * table, small against the K/V rows it saves reading. */
+static int context_groups(const int64_t *slots, int64_t slot_stride, const int64_t *lengths, int batch, int *starts) {
+    int groups = 0;
+    for (int b = 0; b < batch; b++) {
+        const int extends = b > 0 && b - starts[groups - 1] < MAX_GROUP_ROWS && lengths[b] >= lengths[b - 1]
+            && memcmp(slots + (int64_t)b * slot_stride, slots + (int64_t)(b - 1) * slot_stride,
+                      sizeof(int64_t) * lengths[b - 1]) == 0;
+        if (!extends) starts[groups++] = b;
+    }
+    starts[groups] = batch;
+    return groups;
+}
+
+/* Unit i of the group of rows b0 .. b0 + rows - 1 (its positions [i chunk, (i + 1) chunk) of the longest context):
+ * each row's partial out and lse; a row that reads none of these positions, or all rows where a slot is outside
+ * the pool (returns 1 then, nothing read), get (0, -inf). */
+static int group_unit(const float *q, const void *k_pool, const void *v_pool, int dtype, int64_t num_slots,
+                      const int64_t *slots, const int64_t *lengths, int b0, int rows, int64_t i, int hq, int hkv,
+                      int d, float scale, int chunk, float *const *outs, float *const *lses, float *scores,
+                      float *stats, float *row_buf) {
+    int counts[MAX_GROUP_ROWS];
+    for (int r = 0; r < rows; r++) {
+        const int64_t left = lengths[b0 + r] - i * chunk;
+        counts[r] = left <= 0 ? 0 : left < chunk ? (int)left : chunk;
+    }
+    const int count = counts[rows - 1];
+    const int64_t *s = slots + i * chunk;
+    const int outside = count > 0 && cpllm_any_outside(s, count, num_slots);
+    for (int r = 0; r < rows; r++)
+        if (counts[r] <= 0 || outside) {
+            memset(outs[r], 0, sizeof(float) * (size_t)hq * d);
+            for (int j = 0; j < hq; j++) lses[r][j] = -INFINITY;
+        }
+    if (count <= 0 || outside) return outside;
+    const float *qb = q + (size_t)b0 * hq * d;
+#if defined(__AVX512F__)
+    if (d == 64 || d == 128) {  /* constants at each call: the row stays in registers */
+        const int64_t stride = (int64_t)hq * chunk;
+#define UNIT(DT, D) unit_avx512(qb, k_pool, v_pool, DT, s, counts, rows, hq, hkv, D, scale, scores, stride, stats, \
+                                outs, lses)
+        if (dtype == KV_F32) d == 64 ? UNIT(KV_F32, 64) : UNIT(KV_F32, 128);
+        else if (dtype == KV_F16) d == 64 ? UNIT(KV_F16, 64) : UNIT(KV_F16, 128);
+        else d == 64 ? UNIT(KV_BF16, 64) : UNIT(KV_BF16, 128);
+#undef UNIT
+        return 0;
+    }
+#endif
+    for (int r = 0; r < rows; r++) {  /* the plain C path: row by row */
+        if (counts[r] <= 0) continue;
+        const float *qr = qb + (size_t)r * hq * d;
+        unit_scores(qr, k_pool, dtype, s, counts[r], hq, hkv, d, scale, scores, row_buf);
+        unit_softmax(scores, counts[r], hq, stats, stats + hq);
+        unit_values(scores, v_pool, dtype, s, counts[r], hq, hkv, d, stats, stats + hq, outs[r], lses[r], row_buf);
+    }
+    return 0;
+}
+
 /* q [B, Hq, D] float32; k_pool/v_pool [num_slots, Hkv, D] of `dtype`; slots [B, slot_stride] int64; lengths [B]
- * int64; out [B, Hq, D] float32; lse [B, Hq] float32. `chunk`: positions per unit. Returns 0; CPLLM_NO_MEMORY;
- * CPLLM_LENGTH_OUT_OF_RANGE (a length outside [0, slot_stride], before any work); CPLLM_SLOT_OUT_OF_RANGE (a slot of
- * a request's context outside [0, num_slots): each unit checks its slots as it starts, and one with a bad slot reads
- * no row, leaving (0, -inf)). */
+ * int64; out [B, Hq, D] float32; lse [B, Hq] float32. `chunk`: positions per unit (where rows share contexts, and so
+ * units, with threads > 1, smaller, down to MIN_GROUP_UNIT: about four units a thread still). Returns 0;
+ * CPLLM_NO_MEMORY; CPLLM_LENGTH_OUT_OF_RANGE (a length outside [0, slot_stride], before any work);
+ * CPLLM_SLOT_OUT_OF_RANGE (a slot of a request's context outside [0, num_slots): each unit checks its slots as it
+ * starts, and one with a bad slot reads no row, leaving (0, -inf)). */
 int cpllm_paged_decode_attention(const float *q, const void *k_pool, const void *v_pool, int dtype, int64_t num_slots,
                                  const int64_t *slots, int64_t slot_stride, const int64_t *lengths, int batch,
                                  int hq, int hkv, int d, float scale, int chunk, int threads, float *out,
                                  float *lse) {
     for (int b = 0; b < batch; b++)
         if (lengths[b] < 0 || lengths[b] > slot_stride) return CPLLM_LENGTH_OUT_OF_RANGE;
-    int64_t *first_unit = malloc(sizeof(int64_t) * (batch + 1));
-    if (!first_unit) return CPLLM_NO_MEMORY;
-    first_unit[0] = 0;
-    for (int b = 0; b < batch; b++) {
-        const int64_t units = (lengths[b] + chunk - 1) / chunk;
-        first_unit[b + 1] = first_unit[b] + (units > 0 ? units : 1);
+    int *starts = malloc(sizeof(int) * (batch + 1));
+    int64_t *first_unit = malloc(sizeof(int64_t) * (batch + 1)), *first_part = malloc(sizeof(int64_t) * (batch + 1));
+    if (!starts || !first_unit || !first_part) {
+        free(starts), free(first_unit), free(first_part);
+        return CPLLM_NO_MEMORY;
     }
-    const int64_t total_units = first_unit[batch];
-    float *part_out = malloc(sizeof(float) * (size_t)total_units * hq * d);
-    float *part_lse = malloc(sizeof(float) * (size_t)total_units * hq);
+    const int groups = context_groups(slots, slot_stride, lengths, batch, starts);
+    int max_rows = 1;
+    int64_t positions = 0;
+    for (int g = 0; g < groups; g++) {
+        max_rows = starts[g + 1] - starts[g] > max_rows ? starts[g + 1] - starts[g] : max_rows;
+        positions += lengths[starts[g + 1] - 1];
+    }
+    if (groups < batch && threads > 1) {
+        int64_t per_unit = (positions + 4 * threads - 1) / (4 * threads);
+        if (per_unit < MIN_GROUP_UNIT) per_unit = MIN_GROUP_UNIT;
+        if (per_unit < chunk) chunk = (int)per_unit;
+    }
+    /* units of group g: first_unit[g] ..; row b's partials: first_part[b] .. (one per unit of its group) */
+    first_unit[0] = first_part[0] = 0;
+    for (int g = 0; g < groups; g++) {
+        const int64_t units = (lengths[starts[g + 1] - 1] + chunk - 1) / chunk;
+        first_unit[g + 1] = first_unit[g] + (units > 0 ? units : 1);
+        for (int b = starts[g]; b < starts[g + 1]; b++) first_part[b + 1] = first_part[b] + first_unit[g + 1] - first_unit[g];
+    }
+    const int64_t total_units = first_unit[groups], total_parts = first_part[batch];
+    float *part_out = malloc(sizeof(float) * (size_t)total_parts * hq * d);
+    float *part_lse = malloc(sizeof(float) * (size_t)total_parts * hq);
     int failed = part_out == NULL || part_lse == NULL, bad_slot = 0;
     if (!failed) {
 #pragma omp parallel num_threads(threads)
         {
-            float *scores = malloc(sizeof(float) * (size_t)hq * chunk);
+            float *scores = malloc(sizeof(float) * (size_t)hq * chunk * max_rows);
             float *row_buf = malloc(sizeof(float) * (size_t)hkv * d);
-            float *stats = malloc(sizeof(float) * 2 * (size_t)hq);
+            float *stats = malloc(sizeof(float) * 2 * (size_t)hq * max_rows);
             if (!scores || !row_buf || !stats) {
 #pragma omp atomic write
                 failed = 1;
@@ -268,37 +376,21 @@ int cpllm_paged_decode_attention(const float *q, const void *k_pool, const void 
             if (!team_failed) { /* every thread takes the same branch: the loop below is shared work */
 #pragma omp for schedule(dynamic, 1)
                 for (int64_t u = 0; u < total_units; u++) {
-                    int b = 0;
-                    while (first_unit[b + 1] <= u) b++;
-                    const int64_t start = (u - first_unit[b]) * chunk;
-                    const int64_t left = lengths[b] - start;
-                    const int count = left < chunk ? (int)left : chunk;
-                    float *o = part_out + (size_t)u * hq * d, *l = part_lse + (size_t)u * hq;
-                    const int64_t *s = slots + b * slot_stride + start;
-                    const int outside = count > 0 && cpllm_any_outside(s, count, num_slots);
-                    if (outside) {
+                    int g = 0;
+                    while (first_unit[g + 1] <= u) g++;
+                    const int b0 = starts[g], rows = starts[g + 1] - b0;
+                    const int64_t i = u - first_unit[g];
+                    float *outs[MAX_GROUP_ROWS], *lses[MAX_GROUP_ROWS];
+                    for (int r = 0; r < rows; r++) {
+                        outs[r] = part_out + (size_t)(first_part[b0 + r] + i) * hq * d;
+                        lses[r] = part_lse + (size_t)(first_part[b0 + r] + i) * hq;
+                    }
+                    const int64_t *s = slots + (int64_t)(b0 + rows - 1) * slot_stride;  /* the longest context */
+                    if (group_unit(q, k_pool, v_pool, dtype, num_slots, s, lengths, b0, rows, i, hq, hkv, d, scale,
+                                   chunk, outs, lses, scores, stats, row_buf)) {
 #pragma omp atomic write
                         bad_slot = 1;
                     }
-                    if (count <= 0 || outside) {
-                        memset(o, 0, sizeof(float) * (size_t)hq * d);
-                        for (int j = 0; j < hq; j++) l[j] = -INFINITY;
-                        continue;
-                    }
-                    const float *qb = q + (size_t)b * hq * d;
-#if defined(__AVX512F__)
-                    if (d == 64 || d == 128) {  /* constants at each call: the row stays in registers */
-#define UNIT(DT, D) unit_avx512(qb, k_pool, v_pool, DT, s, count, hq, hkv, D, scale, scores, stats, o, l)
-                        if (dtype == KV_F32) d == 64 ? UNIT(KV_F32, 64) : UNIT(KV_F32, 128);
-                        else if (dtype == KV_F16) d == 64 ? UNIT(KV_F16, 64) : UNIT(KV_F16, 128);
-                        else d == 64 ? UNIT(KV_BF16, 64) : UNIT(KV_BF16, 128);
-#undef UNIT
-                        continue;
-                    }
-#endif
-                    unit_scores(qb, k_pool, dtype, s, count, hq, hkv, d, scale, scores, row_buf);
-                    unit_softmax(scores, count, hq, stats, stats + hq);
-                    unit_values(scores, v_pool, dtype, s, count, hq, hkv, d, stats, stats + hq, o, l, row_buf);
                 }
             }
             free(scores);
@@ -308,12 +400,14 @@ int cpllm_paged_decode_attention(const float *q, const void *k_pool, const void 
     }
     if (!failed) {
         for (int b = 0; b < batch; b++) {
-            const int64_t u = first_unit[b];
-            merge_partials(part_out + (size_t)u * hq * d, part_lse + (size_t)u * hq, (int)(first_unit[b + 1] - u),
+            const int64_t u = first_part[b];
+            merge_partials(part_out + (size_t)u * hq * d, part_lse + (size_t)u * hq, (int)(first_part[b + 1] - u),
                            hq, d, out + (size_t)b * hq * d, lse + (size_t)b * hq);
         }
     }
+    free(starts);
     free(first_unit);
+    free(first_part);
     free(part_out);
     free(part_lse);
     return failed ? CPLLM_NO_MEMORY : bad_slot ? CPLLM_SLOT_OUT_OF_RANGE : CPLLM_OK;

@@ -68,16 +68,28 @@ static inline __m512i broadcast4(const int8_t *p) {
     return _mm512_set1_epi32(v);
 }
 
-/* Rows m0 .. m0 + mt - 1 of y against one block of 16 output rows (`valid` of them real). */
+/* Ask for the record of group g of the block `ahead` (NULL: none) into L2. With more rows than one tile a block is
+ * computed in several passes from L1, and the hardware prefetcher then falls behind the weights' stream: measured
+ * at 5 rows on the 49K x 1152 int8 LM head (35 MB, from memory), 3.7 ms without, against 1.4 ms for 4 rows. */
+static inline __attribute__((always_inline)) void prefetch_record(const uint8_t *ahead, int g) {
+    if (!ahead) return;
+    const char *p = (const char *)ahead + (int64_t)g * RECORD_BYTES;
+    for (int b = 0; b < RECORD_BYTES; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+    _mm_prefetch(p + RECORD_BYTES - 1, _MM_HINT_T1);
+}
+
+/* Rows m0 .. m0 + mt - 1 of y against one block of 16 output rows (`valid` of them real); `ahead`, the block to
+ * prefetch meanwhile (or NULL). */
 static inline __attribute__((always_inline)) void tile(const uint8_t *block, int G, const int8_t *xq,
                                                        const int8_t *xr, const float *xs, const float *xsum, int mt,
-                                                       float *y, int64_t ldy, int valid) {
+                                                       float *y, int64_t ldy, int valid, const uint8_t *ahead) {
     const int K = G * GROUP;
     const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
     __m512 out[TILE_M];
     for (int t = 0; t < mt; t++) out[t] = _mm512_setzero_ps();
     for (int g = 0; g < G; g++) {
         const uint8_t *record = block + (int64_t)g * RECORD_BYTES;
+        prefetch_record(ahead, g);
         __m512i dot[TILE_M], rdot[TILE_M];
         for (int t = 0; t < mt; t++) dot[t] = rdot[t] = _mm512_setzero_si512();
         for (int i = 0; i < 4; i++) {
@@ -106,18 +118,21 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *block, int
     for (int t = 0; t < mt; t++) _mm512_mask_storeu_ps(y + (int64_t)t * ldy, keep, out[t]);
 }
 
+/* All `rows` rows against one block; `ahead` (or NULL) is prefetched during the first tile. */
 static void block_rows(const uint8_t *block, int G, const int8_t *xq, const int8_t *xr, const float *xs,
-                       const float *xsum, int64_t rows, float *y, int64_t ldy, int valid) {
+                       const float *xsum, int64_t rows, float *y, int64_t ldy, int valid, const uint8_t *ahead) {
     const int K = G * GROUP;
     int64_t r = 0;
-    for (; r + TILE_M <= rows; r += TILE_M)
-        tile(block, G, xq + r * K, xr + r * K, xs + r * G, xsum + r * G, TILE_M, y + r * ldy, ldy, valid);
+    for (; r + TILE_M <= rows; r += TILE_M, ahead = NULL)
+        tile(block, G, xq + r * K, xr + r * K, xs + r * G, xsum + r * G, TILE_M, y + r * ldy, ldy, valid, ahead);
+#define REST(MT) tile(block, G, xq + r * K, xr + r * K, xs + r * G, xsum + r * G, MT, y + r * ldy, ldy, valid, ahead)
     switch (rows - r) {
-        case 3: tile(block, G, xq + r * K, xr + r * K, xs + r * G, xsum + r * G, 3, y + r * ldy, ldy, valid); break;
-        case 2: tile(block, G, xq + r * K, xr + r * K, xs + r * G, xsum + r * G, 2, y + r * ldy, ldy, valid); break;
-        case 1: tile(block, G, xq + r * K, xr + r * K, xs + r * G, xsum + r * G, 1, y + r * ldy, ldy, valid); break;
+        case 3: REST(3); break;
+        case 2: REST(2); break;
+        case 1: REST(1); break;
         default: break;
     }
+#undef REST
 }
 #endif
 
@@ -144,8 +159,11 @@ int cpllm_int4_matmul_blocks(const float *x, int64_t M, int K, const uint8_t *pa
         for (int64_t i = 0; i < blocks; i++) {
             const int64_t b = b0 + i, r0 = c * CHUNK_M, rows = M - r0 < CHUNK_M ? M - r0 : CHUNK_M;
             const int valid = N - b * BLOCK_ROWS < BLOCK_ROWS ? (int)(N - b * BLOCK_ROWS) : BLOCK_ROWS;
-            block_rows(packed + b * (int64_t)G * RECORD_BYTES, G, xq + r0 * K, xr + r0 * K, xs + r0 * G,
-                       xsum + r0 * G, rows, y + r0 * ldy + b * BLOCK_ROWS, ldy, valid);
+            const uint8_t *block = packed + b * (int64_t)G * RECORD_BYTES;
+            /* the next block, where one tile does not take every row (one pass: the hardware prefetcher keeps up) */
+            const uint8_t *ahead = i + 1 < blocks ? block + (int64_t)G * RECORD_BYTES : NULL;
+            block_rows(block, G, xq + r0 * K, xr + r0 * K, xs + r0 * G, xsum + r0 * G, rows,
+                       y + r0 * ldy + b * BLOCK_ROWS, ldy, valid, ahead);
         }
     free(xq), free(xs), free(xsum);
     return 0;
