@@ -159,8 +159,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                       "alone replays captured graphs per batch-size bucket)"),
     EngineOption("speculative_config", dict, "engine.speculative_config", default=None, parse=parse_json_object,
                  help="speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-                      "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} drafts by prompt lookup and verifies "
-                      "k + 1 rows per request in one step (default: off)"),
+                      "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} drafts by prompt lookup, {\"model\": "
+                      "\"path/to/draft\", \"num_speculative_tokens\": 4} with a draft model of the same vocabulary "
+                      "(run on the replica's driver rank); k + 1 rows per request verified in one step (default: off)"),
     EngineOption("distributed_timeout", float, "parallel.distributed_timeout_s",
                  help="seconds before a stuck or dead rank fails the run"),
     EngineOption("collective_transport", str, "parallel.collective_transport", choices=COLLECTIVE_TRANSPORTS,

@@ -90,6 +90,8 @@ class DraftModel:
         self.kv_bytes = kv.bytes
         self.budget = target.scheduler.max_num_batched_tokens
         """Most catch-up tokens in one draft step."""
+        self.num_pool_short = 0
+        """Times (requests x steps) a request got no drafts because the draft pool could not hold them."""
         self._states: dict[str, _DraftState] = {}
         self._step_id = 0
 
@@ -145,8 +147,11 @@ class DraftModel:
             request.draft_token_ids = []
             count = min(self.k, room)
             tokens = request.all_token_ids
-            if count <= 0 or not self._reserve(state, len(tokens) + count - 1):
-                continue  # no room left, or the draft pool is full: no drafts this step
+            if count <= 0:
+                continue
+            if not self._reserve(state, len(tokens) + count - 1):
+                self.num_pool_short += 1  # the draft pool is full: no drafts this step
+                continue
             self._rewind(state, tokens)
             active.append((state, tokens, count))
         if not active:
