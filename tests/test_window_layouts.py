@@ -2,8 +2,9 @@
 processes on gloo, the tiny models of tests/tiny_window_models.py (window 8) with one KV head (so TP=2 x DCP=2
 keeps one head per DCP group).
 
-Each family runs PCP=2 and TP=2 x DCP=2, and Gemma2 (windows and soft-capped scores) also TP=2 x PCP=2 x DCP=2,
-with the prefill strategies spread over the runs. One LLM per layout runs the layout tests' workload
+Each family runs TP=2 x DCP=2, Qwen2 and Gemma3 also PCP=2 with interleave 4, and Gemma2 (windows and soft-capped
+scores) also TP=2 x PCP=2 x DCP=2. PCP=2 at interleave 1 with every strategy on every family is
+tests/test_window_strategies.py. One LLM per layout runs the layout tests' workload
 (tests/parallel_helpers.py: prompts of 1, 2*PCP-1, 13 and 37 tokens, 37 being over 4 windows, one sharing a
 24-token prefix, a 9-token step budget) twice, the second time hitting the prefix cache.
 """
@@ -31,11 +32,9 @@ MODEL_SEED = 2
 COMMON = dict(max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
               threads_per_rank=1, distributed_timeout=60)
 RUNS = [  # (family, layout)
-    ("mistral", Layout(tp=1, pcp=2, dcp=1, strategy="ring", max_tokens=MAX_TOKENS)),
     ("mistral", Layout(tp=2, pcp=1, dcp=2, max_tokens=MAX_TOKENS)),
     ("qwen2", Layout(tp=1, pcp=2, dcp=1, interleave=4, strategy="pass-q", max_tokens=MAX_TOKENS)),
     ("qwen2", Layout(tp=2, pcp=1, dcp=2, interleave=4, max_tokens=MAX_TOKENS)),
-    ("gemma2", Layout(tp=1, pcp=2, dcp=1, strategy="allgather", max_tokens=MAX_TOKENS)),
     ("gemma2", Layout(tp=2, pcp=1, dcp=2, max_tokens=MAX_TOKENS)),
     ("gemma2", Layout(tp=2, pcp=2, dcp=2, strategy="ring", max_tokens=MAX_TOKENS)),
     ("gemma3", Layout(tp=1, pcp=2, dcp=1, interleave=4, strategy="ring", max_tokens=MAX_TOKENS)),
