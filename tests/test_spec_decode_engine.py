@@ -34,8 +34,8 @@ LAYOUTS = {
     "tp2": {"tensor_parallel_size": 2},
     "pcp2-replicated": {"prefill_context_parallel_size": 2, "cp_kv_cache_layout": "replicated"},
 }
-"""Where each rank holds every row and its whole context (one rank, TP=2) a verify chunk runs as decode rows
-(ModelRunner._verify_rows); under PCP and DCP as a prefill chunk over the sharded context."""
+"""A verify chunk runs as decode rows (ModelRunner._verify_rows) on every layout, in steps without a prompt chunk
+(on one rank and TP=2 in every step): under PCP and DCP they attend to the sharded context on the decode plans."""
 MAX_TOKENS = 24
 STOP_TOKEN = 5
 """A token of the cycle the successor model's output for the copy prompt enters (its 8th output token)."""

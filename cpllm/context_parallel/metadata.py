@@ -223,13 +223,14 @@ def _rebuild(obj: Any, moved: Iterator[torch.Tensor]) -> Any:
 
 
 def _rank_runs(num_new: int, pcp_size: int, row_offsets: list[int],
-               split_single: bool = False) -> list[list[tuple[int, int, int]]]:
+               split_single: bool = False, stay: int | None = None) -> list[list[tuple[int, int, int]]]:
     """Per PCP rank, (row, new_start, length) runs of one request, advancing each rank's row offset.
 
     With `split_single`, a single new token goes to one PCP rank only, the one with the fewest rows so far
-    (lowest rank on ties), so PCP ranks share the decode batch instead of each computing all of it."""
+    (lowest rank on ties), so PCP ranks share the decode batch instead of each computing all of it; or rank `stay`
+    where given (the previous token's rank: a verify chunk's rows, plan.py `single_token_homes`)."""
     if split_single and num_new == 1:
-        home = min(range(pcp_size), key=lambda p: (row_offsets[p], p))
+        home = stay if stay is not None else min(range(pcp_size), key=lambda p: (row_offsets[p], p))
         runs = [[] for _ in range(pcp_size)]
         runs[home].append((row_offsets[home], 0, 1))
         row_offsets[home] += 1
@@ -242,6 +243,21 @@ def _rank_runs(num_new: int, pcp_size: int, row_offsets: list[int],
             row_offsets[p] += end - start
         runs.append(rank_runs)
     return runs
+
+
+def _chunk_runs(chunks, pcp_size: int, row_offsets: list[int], split_single: bool) -> list:
+    """`_rank_runs` of every chunk in order; split single tokens of the same request as the chunk before (the rows
+    of one verify chunk) stay on that chunk's rank (plan.py `single_token_homes`)."""
+    runs_per_chunk, previous = [], None
+    for chunk in chunks:
+        stay = None
+        if split_single and previous is not None and previous[0] == chunk.request_id and len(chunk.token_ids) == 1:
+            stay = previous[1]
+        runs = _rank_runs(len(chunk.token_ids), pcp_size, row_offsets, split_single, stay)
+        single = split_single and len(chunk.token_ids) == 1
+        previous = (chunk.request_id, next(p for p in range(pcp_size) if runs[p])) if single else None
+        runs_per_chunk.append(runs)
+    return runs_per_chunk
 
 
 def build_step_batch(chunks, layout: KVLayout, pcp_size: int, pcp_rank: int, output_plan,
@@ -265,7 +281,7 @@ def build_step_batch(chunks, layout: KVLayout, pcp_size: int, pcp_rank: int, out
         raise ValueError(f"plan {plan.value!r} is for steps of single tokens; this step has a prompt chunk")
     split_single_tokens = split_single_tokens and not plan.team
     row_offsets = [0] * pcp_size
-    runs_per_chunk = [_rank_runs(len(c.token_ids), pcp_size, row_offsets, split_single_tokens) for c in chunks]
+    runs_per_chunk = _chunk_runs(chunks, pcp_size, row_offsets, split_single_tokens)
     # Without a prompt chunk nothing is gathered: each rank stores what it holds, from its own rows.
     local_writes = None if has_new else pcp_rank
     num_rows = max(row_offsets) if chunks else 0

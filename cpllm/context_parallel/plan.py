@@ -62,9 +62,29 @@ def eager_decode_plan(kv_shards: int, pcp_size: int, replicated: bool) -> StepPl
     return StepPlan.GATHERED_DECODE
 
 
-def single_token_rows(num_tokens: int, pcp_size: int, pcp_rank: int, split: bool) -> tuple[int, int]:
+def single_token_homes(request_ids, pcp_size: int) -> list[int]:
+    """The PCP rank computing each single token of a decode-only step where each goes to one rank (the replicated
+    layout outside a team): the rank with the fewest rows so far (lowest on ties), except that a token of the same
+    request as the one before it (the rows of one verify chunk, cpllm/worker/runner.py `_verify_rows`) stays on that
+    one's rank. In such a step each copy stores only the K/V it computed (the others arrive after the step,
+    replica_sync.py), and row i of a verify chunk reads rows < i in the same layer, so they must be computed where
+    they are read. metadata `_rank_runs` deals them so."""
+    rows, homes, previous = [0] * pcp_size, [], None
+    for request_id in request_ids:
+        home = homes[-1] if homes and request_id == previous else min(range(pcp_size), key=lambda p: (rows[p], p))
+        rows[home] += 1
+        homes.append(home)
+        previous = request_id
+    return homes
+
+
+def single_token_rows(num_tokens: int, pcp_size: int, pcp_rank: int, split: bool,
+                      request_ids=None) -> tuple[int, int]:
     """(rows this rank computes, rows of every rank's batch) for a step of `num_tokens` single tokens; `split`:
-    each token on one PCP rank, dealt in turn (the replicated layout outside a team; metadata `_rank_runs`)."""
+    each token on one PCP rank (the replicated layout outside a team; `single_token_homes`, by `request_ids`, one
+    request per token where None)."""
     if not split:
         return num_tokens, num_tokens
-    return len(range(pcp_rank, num_tokens, pcp_size)), -(-num_tokens // pcp_size)
+    homes = single_token_homes(range(num_tokens) if request_ids is None else request_ids, pcp_size)
+    counts = [homes.count(p) for p in range(pcp_size)]
+    return counts[pcp_rank], max(counts)

@@ -183,16 +183,24 @@ class ModelRunner:
         return batches
 
     def _verify_rows(self, chunks):
-        """Verify chunks (a request's last token and its drafts) as that many single-token rows, where this rank
-        computes every row and holds each request's whole context (one PCP rank, one KV shard): row i is a decode
-        row whose context is every position up to its own, and every layer stores the step's K/V before any row
-        attends, so row i sees rows < i as the causal chunk would. The step can then take the decode plans (the
-        fused layers among them). The rows come back in the chunk's order. Elsewhere the chunk runs as prefill."""
-        if self.groups.pcp_size > 1 or self.layout.cp_size > 1 or not any(c.num_draft_tokens for c in chunks):
+        """Verify chunks (a request's last token and its drafts) as that many single-token rows at consecutive
+        positions, the rows of one chunk next to each other: row i is a decode row whose context is every position
+        up to its own, and on every decode path (the fused layers, alone or as a team, and the eager decode plans)
+        every layer stores the step's K/V before any row attends, so row i sees rows < i as the causal chunk would,
+        merged over the KV shards by the same log-sum-exp as decode. The step can then take the decode plans. On
+        one rank with one KV shard always; under PCP or a sharded KV cache only in a step without a prompt chunk
+        (which is a prefill step anyway: the verify chunks then run as prefill chunks, as they do with it). Under
+        the replicated layout a chunk's rows stay on one PCP copy (plan.py `single_token_homes`). The rows come
+        back in the chunk's order."""
+        if not any(c.num_draft_tokens for c in chunks):
+            return chunks
+        whole = [bool(c.num_draft_tokens) and len(c.token_ids) == c.num_draft_tokens + 1 for c in chunks]
+        spread = self.groups.pcp_size > 1 or self.layout.cp_size > 1
+        if spread and any(len(c.token_ids) > 1 and not w for c, w in zip(chunks, whole)):
             return chunks
         rows = []
-        for chunk in chunks:
-            if not chunk.num_draft_tokens or len(chunk.token_ids) != chunk.num_draft_tokens + 1:
+        for chunk, split in zip(chunks, whole):
+            if not split:
                 rows.append(chunk)
                 continue
             rows += [dataclasses.replace(chunk, token_ids=(token,), start_pos=chunk.start_pos + i, num_draft_tokens=0)
@@ -209,7 +217,8 @@ class ModelRunner:
         if fused is not None:
             split = self.replicated and fused.team is None  # outside a team each PCP copy computes its own tokens
             plan = fused.plan(len(chunks), *single_token_rows(len(chunks), self.groups.pcp_size,
-                                                                self.groups.pcp_rank, split))
+                                                                self.groups.pcp_rank, split,
+                                                                [c.request_id for c in chunks]))
             if plan is not None:
                 return plan
         return StepPlan.COMPILED if self.compiled_decode is not None else self.eager_decode_plan
