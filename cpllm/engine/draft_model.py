@@ -22,7 +22,6 @@ blocks go back when it finishes or is preempted.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -37,8 +36,6 @@ from cpllm.step import ScheduledChunk, SchedulerOutput
 
 if TYPE_CHECKING:  # the engine is handed its executor (cpllm/engine/engine.py)
     from cpllm.worker.executor import Executor
-
-logger = logging.getLogger(__name__)
 
 DRAFT_SEED_SALT = 0x9E37_79B9_7F4A_7C15
 """Mixed into a request's seed for its draft generator, so the drafts' stream is not the verify step's."""
