@@ -156,8 +156,9 @@ class DraftModel:
         rows = self._catch_up(active)  # [len(active), vocab]: each request's last known token
         live = list(range(len(active)))
         for j in range(max(count for _, _, count in active)):
+            best = rows.argmax(dim=-1).tolist()  # one transfer for the step's greedy drafts
             for slot, i in enumerate(live):
-                self._draw(active[i][0], rows[slot])
+                self._draw(active[i][0], rows[slot], best[slot])
             live = [i for i in live if active[i][2] > j + 1]
             if not live:
                 break
@@ -221,17 +222,17 @@ class DraftModel:
         return self.runner.execute(SchedulerOutput(step_id=self._step_id, chunks=tuple(chunks)))
 
     @staticmethod
-    def _draw(state: _DraftState, logits: torch.Tensor) -> None:
-        """The next draft from one row of draft logits ([vocab]): the argmax for a greedy request, else a draw
-        from the request's restricted distribution, whose row is kept as q."""
+    def _draw(state: _DraftState, logits: torch.Tensor, argmax: int) -> None:
+        """The next draft from one row of draft logits ([vocab]; `argmax` its best token): the argmax for a greedy
+        request, else a draw from the request's restricted distribution, whose row is kept as q."""
         params = state.request.sampling_params
         if state.generator is None:
-            state.drafts.append(int(logits.argmax()))
+            state.drafts.append(argmax)
             return
         logits = logits.float().to(state.generator.device)
         probs = restricted_probs(logits, params)
         if not torch.isfinite(probs).all() or not probs.sum() > 0:
-            state.drafts.append(int(logits.argmax()))  # nothing to draw from: a point mass on the argmax
+            state.drafts.append(argmax)  # nothing to draw from: a point mass on the argmax
             state.probs.append(None)
             return
         state.drafts.append(int(torch.multinomial(probs, 1, generator=state.generator)))
