@@ -13,8 +13,11 @@ through the same executor); every verify step then rewrites positions context ..
 The model is small but not trivial: 8 Llama layers, hidden 256, 8 query heads of 32, one KV head (so DCP=2 under
 TP=2 holds), MLP 768, random weights, the tests' tiny tokenizer. `--quantization int4` (quantized at load): the fused
 layers take any number of rows, so the decode path is a decode team; `none` (float32): the fused layers take at
-most 4 rows (fused_decode.py `F32_MAX_ROWS`), so k = 4 runs on the layout's eager decode plan. One thread per rank. The machine may be shared: every configuration is
-timed once per round, the rounds interleaved, and the figures are medians and ratios of medians.
+most 4 rows (fused_decode.py `F32_MAX_ROWS`), so k = 4 runs on the layout's eager decode plan. One thread per rank.
+The machine may be shared: every configuration is timed once per round, the rounds interleaved (rotated), and the
+figures are medians and ratios of medians. `pcp2-gloo` is PCP=2 with every collective on gloo (no shared-memory
+transport, whose waits spin a while before they yield: on an oversubscribed machine a waiting rank holds the core its
+peer needs).
 
     python benchmarks/spec_verify_paths.py [--quantization int4 none] [--rounds 7] [--steps 5] [--json out.json]
 """
@@ -38,6 +41,7 @@ LAYOUTS = {
     "pcp2": {"prefill_context_parallel_size": 2},
     "pcp2-replicated": {"prefill_context_parallel_size": 2, "cp_kv_cache_layout": "replicated"},
     "tp2-dcp2": {"tensor_parallel_size": 2, "decode_context_parallel_size": 2},
+    "pcp2-gloo": {"prefill_context_parallel_size": 2, "collective_transport": "gloo"},
 }
 BLOCK = 16
 PATHS = ("decode", "prefill", "one-token")
@@ -134,12 +138,13 @@ def main() -> None:
     args = parser.parse_args()
     folder = build_folder(args.cache)
     rows = [row for layout in args.layouts for q in args.quantization for row in measure(folder, layout, q, args)]
-    print(f"{'layout':16} {'quant':5} {'B':>2} {'decode plan':>16} {'decode ms':>9} {'prefill ms':>10} {'1-token ms':>10} "
-          f"{'prefill/decode':>14} {'decode/1-token':>14}")
+    print(f"{'layout':16} {'quant':5} {'B':>2} {'decode plan':>16} {'decode ms':>9} {'prefill ms':>10} "
+          f"{'1-token ms':>10} {'prefill/decode':>14} {'decode/1-token':>14}")
     for r in rows:
         m = r["median_ms"]
-        print(f"{r['layout']:16} {r['quantization']:5} {r['batch']:>2} {r['plans']['decode']:>16} {m['decode']:>9.2f} {m['prefill']:>10.2f} "
-              f"{m['one-token']:>10.2f} {r['prefill_over_decode']:>14.2f} {r['decode_over_one_token']:>14.2f}")
+        print(f"{r['layout']:16} {r['quantization']:5} {r['batch']:>2} {r['plans']['decode']:>16} "
+              f"{m['decode']:>9.2f} {m['prefill']:>10.2f} {m['one-token']:>10.2f} {r['prefill_over_decode']:>14.2f} "
+              f"{r['decode_over_one_token']:>14.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)

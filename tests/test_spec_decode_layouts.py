@@ -16,11 +16,13 @@ import collections
 import random
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from cpllm import LLM, SamplingParams
 from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.context_parallel.metadata import build_step_batch
 from cpllm.context_parallel.plan import single_token_rows
+from cpllm.server.metrics_vllm import VllmMetrics
 from cpllm.step import ScheduledChunk
 from parallel_helpers import max_abs_diff, sampled_logprobs
 from spec_decode_helpers import CYCLE, random_tokens, save_cycle_model, walk
@@ -111,12 +113,14 @@ def run_phases(llm: LLM, successor, numbers) -> tuple[dict, list]:
 
 
 def several(llm: LLM, successor) -> dict:
-    """n = 2 greedy, and n = 3 seeded sampled twice, on a copy prompt."""
+    """n = 2 greedy, and n = 3 seeded sampled twice, on a copy prompt; with the draft tokens accepted meanwhile."""
     prompt = {"prompt_token_ids": walk(successor, 200, 10)}
+    before = llm.engine.scheduler_totals.spec_accepted_tokens
     greedy_n = llm.generate(prompt, SamplingParams(n=2, temperature=0, max_tokens=16, ignore_eos=True))[0]
     seeded = SamplingParams(n=3, temperature=0.8, seed=5, max_tokens=16, ignore_eos=True)
     return dict(greedy=[c.token_ids for c in greedy_n.outputs],
-                seeded=[[c.token_ids for c in llm.generate(prompt, seeded)[0].outputs] for _ in range(2)])
+                seeded=[[c.token_ids for c in llm.generate(prompt, seeded)[0].outputs] for _ in range(2)],
+                accepted=llm.engine.scheduler_totals.spec_accepted_tokens - before)
 
 
 class Runs:
@@ -215,6 +219,12 @@ def test_data_parallel_greedy_identical_and_counters_add_up(runs):
                    for f in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens"))
     assert spec_delta(dp, DP) == summed == spec_delta(one, DP), (summed, spec_delta(one, DP))
     assert summed[2] > 0
+    # the server exports the front's totals (what /metrics reads under -dp)
+    registry = CollectorRegistry()
+    VllmMetrics(registry, "m").set_engine_state(0, 0, 0.0, dp["totals"][DP])
+    exported = tuple(registry.get_sample_value(f"vllm:spec_decode_num_{name}_total", {"model_name": "m"})
+                     for name in ("drafts", "draft_tokens", "accepted_tokens"))
+    assert exported == summed, exported
 
 
 def test_several_sequences_per_request_as_without_speculation(runs):
@@ -222,6 +232,7 @@ def test_several_sequences_per_request_as_without_speculation(runs):
     assert one["greedy"][0] == one["greedy"][1] == reference["greedy"][0] == reference["greedy"][1]
     first, second = one["seeded"]
     assert first == second and len({tuple(t) for t in first}) > 1, first
+    assert one["accepted"] > 10 and reference["accepted"] == 0, (one["accepted"], reference["accepted"])
 
 
 def test_one_rank_greedy_identical_on_decoys_and_dp_requests(runs):
