@@ -33,11 +33,13 @@ COMMON = dict(block_size=4, max_model_len=128, max_num_batched_tokens=16, kv_cac
 """A 16-token budget: the 37-token prompt takes three steps beside verify chunks."""
 LAYOUTS = {
     "tp2-pcp2-dcp2": {"tensor_parallel_size": 2, "prefill_context_parallel_size": 2,
-                      "decode_context_parallel_size": 2},
+                      "decode_context_parallel_size": 2, "cp_kv_cache_interleave_size": 4},
     "tp2-pcp2-dcp2-replicated": {"tensor_parallel_size": 2, "prefill_context_parallel_size": 2,
                                  "decode_context_parallel_size": 2, "cp_kv_cache_layout": "replicated"},
 }
-"""Both run decode steps on the eager gathered-decode plan (no fused layers with TP and PCP together)."""
+"""Both run decode steps on the eager gathered-decode plan (no fused layers with TP and PCP together). Sharded in
+runs of 4 positions over the 4 KV shards: a verify chunk of the 3-token prompt starts where some shards hold none of
+its first rows' context."""
 LOGPROB_ATOL = 1e-4
 ACCEPTED, REJECTED, REPEATED, DP = range(4)
 """The phases (`phases`), run one after another."""
