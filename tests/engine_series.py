@@ -7,16 +7,22 @@ transport), never on the model or the prefill strategy, so every config of a ser
 Between two engines the driver sends the shutdown step, which ends the workers' step loop (`run_worker`) but not
 the world; every rank then builds the next config's runner (weights, KV pools, the block-count agreement) exactly
 as a fresh launch would. The last engine's `shutdown` ends the world as `LLM.shutdown` does.
+
+The KV layout (`cp_kv_cache_layout`) may differ between the configs of a series: every world builds both the cp
+and the dcp group, and the layout only picks which of them is the KV-shard group (`ParallelDims.members`), so
+each engine gets the world's groups with its own dims and that group (`groups_for`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
 
 from cpllm.config import EngineConfig
 from cpllm.distributed.comm import broadcast_object
+from cpllm.distributed.groups import ParallelGroups
 from cpllm.distributed.launch import find_free_port, init_distributed, shutdown_distributed
 from cpllm.distributed.rank_processes import spawn_workers
 from cpllm.engine.engine import LLMEngine
@@ -27,7 +33,16 @@ from cpllm.worker.worker import run_worker
 
 
 def _world_key(config: EngineConfig) -> tuple:
-    return config.parallel.dims, config.parallel.collective_transport, config.parallel.distributed_timeout_s
+    dims = dataclasses.replace(config.parallel.dims, kv_replicated=False)  # the layout makes no group of its own
+    return dims, config.parallel.collective_transport, config.parallel.distributed_timeout_s
+
+
+def groups_for(groups: ParallelGroups, config: EngineConfig) -> ParallelGroups:
+    """The world's groups under `config`'s KV layout: its dims, and the cp (sharded) or dcp (replicated) group as
+    the KV-shard group, the same object `ParallelGroups.build` would have made that group."""
+    dims = config.parallel.dims
+    return dataclasses.replace(groups, dims=dims,
+                               kv_shard_group=groups.dcp_group if dims.kv_replicated else groups.cp_group)
 
 
 def series_worker(rank: int, configs: Sequence[EngineConfig], master_addr: str, master_port: int,
@@ -39,7 +54,7 @@ def series_worker(rank: int, configs: Sequence[EngineConfig], master_addr: str, 
                               master_port=master_port, timeout_s=parallel.distributed_timeout_s)
     try:
         for config in configs:
-            run_worker(config, groups)
+            run_worker(config, groups_for(groups, config))
     finally:
         shutdown_distributed()
 
@@ -50,7 +65,7 @@ def run_series(configs: Sequence[EngineConfig], body: Callable[[LLMEngine], obje
     config gets a RuntimeError naming the one that failed."""
     keys = {_world_key(c) for c in configs}
     if len(keys) != 1:
-        raise ValueError(f"the configs of one series must share the layout, transport and timeout; got {keys}")
+        raise ValueError(f"the configs of one series must share the parallel sizes, transport and timeout; got {keys}")
     parallel = configs[0].parallel
     world = parallel.dims.world_size
     port = find_free_port()
@@ -61,7 +76,8 @@ def run_series(configs: Sequence[EngineConfig], body: Callable[[LLMEngine], obje
                                   timeout_s=parallel.distributed_timeout_s, workers=workers)
         torch.set_num_threads(threads)
         for index, config in enumerate(configs):
-            engine = LLMEngine(config, load_tokenizer(config.model_path), Executor(config, groups, workers))
+            executor = Executor(config, groups_for(groups, config), workers)
+            engine = LLMEngine(config, load_tokenizer(config.model_path), executor)
             try:
                 results.append(body(engine))
             except Exception as error:
