@@ -1,6 +1,6 @@
 """Speculative decoding with a draft model (real processes on gloo): greedy is token for token the single-rank engine
-without speculation, on one rank and under PCP=2 (sharded), TP=2 x DCP=2 and TP=2 x PCP=2 x DCP=2 (replicated), with
-chunked prefill and prefix hits; the acceptance counters show the mix each draft is built for; KV blocks and the
+without speculation, on one rank and under PCP=2 (sharded), TP=2 x DCP=2, TP=2 x PCP=2 x DCP=2 (replicated) and DP=2
+(a draft per replica), with chunked prefill and prefix hits; the acceptance counters show the mix each draft is built for; KV blocks and the
 prefix cache end as without speculation, the draft pool empty; a full draft pool and preemption change nothing;
 seeded sampled runs repeat and sampled tokens keep their distribution; refusals name their values.
 
@@ -36,6 +36,7 @@ LAYOUTS = {
     "tp2-dcp2": {"tensor_parallel_size": 2, "decode_context_parallel_size": 2},
     "tp2-pcp2-dcp2-replicated": {"tensor_parallel_size": 2, "prefill_context_parallel_size": 2,
                                  "decode_context_parallel_size": 2, "cp_kv_cache_layout": "replicated"},
+    "dp2": {"data_parallel_size": 2},
 }
 SMALL_POOL = 24 * 1024
 """24 blocks of 4 tokens (the tiny one-KV-head model's block is 1 KiB per rank): the workload preempts, and the
@@ -131,6 +132,9 @@ class Runs:
             options["speculative_config"] = self.spec(draft)
         with LLM(self.target, **options) as llm:
             engine = llm.engine
+            if layout == "dp2":  # the DP front: each replica's engine (its own draft) is in its own processes
+                return dict(outputs=run_workload(llm, self.successor), scheduler=engine.scheduler_totals,
+                            replica_totals=[r.report.totals for r in engine.replicas])
             outputs = run_workload(llm, self.successor, check_blocks if draft is not None else None)
             drafter = engine.spec.draft_model if draft is not None else None
             return dict(outputs=outputs, totals=engine.spec_decode_totals, scheduler=engine.scheduler_totals,
@@ -178,13 +182,24 @@ def test_greedy_on_one_rank_is_token_identical_with_the_intended_acceptance(runs
     assert want["scheduler"].prefix_hit_tokens > 0 and got["scheduler"].prefix_hit_tokens > 0  # the second phase
 
 
-@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "one"])
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name not in ("one", "dp2")])
 def test_greedy_under_context_parallel_layouts_is_the_single_rank_engine(runs, layout):
     """The noisy draft (accepted and rejected drafts both) against the single-rank engine without speculation."""
     want, got = runs.get("one", None), runs.get(layout, "noisy")
     assert_same_outputs(got["outputs"], want["outputs"], layout)
     assert 0.2 <= acceptance(got["totals"]) <= 0.85, got["totals"]
     assert got["draft_used"] == 0
+
+
+def test_data_parallel_replicas_each_draft_and_match_the_single_rank(runs):
+    """DP=2: each replica builds its own draft model on its driver rank; greedy is the single-rank engine's, both
+    replicas verified drafts, and the front's counters are the replicas' sums."""
+    want, got = runs.get("one", None), runs.get("dp2", "noisy")
+    assert_same_outputs(got["outputs"], want["outputs"], "dp2")
+    replicas = got["replica_totals"]
+    assert len(replicas) == 2 and all(t.spec_drafts > 0 and t.spec_accepted_tokens > 0 for t in replicas), replicas
+    for field in ("spec_drafts", "spec_draft_tokens", "spec_accepted_tokens"):
+        assert getattr(got["scheduler"], field) == sum(getattr(t, field) for t in replicas), field
 
 
 # --- KV accounting ----------------------------------------------------------------------------------------------
