@@ -6,7 +6,8 @@ seeded sampled runs repeat and sampled tokens keep their distribution; refusals 
 
 The target is tests/spec_decode_helpers.py's successor-map Llama (one KV head, so DCP=2 under TP=2 holds). Drafts:
 the target's own weights (nearly every draft accepted), the target's weights plus noise (a mix), and a random Qwen2
-of the same vocabulary (another family: nearly every draft rejected). Every launch runs the workload once.
+and a random Gemma 2 with windows of 8 (other families, the second with KV groups of its own: nearly every draft
+rejected), all of the same vocabulary. Every launch runs the workload once.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from cpllm.engine_args import add_engine_arguments, engine_flags
 from parallel_helpers import max_abs_diff, sampled_logprobs
 from spec_decode_helpers import random_tokens, save_cycle_model, walk
 from tiny_models import save_tiny_hf_model, tiny_hf_tokenizer
+from tiny_window_models import save_tiny_window_model
 
 K = 4
 COMMON = dict(block_size=4, max_model_len=128, max_num_batched_tokens=16, kv_cache_memory_bytes=2**20,
@@ -114,6 +116,8 @@ class Runs:
             "noisy": save_noisy_copy(self.target, str(tmp_path_factory.mktemp("noisy")), NOISE, seed=2),
             "other": save_tiny_hf_model(str(tmp_path_factory.mktemp("other")), "qwen2", seed=3,
                                         num_key_value_heads=1),
+            # a hybrid-window family (Gemma 2: windows of 8, soft-caps) whose KV groups differ from the target's
+            "windowed": save_tiny_window_model(str(tmp_path_factory.mktemp("windowed")), "gemma2", seed=4),
         }
         self._runs: dict[tuple, dict] = {}
 
@@ -172,7 +176,8 @@ def acceptance(totals) -> float:
 
 # --- greedy: token for token ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("draft, low, high", [("self", 0.9, 1.0), ("noisy", 0.2, 0.85), ("other", 0.0, 0.15)])
+@pytest.mark.parametrize("draft, low, high", [("self", 0.9, 1.0), ("noisy", 0.2, 0.85), ("other", 0.0, 0.15),
+                                              ("windowed", 0.0, 0.15)])
 def test_greedy_on_one_rank_is_token_identical_with_the_intended_acceptance(runs, draft, low, high):
     want, got = runs.get("one", None), runs.get("one", draft)
     assert_same_outputs(got["outputs"], want["outputs"], f"one rank, {draft} draft")
@@ -209,7 +214,7 @@ def test_pools_and_prefix_cache_end_as_without_speculation(runs):
     want, got = runs.get("one", None), runs.get("one", "other")
     assert got["used"] == want["used"] == 0
     assert got["cached"] == want["cached"] and len(want["cached"]) > 10
-    for draft in ("self", "noisy", "other"):
+    for draft in ("self", "noisy", "other", "windowed"):
         assert runs.get("one", draft)["draft_used"] == 0, draft
 
 
