@@ -2,7 +2,8 @@
 without speculation, on one rank and under PCP=2 (sharded), TP=2 x DCP=2, TP=2 x PCP=2 x DCP=2 (replicated) and DP=2
 (a draft per replica), with chunked prefill and prefix hits; the acceptance counters show the mix each draft is built
 for; KV blocks and the prefix cache end as without speculation, the draft pool empty; a full draft pool and
-preemption change nothing; seeded sampled runs repeat and sampled tokens keep their distribution; refusals name their values.
+preemption change nothing; seeded sampled runs repeat and sampled tokens keep their distribution; refusals name
+their values.
 
 The target is tests/spec_decode_helpers.py's successor-map Llama (one KV head, so DCP=2 under TP=2 holds). Drafts:
 the target's own weights (nearly every draft accepted), the target's weights plus noise (a mix), and a random Qwen2
