@@ -130,10 +130,11 @@ static inline __mmask16 tail_mask(int left) {
     return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
 }
 
-/* unit_softmax on 16 positions at a time (the tail masked). */
-static inline void softmax_avx512(float *restrict scores, int count, int hq, float *max_out, float *sum_out) {
+/* unit_softmax on 16 positions at a time (the tail masked), query head j's `count` scores at scores + j * stride. */
+static inline void softmax_avx512(float *restrict scores, int count, int64_t stride, int hq, float *max_out,
+                                  float *sum_out) {
     for (int j = 0; j < hq; j++) {
-        float *s = scores + j * count;
+        float *s = scores + j * stride;
         __m512 m = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
         for (int t = 0; t < count; t += 16) {
             const __mmask16 live = tail_mask(count - t);
@@ -152,75 +153,165 @@ static inline void softmax_avx512(float *restrict scores, int count, int hq, flo
     }
 }
 
-/* Ask for pool row `ahead` positions on: the slots are indirect (blocks scattered over the pool), so the hardware
- * prefetcher cannot see where the next block starts. Into L2 (T1), not L1: an L1 prefetch holds one of the core's
- * few line-fill buffers until its line arrives, which kept one thread near 9 GB/s; L2's miss queue is deeper
- * (measured, float32 K/V of SmolLM2's shapes at context 2,048 and 8,192, one thread: 9 to 16-18 GB/s). */
+/* Ask for one KV head's part (`bytes` at byte `offset` of the row) of the pool row `ahead` positions on: the slots
+ * are indirect (blocks scattered over the pool), so the hardware prefetcher cannot see where the next block starts.
+ * Into L2 (T1), not L1: an L1 prefetch holds one of the core's few line-fill buffers until its line arrives, which
+ * kept one thread near 9 GB/s; L2's miss queue is deeper (measured, float32 K/V of SmolLM2's shapes at context
+ * 2,048 and 8,192, one thread: 9 to 16-18 GB/s). */
 #define PREFETCH_AHEAD 32
-static inline __attribute__((always_inline)) void prefetch_row(const void *pool, const int64_t *slots, int t,
-                                                              int count, int row_bytes) {
+static inline __attribute__((always_inline)) void prefetch_head(const void *pool, const int64_t *slots, int t,
+                                                               int count, int row_bytes, int offset, int bytes) {
     if (t + PREFETCH_AHEAD < count) {
-        const char *p = (const char *)pool + slots[t + PREFETCH_AHEAD] * row_bytes;
-        for (int b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+        const char *p = (const char *)pool + slots[t + PREFETCH_AHEAD] * row_bytes + offset;
+        for (int b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
     }
 }
 
+/* r[i] lane l <- r[l] lane i: a 16 x 16 block of floats transposed in registers. */
+static inline __attribute__((always_inline)) void transpose16(__m512 *r) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    }
+}
+
+/* The keys of `nt` <= 16 positions (pool rows at slots[0 ..]) of one KV head (element `head` of each row),
+ * transposed: kt[c * 16 + lane] = element c of position lane's key (lanes past nt zero). */
+static inline __attribute__((always_inline)) void key_tile(const void *k_pool, const int dtype, const int64_t *slots,
+                                                          int nt, int row_len, int head, const int vecs,
+                                                          float *restrict kt) {
+    for (int cb = 0; cb < vecs; cb++) {
+        __m512 r[16];
+        for (int t = 0; t < 16; t++)
+            r[t] = t < nt ? load16(k_pool, dtype, slots[t] * (int64_t)row_len + head + cb * 16) : _mm512_setzero_ps();
+        transpose16(r);
+        for (int i = 0; i < 16; i++) _mm512_store_ps(kt + (cb * 16 + i) * 16, r[i]);
+    }
+}
+
+enum { SCORE_QUERIES = 6, VALUE_REGISTERS = 24, VALUE_SPAN = 64 };
+
+/* scale * q . k of NQ queries (qs[i]) at a tile's positions (kt, from key_tile), the `live` lanes into ss[i]: each
+ * score sums its d products in order, one lane per position. */
+static inline __attribute__((always_inline)) void tile_scores(const float *restrict kt, const float *const *qs,
+                                                             float *const *ss, const int NQ, const int d, float scale,
+                                                             __mmask16 live) {
+    __m512 acc[SCORE_QUERIES];
+    for (int i = 0; i < NQ; i++) acc[i] = _mm512_setzero_ps();
+    for (int c = 0; c < d; c++) {
+        const __m512 kc = _mm512_load_ps(kt + c * 16);
+        for (int i = 0; i < NQ; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(qs[i][c]), kc, acc[i]);
+    }
+    for (int i = 0; i < NQ; i++) _mm512_mask_storeu_ps(ss[i], live, _mm512_mul_ps(acc[i], _mm512_set1_ps(scale)));
+}
+
+/* os[i] (+)= sum over positions t < span of ps[i][t] v_t for NQ queries of one KV head (element `head` of each V
+ * row), in position order, the sums held in registers, then stored (`add` 0) or added to os; `prefetch`: ask for
+ * whole rows ahead, up to position `ahead` (the span's first pass). */
+static inline __attribute__((always_inline)) void head_values(const void *v_pool, const int dtype,
+                                                             const int64_t *slots, int span, int ahead, int row_len,
+                                                             int head, const int vecs, const float *const *ps,
+                                                             float *const *os, const int NQ, int prefetch, int add) {
+    const int elem = dtype == KV_F32 ? 4 : 2;
+    __m512 acc[VALUE_REGISTERS];
+    for (int i = 0; i < NQ * vecs; i++) acc[i] = _mm512_setzero_ps();
+    for (int t = 0; t < span; t++) {
+        if (prefetch) prefetch_head(v_pool, slots, t, ahead, row_len * elem, 0, row_len * elem);
+        __m512 v[MAX_VECS];
+        load_head(v_pool, dtype, slots[t] * (int64_t)row_len + head, vecs, v);
+        for (int i = 0; i < NQ; i++) {
+            const __m512 p = _mm512_set1_ps(ps[i][t]);
+            for (int c = 0; c < vecs; c++) acc[i * vecs + c] = _mm512_fmadd_ps(p, v[c], acc[i * vecs + c]);
+        }
+    }
+    for (int i = 0; i < NQ; i++)
+        for (int c = 0; c < vecs; c++)
+            _mm512_storeu_ps(os[i] + c * 16, add ? _mm512_add_ps(_mm512_loadu_ps(os[i] + c * 16), acc[i * vecs + c])
+                                                 : acc[i * vecs + c]);
+}
+
 /* One unit for the `rows` rows of a group: row r (query q + r * hq * d) reads the first counts[r] positions of
- * `slots` (counts non-decreasing, the last the most), its scores at scores + r * score_stride. Each K/V row is
- * loaded once for every row still reading it; each row's sums run in the order of a unit of its own. */
+ * `slots` (counts non-decreasing, the last the most), its scores at scores + r * hq * count. Per KV head, the keys
+ * of 16 positions at a time are transposed once for every query that reads them (a query per position per lane:
+ * no horizontal sums), then each value row is read once per block of queries whose sums stay in registers. A row
+ * scores the group's later positions too, which its softmax leaves out (weight 0: they add exact zeros to its
+ * sums), so each row's results are the bits of a unit of its own. `kt`: 16 * d floats, 64-byte aligned. */
 static inline __attribute__((always_inline)) void unit_avx512(
         const float *restrict q, const void *k_pool, const void *v_pool, const int dtype, const int64_t *slots,
         const int *counts, int rows, int hq, int hkv, const int d, float scale, float *restrict scores,
-        int64_t score_stride, float *restrict stats, float *const *outs, float *const *lses) {
+        float *restrict stats, float *const *outs, float *const *lses, float *restrict kt) {
     const int group = hq / hkv, vecs = d / 16, row_len = hkv * d, count = counts[rows - 1];
-    const int row_bytes = row_len * (dtype == KV_F32 ? 4 : 2);
-    for (int t = 0, lo = 0; t < count; t++) {
-        while (counts[lo] <= t) lo++;  /* rows lo.. still read position t */
-        const int64_t row = slots[t] * row_len;
-        prefetch_row(k_pool, slots, t, count, row_bytes);
+    const int elem = dtype == KV_F32 ? 4 : 2;
+    int first = 0;
+    while (counts[first] <= 0) first++;  /* rows first.. read this unit (a suffix: counts are sorted) */
+    const int queries = (rows - first) * group;  /* per KV head: row first + i / group, head h * group + i % group */
+#define QUERY(i) ((first + (i) / group) * hq + h * group + (i) % group)
+    for (int t0 = 0; t0 < count; t0 += 16) {
+        const int nt = count - t0 < 16 ? count - t0 : 16;
+        for (int t = t0; t < t0 + nt; t++) prefetch_head(k_pool, slots, t, count, row_len * elem, 0, row_len * elem);
         for (int h = 0; h < hkv; h++) {
-            __m512 k[MAX_VECS];
-            load_head(k_pool, dtype, row + h * d, vecs, k);
-            for (int r = lo; r < rows; r++) {
-                const float *qr = q + (int64_t)r * hq * d;
-                float *sr = scores + r * score_stride;
-                for (int g = 0; g < group; g++) {
-                    const int j = h * group + g;
-                    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qr + j * d), k[0]);
-                    for (int c = 1; c < vecs; c++)
-                        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + j * d + c * 16), k[c], acc);
-                    sr[j * counts[r] + t] = _mm512_reduce_add_ps(acc) * scale;
+            key_tile(k_pool, dtype, slots + t0, nt, row_len, h * d, vecs, kt);
+            for (int i0 = 0; i0 < queries; i0 += SCORE_QUERIES) {
+                const float *qs[SCORE_QUERIES];
+                float *ss[SCORE_QUERIES];
+                const int nq = queries - i0 < SCORE_QUERIES ? queries - i0 : SCORE_QUERIES;
+                for (int i = 0; i < nq; i++) {
+                    qs[i] = q + (int64_t)QUERY(i0 + i) * d;
+                    ss[i] = scores + (int64_t)QUERY(i0 + i) * count + t0;
+                }
+                switch (nq) {
+#define SCORES(N) case N: tile_scores(kt, qs, ss, N, d, scale, tail_mask(nt)); break;
+                    SCORES(1) SCORES(2) SCORES(3) SCORES(4) SCORES(5) SCORES(6)
+#undef SCORES
                 }
             }
         }
     }
-    for (int r = 0; r < rows; r++) {
-        if (counts[r] <= 0) continue;
-        softmax_avx512(scores + r * score_stride, counts[r], hq, stats + 2 * r * hq, stats + (2 * r + 1) * hq);
-        for (int j = 0; j < hq * vecs; j++) _mm512_storeu_ps(outs[r] + j * 16, _mm512_setzero_ps());
+    for (int r = first; r < rows; r++) {
+        float *sr = scores + (int64_t)r * hq * count;
+        softmax_avx512(sr, counts[r], count, hq, stats + 2 * r * hq, stats + (2 * r + 1) * hq);
+        for (int j = 0; j < hq; j++) memset(sr + (int64_t)j * count + counts[r], 0, sizeof(float) * (count - counts[r]));
     }
-    for (int t = 0, lo = 0; t < count; t++) {
-        while (counts[lo] <= t) lo++;
-        const int64_t row = slots[t] * row_len;
-        prefetch_row(v_pool, slots, t, count, row_bytes);
-        for (int h = 0; h < hkv; h++) {
-            __m512 v[MAX_VECS];
-            load_head(v_pool, dtype, row + h * d, vecs, v);
-            for (int r = lo; r < rows; r++) {
-                const float *sr = scores + r * score_stride;
-                for (int g = 0; g < group; g++) {
-                    const int j = h * group + g;
-                    const __m512 p = _mm512_set1_ps(sr[j * counts[r] + t]);
-                    for (int c = 0; c < vecs; c++) {
-                        float *o = outs[r] + j * d + c * 16;
-                        _mm512_storeu_ps(o, _mm512_fmadd_ps(p, v[c], _mm512_loadu_ps(o)));
-                    }
+    const int block = VALUE_REGISTERS / vecs;  /* queries whose sums fit the registers */
+    for (int s0 = 0; s0 < count; s0 += VALUE_SPAN) {  /* a span's V rows read from memory once, by its first pass */
+        const int span = count - s0 < VALUE_SPAN ? count - s0 : VALUE_SPAN;
+        for (int h = 0; h < hkv; h++)
+            for (int i0 = 0; i0 < queries; i0 += block) {
+                const float *ps[VALUE_REGISTERS];
+                float *os[VALUE_REGISTERS];
+                const int nq = queries - i0 < block ? queries - i0 : block;
+                for (int i = 0; i < nq; i++) {
+                    const int at = QUERY(i0 + i);
+                    ps[i] = scores + (int64_t)at * count + s0;
+                    os[i] = outs[at / hq] + (at % hq) * d;
+                }
+                switch (nq) {
+#define VALUES(N) case N: head_values(v_pool, dtype, slots + s0, span, count - s0, row_len, h * d, vecs, ps, os, N, \
+                                      h == 0 && i0 == 0, s0 > 0); break;
+                    VALUES(1) VALUES(2) VALUES(3) VALUES(4) VALUES(5) VALUES(6)
+#undef VALUES
                 }
             }
-        }
     }
-    for (int r = 0; r < rows; r++) {
-        if (counts[r] <= 0) continue;
+#undef QUERY
+    for (int r = first; r < rows; r++) {
         const float *st = stats + 2 * r * hq;
         for (int j = 0; j < hq; j++) {
             const __m512 inv = _mm512_set1_ps(1.0f / st[hq + j]);
@@ -280,7 +371,7 @@ static int context_groups(const int64_t *slots, int64_t slot_stride, const int64
 static int group_unit(const float *q, const void *k_pool, const void *v_pool, int dtype, int64_t num_slots,
                       const int64_t *slots, const int64_t *lengths, int b0, int rows, int64_t i, int hq, int hkv,
                       int d, float scale, int chunk, float *const *outs, float *const *lses, float *scores,
-                      float *stats, float *row_buf) {
+                      float *stats, float *row_buf, float *key_buf) {
     int counts[MAX_GROUP_ROWS];
     for (int r = 0; r < rows; r++) {
         const int64_t left = lengths[b0 + r] - i * chunk;
@@ -298,9 +389,8 @@ static int group_unit(const float *q, const void *k_pool, const void *v_pool, in
     const float *qb = q + (size_t)b0 * hq * d;
 #if defined(__AVX512F__)
     if (d == 64 || d == 128) {  /* constants at each call: the row stays in registers */
-        const int64_t stride = (int64_t)hq * chunk;
-#define UNIT(DT, D) unit_avx512(qb, k_pool, v_pool, DT, s, counts, rows, hq, hkv, D, scale, scores, stride, stats, \
-                                outs, lses)
+#define UNIT(DT, D) unit_avx512(qb, k_pool, v_pool, DT, s, counts, rows, hq, hkv, D, scale, scores, stats, outs, \
+                                lses, key_buf)
         if (dtype == KV_F32) d == 64 ? UNIT(KV_F32, 64) : UNIT(KV_F32, 128);
         else if (dtype == KV_F16) d == 64 ? UNIT(KV_F16, 64) : UNIT(KV_F16, 128);
         else d == 64 ? UNIT(KV_BF16, 64) : UNIT(KV_BF16, 128);
@@ -364,8 +454,9 @@ int cpllm_paged_decode_attention(const float *q, const void *k_pool, const void 
         {
             float *scores = malloc(sizeof(float) * (size_t)hq * chunk * max_rows);
             float *row_buf = malloc(sizeof(float) * (size_t)hkv * d);
+            float *key_buf = aligned_alloc(64, sizeof(float) * 16 * 128);  /* a transposed key tile (d <= 128) */
             float *stats = malloc(sizeof(float) * 2 * (size_t)hq * max_rows);
-            if (!scores || !row_buf || !stats) {
+            if (!scores || !row_buf || !stats || !key_buf) {
 #pragma omp atomic write
                 failed = 1;
             }
@@ -387,7 +478,7 @@ int cpllm_paged_decode_attention(const float *q, const void *k_pool, const void 
                     }
                     const int64_t *s = slots + (int64_t)(b0 + rows - 1) * slot_stride;  /* the longest context */
                     if (group_unit(q, k_pool, v_pool, dtype, num_slots, s, lengths, b0, rows, i, hq, hkv, d, scale,
-                                   chunk, outs, lses, scores, stats, row_buf)) {
+                                   chunk, outs, lses, scores, stats, row_buf, key_buf)) {
 #pragma omp atomic write
                         bad_slot = 1;
                     }
@@ -395,6 +486,7 @@ int cpllm_paged_decode_attention(const float *q, const void *k_pool, const void 
             }
             free(scores);
             free(row_buf);
+            free(key_buf);
             free(stats);
         }
     }
