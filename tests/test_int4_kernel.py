@@ -37,7 +37,8 @@ def _simulated(x: torch.Tensor, groups: Int4Groups) -> torch.Tensor:
     return (dots * d[None] * (step[..., 0] / 254)[:, None]).sum(-1) + xg.sum(-1) @ m.t()
 
 
-@pytest.mark.parametrize("rows,cols,batch", [(64, 64, 1), (100, 576, 3), (1536, 576, 7), (49, 1152, 130)])
+@pytest.mark.parametrize("rows,cols,batch", [(64, 64, 1), (100, 576, 3), (1536, 576, 7), (49, 1152, 130),
+                                             (3072, 576, 9), (960, 576, 17)])  # the last two: verify steps' rows
 def test_kernel_computes_its_specification(rows, cols, batch):
     groups = _groups(rows, cols)
     x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(1))
