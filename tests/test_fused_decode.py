@@ -68,9 +68,9 @@ def _prompts() -> list[dict]:
 
 
 def _prompts_for(quantization: str) -> list[dict]:
-    """Float32 weights run fused only up to F32_MAX_ROWS rows: three requests of their own and one of the prefix."""
-    prompts = _prompts()
-    return prompts if quantization != "none" else prompts[:3] + prompts[-1:]
+    """Every prompt: float32 weights run fused up to F32_MAX_ROWS rows, more than the 9 requests."""
+    assert len(_prompts()) <= fused_decode.F32_MAX_ROWS
+    return _prompts()
 
 
 def _run(path: str, fused: bool, monkeypatch, **options):
@@ -208,11 +208,12 @@ def test_float_weights_fuse_within_float32_rounding(four_bit_gguf, monkeypatch):
     assert worst <= 1e-5
 
 
-def test_float_weights_leave_batches_over_four_rows_to_the_eager_layers(four_bit_gguf):
-    """f32_matmul.c streams the weights once per 4 rows: bigger float32 batches run eager (MKL reads them once)."""
+def test_float_weights_leave_batches_over_sixteen_rows_to_the_eager_layers(four_bit_gguf):
+    """f32_matmul.c streams the weights once per 16 rows: bigger float32 batches run eager (MKL reads them once)."""
     with LLM(four_bit_gguf, **ENGINE, quantization="none") as llm:
         assert llm.engine.executor.rank_info.decode.fused_max_rows == fused_decode.F32_MAX_ROWS
-        outputs = llm.generate(_prompts()[: fused_decode.F32_MAX_ROWS + 1], PARAMS)
+        prompts = [{"prompt_token_ids": [3 + i, 40, 7 + i]} for i in range(fused_decode.F32_MAX_ROWS + 1)]
+        outputs = llm.generate(prompts, PARAMS)
         assert all(len(o.outputs[0].token_ids) == PARAMS.max_tokens for o in outputs)
         assert llm.engine.executor.rank_stats().fused_steps == 0
 

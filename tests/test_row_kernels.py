@@ -3,7 +3,8 @@
 Rotary embedding (cpllm/kernels/decode_rows.c) must give torch's bits, on views into the fused q|k|v row as
 the attention layer passes them; the K/V store must write what index_copy_ writes, for every pool dtype; the
 RMSNorm (cpllm/kernels/rms_norm.c) may differ from torch's only by the order of its sum of squares, and
-silu(gate) * up only by its own exp (within 1e-6). Where a
+silu(gate) * up only by its own exp (within 1e-6). The fused layers' float32 matmul (cpllm/kernels/f32_matmul.c)
+matches float64 within float32 rounding for 1 to 17 rows, each row's bits its own alone. Where a
 kernel does not apply (another dtype, a layout it does not read) the helper says so and changes nothing.
 """
 
@@ -97,3 +98,31 @@ def test_silu_mul_matches_torch(rows):
     gate, up = gate_up.split(100, dim=-1)
     torch.testing.assert_close(silu_mul(gate_up, 100), F.silu(gate) * up, rtol=1e-6, atol=1e-7)
     assert silu_mul(gate_up.to(torch.bfloat16), 100) is None
+
+
+def _f32_matmul(lib, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, c0: int, c1: int, threads: int) -> None:
+    rows, k = x.shape
+    assert lib.cpllm_f32_matmul_cols(x.data_ptr(), rows, k, w.data_ptr(), w.shape[1], c0, c1, y.data_ptr(),
+                                     y.shape[1], threads) == 0
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 9, 16, 17])  # blocks of 16 rows; a verify step's 5, 9, 17
+def test_f32_matmul_rows_match_float64_and_each_row_alone(rows):
+    """Columns 16 .. N - 3 of a range (a decode team's share, a tail of 13 lanes), inputs not a multiple of the
+    64-input blocks, two threads: within float32 rounding of float64, columns outside untouched, and each row's
+    result bit for bit the row's alone."""
+    lib = library.load("decode_layer")
+    if lib is None or lib.cpllm_f32_available() != 1:
+        pytest.skip("no AVX-512 for the float32 matmul")
+    gen = torch.Generator().manual_seed(rows)
+    k, n = 200, 1000
+    x, w = torch.randn(rows, k, generator=gen), torch.randn(k, n, generator=gen)
+    y = torch.full((rows, n), float("nan"))
+    _f32_matmul(lib, x, w, y, 16, n - 3, 2)
+    want = x.double() @ w.double()
+    assert (y[:, 16 : n - 3].double() - want[:, 16 : n - 3]).abs().max().item() < 1e-4
+    assert y[:, :16].isnan().all() and y[:, n - 3 :].isnan().all()
+    for r in range(rows):
+        alone = torch.full((1, n), float("nan"))
+        _f32_matmul(lib, x[r : r + 1].contiguous(), w, alone, 16, n - 3, 1)
+        assert torch.equal(alone[0, 16 : n - 3], y[r, 16 : n - 3])

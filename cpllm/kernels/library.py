@@ -35,6 +35,7 @@ SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
         [_p, _i64, _p, _p, _i64, _i, _i, _i, _i, _i, _f, _i, _i, _p, _p], _i)},
     "decode_layer": {"cpllm_decode_layer": _layer_call, "cpllm_decode_layer_tp": _layer_call,
                      "cpllm_f32_available": ([], _i), "cpllm_team_barrier": ([_p], _i),
+                     "cpllm_f32_matmul_cols": ([_p, _i64, _i64, _p, _i64, _i64, _i64, _p, _i64, _i], _i),
                      "cpllm_struct_layout": ([ctypes.c_char_p, ctypes.c_char_p], _i64)},
 }
 """Library (cpllm/kernels/<name>.c) -> each function it exports -> (argument types, result type)."""
