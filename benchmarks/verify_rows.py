@@ -9,7 +9,8 @@ single-token decode rows at consecutive positions (cpllm/worker/runner.py `_veri
 where they take the step; else the eager ones, as the runner decides) and "eager" (fused layers off). Every
 configuration is measured once per round, rounds interleaved, so the shared machine's load reaches them alike;
 reported are the median and best seconds per step and their ratio to R = 1 of the same configuration.
-`--parts` also times the parts of a step (layers, LM head) for the largest R.
+`--parts` also times the parts of a step (layers, LM head) for the largest R. Before and after a change, run it
+on each tree in turn (PYTHONPATH=<tree>), a few times: the kernels build per source, so both stay cached.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class Rig:
     def parts(self, rows: int, repeats: int) -> dict:
         """Best seconds of the step's layers and of its LM head alone (rows hidden states)."""
         model = self.runner.model
-        hidden = torch.randn(rows, model.config.hidden_size if hasattr(model, "config") else 576)
+        hidden = torch.randn(rows, self.runner.config.model.hidden_size)
         head = min(_timed(lambda: model.logits(hidden)) for _ in range(repeats))
         whole = min(self.step(rows, True) for _ in range(repeats))
         return {"step": whole, "lm_head": head, "layers_and_rest": whole - head}

@@ -74,21 +74,17 @@ def test_decode_attention_reads_no_slot_past_a_length(build_kind):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-def test_decode_attention_rows_of_one_context_equal_each_alone(build_kind):
+def test_decode_attention_rows_of_one_context_attend_as_each_alone(build_kind):
     """Rows whose contexts are prefixes of one another's (a verify chunk) attend as one group: each row's result is
-    its result alone (one thread: the same units), on both builds; a bad slot in the shared context is named."""
-    q, k_pool, v_pool, slots, _ = _attention_case(64, [5, 6, 7], width=7)
-    slots[:] = slots[2].clone()
-    lengths = torch.tensor([5, 6, 7])
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        together = paged_decode_attention(q, k_pool, v_pool, slots, lengths, 0.125)
-        alone = [paged_decode_attention(q[b:b + 1], k_pool, v_pool, slots[b:b + 1], lengths[b:b + 1], 0.125)
-                 for b in range(3)]
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(together[0], torch.cat([o for o, _ in alone]))
+    its result alone within float32 rounding (the AVX-512 group unit sums in another order; the plain C path runs
+    the rows one by one: the same bits), on both builds; a bad slot in the shared context is named."""
+    q, k_pool, v_pool, slots, _ = _attention_case(64, [5, 6, 7, 8], width=8)
+    slots[:] = slots[3].clone()
+    lengths = torch.tensor([5, 6, 7, 8])
+    together = paged_decode_attention(q, k_pool, v_pool, slots, lengths, 0.125)
+    alone = [paged_decode_attention(q[b:b + 1], k_pool, v_pool, slots[b:b + 1], lengths[b:b + 1], 0.125)
+             for b in range(4)]
+    assert (together[0] - torch.cat([o for o, _ in alone])).abs().max().item() < 1e-5
     slots[:, 2] = NUM_SLOTS
     with pytest.raises(IndexError, match=rf"slot {NUM_SLOTS} out of range"):
         paged_decode_attention(q, k_pool, v_pool, slots, lengths, 0.125)

@@ -27,6 +27,15 @@
 
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
 
+/* A thread's scratch for the AVX-512 unit: a transposed key tile (16 positions, head_dim <= 128), then the staged
+ * pool rows (STAGED_ROWS rows of Hkv * D floats). */
+enum { KEY_TILE_FLOATS = 16 * 128, STAGED_ROWS = 64 };
+
+/* Rows a group takes for the group unit; fewer run the row unit each (measured, SmolLM2's K/V at 1.3K positions from
+ * memory, one thread, 30 layers: 2 rows 3.3 ms row by row against 4.2 as a group, 3 rows 4.7 against 5.1, 4 rows
+ * 5.9 against 5.4, 9 rows 12.4 against 8.3). */
+enum { GROUP_UNIT_ROWS = 4 };
+
 /* One pool row [n] as float32 into dst (a no-op copy for float32 pools is avoided by the caller). */
 static inline void row_to_f32(const void *src, int dtype, int n, float *restrict dst) {
     if (dtype == KV_F16) {
@@ -153,17 +162,17 @@ static inline void softmax_avx512(float *restrict scores, int count, int64_t str
     }
 }
 
-/* Ask for one KV head's part (`bytes` at byte `offset` of the row) of the pool row `ahead` positions on: the slots
- * are indirect (blocks scattered over the pool), so the hardware prefetcher cannot see where the next block starts.
- * Into L2 (T1), not L1: an L1 prefetch holds one of the core's few line-fill buffers until its line arrives, which
- * kept one thread near 9 GB/s; L2's miss queue is deeper (measured, float32 K/V of SmolLM2's shapes at context
- * 2,048 and 8,192, one thread: 9 to 16-18 GB/s). */
+/* Ask for the pool row `ahead` positions on (if there is one): the slots are indirect (blocks scattered over the
+ * pool), so the hardware prefetcher cannot see where the next block starts. Into L2 (T1), not L1: an L1 prefetch
+ * holds one of the core's few line-fill buffers until its line arrives, which kept one thread near 9 GB/s; L2's
+ * miss queue is deeper (measured, float32 K/V of SmolLM2's shapes at context 2,048 and 8,192, one thread: 9 to
+ * 16-18 GB/s). */
 #define PREFETCH_AHEAD 32
-static inline __attribute__((always_inline)) void prefetch_head(const void *pool, const int64_t *slots, int t,
-                                                               int count, int row_bytes, int offset, int bytes) {
-    if (t + PREFETCH_AHEAD < count) {
-        const char *p = (const char *)pool + slots[t + PREFETCH_AHEAD] * row_bytes + offset;
-        for (int b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+static inline __attribute__((always_inline)) void prefetch_row(const void *pool, const int64_t *slots, int t,
+                                                              int ahead, int count, int row_bytes) {
+    if (t + ahead < count) {
+        const char *p = (const char *)pool + slots[t + ahead] * row_bytes;
+        for (int b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
     }
 }
 
@@ -192,21 +201,33 @@ static inline __attribute__((always_inline)) void transpose16(__m512 *r) {
     }
 }
 
-/* The keys of `nt` <= 16 positions (pool rows at slots[0 ..]) of one KV head (element `head` of each row),
+/* Pool rows slots[0 .. n) as float32 into stage [n, row_len], each row read whole and the rows in order, row t + ahead
+ * asked for meanwhile (below `count`): every KV head's pass then reads them from L1 or L2. */
+static inline __attribute__((always_inline)) void stage_rows(const void *pool, const int dtype, const int64_t *slots,
+                                                            int n, int ahead, int count, int row_len,
+                                                            float *restrict stage) {
+    const int elem = dtype == KV_F32 ? 4 : 2;
+    for (int t = 0; t < n; t++) {
+        prefetch_row(pool, slots, t, ahead, count, row_len * elem);
+        for (int e = 0; e < row_len; e += 16)
+            _mm512_store_ps(stage + (int64_t)t * row_len + e, load16(pool, dtype, slots[t] * (int64_t)row_len + e));
+    }
+}
+
+/* The keys of `nt` <= 16 staged positions (stage [nt, row_len]) of one KV head (element `head` of each row),
  * transposed: kt[c * 16 + lane] = element c of position lane's key (lanes past nt zero). */
-static inline __attribute__((always_inline)) void key_tile(const void *k_pool, const int dtype, const int64_t *slots,
-                                                          int nt, int row_len, int head, const int vecs,
-                                                          float *restrict kt) {
+static inline __attribute__((always_inline)) void key_tile(const float *stage, int nt, int row_len, int head,
+                                                          const int vecs, float *restrict kt) {
     for (int cb = 0; cb < vecs; cb++) {
         __m512 r[16];
         for (int t = 0; t < 16; t++)
-            r[t] = t < nt ? load16(k_pool, dtype, slots[t] * (int64_t)row_len + head + cb * 16) : _mm512_setzero_ps();
+            r[t] = t < nt ? _mm512_load_ps(stage + (int64_t)t * row_len + head + cb * 16) : _mm512_setzero_ps();
         transpose16(r);
         for (int i = 0; i < 16; i++) _mm512_store_ps(kt + (cb * 16 + i) * 16, r[i]);
     }
 }
 
-enum { SCORE_QUERIES = 6, VALUE_REGISTERS = 24, VALUE_SPAN = 64 };
+enum { SCORE_QUERIES = 6, VALUE_REGISTERS = 24, VALUE_SPAN = STAGED_ROWS };
 
 /* scale * q . k of NQ queries (qs[i]) at a tile's positions (kt, from key_tile), the `live` lanes into ss[i]: each
  * score sums its d products in order, one lane per position. */
@@ -222,20 +243,17 @@ static inline __attribute__((always_inline)) void tile_scores(const float *restr
     for (int i = 0; i < NQ; i++) _mm512_mask_storeu_ps(ss[i], live, _mm512_mul_ps(acc[i], _mm512_set1_ps(scale)));
 }
 
-/* os[i] (+)= sum over positions t < span of ps[i][t] v_t for NQ queries of one KV head (element `head` of each V
- * row), in position order, the sums held in registers, then stored (`add` 0) or added to os; `prefetch`: ask for
- * whole rows ahead, up to position `ahead` (the span's first pass). */
-static inline __attribute__((always_inline)) void head_values(const void *v_pool, const int dtype,
-                                                             const int64_t *slots, int span, int ahead, int row_len,
-                                                             int head, const int vecs, const float *const *ps,
-                                                             float *const *os, const int NQ, int prefetch, int add) {
-    const int elem = dtype == KV_F32 ? 4 : 2;
+/* os[i] (+)= sum over positions t < span of ps[i][t] v_t for NQ queries of one KV head (element `head` of each
+ * staged V row, stage [span, row_len]), in position order, the sums held in registers, then stored (`add` 0) or
+ * added to os. */
+static inline __attribute__((always_inline)) void head_values(const float *stage, int span, int row_len, int head,
+                                                             const int vecs, const float *const *ps, float *const *os,
+                                                             const int NQ, int add) {
     __m512 acc[VALUE_REGISTERS];
     for (int i = 0; i < NQ * vecs; i++) acc[i] = _mm512_setzero_ps();
     for (int t = 0; t < span; t++) {
-        if (prefetch) prefetch_head(v_pool, slots, t, ahead, row_len * elem, 0, row_len * elem);
         __m512 v[MAX_VECS];
-        load_head(v_pool, dtype, slots[t] * (int64_t)row_len + head, vecs, v);
+        load_head(stage, KV_F32, (int64_t)t * row_len + head, vecs, v);
         for (int i = 0; i < NQ; i++) {
             const __m512 p = _mm512_set1_ps(ps[i][t]);
             for (int c = 0; c < vecs; c++) acc[i * vecs + c] = _mm512_fmadd_ps(p, v[c], acc[i * vecs + c]);
@@ -247,27 +265,78 @@ static inline __attribute__((always_inline)) void head_values(const void *v_pool
                                                  : acc[i * vecs + c]);
 }
 
+/* The unit of one row (a decode row, or each row of a group under GROUP_UNIT_ROWS): scores one position at a time,
+ * each KV head's row loaded once for the query heads that share it, a horizontal sum per score. The group unit
+ * below sums in another order (so a group's rows round differently from rows alone); at one row this one keeps the
+ * memory busier while it computes (1.7 against 3.3 ms, at the shapes of GROUP_UNIT_ROWS). */
+static inline __attribute__((always_inline)) void row_unit_avx512(
+        const float *restrict q, const void *k_pool, const void *v_pool, const int dtype, const int64_t *slots,
+        int count, int hq, int hkv, const int d, float scale, float *restrict scores, float *restrict stats,
+        float *restrict out, float *restrict lse) {
+    const int group = hq / hkv, vecs = d / 16, row_len = hkv * d;
+    const int row_bytes = row_len * (dtype == KV_F32 ? 4 : 2);
+    for (int t = 0; t < count; t++) {
+        const int64_t row = slots[t] * row_len;
+        prefetch_row(k_pool, slots, t, PREFETCH_AHEAD, count, row_bytes);
+        for (int h = 0; h < hkv; h++) {
+            __m512 k[MAX_VECS];
+            load_head(k_pool, dtype, row + h * d, vecs, k);
+            for (int g = 0; g < group; g++) {
+                const int j = h * group + g;
+                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + j * d), k[0]);
+                for (int c = 1; c < vecs; c++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * d + c * 16), k[c], acc);
+                scores[j * count + t] = _mm512_reduce_add_ps(acc) * scale;
+            }
+        }
+    }
+    softmax_avx512(scores, count, count, hq, stats, stats + hq);
+    for (int j = 0; j < hq * vecs; j++) _mm512_storeu_ps(out + j * 16, _mm512_setzero_ps());
+    for (int t = 0; t < count; t++) {
+        const int64_t row = slots[t] * row_len;
+        prefetch_row(v_pool, slots, t, PREFETCH_AHEAD, count, row_bytes);
+        for (int h = 0; h < hkv; h++) {
+            __m512 v[MAX_VECS];
+            load_head(v_pool, dtype, row + h * d, vecs, v);
+            for (int g = 0; g < group; g++) {
+                const int j = h * group + g;
+                const __m512 p = _mm512_set1_ps(scores[j * count + t]);
+                for (int c = 0; c < vecs; c++) {
+                    float *o = out + j * d + c * 16;
+                    _mm512_storeu_ps(o, _mm512_fmadd_ps(p, v[c], _mm512_loadu_ps(o)));
+                }
+            }
+        }
+    }
+    for (int j = 0; j < hq; j++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / stats[hq + j]);
+        for (int c = 0; c < vecs; c++) _mm512_storeu_ps(out + j * d + c * 16, _mm512_mul_ps(inv, _mm512_loadu_ps(out + j * d + c * 16)));
+        lse[j] = stats[j] + logf(stats[hq + j]);
+    }
+}
+
+
 /* One unit for the `rows` rows of a group: row r (query q + r * hq * d) reads the first counts[r] positions of
  * `slots` (counts non-decreasing, the last the most), its scores at scores + r * hq * count. Per KV head, the keys
  * of 16 positions at a time are transposed once for every query that reads them (a query per position per lane:
  * no horizontal sums), then each value row is read once per block of queries whose sums stay in registers. A row
  * scores the group's later positions too, which its softmax leaves out (weight 0: they add exact zeros to its
- * sums), so each row's results are the bits of a unit of its own. `kt`: 16 * d floats, 64-byte aligned. */
+ * sums), so each row's results are the bits of a unit of its own. `work`: a thread's scratch (KEY_TILE_FLOATS, then
+ * STAGED_ROWS pool rows), 64-byte aligned. */
 static inline __attribute__((always_inline)) void unit_avx512(
         const float *restrict q, const void *k_pool, const void *v_pool, const int dtype, const int64_t *slots,
         const int *counts, int rows, int hq, int hkv, const int d, float scale, float *restrict scores,
-        float *restrict stats, float *const *outs, float *const *lses, float *restrict kt) {
+        float *restrict stats, float *const *outs, float *const *lses, float *restrict work) {
     const int group = hq / hkv, vecs = d / 16, row_len = hkv * d, count = counts[rows - 1];
-    const int elem = dtype == KV_F32 ? 4 : 2;
+    float *kt = work, *stage = work + KEY_TILE_FLOATS;
     int first = 0;
     while (counts[first] <= 0) first++;  /* rows first.. read this unit (a suffix: counts are sorted) */
     const int queries = (rows - first) * group;  /* per KV head: row first + i / group, head h * group + i % group */
 #define QUERY(i) ((first + (i) / group) * hq + h * group + (i) % group)
     for (int t0 = 0; t0 < count; t0 += 16) {
         const int nt = count - t0 < 16 ? count - t0 : 16;
-        for (int t = t0; t < t0 + nt; t++) prefetch_head(k_pool, slots, t, count, row_len * elem, 0, row_len * elem);
+        stage_rows(k_pool, dtype, slots + t0, nt, PREFETCH_AHEAD, count - t0, row_len, stage);
         for (int h = 0; h < hkv; h++) {
-            key_tile(k_pool, dtype, slots + t0, nt, row_len, h * d, vecs, kt);
+            key_tile(stage, nt, row_len, h * d, vecs, kt);
             for (int i0 = 0; i0 < queries; i0 += SCORE_QUERIES) {
                 const float *qs[SCORE_QUERIES];
                 float *ss[SCORE_QUERIES];
@@ -290,8 +359,9 @@ static inline __attribute__((always_inline)) void unit_avx512(
         for (int j = 0; j < hq; j++) memset(sr + (int64_t)j * count + counts[r], 0, sizeof(float) * (count - counts[r]));
     }
     const int block = VALUE_REGISTERS / vecs;  /* queries whose sums fit the registers */
-    for (int s0 = 0; s0 < count; s0 += VALUE_SPAN) {  /* a span's V rows read from memory once, by its first pass */
+    for (int s0 = 0; s0 < count; s0 += VALUE_SPAN) {  /* a span's V rows staged, then read by every head's passes */
         const int span = count - s0 < VALUE_SPAN ? count - s0 : VALUE_SPAN;
+        stage_rows(v_pool, dtype, slots + s0, span, PREFETCH_AHEAD, count - s0, row_len, stage);
         for (int h = 0; h < hkv; h++)
             for (int i0 = 0; i0 < queries; i0 += block) {
                 const float *ps[VALUE_REGISTERS];
@@ -303,8 +373,7 @@ static inline __attribute__((always_inline)) void unit_avx512(
                     os[i] = outs[at / hq] + (at % hq) * d;
                 }
                 switch (nq) {
-#define VALUES(N) case N: head_values(v_pool, dtype, slots + s0, span, count - s0, row_len, h * d, vecs, ps, os, N, \
-                                      h == 0 && i0 == 0, s0 > 0); break;
+#define VALUES(N) case N: head_values(stage, span, row_len, h * d, vecs, ps, os, N, s0 > 0); break;
                     VALUES(1) VALUES(2) VALUES(3) VALUES(4) VALUES(5) VALUES(6)
 #undef VALUES
                 }
@@ -389,12 +458,16 @@ static int group_unit(const float *q, const void *k_pool, const void *v_pool, in
     const float *qb = q + (size_t)b0 * hq * d;
 #if defined(__AVX512F__)
     if (d == 64 || d == 128) {  /* constants at each call: the row stays in registers */
-#define UNIT(DT, D) unit_avx512(qb, k_pool, v_pool, DT, s, counts, rows, hq, hkv, D, scale, scores, stats, outs, \
-                                lses, key_buf)
+#define ROW(DT, D, r) row_unit_avx512(qb + (size_t)(r) * hq * d, k_pool, v_pool, DT, s, counts[r], hq, hkv, D, scale, \
+                                      scores, stats, outs[r], lses[r])
+#define UNIT(DT, D) rows >= GROUP_UNIT_ROWS \
+    ? unit_avx512(qb, k_pool, v_pool, DT, s, counts, rows, hq, hkv, D, scale, scores, stats, outs, lses, key_buf) \
+    : (void)({ for (int r = 0; r < rows; r++) if (counts[r] > 0) ROW(DT, D, r); })
         if (dtype == KV_F32) d == 64 ? UNIT(KV_F32, 64) : UNIT(KV_F32, 128);
         else if (dtype == KV_F16) d == 64 ? UNIT(KV_F16, 64) : UNIT(KV_F16, 128);
         else d == 64 ? UNIT(KV_BF16, 64) : UNIT(KV_BF16, 128);
 #undef UNIT
+#undef ROW
         return 0;
     }
 #endif
@@ -454,7 +527,7 @@ int cpllm_paged_decode_attention(const float *q, const void *k_pool, const void 
         {
             float *scores = malloc(sizeof(float) * (size_t)hq * chunk * max_rows);
             float *row_buf = malloc(sizeof(float) * (size_t)hkv * d);
-            float *key_buf = aligned_alloc(64, sizeof(float) * 16 * 128);  /* a transposed key tile (d <= 128) */
+            float *key_buf = aligned_alloc(64, sizeof(float) * (KEY_TILE_FLOATS + (size_t)STAGED_ROWS * hkv * d));
             float *stats = malloc(sizeof(float) * 2 * (size_t)hq * max_rows);
             if (!scores || !row_buf || !stats || !key_buf) {
 #pragma omp atomic write
