@@ -18,9 +18,13 @@ INTRO = (
     "also leaves its prompt in the prefix cache. Decode rate = output tokens after each request's first over the "
     "time from the first first token to the last end. A verify step emits its accepted drafts plus one, so "
     "`request steps` (output tokens after the first, less the drafts accepted) is the load-free measure of what "
-    "speculation saves; `vs k=0` is the ratio of medians.")
-FILES = (("spec_decode", "One rank, batch 1"), ("spec_decode_pcp2", "PCP=2 (one thread per rank), batch 1"),
-         ("spec_decode_batch16", "One rank, 16 requests at once"))
+    "speculation saves; `vs k=0` is the ratio of medians. `draft_length` is adaptive (each request's own limit, "
+    "cut after a rejection and doubled back after a fully accepted step: docs/architecture.md) unless the table "
+    "says fixed (always up to k, as vLLM drafts).")
+FILES = (("spec_decode", "One rank, batch 1"), ("spec_decode_fixed", "One rank, batch 1, draft_length fixed"),
+         ("spec_decode_pcp2", "PCP=2 (one thread per rank), batch 1"),
+         ("spec_decode_batch16", "One rank, 16 requests at once"),
+         ("spec_decode_batch16_fixed", "One rank, 16 requests at once, draft_length fixed"))
 """The result files of the section and the heading of each one's table."""
 
 
@@ -50,6 +54,8 @@ def spec_section(results: Results, images: str, rel: str) -> list[str]:
     lines = [TITLE, "", INTRO, ""]
     for name, heading in FILES:
         data = results.get(name)
+        if data is None and name.endswith("_fixed"):
+            continue
         lines += [f"**{heading}** (`{name}.json`)", ""]
         if data is None:
             lines += _missing("spec") + [""]

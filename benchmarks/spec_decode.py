@@ -86,17 +86,19 @@ def main() -> None:
     parser.add_argument("--threads-per-rank", type=int, default=None)
     parser.add_argument("--workloads", nargs="+", choices=("copy", "chat"), default=["copy", "chat"])
     parser.add_argument("--batch", type=int, default=1, help="requests per workload, run together")
+    parser.add_argument("--draft-length", choices=("adaptive", "fixed"), default="adaptive",
+                        help="speculative_config draft_length (fixed: always up to k, as vLLM)")
     parser.add_argument("--kv-cache-memory", type=int, default=256 << 20, help="KV pool bytes per engine")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if not 1 <= args.batch <= len(CHATS):
         parser.error(f"--batch {args.batch} must be in [1, {len(CHATS)}] (the chat questions there are)")
     results = {"machine": machine_info(), "pcp": args.pcp, "batch": args.batch, "max_tokens": args.max_tokens,
-               "runs": []}
+               "draft_length": args.draft_length, "runs": []}
     engines = {}
     for k in [0, *args.ks]:
         spec = None if k == 0 else {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
-                                    "prompt_lookup_min": 2}
+                                    "prompt_lookup_min": 2, "draft_length": args.draft_length}
         engines[k] = LLM(prefill_context_parallel_size=args.pcp, max_model_len=4096, speculative_config=spec,
                          kv_cache_memory_bytes=args.kv_cache_memory, threads_per_rank=args.threads_per_rank)
     tokenizer_llm = engines[0]

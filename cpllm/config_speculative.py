@@ -23,8 +23,10 @@ MAX_LOOKUP = 32
 """Longest n-gram prompt lookup may match."""
 DEFAULT_LOOKUP = 5
 """prompt_lookup_min and _max when neither is given (one given: the other takes its value), as in vLLM."""
+DRAFT_LENGTHS = ("adaptive", "fixed")
+"""`draft_length`: each request's own limit of at most k (cpllm/engine/draft_length.py), or always up to k."""
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
-        "draft_tensor_parallel_size")
+        "draft_tensor_parallel_size", "draft_length")
 """The keys a speculative_config may have."""
 LOOKUP_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
 """Keys of prompt lookup only (refused with a draft model)."""
@@ -45,6 +47,10 @@ class SpeculativeConfig:
     """Longest such suffix; longer matches are tried first."""
     model: str | None = None
     """The draft model's folder or .gguf file (method "draft_model" only)."""
+    draft_length: str = "adaptive"
+    """"adaptive": each request drafts up to a limit of its own, halved down to the accepted run after a rejection
+    and doubled back to k after a step that accepts every draft (cpllm/engine/draft_length.py); "fixed": always up
+    to k (vLLM's behaviour). A cpllm key: vLLM has none."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -56,6 +62,8 @@ class SpeculativeConfig:
         if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config num_speculative_tokens={k!r} must be an int in "
                              f"[1, {MAX_SPECULATIVE_TOKENS}]")
+        if self.draft_length not in DRAFT_LENGTHS:
+            raise ValueError(f"speculative_config draft_length={self.draft_length!r}; choose one of {DRAFT_LENGTHS}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
             if not _is_int(value) or not 1 <= value <= MAX_LOOKUP:
@@ -67,11 +75,13 @@ class SpeculativeConfig:
         """One line for the start-up log: what drafts and how (a draft model's line is its drafter's, which knows
         its layout and KV pool: cpllm/engine/draft_model.py)."""
         if self.method == "draft_model":
-            return (f"draft model {self.model}, up to {self.num_speculative_tokens} drafts per request and step, "
+            return (f"draft model {self.model}, up to {self.num_speculative_tokens} drafts per request and step "
+                    f"({self.draft_length}), "
                     "verified in one step of k + 1 rows (greedy: argmax; sampled: rejection sampling against the "
                     "draft's distribution)")
         return (f"prompt lookup (n-gram {self.prompt_lookup_max} down to {self.prompt_lookup_min} over prompt + "
-                f"output, most recent match), up to {self.num_speculative_tokens} drafts per request and step, "
+                f"output, most recent match), up to {self.num_speculative_tokens} drafts per request and step "
+                f"({self.draft_length}), "
                 "verified in one step of k + 1 rows (greedy: argmax; sampled: rejection sampling)")
 
 
@@ -103,7 +113,8 @@ def speculative_config(value: Mapping[str, Any] | SpeculativeConfig | None, voca
     lo, hi = (DEFAULT_LOOKUP, DEFAULT_LOOKUP) if lo is None and hi is None else (lo if lo is not None else hi,
                                                                                   hi if hi is not None else lo)
     return SpeculativeConfig(method=method, num_speculative_tokens=value["num_speculative_tokens"],
-                             prompt_lookup_min=lo, prompt_lookup_max=hi)
+                             prompt_lookup_min=lo, prompt_lookup_max=hi,
+                             draft_length=value.get("draft_length", "adaptive"))
 
 
 def _draft_model_config(value: Mapping[str, Any], method: str, vocab_size: int,
@@ -135,7 +146,7 @@ def _draft_model_config(value: Mapping[str, Any], method: str, vocab_size: int,
             raise ValueError(f"speculative_config model={model!r} has a context of {positions} positions, shorter "
                              f"than max_model_len={max_model_len}: lower max_model_len or use a longer draft")
     return SpeculativeConfig(method="draft_model", num_speculative_tokens=value["num_speculative_tokens"],
-                             model=model)
+                             model=model, draft_length=value.get("draft_length", "adaptive"))
 
 
 def _is_int(value: object) -> bool:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from cpllm.config_speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig, speculative_config
+from cpllm.engine.draft_length import next_draft_limit
 from cpllm.engine.ngram_drafter import NgramDrafter, longest_match
 from cpllm.engine.rejection_sampler import rejection_sample
 from cpllm.engine.sampler import Sampler, SamplingRow, make_generator, restricted_probs
@@ -40,6 +41,8 @@ def test_config_from_vllm_dict():
     assert (one.prompt_lookup_min, one.prompt_lookup_max) == (3, 3)  # one bound given: the other takes its value
     default = speculative_config({"method": "ngram", "num_speculative_tokens": 2}, 300)
     assert (default.prompt_lookup_min, default.prompt_lookup_max) == (5, 5)
+    assert default.draft_length == "adaptive"
+    assert speculative_config({**NGRAM, "draft_length": "fixed"}, 300).draft_length == "fixed"
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.num_speculative_tokens = 3
 
@@ -53,6 +56,7 @@ def test_config_from_vllm_dict():
     ({"method": "eagle"}, "method='eagle' is not built"),
     ({"method": "mystery"}, "method='mystery' is not built"),
     ({"lookahead": 3}, "unknown keys ['lookahead']"),
+    ({"draft_length": "dynamic"}, "draft_length='dynamic'; choose one of ('adaptive', 'fixed')"),
 ])
 def test_config_refusals_name_the_values(change, message):
     with pytest.raises(ValueError) as error:
@@ -103,6 +107,20 @@ def test_llm_config_refuses_before_start(tmp_path):
 def drafter(k=3, lo=2, hi=4) -> NgramDrafter:
     return NgramDrafter(SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_min=lo,
                                           prompt_lookup_max=hi))
+
+
+def test_adaptive_draft_limit_cuts_after_a_rejection_and_doubles_back_to_k():
+    k = 8
+    assert next_draft_limit(8, 8, 8, k) == 8  # every draft kept: stays at k
+    assert next_draft_limit(8, 8, 0, k) == 1  # the first draft rejected: one draft next
+    assert next_draft_limit(8, 8, 5, k) == 6  # the accepted run plus one
+    assert next_draft_limit(1, 1, 1, k) == 2 and next_draft_limit(4, 3, 3, k) == 8  # doubled, at most k
+    assert next_draft_limit(3, 0, 0, k) == 3  # no drafts scored: unchanged
+    limit, trail = k, []
+    for accepted in (0, 1, 2, 4):  # a request whose drafts fail, then copy: 1, then 2, 4, 8 as each is kept
+        limit = next_draft_limit(limit, min(limit, 8), accepted if accepted < limit else limit, k)
+        trail.append(limit)
+    assert trail == [1, 2, 4, 8]
 
 
 def test_longest_match_first_then_most_recent():

@@ -22,7 +22,9 @@ from parallel_helpers import max_abs_diff, sampled_logprobs
 from spec_decode_helpers import random_tokens, save_cycle_model, walk
 from tiny_models import save_tiny_hf_model
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
+        "draft_length": "fixed"}
+"""Fixed: every verify step carries all the drafts lookup finds, so rejected ones (and their rollback) stay many."""
 COMMON = dict(block_size=4, max_model_len=128, max_num_batched_tokens=16, kv_cache_memory_bytes=2**20,
               threads_per_rank=1, distributed_timeout=60)
 """A 16-token budget: the 37-token prompt takes three steps while the others decode beside it, and a step's budget
@@ -105,9 +107,9 @@ class Runs:
         folder = self.random_folder if name.startswith("random-") else self.folder
         name = name.removeprefix("random-")
         spec = name != "reference"
-        options = {**COMMON, **LAYOUTS["one" if name == "reference" else name]}
+        options = {**COMMON, **LAYOUTS["one" if name in ("reference", "adaptive") else name]}
         if spec:
-            options["speculative_config"] = SPEC
+            options["speculative_config"] = {**SPEC, "draft_length": "adaptive" if name == "adaptive" else "fixed"}
         with LLM(folder, **options) as llm:
             outputs, totals = run_phases(llm, self.successor, check_blocks if spec else None)
             pool = llm.engine.pool
@@ -165,6 +167,22 @@ def test_drafts_mostly_accepted_by_the_cycle_model_and_mostly_rejected_by_the_ra
     # prefill plan (the reference's prompt steps), not the many verify steps
     plans, reference = runs.get("one")["plans"], runs.get("reference")["plans"]
     assert plans.get("prefill", 0) <= reference["prefill"] + 2 < cycle.num_drafts / 2, (plans, reference, cycle)
+
+
+@pytest.mark.parametrize("model", ["", "random-"])
+def test_adaptive_draft_length_keeps_the_tokens_and_drafts_less_where_drafts_fail(runs, model):
+    """draft_length adaptive against fixed on one rank: the same tokens; on the random model (drafts mostly
+    wrong) far fewer draft tokens scored, on the cycle model (drafts mostly right) most of them still."""
+    want, got = runs.get(f"{model}reference")["outputs"], runs.get(f"{model}adaptive")["outputs"]
+    for name in want:
+        assert got[name].outputs[0].token_ids == want[name].outputs[0].token_ids, name
+        assert max_abs_diff(sampled_logprobs(got[name]), sampled_logprobs(want[name])) <= LOGPROB_ATOL, name
+    fixed, adaptive = runs.get(f"{model}one")["totals"][-1], runs.get(f"{model}adaptive")["totals"][-1]
+    if model:
+        assert adaptive.num_draft_tokens < 0.6 * fixed.num_draft_tokens, (adaptive, fixed)
+    else:
+        assert adaptive.num_draft_tokens > 0.6 * fixed.num_draft_tokens, (adaptive, fixed)
+        assert adaptive.num_accepted_tokens > 0.6 * adaptive.num_draft_tokens, adaptive
 
 
 @pytest.mark.parametrize("model", ["", "random-"])

@@ -27,7 +27,9 @@ from cpllm.step import ScheduledChunk
 from parallel_helpers import max_abs_diff, sampled_logprobs
 from spec_decode_helpers import CYCLE, random_tokens, save_cycle_model, walk
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
+        "draft_length": "fixed"}
+"""Fixed: every verify step carries all the drafts lookup finds, so rejected ones (and their rollback) stay many."""
 COMMON = dict(block_size=4, max_model_len=128, max_num_batched_tokens=16, kv_cache_memory_bytes=2**20,
               threads_per_rank=1, distributed_timeout=60)
 """A 16-token budget: the 37-token prompt takes three steps beside verify chunks."""

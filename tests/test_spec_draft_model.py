@@ -129,7 +129,7 @@ class Runs:
         return self._runs[key]
 
     def spec(self, draft: str) -> dict:
-        return {"model": self.drafts[draft], "num_speculative_tokens": K}
+        return {"model": self.drafts[draft], "num_speculative_tokens": K, "draft_length": "fixed"}
 
     def _launch(self, layout: str, draft: str | None, extra: dict) -> dict:
         options = {**COMMON, **LAYOUTS[layout], **extra}

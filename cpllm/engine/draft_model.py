@@ -78,6 +78,7 @@ class DraftModel:
     def __init__(self, target: EngineConfig, executor: Executor, capacity_tokens: int):
         """`capacity_tokens`: what the target's KV pool holds; the draft pool holds as many."""
         self.k = target.speculative_config.num_speculative_tokens
+        self.draft_length = target.speculative_config.draft_length
         self.config = draft_engine_config(target)
         self.runner = executor.draft_runner(self.config, capacity_tokens)
         kv = self.runner.info.kv
@@ -99,7 +100,7 @@ class DraftModel:
                 f"hidden {model.hidden_size}) on the replica's driver rank alone (TP = PCP = DCP = 1, "
                 f"{self.runner.device.type}), its own KV pool of {self.pool.num_blocks} blocks x {self.block_size} "
                 f"tokens = {self.pool.num_blocks * self.block_size} tokens ({kv.bytes / 2**20:.1f} MiB, {kv.dtype}); "
-                f"up to {self.k} drafts per request and step (one catch-up chunk, then {self.k - 1} single-token "
+                f"up to {self.k} drafts per request and step ({self.draft_length}: one catch-up chunk, then {self.k - 1} single-token "
                 "steps), verified in one step of k + 1 rows: greedy requests take the draft's argmax, sampled ones "
                 "draw from it at their temperature and are verified by rejection sampling against its distribution")
 

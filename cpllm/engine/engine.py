@@ -322,7 +322,8 @@ class LLMEngine:
 
         self.spec.verify(chunk_logits, chunk.token_ids[-chunk.num_draft_tokens :], emit,
                          lambda: self.scheduler.accept_drafts(request.request_id, 1),
-                         self.spec.draft_probs(request.request_id))  # q of a draft model's sampled drafts
+                         self.spec.draft_probs(request.request_id),  # q of a draft model's sampled drafts
+                         request)
         self.scheduler.drop_rejected(request.request_id)
 
     def _add_prompt_logprobs(self, state: RequestState, seq: Sequence, chunk, chunk_logits: torch.Tensor) -> None:

@@ -43,6 +43,9 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     """Guesses of the tokens after all_token_ids (speculative decoding), set by the engine after each step the
     request advanced in; the scheduler puts them into the request's next decode step as a verify chunk."""
+    draft_limit: int | None = None
+    """Most drafts the request takes next under speculative decoding's adaptive draft length
+    (cpllm/engine/draft_length.py); None: k."""
 
     @property
     def block_ids(self) -> list[int]:

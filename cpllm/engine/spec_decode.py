@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cpllm.config_speculative import SpeculativeConfig
+from cpllm.engine.draft_length import next_draft_limit
 from cpllm.engine.ngram_drafter import NgramDrafter
 from cpllm.engine.request import Request
 
@@ -62,10 +63,11 @@ class SpeculativeDecoding:
 
     def room(self, request: Request) -> int:
         """Most drafts the request may take: what it may still emit minus the token every verify step adds (so a
-        verify chunk never passes max_tokens or max_model_len)."""
+        verify chunk never passes max_tokens or max_model_len), and no more than its adaptive limit."""
         params = request.sampling_params
         limit = params.max_tokens if params.max_tokens is not None else self.max_model_len
-        return min(limit - len(request.output_token_ids), self.max_model_len - request.num_tokens) - 1
+        room = min(limit - len(request.output_token_ids), self.max_model_len - request.num_tokens) - 1
+        return room if request.draft_limit is None else min(room, request.draft_limit)
 
     def propose(self, request: Request) -> list[int]:
         """Prompt lookup's drafts after the request's tokens, at most `room(request)`."""
@@ -92,11 +94,13 @@ class SpeculativeDecoding:
 
     def verify(self, logits: torch.Tensor, drafts: tuple[int, ...],
                emit: Callable[[torch.Tensor, int | None, torch.Tensor | None], tuple[bool, bool]],
-               accept: Callable[[], None], draft_probs: list[torch.Tensor | None] | None = None) -> int:
+               accept: Callable[[], None], draft_probs: list[torch.Tensor | None] | None = None,
+               request: Request | None = None) -> int:
         """Take the rows in order; `emit(row_logits [1, vocab], draft or None, q row or None)` samples one row
         against its draft (drawn from q; None: a point mass), appends the token and returns (accepted, finished);
         `accept()` is called after each accepted draft the request goes on from (its K/V now count, before the
-        next row's token is appended). Returns the number of drafts accepted.
+        next row's token is appended). Returns the number of drafts accepted; under the adaptive draft length it
+        also sets `request`'s next draft limit.
 
         logits: [len(drafts) + 1, vocab]; draft_probs: a [vocab] row (or None) per draft, or None."""
         accepted = 0
@@ -110,6 +114,9 @@ class SpeculativeDecoding:
             if finished:
                 break
             accept()
+        if request is not None and self.config.draft_length == "adaptive":
+            k = self.config.num_speculative_tokens
+            request.draft_limit = next_draft_limit(request.draft_limit or k, len(drafts), accepted, k)
         self._drafts += 1
         self._draft_tokens += len(drafts)
         self._accepted += accepted
