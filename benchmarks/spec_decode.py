@@ -1,16 +1,16 @@
-"""Prompt-lookup speculative decoding on SmolLM2 (its default weights), batch 1: output tokens/s against no
-speculation, the acceptance rate and the mean tokens per verify step.
+"""Prompt-lookup speculative decoding on SmolLM2 (its default weights): output tokens/s against no speculation,
+the acceptance rate and the mean tokens per verify step.
 
     python benchmarks/spec_decode.py --json benchmarks/results/spec_decode.json [--pcp 2] [--ks 2 4 8] [--batch 16]
 
 Two workloads, greedy, chat template: "copy", a document of ~1.5K tokens (this repository's
 docs/architecture.md, its first sections) and a request to rewrite it with one change, so most of the answer copies
 the prompt; "chat", a short free-form question, where drafts are few and mostly wrong (speculation must cost little).
-Every configuration is its own engine, all built up front in this process; each request runs once per engine to
-warm up (which also leaves its prompt in the prefix cache; `--warmup 0` skips it), then `--repeats` rounds run every configuration in
-turn, so a change in the machine's load reaches them alike. Reported: the median and the best decode rate (on a
-shared machine the best round is the least disturbed one), output tokens after
-the first over the time from the first token to the last (prefill is the same work in every configuration).
+Every configuration is its own engine (`Engines`: on one rank all built up front in this process, under PCP one at a
+time); each request runs once per engine to warm up (which also leaves its prompt in the prefix cache; `--warmup 0`
+skips it), then `--repeats` rounds run every configuration in turn, so a change in the machine's load reaches them
+alike. Reported: the median and the best decode rate (on a shared machine the best round is the least disturbed
+one), output tokens after the first over the time from the first token to the last (prefill is the same work in every configuration).
 With `--batch B` each workload is B different requests run together (B documents cut from docs/architecture.md,
 docs/context_parallel.md and docs/serve.md in turn; B different chat questions): the rate is every request's output
 tokens after its first over the time from the first request's first token to the last one's end.
@@ -60,8 +60,7 @@ def copy_prompts(tokenizer, target_tokens: int, count: int) -> list[str]:
     raise ValueError(f"the docs hold {len(prompts)} documents of {target_tokens} tokens, not --batch {count}")
 
 
-def token_ids(llm: LLM, prompt: str) -> dict:
-    tokenizer = llm.get_tokenizer()
+def token_ids(tokenizer, prompt: str) -> dict:
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     return {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
@@ -95,48 +94,21 @@ def main() -> None:
         parser.error(f"--batch {args.batch} must be in [1, {len(CHATS)}] (the chat questions there are)")
     results = {"machine": machine_info(), "pcp": args.pcp, "batch": args.batch, "max_tokens": args.max_tokens,
                "draft_length": args.draft_length, "runs": []}
-    engines = {}
-    for k in [0, *args.ks]:
-        spec = None if k == 0 else {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
-                                    "prompt_lookup_min": 2, "draft_length": args.draft_length}
-        engines[k] = LLM(prefill_context_parallel_size=args.pcp, max_model_len=4096, speculative_config=spec,
-                         kv_cache_memory_bytes=args.kv_cache_memory, threads_per_rank=args.threads_per_rank)
-    tokenizer_llm = engines[0]
-    prompts = {"copy": copy_prompts(tokenizer_llm.get_tokenizer(), args.doc_tokens, args.batch),
-               "chat": CHATS[: args.batch]}
+    engines = Engines(args)
+    tokenizer = engines.tokenizer
+    prompts = {"copy": copy_prompts(tokenizer, args.doc_tokens, args.batch), "chat": CHATS[: args.batch]}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     for workload, prompt in prompts.items():
         if workload not in args.workloads:
             continue
-        ids = [token_ids(tokenizer_llm, p) for p in prompt]
-        before, rates, outputs = {}, {k: [] for k in engines}, {}
-        for k, llm in engines.items():
-            if args.warmup:
-                decode_rate(llm, ids, params)  # prefix cache filled; the decode rate leaves prefill out anyway
-            before[k] = llm.engine.spec_decode_totals
+        ids = [token_ids(tokenizer, p) for p in prompt]
+        runs = {k: [] for k in engines.ks}  # k -> [(rate, outputs, (drafts, draft tokens, accepted))] per round
         for _ in range(args.repeats):
-            for k, llm in engines.items():
-                rate, outputs[k] = decode_rate(llm, ids, params)
-                rates[k].append(rate)
-        for k, llm in engines.items():
-            after = llm.engine.spec_decode_totals
-            drafted = after.num_draft_tokens - before[k].num_draft_tokens
-            accepted = after.num_accepted_tokens - before[k].num_accepted_tokens
-            steps = after.num_drafts - before[k].num_drafts
-            result = dict(k=k, workload=workload, prompt_tokens=sum(len(i["prompt_token_ids"]) for i in ids),
-                          output_tokens=sum(len(out) for out in outputs[k]),
-                          tokens_after_first=sum(len(out) - 1 for out in outputs[k]),
-                          tokens_per_s=statistics.median(rates[k]), rates=rates[k],
-                          best_tokens_per_s=max(rates[k]),
-                          output=outputs[k], draft_tokens=drafted, accepted_tokens=accepted, verify_steps=steps,
-                          acceptance_rate=accepted / drafted if drafted else None,
-                          mean_accepted_per_verify=accepted / steps if steps else None)
-            results["runs"].append(result)
-            print(f"k={k} {workload}: {result['prompt_tokens']} prompt tokens, {result['output_tokens']} out, "
-                  f"{result['tokens_per_s']:.1f} tok/s, acceptance {result['acceptance_rate']}, "
-                  f"accepted/verify {result['mean_accepted_per_verify']}", flush=True)
-    for llm in engines.values():
-        llm.shutdown()
+            for k in engines.ks:
+                runs[k].append(engines.run(k, ids, params))
+        for k in engines.ks:
+            results["runs"].append(summary(k, workload, ids, runs[k]))
+    engines.shutdown()
     base = {r["workload"]: r for r in results["runs"] if r["k"] == 0}
     for r in results["runs"]:
         r["speedup"] = r["tokens_per_s"] / base[r["workload"]]["tokens_per_s"]
@@ -145,6 +117,67 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+
+
+class Engines:
+    """One engine per k. On one rank all are built up front and each request runs once per engine to warm up (which
+    also leaves its prompt in the prefix cache); under PCP a process holds one world at a time, so each
+    measurement builds its engine, warms it up the same way, measures and shuts it down."""
+
+    def __init__(self, args):
+        self.args, self.ks = args, [0, *args.ks]
+        self.resident = {k: self._build(k) for k in self.ks} if args.pcp == 1 else {}
+        self._warm: set[tuple[int, int]] = set()
+        first = self.resident.get(0) or self._build(0)
+        self.tokenizer = first.get_tokenizer()
+        if not self.resident:
+            first.shutdown()
+
+    def _build(self, k: int) -> LLM:
+        a = self.args
+        spec = None if k == 0 else {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+                                    "prompt_lookup_min": 2, "draft_length": a.draft_length}
+        return LLM(prefill_context_parallel_size=a.pcp, max_model_len=4096, speculative_config=spec,
+                   kv_cache_memory_bytes=a.kv_cache_memory, threads_per_rank=a.threads_per_rank)
+
+    def run(self, k: int, ids: list[dict], params: SamplingParams):
+        """(decode rate, outputs, (verify chunks, draft tokens, accepted) of the measured run)."""
+        llm = self.resident.get(k) or self._build(k)
+        try:
+            if self.args.warmup and (k, id(ids)) not in self._warm:
+                decode_rate(llm, ids, params)
+                if self.resident:
+                    self._warm.add((k, id(ids)))
+            before = llm.engine.spec_decode_totals
+            rate, outputs = decode_rate(llm, ids, params)
+            after = llm.engine.spec_decode_totals
+        finally:
+            if not self.resident:
+                llm.shutdown()
+        return rate, outputs, (after.num_drafts - before.num_drafts,
+                               after.num_draft_tokens - before.num_draft_tokens,
+                               after.num_accepted_tokens - before.num_accepted_tokens)
+
+    def shutdown(self) -> None:
+        for llm in self.resident.values():
+            llm.shutdown()
+
+
+def summary(k: int, workload: str, ids: list[dict], runs) -> dict:
+    rates = [rate for rate, _, _ in runs]
+    outputs = runs[-1][1]
+    steps, drafted, accepted = (sum(run[2][i] for run in runs) for i in range(3))
+    result = dict(k=k, workload=workload, prompt_tokens=sum(len(i["prompt_token_ids"]) for i in ids),
+                  output_tokens=sum(len(out) for out in outputs),
+                  tokens_after_first=sum(len(out) - 1 for out in outputs),
+                  tokens_per_s=statistics.median(rates), rates=rates, best_tokens_per_s=max(rates),
+                  output=outputs, draft_tokens=drafted, accepted_tokens=accepted, verify_steps=steps,
+                  acceptance_rate=accepted / drafted if drafted else None,
+                  mean_accepted_per_verify=accepted / steps if steps else None)
+    print(f"k={k} {workload}: {result['prompt_tokens']} prompt tokens, {result['output_tokens']} out, "
+          f"{result['tokens_per_s']:.1f} tok/s, acceptance {result['acceptance_rate']}, "
+          f"accepted/verify {result['mean_accepted_per_verify']}", flush=True)
+    return result
 
 
 if __name__ == "__main__":
