@@ -10,7 +10,8 @@ Every configuration is its own engine (`Engines`: on one rank all built up front
 time); each request runs once per engine to warm up (which also leaves its prompt in the prefix cache; `--warmup 0`
 skips it), then `--repeats` rounds run every configuration in turn, so a change in the machine's load reaches them
 alike. Reported: the median and the best decode rate (on a shared machine the best round is the least disturbed
-one), output tokens after the first over the time from the first token to the last (prefill is the same work in every configuration).
+one), output tokens after the first over the time from the first token to the last (prefill is the same work in
+every configuration).
 With `--batch B` each workload is B different requests run together (B documents cut from docs/architecture.md,
 docs/context_parallel.md and docs/serve.md in turn; B different chat questions): the rate is every request's output
 tokens after its first over the time from the first request's first token to the last one's end.
