@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerate every result under benchmarks/results/ and docs/benchmarks.md (with its plots).
-#   benchmarks/run_all.sh            # everything (about an hour on 2 cores)
+#   benchmarks/run_all.sh            # everything (about two hours on 2 cores)
 #   benchmarks/run_all.sh prefill    # one step: ceiling prefill comm memory decode tp compare quality attention int4 profile serve chunk
 #                                    #   decode_layouts dcp transport plan breakdown moe structure startup window mla spec faults report
 # Threads are always explicit: more busy threads than cores make torch's OpenMP spin-waits ruinous.
@@ -61,17 +61,21 @@ for step in "${steps[@]}"; do
     moe) python benchmarks/moe_bench.py --threads 1 --prefill-tokens 1024,4096 --pcp-tokens 4096 --repeats 3 \
            --pcp-repeats 2 --out "$R/moe.json"
          python benchmarks/profile_moe.py --tokens 1024,4096 --json "$R/moe_profile.json" ;;
-    # issue 31: a random model of Gemma 3 1B's shape cut to 6 layers and a 32K vocabulary (benchmarks/window_model.py)
-    window) python benchmarks/window_bench.py --part prefill --lengths 2048,4096 --rounds 3 --threads 1 \
+    # issue 31: a random model of Gemma 3 1B's shape (26 layers) and a 32K vocabulary (benchmarks/window_model.py)
+    window) python benchmarks/window_bench.py --part prefill --layers 26 --lengths 2048,4096 --rounds 2 --threads 1 \
               --out "$R/window_prefill.json"
-            python benchmarks/window_bench.py --part pcp --pcp-tokens 16384 --rounds 2 --out "$R/window_pcp.json"
-            python benchmarks/window_bench.py --part decode --context 32768 --rounds 4 --steps 16 --threads 1 \
-              --out "$R/window_decode.json" ;;
+            python benchmarks/window_bench.py --part pcp --layers 26 --pcp-tokens 16384 --rounds 1 \
+              --out "$R/window_pcp.json"
+            python benchmarks/window_bench.py --part decode --layers 26 --context 32768 --rounds 3 --steps 8 \
+              --threads 1 --out "$R/window_decode.json" ;;
     # issue 26: prompt lookup on SmolLM2, copy and chat workloads: one rank, PCP=2, and 16 requests at once
-    spec) python benchmarks/spec_decode.py --repeats 3 --json "$R/spec_decode.json"
-          python benchmarks/spec_decode.py --repeats 3 --pcp 2 --threads-per-rank 1 --json "$R/spec_decode_pcp2.json"
-          python benchmarks/spec_decode.py --repeats 2 --batch 16 --max-tokens 128 --kv-cache-memory $((1536 << 20)) \
-            --json "$R/spec_decode_batch16.json" ;;
+    spec) for length in adaptive fixed; do
+            suffix=$([ $length = fixed ] && echo _fixed || true)
+            python benchmarks/spec_decode.py --repeats 3 --draft-length $length --json "$R/spec_decode$suffix.json"
+            python benchmarks/spec_decode.py --repeats 2 --batch 16 --max-tokens 128 --kv-cache-memory $((1536 << 20)) \
+              --draft-length $length --json "$R/spec_decode_batch16$suffix.json"
+          done
+          python benchmarks/spec_decode.py --repeats 3 --pcp 2 --threads-per-rank 1 --json "$R/spec_decode_pcp2.json" ;;
     # issue 25: a random model of DeepSeek-V2-Lite's per-layer shape cut to 2 layers and a 32K vocabulary
     mla) python benchmarks/mla_bench.py --part dcp --context 16384 --rounds 6 --steps 32 --out "$R/mla_dcp.json"
          python benchmarks/mla_bench.py --part layer --contexts 2048,16384 --rounds 5 --threads 1 \
