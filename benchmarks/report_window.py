@@ -88,7 +88,10 @@ def pcp(data: dict[str, Any]) -> list[str]:
     return [f"### Time to first token at {n} tokens: one rank against PCP=2", "",
             f"`cpllm bench prefill`'s loop on the hybrid model: one engine per layout and round, the layouts in "
             f"turn, each warmed up and then given a fresh {n}-token prompt (prefix caching off). One rank runs two "
-            "threads, PCP=2 one thread per rank, so both use both cores; the speed-up is of the fastest rounds.",
+            "threads, PCP=2 one thread per rank, so both use both cores; the speed-up is of the fastest rounds. On "
+            "two shared cores PCP=2 does the same work as the one rank on the same cores, so the ratio is what "
+            "splitting the prompt costs here (its exchange of K/V and merges); PCP pays where each rank has cores or "
+            "a device of its own.",
             "", *md_table(table), "", _load(data) + "."]
 
 
