@@ -75,7 +75,7 @@ for step in "${steps[@]}"; do
             python benchmarks/spec_decode.py --repeats 2 --batch 16 --max-tokens 128 --kv-cache-memory $((1536 << 20)) \
               --draft-length $length --json "$R/spec_decode_batch16$suffix.json"
           done
-          python benchmarks/spec_decode.py --repeats 3 --pcp 2 --threads-per-rank 1 --json "$R/spec_decode_pcp2.json" ;;
+          python benchmarks/spec_decode.py --repeats 5 --pcp 2 --threads-per-rank 1 --json "$R/spec_decode_pcp2.json" ;;
     # issue 25: a random model of DeepSeek-V2-Lite's per-layer shape cut to 2 layers and a 32K vocabulary
     mla) python benchmarks/mla_bench.py --part dcp --context 16384 --rounds 6 --steps 32 --out "$R/mla_dcp.json"
          python benchmarks/mla_bench.py --part layer --contexts 2048,16384 --rounds 5 --threads 1 \

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 
 import torch
 
@@ -30,6 +31,7 @@ from cpllm.model.tokenizer import load_tokenizer
 from cpllm.step import SchedulerOutput
 from cpllm.worker.executor import Executor
 from cpllm.worker.worker import run_worker
+from parallel_helpers import generate_counted, greedy_params
 
 
 def _world_key(config: EngineConfig) -> tuple:
@@ -57,6 +59,17 @@ def series_worker(rank: int, configs: Sequence[EngineConfig], master_addr: str, 
             run_worker(config, groups_for(groups, config))
     finally:
         shutdown_distributed()
+
+
+def two_passes(engine: LLMEngine, *, prompts: dict, max_tokens: int) -> dict:
+    """The layout tests' workload run twice on one engine, greedy (tests/parallel_helpers.py): both passes' outputs,
+    the second pass's prefix hits, and the strategy counters."""
+    llm = SimpleNamespace(engine=engine)  # all generate_counted reads of an LLM
+    first = generate_counted(llm, prompts, greedy_params(max_tokens, prompt_logprobs=True), "p1")
+    hits = engine.scheduler.num_prefix_hit_tokens
+    second = generate_counted(llm, prompts, greedy_params(max_tokens, prompt_logprobs=False), "p2")
+    return dict(first=first, second=second, hits=engine.scheduler.num_prefix_hit_tokens - hits,
+                counts=dict(engine.executor.rank_stats().strategy_counts))
 
 
 def run_series(configs: Sequence[EngineConfig], body: Callable[[LLMEngine], object], *, threads: int = 1) -> list:

@@ -9,10 +9,12 @@ the model, and lookup drafts it.
 
 from __future__ import annotations
 
+import collections
 import random
 
 import torch
 
+from cpllm import LLM, SamplingParams
 from tiny_models import make_tiny_hf_model, tiny_hf_tokenizer
 
 CYCLE = 8
@@ -55,3 +57,20 @@ def walk(successor: dict[int, int], start: int, length: int) -> list[int]:
 def random_tokens(length: int, seed: int, vocab: int = 300) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, vocab) for _ in range(length)]
+
+
+SAMPLED_DRAWS = 4000
+SAMPLED_TV_BOUND = 0.08
+"""Two independent samples of 4000 over at most 16 outcomes (top_k=2, 4 tokens): the expected total-variation
+distance between their empirical distributions is about 0.5 * sum_t sqrt(4 p_t (1 - p_t) / (pi N)) <= 0.036; the
+bound is over twice that. Seeds are fixed, so the test is deterministic."""
+
+
+def sampled_counts(folder: str, prompt: list[int], spec: dict | None, seed: int):
+    params = [SamplingParams(n=SAMPLED_DRAWS // 4, seed=seed + 10_000 * i, temperature=1.0, top_k=2, max_tokens=4,
+                             ignore_eos=True) for i in range(4)]
+    with LLM(folder, block_size=4, max_model_len=128, max_num_seqs=128, max_num_batched_tokens=1024,
+             kv_cache_memory_bytes=2**22, threads_per_rank=1, speculative_config=spec) as llm:
+        outputs = llm.generate([{"prompt_token_ids": prompt}] * 4, params)
+        counts = collections.Counter(tuple(c.token_ids) for output in outputs for c in output.outputs)
+        return counts, llm.engine.spec_decode_totals

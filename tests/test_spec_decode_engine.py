@@ -11,7 +11,6 @@ phases; the reference is the single-rank engine without speculation on the same 
 
 from __future__ import annotations
 
-import collections
 import re
 
 import pytest
@@ -19,7 +18,8 @@ import pytest
 from cpllm import LLM, SamplingParams
 from cpllm.structured.params import StructuredOutputsParams
 from parallel_helpers import max_abs_diff, sampled_logprobs
-from spec_decode_helpers import random_tokens, save_cycle_model, walk
+from spec_decode_helpers import (SAMPLED_DRAWS, SAMPLED_TV_BOUND, random_tokens, sampled_counts, save_cycle_model,
+                                 walk)
 from tiny_models import save_tiny_hf_model
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
@@ -195,23 +195,6 @@ def test_kv_pool_and_prefix_cache_end_as_without_speculation(runs, model):
 def test_seeded_sampling_repeats(runs):
     first, second = runs.get("one")["seeded"]
     assert first == second and first[0] != first[1]
-
-
-SAMPLED_DRAWS = 4000
-SAMPLED_TV_BOUND = 0.08
-"""Two independent samples of 4000 over at most 16 outcomes (top_k=2, 4 tokens): the expected total-variation
-distance between their empirical distributions is about 0.5 * sum_t sqrt(4 p_t (1 - p_t) / (pi N)) <= 0.036; the
-bound is over twice that. Seeds are fixed, so the test is deterministic."""
-
-
-def sampled_counts(folder: str, prompt: list[int], spec: dict | None, seed: int):
-    params = [SamplingParams(n=SAMPLED_DRAWS // 4, seed=seed + 10_000 * i, temperature=1.0, top_k=2, max_tokens=4,
-                             ignore_eos=True) for i in range(4)]
-    with LLM(folder, block_size=4, max_model_len=128, max_num_seqs=128, max_num_batched_tokens=1024,
-             kv_cache_memory_bytes=2**22, threads_per_rank=1, speculative_config=spec) as llm:
-        outputs = llm.generate([{"prompt_token_ids": prompt}] * 4, params)
-        counts = collections.Counter(tuple(c.token_ids) for output in outputs for c in output.outputs)
-        return counts, llm.engine.spec_decode_totals
 
 
 def test_sampled_tokens_keep_their_distribution(runs):

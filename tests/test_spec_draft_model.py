@@ -13,7 +13,6 @@ rejected), all of the same vocabulary. Every launch runs the workload once.
 
 from __future__ import annotations
 
-import collections
 import json
 
 import pytest
@@ -24,7 +23,8 @@ from cpllm.engine.llm import build_engine_config
 from cpllm.engine.sampler import Sampler, SamplingRow, make_generator, restricted_probs
 from cpllm.engine_args import add_engine_arguments, engine_flags
 from parallel_helpers import max_abs_diff, sampled_logprobs
-from spec_decode_helpers import random_tokens, save_cycle_model, walk
+from spec_decode_helpers import (SAMPLED_DRAWS, SAMPLED_TV_BOUND, random_tokens, sampled_counts, save_cycle_model,
+                                 walk)
 from tiny_models import save_tiny_hf_model, tiny_hf_tokenizer
 from tiny_window_models import save_tiny_window_model
 
@@ -235,23 +235,6 @@ def test_full_draft_pool_and_preemption_change_nothing(runs):
 def test_seeded_sampling_repeats(runs):
     first, second = runs.get("one", "noisy")["seeded"]
     assert first == second and first[0] != first[1]
-
-
-SAMPLED_DRAWS = 4000
-SAMPLED_TV_BOUND = 0.08
-"""Two independent samples of 4000 over at most 16 outcomes (top_k=2, 4 tokens): the expected total-variation
-distance between their empirical distributions is about 0.5 * sum_t sqrt(4 p_t (1 - p_t) / (pi N)) <= 0.036; the
-bound is over twice that. Seeds are fixed, so the test is deterministic."""
-
-
-def sampled_counts(folder: str, prompt: list[int], spec: dict | None, seed: int):
-    params = [SamplingParams(n=SAMPLED_DRAWS // 4, seed=seed + 10_000 * i, temperature=1.0, top_k=2, max_tokens=4,
-                             ignore_eos=True) for i in range(4)]
-    with LLM(folder, block_size=4, max_model_len=128, max_num_seqs=128, max_num_batched_tokens=1024,
-             kv_cache_memory_bytes=2**22, threads_per_rank=1, speculative_config=spec) as llm:
-        outputs = llm.generate([{"prompt_token_ids": prompt}] * 4, params)
-        counts = collections.Counter(tuple(c.token_ids) for output in outputs for c in output.outputs)
-        return counts, llm.engine.spec_decode_totals
 
 
 def test_sampled_tokens_keep_their_distribution(runs):

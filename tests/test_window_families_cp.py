@@ -18,14 +18,14 @@ within LOGPROB_ATOL. Under PCP=2 the driver's counters must show the asked-for s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import SimpleNamespace
+from functools import partial
 
 import pytest
 
 from cpllm import LLM
 from cpllm.engine.llm import build_engine_config
 from cpllm.planner.runtime import COUNTED_STRATEGIES
-from engine_series import run_series
+from engine_series import run_series, two_passes
 from parallel_helpers import (
     BLOCK_SIZE,
     MAX_MODEL_LEN,
@@ -99,16 +99,6 @@ def save_family(folder: str, family: str) -> str:
     return save_tiny_window_model(folder, family, seed=MODEL_SEED, num_key_value_heads=KV_HEADS)
 
 
-def run_workload(engine) -> dict:
-    """Both passes on one engine: outputs, the second pass's prefix hits, and the strategy counters."""
-    llm = SimpleNamespace(engine=engine)  # all generate_counted reads of an LLM
-    first = generate_counted(llm, PROMPTS, greedy_params(MAX_TOKENS, prompt_logprobs=True), "p1")
-    hits = engine.scheduler.num_prefix_hit_tokens
-    second = generate_counted(llm, PROMPTS, greedy_params(MAX_TOKENS, prompt_logprobs=False), "p2")
-    return dict(first=first, second=second, hits=engine.scheduler.num_prefix_hit_tokens - hits,
-                counts=dict(engine.executor.rank_stats().strategy_counts))
-
-
 class Worlds:
     """Module-wide: the families' folders, their single-rank references, each world's series (run once)."""
 
@@ -136,7 +126,8 @@ class Worlds:
             for run in runs:  # before the world starts: the single-rank engines run alone
                 self.reference(run.family)
             configs = [build_engine_config(self.folder(r.family), **COMMON, **r.options()) for r in runs]
-            self._results[world] = run_series(configs, run_workload, threads=THREADS)
+            body = partial(two_passes, prompts=PROMPTS, max_tokens=MAX_TOKENS)
+            self._results[world] = run_series(configs, body, threads=THREADS)
         return self._results[world][index]
 
 

@@ -12,14 +12,14 @@ strategy asked for, and only it, ran every prompt step.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from functools import partial
 
 import pytest
 
 from cpllm import LLM
 from cpllm.engine.llm import build_engine_config
 from cpllm.planner.runtime import COUNTED_STRATEGIES
-from engine_series import run_series
+from engine_series import run_series, two_passes
 from parallel_helpers import (
     BLOCK_SIZE,
     MAX_MODEL_LEN,
@@ -49,16 +49,6 @@ def save_family(folder: str, family: str) -> str:
     return save_tiny_window_model(folder, family, seed=MODEL_SEED)
 
 
-def run_workload(engine) -> dict:
-    """Both passes on one engine: outputs, the second pass's prefix hits, and the strategy counters."""
-    llm = SimpleNamespace(engine=engine)  # all generate_counted reads of an LLM
-    first = generate_counted(llm, PROMPTS, greedy_params(MAX_TOKENS, prompt_logprobs=True), "p1")
-    hits = engine.scheduler.num_prefix_hit_tokens
-    second = generate_counted(llm, PROMPTS, greedy_params(MAX_TOKENS, prompt_logprobs=False), "p2")
-    return dict(first=first, second=second, hits=engine.scheduler.num_prefix_hit_tokens - hits,
-                counts=dict(engine.executor.rank_stats().strategy_counts))
-
-
 class Series:
     """Module-wide: the families' folders, their single-rank references, one series per strategy (run once)."""
 
@@ -81,7 +71,8 @@ class Series:
                 self.reference(family)
             layout = Layout(tp=1, pcp=2, dcp=1, strategy=strategy)
             configs = [build_engine_config(self.folders[f], **COMMON, **layout.engine_options()) for f in FAMILIES]
-            self._runs[strategy] = dict(zip(FAMILIES, run_series(configs, run_workload, threads=THREADS)))
+            body = partial(two_passes, prompts=PROMPTS, max_tokens=MAX_TOKENS)
+            self._runs[strategy] = dict(zip(FAMILIES, run_series(configs, body, threads=THREADS)))
         return self._runs[strategy]
 
 

@@ -102,7 +102,7 @@ class GemmaMLP(LlamaMLP):
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.shard, dim=-1)  # [N, I / TP] each
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(F.gelu(gate, approximate="tanh").mul_(up))  # in place: no second [N, I] buffer
 
 
 class GemmaDecoderLayer(torch.nn.Module):
