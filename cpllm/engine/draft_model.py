@@ -80,8 +80,9 @@ class DraftModel:
         self.k = target.speculative_config.num_speculative_tokens
         self.draft_length = target.speculative_config.draft_length
         self.config = draft_engine_config(target)
-        self.runner = executor.draft_runner(self.config, capacity_tokens)
-        kv = self.runner.info.kv
+        self.draft_executor = executor.draft_runner(self.config, capacity_tokens)
+        """The draft's own one-rank executor (cpllm/worker/draft_runner.py): steps in, logits and plain data out."""
+        kv = self.draft_executor.info.kv
         self.block_size = kv.block_size
         self.pool = BlockPool(min(kv.group_blocks or (kv.num_blocks,)), enable_prefix_caching=False)
         """The draft pool's block ids (every KV group of the draft uses the same table)."""
@@ -95,13 +96,14 @@ class DraftModel:
 
     def describe(self) -> str:
         """What drafts and how, for the start-up log."""
-        model, kv = self.config.model, self.runner.info.kv
+        model, kv = self.config.model, self.draft_executor.info.kv
         return (f"draft model {self.config.model_path} ({model.architecture}, {model.num_hidden_layers} layers, "
                 f"hidden {model.hidden_size}) on the replica's driver rank alone (TP = PCP = DCP = 1, "
-                f"{self.runner.device.type}), its own KV pool of {self.pool.num_blocks} blocks x {self.block_size} "
-                f"tokens = {self.pool.num_blocks * self.block_size} tokens ({kv.bytes / 2**20:.1f} MiB, {kv.dtype}); "
-                f"up to {self.k} drafts per request and step ({self.draft_length}: one catch-up chunk, then {self.k - 1} single-token "
-                "steps), verified in one step of k + 1 rows: greedy requests take the draft's argmax, sampled ones "
+                f"{self.draft_executor.device.type}), its own KV pool of {self.pool.num_blocks} blocks x "
+                f"{self.block_size} tokens = {self.pool.num_blocks * self.block_size} tokens "
+                f"({kv.bytes / 2**20:.1f} MiB, {kv.dtype}); up to {self.k} drafts per request and step "
+                f"({self.draft_length}: one catch-up chunk, then up to {self.k - 1} single-token steps), verified "
+                "in one step of k + 1 rows: greedy requests take the draft's argmax, sampled ones "
                 "draw from it at their temperature and are verified by rejection sampling against its distribution")
 
     # ---- requests -------------------------------------------------------------------------------------
@@ -220,7 +222,7 @@ class DraftModel:
     def _run(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
         """One draft step; logits of its sampled chunks, in order."""
         self._step_id += 1
-        return self.runner.execute(SchedulerOutput(step_id=self._step_id, chunks=tuple(chunks)))
+        return self.draft_executor.execute(SchedulerOutput(step_id=self._step_id, chunks=tuple(chunks)))
 
     @staticmethod
     def _draw(state: _DraftState, logits: torch.Tensor, argmax: int) -> None:
