@@ -31,7 +31,7 @@ from cpllm.model.tokenizer import load_tokenizer
 from cpllm.step import SchedulerOutput
 from cpllm.worker.executor import Executor
 from cpllm.worker.worker import run_worker
-from parallel_helpers import generate_counted, greedy_params
+from parallel_helpers import assert_same_greedy, generate_counted, greedy_params
 
 
 def _world_key(config: EngineConfig) -> tuple:
@@ -70,6 +70,17 @@ def two_passes(engine: LLMEngine, *, prompts: dict, max_tokens: int) -> dict:
     second = generate_counted(llm, prompts, greedy_params(max_tokens, prompt_logprobs=False), "p2")
     return dict(first=first, second=second, hits=engine.scheduler.num_prefix_hit_tokens - hits,
                 counts=dict(engine.executor.rank_stats().strategy_counts))
+
+
+def assert_two_passes_match(result: dict, reference: dict, what: str, max_tokens: int) -> None:
+    """`two_passes`' outputs equal the single-rank reference (pass 1 with prompt logprobs), and pass 2 hit the
+    prefix cache."""
+    for name, output in result["first"].items():
+        assert len(output.outputs[0].token_ids) == max_tokens, f"{what} {name}"
+        assert_same_greedy(output, reference[name], what=f"{what} pass 1 {name}", prompt_logprobs=True)
+    for name, output in result["second"].items():
+        assert_same_greedy(output, reference[name], what=f"{what} pass 2 {name}", prompt_logprobs=False)
+    assert result["hits"] > 0, f"{what}: pass 2 repeats pass 1's prompts and should hit the prefix cache"
 
 
 def run_series(configs: Sequence[EngineConfig], body: Callable[[LLMEngine], object], *, threads: int = 1) -> list:

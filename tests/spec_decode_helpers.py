@@ -5,6 +5,9 @@ mostly its own token's embedding, so the logits peak on the successor of the cur
 attention sharpened as in tests/tiny_models.py) move them a little, so some tokens leave the map. The successor map
 is cycles of CYCLE tokens over a random order of the vocabulary: a prompt that walks a cycle once is then copied by
 the model, and lookup drafts it.
+
+Also what the speculative decoding tests share: running a phase of requests to the end, the per-step block check,
+and the sampled-token counts with their statistical bound.
 """
 
 from __future__ import annotations
@@ -74,3 +77,30 @@ def sampled_counts(folder: str, prompt: list[int], spec: dict | None, seed: int)
         outputs = llm.generate([{"prompt_token_ids": prompt}] * 4, params)
         counts = collections.Counter(tuple(c.token_ids) for output in outputs for c in output.outputs)
         return counts, llm.engine.spec_decode_totals
+
+
+def check_blocks(engine) -> None:
+    """After every step, each decoding request holds the target blocks of its computed tokens and no more."""
+    v = engine.tokens_per_block
+    for request in engine.scheduler.running:
+        if request.num_tokens - request.num_computed_tokens == 1:
+            held = engine.scheduler.request_blocks(request.request_id)[0]
+            assert held == -(-request.num_computed_tokens // v), (request.request_id, held)
+
+
+def run_phase(engine, number: int, phase: dict, check_step=None) -> dict:
+    """Add the phase's requests together (ids "<number>-<name>") and step the engine until they finish, calling
+    `check_step(engine)` after every step; request id -> final output."""
+    for name, (prompt, params) in phase.items():
+        engine.add_request(f"{number}-{name}", prompt, params)
+    outputs = {}
+    for _ in range(2000):
+        if not engine.has_unfinished_requests():
+            break
+        for output in engine.step():
+            if output.finished:
+                outputs[output.request_id] = output
+        if check_step is not None:
+            check_step(engine)
+    assert not engine.has_unfinished_requests()
+    return outputs

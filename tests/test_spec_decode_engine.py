@@ -18,8 +18,8 @@ import pytest
 from cpllm import LLM, SamplingParams
 from cpllm.structured.params import StructuredOutputsParams
 from parallel_helpers import max_abs_diff, sampled_logprobs
-from spec_decode_helpers import (SAMPLED_DRAWS, SAMPLED_TV_BOUND, random_tokens, sampled_counts, save_cycle_model,
-                                 walk)
+from spec_decode_helpers import (SAMPLED_DRAWS, SAMPLED_TV_BOUND, check_blocks, random_tokens, run_phase,
+                                 sampled_counts, save_cycle_model, walk)
 from tiny_models import save_tiny_hf_model
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
@@ -64,30 +64,12 @@ def phases(successor) -> list[dict[str, tuple[list[int], SamplingParams]]]:
 
 def run_phases(llm: LLM, successor, check_step=None) -> tuple[dict, list]:
     """name -> final output, and the spec-decode totals after each phase."""
-    engine, outputs, totals = llm.engine, {}, []
+    outputs, totals = {}, []
     for number, phase in enumerate(phases(successor)):
-        for name, (prompt, params) in phase.items():
-            engine.add_request(f"{number}-{name}", prompt, params)
-        for _ in range(2000):
-            if not engine.has_unfinished_requests():
-                break
-            for output in engine.step():
-                if output.finished:
-                    outputs[output.request_id.split("-", 1)[1]] = output
-            if check_step is not None:
-                check_step(engine)
-        assert not engine.has_unfinished_requests()
-        totals.append(engine.spec_decode_totals)
+        done = run_phase(llm.engine, number, phase, check_step)
+        outputs.update({request_id.split("-", 1)[1]: output for request_id, output in done.items()})
+        totals.append(llm.engine.spec_decode_totals)
     return outputs, totals
-
-
-def check_blocks(engine) -> None:
-    """After every step, each decoding request holds the blocks of its computed tokens and no more."""
-    v = engine.tokens_per_block
-    for request in engine.scheduler.running:
-        if request.num_tokens - request.num_computed_tokens == 1:
-            held = engine.scheduler.request_blocks(request.request_id)[0]
-            assert held == -(-request.num_computed_tokens // v), (request.request_id, held)
 
 
 class Runs:

@@ -25,7 +25,7 @@ from cpllm.context_parallel.plan import single_token_rows
 from cpllm.server.metrics_vllm import VllmMetrics
 from cpllm.step import ScheduledChunk
 from parallel_helpers import max_abs_diff, sampled_logprobs
-from spec_decode_helpers import CYCLE, random_tokens, save_cycle_model, walk
+from spec_decode_helpers import CYCLE, random_tokens, run_phase, save_cycle_model, walk
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
         "draft_length": "fixed"}
@@ -101,18 +101,11 @@ def count_steps(llm: LLM) -> collections.Counter:
 
 def run_phases(llm: LLM, successor, numbers) -> tuple[dict, list]:
     """name -> final output, and the engine's scheduler totals after each phase."""
-    engine, outputs, totals = llm.engine, {}, []
+    outputs, totals = {}, []
     for number in numbers:
-        for name, (prompt, params) in phases(successor)[number].items():
-            engine.add_request(f"{number}-{name}", prompt, params)
-        for _ in range(2000):
-            if not engine.has_unfinished_requests():
-                break
-            for output in engine.step():
-                if output.finished:
-                    outputs[output.request_id.split("-", 1)[1]] = output
-        assert not engine.has_unfinished_requests()
-        totals.append(engine.scheduler_totals)
+        done = run_phase(llm.engine, number, phases(successor)[number])
+        outputs.update({request_id.split("-", 1)[1]: output for request_id, output in done.items()})
+        totals.append(llm.engine.scheduler_totals)
     return outputs, totals
 
 

@@ -23,8 +23,8 @@ from cpllm.engine.llm import build_engine_config
 from cpllm.engine.sampler import Sampler, SamplingRow, make_generator, restricted_probs
 from cpllm.engine_args import add_engine_arguments, engine_flags
 from parallel_helpers import max_abs_diff, sampled_logprobs
-from spec_decode_helpers import (SAMPLED_DRAWS, SAMPLED_TV_BOUND, random_tokens, sampled_counts, save_cycle_model,
-                                 walk)
+from spec_decode_helpers import (SAMPLED_DRAWS, SAMPLED_TV_BOUND, check_blocks, random_tokens, run_phase,
+                                 sampled_counts, save_cycle_model, walk)
 from tiny_models import save_tiny_hf_model, tiny_hf_tokenizer
 from tiny_window_models import save_tiny_window_model
 
@@ -65,30 +65,11 @@ def workload(successor) -> list[dict[str, tuple[list[int], SamplingParams]]]:
     return [first, second]
 
 
-def check_blocks(engine) -> None:
-    """After every step, each decoding request holds the target blocks of its computed tokens and no more."""
-    v = engine.tokens_per_block
-    for request in engine.scheduler.running:
-        if request.num_tokens - request.num_computed_tokens == 1:
-            held = engine.scheduler.request_blocks(request.request_id)[0]
-            assert held == -(-request.num_computed_tokens // v), (request.request_id, held)
-
-
 def run_workload(llm: LLM, successor, check_step=None) -> dict:
-    """phase-name -> final output."""
-    engine, outputs = llm.engine, {}
+    """request id ("<phase>-<name>") -> final output."""
+    outputs = {}
     for number, phase in enumerate(workload(successor)):
-        for name, (prompt, params) in phase.items():
-            engine.add_request(f"{number}-{name}", prompt, params)
-        for _ in range(2000):
-            if not engine.has_unfinished_requests():
-                break
-            for output in engine.step():
-                if output.finished:
-                    outputs[output.request_id] = output
-            if check_step is not None:
-                check_step(engine)
-        assert not engine.has_unfinished_requests()
+        outputs.update(run_phase(llm.engine, number, phase, check_step))
     return outputs
 
 

@@ -25,19 +25,17 @@ import pytest
 from cpllm import LLM
 from cpllm.engine.llm import build_engine_config
 from cpllm.planner.runtime import COUNTED_STRATEGIES
-from engine_series import run_series, two_passes
+from engine_series import assert_two_passes_match, run_series, two_passes
 from parallel_helpers import (
     BLOCK_SIZE,
     MAX_MODEL_LEN,
     MAX_NUM_BATCHED_TOKENS,
     Layout,
-    assert_same_greedy,
     generate_counted,
     greedy_params,
     workload_prompts,
 )
-from tiny_gpt_oss import save_tiny_gpt_oss
-from tiny_window_models import WINDOW, save_tiny_window_model
+from tiny_window_models import save_window_family
 
 MAX_TOKENS = 12
 MODEL_SEED = 4
@@ -93,12 +91,6 @@ SERIES = {  # world -> its engines, built in this order
 RUNS = [(world, index) for world, runs in SERIES.items() for index in range(len(runs))]
 
 
-def save_family(folder: str, family: str) -> str:
-    if family == "gpt_oss":
-        return save_tiny_gpt_oss(folder, seed=MODEL_SEED, sliding_window=WINDOW, num_key_value_heads=KV_HEADS)
-    return save_tiny_window_model(folder, family, seed=MODEL_SEED, num_key_value_heads=KV_HEADS)
-
-
 class Worlds:
     """Module-wide: the families' folders, their single-rank references, each world's series (run once)."""
 
@@ -110,7 +102,8 @@ class Worlds:
 
     def folder(self, family: str) -> str:
         if family not in self._folders:
-            self._folders[family] = save_family(str(self._tmp.mktemp(family)), family)
+            self._folders[family] = save_window_family(str(self._tmp.mktemp(family)), family, seed=MODEL_SEED,
+                                                       num_key_value_heads=KV_HEADS)
         return self._folders[family]
 
     def reference(self, family: str) -> dict:
@@ -145,12 +138,7 @@ def test_family_layout_matches_single_rank(worlds, world_index):
     if isinstance(result, BaseException):
         raise AssertionError(f"{what}: the engine failed") from result
     reference = worlds.reference(run.family)
-    for name, output in result["first"].items():
-        assert len(output.outputs[0].token_ids) == MAX_TOKENS, f"{what} {name}"
-        assert_same_greedy(output, reference[name], what=f"{what} pass 1 {name}", prompt_logprobs=True)
-    for name, output in result["second"].items():
-        assert_same_greedy(output, reference[name], what=f"{what} pass 2 {name}", prompt_logprobs=False)
-    assert result["hits"] > 0, f"{what}: pass 2 repeats pass 1's prompts and should hit the prefix cache"
+    assert_two_passes_match(result, reference, what, MAX_TOKENS)
     if run.layout.pcp > 1:
         counts, strategy = result["counts"], run.layout.strategy
         others = {s: counts[s] for s in COUNTED_STRATEGIES if s != strategy}

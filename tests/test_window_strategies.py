@@ -19,19 +19,17 @@ import pytest
 from cpllm import LLM
 from cpllm.engine.llm import build_engine_config
 from cpllm.planner.runtime import COUNTED_STRATEGIES
-from engine_series import run_series, two_passes
+from engine_series import assert_two_passes_match, run_series, two_passes
 from parallel_helpers import (
     BLOCK_SIZE,
     MAX_MODEL_LEN,
     MAX_NUM_BATCHED_TOKENS,
     Layout,
-    assert_same_greedy,
     generate_counted,
     greedy_params,
     workload_prompts,
 )
-from tiny_gpt_oss import save_tiny_gpt_oss
-from tiny_window_models import WINDOW, save_tiny_window_model
+from tiny_window_models import save_window_family
 
 MAX_TOKENS = 12
 MODEL_SEED = 3
@@ -43,18 +41,12 @@ THREADS = 1
 PROMPTS = workload_prompts(2)
 
 
-def save_family(folder: str, family: str) -> str:
-    if family == "gpt_oss":
-        return save_tiny_gpt_oss(folder, seed=MODEL_SEED, sliding_window=WINDOW)
-    return save_tiny_window_model(folder, family, seed=MODEL_SEED)
-
-
 class Series:
     """Module-wide: the families' folders, their single-rank references, one series per strategy (run once)."""
 
     def __init__(self, tmp_path_factory):
         self._tmp = tmp_path_factory
-        self.folders = {f: save_family(str(tmp_path_factory.mktemp(f)), f) for f in FAMILIES}
+        self.folders = {f: save_window_family(str(tmp_path_factory.mktemp(f)), f, seed=MODEL_SEED) for f in FAMILIES}
         self.references: dict[str, dict] = {}
         self._runs: dict[str, dict] = {}
 
@@ -89,12 +81,6 @@ def test_strategy_matches_single_rank(series, family, strategy):
     if isinstance(result, BaseException):
         raise result
     reference = series.reference(family)
-    what = f"{family} pcp2 {strategy}"
-    for name, output in result["first"].items():
-        assert len(output.outputs[0].token_ids) == MAX_TOKENS, name
-        assert_same_greedy(output, reference[name], what=f"{what} pass 1 {name}", prompt_logprobs=True)
-    for name, output in result["second"].items():
-        assert_same_greedy(output, reference[name], what=f"{what} pass 2 {name}", prompt_logprobs=False)
-    assert result["hits"] > 0, "pass 2 repeats pass 1's prompts and should hit the prefix cache"
+    assert_two_passes_match(result, reference, f"{family} pcp2 {strategy}", MAX_TOKENS)
     counts = result["counts"]
     assert counts[strategy] > 0 and all(counts[s] == 0 for s in COUNTED_STRATEGIES if s != strategy), counts

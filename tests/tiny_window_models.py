@@ -32,6 +32,7 @@ from typing import Any
 import gguf
 import torch
 
+from tiny_gpt_oss import save_tiny_gpt_oss
 from tiny_models import TINY_CHAT_TEMPLATE, randomize_weights, tiny_hf_tokenizer, tiny_vocab
 from tiny_moe_models import make_tiny_moe_model, tiny_moe_config
 
@@ -100,6 +101,13 @@ def save_tiny_window_model(folder: str, family: str, *, seed: int = 0, **overrid
     make_tiny_window_model(family, seed=seed, **overrides).save_pretrained(folder)
     tiny_hf_tokenizer().save_pretrained(folder)
     return folder
+
+
+def save_window_family(folder: str, family: str, *, seed: int = 0, **overrides: Any) -> str:
+    """`save_tiny_window_model`, or for "gpt_oss" tests/tiny_gpt_oss.py's model with a window of WINDOW."""
+    if family == "gpt_oss":
+        return save_tiny_gpt_oss(folder, seed=seed, sliding_window=WINDOW, **overrides)
+    return save_tiny_window_model(folder, family, seed=seed, **overrides)
 
 
 _GEMMA_GGUF_NAMES = {
