@@ -6,19 +6,8 @@ import argparse
 import logging
 import sys
 
+from cpllm.cli_generate import add_sampling_arguments
 from cpllm.engine_args import add_engine_arguments
-
-
-def _add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=int, default=128)
-    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--top-k", type=int, default=0)
-    group.add_argument("--min-p", type=float, default=0.0)
-    group.add_argument("--request-seed", type=int, default=None, help="seed of this request's sampling")
-    group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    group.add_argument("--ignore-eos", action="store_true")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -56,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--prompt-file", help="file holding the prompt text")
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    _add_sampling_arguments(generate)
+    add_sampling_arguments(generate)
     generate.set_defaults(handler=_generate)
 
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")

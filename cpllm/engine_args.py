@@ -1,4 +1,6 @@
-"""Engine command-line flags, generated from cpllm.engine_options and shared by `generate`, `serve` and `bench`."""
+"""Engine command-line flags, generated from cpllm.engine_options and shared by `generate`, `serve` and `bench`;
+the same generator makes the flags of any other table of `EngineOption` records (`add_option_arguments`: the
+server's, `generate`'s sampling flags)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ from typing import Any
 
 from cpllm.engine_options import ENGINE_OPTIONS, EngineOption, parse_bytes
 
-__all__ = ["add_engine_arguments", "engine_flags", "engine_kwargs", "parse_bytes"]
+__all__ = ["add_engine_arguments", "add_option_arguments", "engine_flags", "engine_kwargs", "option_values",
+           "parse_bytes"]
 
 
 class _DeprecatedAlias(argparse.Action):
@@ -32,12 +35,27 @@ def _add_option(group, option: EngineOption) -> None:
     if option.type is bool:  # on by default: --x / --no-x; off by default: --x turns it on
         kwargs["action"] = argparse.BooleanOptionalAction if option.default else "store_true"
     else:
-        kwargs.update(type=option.parse or option.type,
+        kwargs.update(type=option.parse or option.type, metavar=option.metavar,
                       choices=list(option.choices) if option.choices else None)
+        if option.repeat:
+            kwargs["action"] = "append"
     group.add_argument(*flags, **kwargs)
     for old in option.deprecated_flags:
         group.add_argument(old, dest=option.name, type=kwargs["type"], action=_DeprecatedAlias,
                            replacement=option.flag, help=argparse.SUPPRESS)
+
+
+def add_option_arguments(parser: argparse.ArgumentParser, title: str, options: tuple[EngineOption, ...]):
+    """Every option of a table as a flag, in an argument group `title`; returns the group."""
+    group = parser.add_argument_group(title)
+    for option in options:
+        _add_option(group, option)
+    return group
+
+
+def option_values(args: argparse.Namespace, options: tuple[EngineOption, ...]) -> dict[str, Any]:
+    """field -> parsed value, for a table whose options fill the fields of their `record` (build it with these)."""
+    return {option.fills: getattr(args, option.name) for option in options}
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, model_option: bool = True) -> None:

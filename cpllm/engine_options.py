@@ -3,6 +3,8 @@
 An option that fills a config field takes its default from that field, so the config dataclass, `LLM` and the
 command line cannot disagree; its value is validated by the config it fills (the messages name the value and the
 limit). cpllm/engine_args.py turns the table into argparse arguments, cpllm/engine/llm.py into an EngineConfig.
+The same record declares the options of other dataclasses (`record=`): the server's (cpllm/server/options.py,
+SERVE_OPTIONS) and `cpllm generate`'s sampling flags (cpllm/cli_generate.py), each table next to what it fills.
 """
 
 from __future__ import annotations
@@ -42,14 +44,15 @@ _FROM_CONFIG: Any = object()
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineOption:
-    """One engine option: its keyword, its type and default, its flags and the config field it fills."""
+    """One option: its keyword, its type and default, its flags and the config field (or `record` field) it fills."""
 
     name: str
     """The `LLM(...)` keyword and the argparse destination, vLLM's name where vLLM has the option."""
     type: type
     """Type of the value (bool options become on/off flags)."""
     fills: str | None
-    """"section.field" of the EngineConfig part it sets (see CONFIG_SECTIONS); None: used at launch only."""
+    """"section.field" of the EngineConfig part it sets (see CONFIG_SECTIONS), or the field of `record`; None: used
+    at launch only."""
     help: str = ""
     """Help text of the flag; argparse's %(default)s is allowed."""
     default: Any = _FROM_CONFIG
@@ -63,10 +66,19 @@ class EngineOption:
     """Turns the flag's text into the value (default: `type`)."""
     deprecated_flags: tuple[str, ...] = ()
     """Old flags still accepted, with a warning naming the new one."""
+    record: type | None = None
+    """The dataclass whose field `fills` names, for an option outside the engine config (ServeOptions,
+    SamplingParams); None: the config section named by `fills`' prefix."""
+    metavar: str | None = None
+    """The value's name in --help (default: the name in capitals)."""
+    repeat: bool = False
+    """The flag may be given several times; the value is the list of them (None when never given)."""
 
     def __post_init__(self) -> None:
         if self.default is _FROM_CONFIG:
-            object.__setattr__(self, "default", config_field_default(self.fills))
+            default = (config_field_default(self.fills) if self.record is None
+                       else record_field_default(self.record, self.fills))
+            object.__setattr__(self, "default", default)
 
     @property
     def flag(self) -> str:
@@ -98,13 +110,20 @@ def parse_json_object(text: str) -> dict:
     return value
 
 
+def record_field_default(record: type, name: str) -> Any:
+    """The default of the field `name` of the dataclass `record` (KeyError naming both if it has none)."""
+    for entry in dataclasses.fields(record):
+        if entry.name == name:
+            if entry.default is dataclasses.MISSING:
+                raise KeyError(f"{record.__name__}.{name} has no default")
+            return entry.default
+    raise KeyError(f"{record.__name__} has no field {name!r}")
+
+
 def config_field_default(path: str) -> Any:
     """The default of a config field named "section.field"."""
     section, name = path.split(".")
-    for entry in dataclasses.fields(CONFIG_SECTIONS[section]):
-        if entry.name == name:
-            return entry.default
-    raise KeyError(f"{CONFIG_SECTIONS[section].__name__} has no field {name!r}")
+    return record_field_default(CONFIG_SECTIONS[section], name)
 
 
 ENGINE_OPTIONS: tuple[EngineOption, ...] = (

@@ -156,3 +156,102 @@ def test_changed_options_spell_back_as_flags_that_parse_to_the_same_options():
     again = build_parser().parse_args(["serve", *flags])
     assert engine_kwargs(again) == engine_kwargs(args) and again.model == "m.gguf"
     assert engine_flags(build_parser().parse_args(["serve"])) == []
+
+
+SERVE_CHANGED: dict[str, tuple[list[str], object]] = {
+    "max_request_body_bytes": (["--max-request-body-bytes", "64KiB"], 64 * 2**10),
+    "max_n": (["--max-n", "4"], 4),
+    "max_queued_requests": (["--max-queued-requests", "0"], 0),
+    "retry_after": (["--retry-after", "7"], 7),
+    "shutdown_timeout": (["--shutdown-timeout", "2.5"], 2.5),
+    "enable_auto_tool_choice": (["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], True),
+    "tool_call_parser": (["--tool-call-parser", "llama3_json"], "llama3_json"),
+    "max_logprobs": (["--max-logprobs", "5"], 5),
+    "enable_prompt_tokens_details": (["--enable-prompt-tokens-details"], True),
+    "enable_force_include_usage": (["--enable-force-include-usage"], True),
+    "enable_server_load_tracking": (["--enable-server-load-tracking"], True),
+    "root_path": (["--root-path", "/llm"], "/llm"),
+}
+"""server option -> (flags that change it, the value its ServeOptions field gets)."""
+
+
+def test_every_server_field_has_one_flag_whose_default_is_the_field_default():
+    from dataclasses import fields
+
+    from cpllm.engine_options import record_field_default
+    from cpllm.server.options import SERVE_OPTIONS, ServeOptions, serve_options
+
+    assert sorted(option.fills for option in SERVE_OPTIONS) == sorted(f.name for f in fields(ServeOptions))
+    assert SERVE_CHANGED.keys() == {option.name for option in SERVE_OPTIONS}, "give the new option a SERVE_CHANGED row"
+    args = build_parser().parse_args(["serve"])
+    for option in SERVE_OPTIONS:
+        assert getattr(args, option.name) is option.default is record_field_default(ServeOptions, option.fills), \
+            option.name
+    assert serve_options(args) == ServeOptions()
+
+
+@pytest.mark.parametrize("name", list(SERVE_CHANGED))
+def test_every_server_flag_reaches_its_field(name):
+    from cpllm.server.options import SERVE_OPTIONS, serve_options
+
+    flags, value = SERVE_CHANGED[name]
+    option = next(option for option in SERVE_OPTIONS if option.name == name)
+    assert getattr(serve_options(build_parser().parse_args(["serve", *flags])), option.fills) == value
+
+
+def test_retry_after_has_a_flag_and_a_bad_value_names_it():
+    from cpllm.server.options import serve_options
+
+    assert serve_options(build_parser().parse_args(["serve", "--retry-after", "3"])).retry_after_s == 3
+    with pytest.raises(ValueError, match="--retry-after must be >= 1, got 0"):
+        serve_options(build_parser().parse_args(["serve", "--retry-after", "0"]))
+
+
+def test_generate_sampling_defaults_are_sampling_params_defaults_but_the_documented_ones():
+    """Each sampling flag of `generate` defaults to its SamplingParams field, except GENERATE_DEFAULTS, whose help
+    names SamplingParams' own default."""
+    from cpllm.cli_generate import GENERATE_DEFAULTS, SAMPLING_OPTIONS, sampling_params
+    from cpllm.engine.sampling_params import SamplingParams
+    from cpllm.engine_options import record_field_default
+
+    args = build_parser().parse_args(["generate", "--prompt", "hi"])
+    for option in SAMPLING_OPTIONS:
+        field_default = record_field_default(SamplingParams, option.fills)
+        assert getattr(args, option.name) == option.default, option.name
+        if option.fills in GENERATE_DEFAULTS:
+            assert option.default == GENERATE_DEFAULTS[option.fills] != field_default, option.name
+            assert f"SamplingParams' is {field_default}" in option.help, option.name
+        else:
+            assert option.default is field_default, option.name
+    assert sampling_params(args) == SamplingParams(**GENERATE_DEFAULTS)
+    given = build_parser().parse_args(["generate", "--prompt", "hi", "--request-seed", "5", "--stop", "a", "--stop",
+                                       "b", "--top-k", "3", "--ignore-eos"])
+    assert sampling_params(given) == SamplingParams(**GENERATE_DEFAULTS, seed=5, stop=["a", "b"], top_k=3,
+                                                    ignore_eos=True)
+
+
+def test_bench_engines_run_the_table_defaults(folder, monkeypatch):
+    """build_llm (the Python API of `cpllm bench`) sets its layout, strategy and prefix caching, sizes what the
+    caller left None, and leaves every other option at the table's default: the engine the CLI's flags build."""
+    from cpllm.bench import engines
+    from cpllm.bench.common import BenchLayout
+
+    built = {}
+    monkeypatch.setattr(engines, "LLM", lambda model, **options: built.update(options) or "llm")
+    layout = BenchLayout.of(tp=1, pcp=2, dcp=1)
+    llm, threads = engines.build_llm(folder, layout, strategy=None, threads_per_rank=1, context_tokens=64,
+                                     batch_tokens=32)
+    assert llm == "llm" and threads == 1 and built.keys() == OPTIONS.keys()
+    sized = {"kv_cache_memory_bytes", "max_model_len", "max_num_batched_tokens", "threads_per_rank"}
+    for name, option in OPTIONS.items():
+        if name not in sized and name not in engines.BENCH_SETS:
+            assert built[name] == option.default, name
+    assert built["distributed_timeout"] == config_field_default("parallel.distributed_timeout_s") == 120.0
+    assert (built["prefill_context_parallel_size"], built["cp_prefill_strategy"], built["enable_prefix_caching"],
+            built["max_model_len"], built["max_num_batched_tokens"]) == (2, "allgather", False, 64, 32)
+    engines.build_llm(folder, layout, strategy="ring", threads_per_rank=1, context_tokens=64, batch_tokens=32,
+                      engine_options={"model": folder, "distributed_timeout": 9.0, "max_model_len": 48})
+    assert (built["distributed_timeout"], built["max_model_len"], built["cp_prefill_strategy"]) == (9.0, 48, "ring")
+    with pytest.raises(TypeError, match="build_llm\\(\\) got an unknown engine option 'distributed_timeout_s'"):
+        engines.build_llm(folder, layout, strategy=None, threads_per_rank=1, context_tokens=64, batch_tokens=32,
+                          engine_options={"distributed_timeout_s": 9.0})

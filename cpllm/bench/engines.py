@@ -6,14 +6,16 @@ from typing import Any
 
 from cpllm.bench.common import BenchLayout, kv_budget_for, threads_for
 from cpllm.engine.llm import LLM
+from cpllm.engine_options import resolve_options
 from cpllm.model.default_model import default_model_path
 from cpllm.model.loader import open_weights
 
-DEFAULTS: dict[str, Any] = dict(
-    dtype="float32", block_size=16, max_num_seqs=64, seed=0, data_parallel_size=1,
-    cp_kv_cache_interleave_size=1, distributed_timeout=600.0,
-)
-"""Engine options when the caller passes none (the Python API); the CLI passes engine_kwargs(args)."""
+BENCH_SETS = ("tensor_parallel_size", "prefill_context_parallel_size", "decode_context_parallel_size",
+              "cp_prefill_strategy", "enable_prefix_caching")
+"""The engine options every bench engine sets itself (its layout, its strategy, prefix caching off); besides these
+it sets kv_cache_memory_bytes, max_model_len and max_num_batched_tokens to the run's context and step budget where
+the caller left them None. Every other option is the caller's or the option table's default
+(cpllm/engine_options.py), so the Python API and the `cpllm bench` flags run the same engine."""
 
 
 def model_config_of(model: str | None):
@@ -36,9 +38,9 @@ def build_llm(
     Prefix caching is off unless asked for: repeated runs must compute every token, not hit the cache.
     Returns the LLM and the threads per rank it runs with.
     """
-    options = {**DEFAULTS, **(engine_options or {})}
-    for key in ("model", "threads_per_rank"):
-        options.pop(key, None)
+    given = {key: value for key, value in (engine_options or {}).items() if key != "model"}
+    options = resolve_options(given, "build_llm")  # an unknown option is refused by name
+    options.pop("threads_per_rank")
     threads = threads_for(layout, threads_per_rank)
     config = model_config_of(model)
     if options.get("kv_cache_memory_bytes") is None:

@@ -1,11 +1,16 @@
-"""`cpllm serve`'s own options (limits, tool calling), their defaults, and their command-line flags."""
+"""`cpllm serve`'s own options (limits, tool calling), their defaults, and their command-line flags.
+
+Each is one `EngineOption` row of SERVE_OPTIONS (the record of cpllm/engine_options.py), filling one field of
+ServeOptions and taking its default from that field; the flags are generated from the table, as the engine's are.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 
-from cpllm.engine_args import parse_bytes
+from cpllm.engine_args import add_option_arguments, option_values
+from cpllm.engine_options import EngineOption, parse_bytes
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 """Names accepted by --tool-call-parser (vLLM's names for the same formats)."""
@@ -36,13 +41,24 @@ class ServeOptions:
     """After SIGTERM, seconds requests in flight get to finish; then each is ended with an error (a stream with an
     error event and [DONE]) and the process exits. 20 s plus about a second of teardown fits Kubernetes' default
     30 s grace period with room for a preStop hook or a load balancer's deregistration delay."""
+    max_logprobs: int = 20
+    """Largest logprobs / top_logprobs / prompt_logprobs a request may ask for (vLLM's default 20); -1 allows the
+    whole vocabulary, which a request asks for with -1."""
+    enable_prompt_tokens_details: bool = False
+    """Report prefix-cache hits in usage.prompt_tokens_details.cached_tokens (null otherwise, as vLLM)."""
+    enable_force_include_usage: bool = False
+    """Every streamed chunk carries the usage so far (and a last usage chunk), whatever stream_options say."""
+    enable_server_load_tracking: bool = False
+    """Count generation requests in flight and serve the count at GET /load."""
+    root_path: str = ""
+    """A path prefix a proxy adds in front of every route (e.g. /llm): both /llm/v1/... and /v1/... are served."""
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes is not None and self.max_request_body_bytes < 1024:
             raise ValueError(f"--max-request-body-bytes must be >= 1024, got {self.max_request_body_bytes}")
-        for name in ("max_n", "retry_after_s"):
+        for name, flag in (("max_n", "--max-n"), ("retry_after_s", "--retry-after")):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"{flag} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.shutdown_timeout_s <= 3600:
             raise ValueError(f"--shutdown-timeout must be in [0, 3600] seconds, got {self.shutdown_timeout_s}")
         if self.max_queued_requests < 0:
@@ -52,6 +68,11 @@ class ServeOptions:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of "
                              f"{', '.join(TOOL_CALL_PARSERS)})")
+        if self.max_logprobs < -1:
+            raise ValueError(f"--max-logprobs must be >= 0, or -1 for the whole vocabulary, got {self.max_logprobs}")
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ValueError(f"--root-path must start with '/' and not end with one (e.g. /llm), got "
+                             f"{self.root_path!r}")
 
     def body_limit(self, max_model_len: int) -> int:
         """The body limit in bytes for a server of this max_model_len."""
@@ -60,30 +81,49 @@ class ServeOptions:
         return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_model_len)
 
 
+def _serve_option(name: str, type_: type, field: str, **more) -> EngineOption:
+    return EngineOption(name, type_, field, record=ServeOptions, **more)
+
+
+SERVE_OPTIONS: tuple[EngineOption, ...] = (
+    _serve_option("max_request_body_bytes", int, "max_request_body_bytes", parse=parse_bytes,
+                  help="413 for larger bodies, before parsing (default: max(1MiB, 32 B x max_model_len))"),
+    _serve_option("max_n", int, "max_n", help="largest n per request (default: %(default)s)"),
+    _serve_option("max_queued_requests", int, "max_queued_requests",
+                  help="sequences (prompts x n) allowed to wait beyond --max-num-seqs; then 429 with Retry-After "
+                       "(default: %(default)s)"),
+    _serve_option("retry_after", int, "retry_after_s", metavar="SECONDS",
+                  help="seconds a 429 response's Retry-After header asks the client to wait (default: %(default)s)"),
+    _serve_option("shutdown_timeout", float, "shutdown_timeout_s", metavar="SECONDS",
+                  help="after SIGTERM, how long requests in flight may finish before each is ended with an error "
+                       "event; the process exits about a second later (default: %(default)s, inside Kubernetes' "
+                       "30 s grace period)"),
+    _serve_option("enable_auto_tool_choice", bool, "enable_auto_tool_choice",
+                  help='parse tool calls from the model\'s output for tool_choice="auto"'),
+    _serve_option("tool_call_parser", str, "tool_call_parser", choices=TOOL_CALL_PARSERS,
+                  help="the model's tool-call format (hermes: <tool_call>{...}</tool_call>, as Qwen and Hermes "
+                       "models write; llama3_json: {\"name\": ..., \"parameters\": ...})"),
+    _serve_option("max_logprobs", int, "max_logprobs",
+                  help="largest logprobs / top_logprobs / prompt_logprobs per request; -1 allows the whole "
+                       "vocabulary, which a request asks for with -1 (default: %(default)s)"),
+    _serve_option("enable_prompt_tokens_details", bool, "enable_prompt_tokens_details",
+                  help="report prefix-cache hits in usage.prompt_tokens_details.cached_tokens"),
+    _serve_option("enable_force_include_usage", bool, "enable_force_include_usage",
+                  help="every streamed chunk carries the usage so far, whatever stream_options say"),
+    _serve_option("enable_server_load_tracking", bool, "enable_server_load_tracking",
+                  help="count generation requests in flight, served at GET /load"),
+    _serve_option("root_path", str, "root_path", metavar="PATH",
+                  help="a prefix a proxy puts before every route (e.g. /llm): /llm/v1/... and /v1/... both work"),
+)
+"""The server's flags, one row per ServeOptions field (vLLM's names where vLLM has the option); a flag's default
+is its field's."""
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ServeOptions (vLLM's names where vLLM has the option)."""
-    defaults = ServeOptions()
-    group = parser.add_argument_group("server limits and tools")
-    group.add_argument("--max-request-body-bytes", type=parse_bytes, default=None,
-                       help="413 for larger bodies, before parsing (default: max(1MiB, 32 B x max_model_len))")
-    group.add_argument("--max-n", type=int, default=defaults.max_n,
-                       help="largest n per request (default: %(default)s)")
-    group.add_argument("--max-queued-requests", type=int, default=defaults.max_queued_requests,
-                       help="sequences (prompts x n) allowed to wait beyond --max-num-seqs; then 429 with "
-                            "Retry-After (default: %(default)s)")
-    group.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout_s, metavar="SECONDS",
-                       help="after SIGTERM, how long requests in flight may finish before each is ended with an "
-                            "error event; the process exits about a second later (default: %(default)s, inside "
-                            "Kubernetes' 30 s grace period)")
-    group.add_argument("--enable-auto-tool-choice", action="store_true",
-                       help='parse tool calls from the model\'s output for tool_choice="auto"')
-    group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-                       help="the model's tool-call format (hermes: <tool_call>{...}</tool_call>, as Qwen and "
-                            "Hermes models write; llama3_json: {\"name\": ..., \"parameters\": ...})")
+    """The flags of ServeOptions, generated from SERVE_OPTIONS."""
+    add_option_arguments(parser, "server limits and tools", SERVE_OPTIONS)
 
 
 def serve_options(args: argparse.Namespace) -> ServeOptions:
-    return ServeOptions(max_request_body_bytes=args.max_request_body_bytes, max_n=args.max_n,
-                        max_queued_requests=args.max_queued_requests,
-                        enable_auto_tool_choice=args.enable_auto_tool_choice,
-                        tool_call_parser=args.tool_call_parser, shutdown_timeout_s=args.shutdown_timeout)
+    """ServeOptions from parsed flags (validated: a bad value raises ValueError naming its flag)."""
+    return ServeOptions(**option_values(args, SERVE_OPTIONS))
