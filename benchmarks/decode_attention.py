@@ -2,7 +2,7 @@
 
     python benchmarks/decode_attention.py --json benchmarks/results/decode_attention.json
 
-Both sides run the engine's entry point (`cpllm.context_parallel.local_attention.attend_decode`), once with the
+Both sides run the engine's entry point (`cpllm.layers.gqa.local_attention.attend_decode`), once with the
 kernel and once with CPLLM_KERNELS=0 (index_select of the request's slots, widened to float32, then
 `aten._scaled_dot_product_flash_attention_for_cpu`). SmolLM2's shapes (9 query heads, 3 KV heads of 64), one
 request, its context in 16-slot blocks scattered over the pool as a paged cache leaves them, and one pool pair per
@@ -21,7 +21,7 @@ import torch
 
 from cpllm.bench.common import machine_info
 from cpllm.bench.report import print_table, write_json
-from cpllm.context_parallel.local_attention import attend_decode
+from cpllm.layers.gqa.local_attention import attend_decode
 from cpllm.context_parallel.metadata import DecodeBatch
 
 LAYERS, HQ, HKV, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16

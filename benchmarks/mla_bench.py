@@ -73,10 +73,10 @@ def build_layer(folder: str, context: int):
     """Layer 0's MLAAttention on one rank with its checkpoint weights, its rotary tables, and a latent pool of
     random rows holding `context` tokens plus the new one."""
     from cpllm.context_parallel.attention import CPComm
-    from cpllm.context_parallel.mla_backend import latent_pool
+    from cpllm.layers.mla.backend import latent_pool
     from cpllm.model.layers import TPShard
     from cpllm.model.loader import open_weights
-    from cpllm.model.mla_attention import MLAAttention
+    from cpllm.layers.mla.attention import MLAAttention
     from cpllm.model.rope import RotaryEmbedding
 
     source = open_weights(folder)

@@ -2,7 +2,7 @@
 
     python benchmarks/prefill_attention.py --json benchmarks/results/prefill_attention.json
 
-Both sides run the engine's entry point (`cpllm.context_parallel.local_attention.attend`), once with the kernel and
+Both sides run the engine's entry point (`cpllm.layers.gqa.local_attention.attend`), once with the kernel and
 once with CPLLM_KERNELS=0 (`aten._scaled_dot_product_flash_attention_for_cpu`, what transformers' sdpa runs on the
 CPU too). One layer's causal attention of a prompt over itself, q read in place inside the fused q|k|v rows as the
 model hands it over, for SmolLM2's heads (9 query, 3 KV of 64) and the MoE benchmark's (16 query, 4 KV of 64). The
@@ -21,7 +21,7 @@ import torch
 
 from cpllm.bench.common import machine_info
 from cpllm.bench.report import print_table, write_json
-from cpllm.context_parallel.local_attention import attend
+from cpllm.layers.gqa.local_attention import attend
 
 SHAPES = {"smollm2": (9, 3, 64), "qwen3moe": (16, 4, 64)}
 """Model -> (query heads, KV heads, head size)."""

@@ -109,7 +109,7 @@ def prefill(data: dict[str, Any]) -> list[str]:
             "`logits_to_keep=1` as its `generate` prefills) load the same safetensors and run with the same torch "
             "threads, taking turns on the same prompt in every round (the one going first alternates). "
             "transformers attends each sliding layer over the whole prompt with a band mask; cpllm's window pieces "
-            "skip the keys the window hides (context_parallel/window.py). The speed-ups are transformers' time over "
+            "skip the keys the window hides (layers/window/pieces.py). The speed-ups are transformers' time over "
             "cpllm's: of the fastest rounds, of the medians, and of the CPU time of the process (the fastest round; "
             "at one thread that is what an idle core would take, and the other helpers' load moves it much less "
             "than the wall time). Target: cpllm / transformers >= 1.2.",

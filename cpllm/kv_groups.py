@@ -1,10 +1,12 @@
 """KV cache groups: a model's decoder layers grouped by what their K/V must keep (torch-free; docs/context_parallel.md,
 "Windowed KV groups").
 
-Layers of one attention kind and window form one group: full attention, or a sliding window of W tokens (several
-distinct W make several groups). Each group has its own block pool on every rank (one K and one V tensor per layer
-of the group, all sized by the group's block count) and, per request, its own block table, indexed like every
-other group's by the virtual block (`tokens_per_block` = block_size x the ranks one request's KV is divided over).
+Layers of one layer kind and window form one group: full attention, or a sliding window of W tokens (several
+distinct W make several groups). Each group has its own block pool on every rank (the tensors its kind's cache spec
+names, per layer of the group, all sized by the group's block count; cpllm/layers/cache_spec.py) and, per request,
+its own block table, indexed like every other group's by the virtual block (`tokens_per_block` = block_size x the
+ranks one request's KV is divided over). Which kind a model's layers are is the layer-kind registry's answer
+(cpllm/layers/registry.py); this module names none.
 
 A full group keeps every block. A windowed group keeps only the blocks its next queries can read: a query at
 position q sees keys q - W < j <= q, so before a step whose first new token sits at position P every virtual
@@ -21,9 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cpllm.config_attention import layer_window
+from cpllm.layers.cache_spec import CacheSpec
+from cpllm.layers.registry import kind_of, layer_kind
 from cpllm.step import FREED_BLOCK
 
-__all__ = ["FREED_BLOCK", "KVGroupSpec", "kv_groups", "layer_groups", "first_kept_block", "blocks_touched",
+__all__ = ["FREED_BLOCK", "KVGroupSpec", "kv_groups", "layer_groups", "group_cache_spec", "full_cache_spec", "first_kept_block", "blocks_touched",
            "window_blocks", "max_chunk", "split_blocks", "group_block_needs", "length_capacity"]
 
 
@@ -35,30 +39,13 @@ class KVGroupSpec:
     """Sliding window W of its layers (query position q sees keys q - W < j <= q); None: full attention."""
     layers: tuple[int, ...]
     """Indices of its decoder layers, ascending."""
-    latent_width: int | None = None
-    """Multi-head latent attention (DeepSeek): each layer caches one latent row of this many values per token
-    (kv_lora_rank + qk_rope_head_dim) in one pool [slots, 1, latent_width], which its layer reads as both K and
-    V; the pool is replicated over TP and sharded over the KV-shard group like any other. None: a K and a V pool
-    of the rank's KV heads."""
-
-    @property
-    def kind(self) -> str:
-        if self.latent_width is not None:
-            return "latent_attention"
-        return "full_attention" if self.window is None else "sliding_attention"
-
-    def pool_rows(self, num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:
-        """(pools per layer, heads, width) of one slot: (1, 1, latent_width) for a latent group, else
-        (2, num_kv_heads, head_dim) (a K and a V pool)."""
-        if self.latent_width is not None:
-            return 1, 1, self.latent_width
-        return 2, num_kv_heads, head_dim
+    kind: str = "gqa"
+    """The layer kind of its layers (cpllm/layers/registry.py), whose cache spec says what a slot holds."""
 
     def describe(self) -> str:
         what = "full attention" if self.window is None else f"sliding window {self.window}"
-        if self.latent_width is not None:
-            what = f"latent attention ({self.latent_width} values per token)"
-        return f"{what} (layers {', '.join(map(str, self.layers))})"
+        kind = "" if self.kind == "gqa" else f"{self.kind} "  # the default kind unnamed, as the logs always read
+        return f"{kind}{what} (layers {', '.join(map(str, self.layers))})"
 
 
 def kv_groups(config, max_model_len: int) -> tuple[KVGroupSpec, ...]:
@@ -69,9 +56,21 @@ def kv_groups(config, max_model_len: int) -> tuple[KVGroupSpec, ...]:
     for index in range(config.num_hidden_layers):
         by_window.setdefault(layer_window(config, index, max_model_len), []).append(index)
     order = sorted(by_window, key=lambda w: -1 if w is None else w)
-    mla = getattr(config, "mla", None)
-    latent = None if mla is None else mla.latent_width  # every MLA layer caches latents (no MLA model slides)
-    return tuple(KVGroupSpec(window=w, layers=tuple(by_window[w]), latent_width=latent) for w in order)
+    kind = kind_of(config).name
+    return tuple(KVGroupSpec(window=w, layers=tuple(by_window[w]), kind=kind) for w in order)
+
+
+def full_cache_spec(config, kv_heads: int, element_bytes: int) -> CacheSpec:
+    """The cache spec of one full-attention layer of `config`'s kind on a rank holding `kv_heads` KV heads (what
+    the planner and the bench count per token)."""
+    return layer_kind(kind_of(config).name).cache_spec(config, window=None, kv_heads=kv_heads,
+                                                       element_bytes=element_bytes)
+
+
+def group_cache_spec(group: KVGroupSpec, config, kv_heads: int, element_bytes: int) -> CacheSpec:
+    """One layer's cache spec in `group` on a rank holding `kv_heads` KV heads, at `element_bytes` a value."""
+    return layer_kind(group.kind).cache_spec(config, window=group.window, kv_heads=kv_heads,
+                                             element_bytes=element_bytes)
 
 
 def layer_groups(groups: tuple[KVGroupSpec, ...]) -> tuple[int, ...]:

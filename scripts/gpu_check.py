@@ -68,9 +68,10 @@ import torch  # noqa: E402
 
 from cpllm.context_parallel import attention as attention_module  # noqa: E402
 from cpllm.context_parallel.attention import CPComm, PagedCPAttention  # noqa: E402
-from cpllm.context_parallel.backend import attention_backend  # noqa: E402
+from cpllm.layers.registry import attention_backend  # noqa: E402
 from cpllm.context_parallel.kv_layout import KVLayout  # noqa: E402
 from cpllm.context_parallel.metadata import build_step_batch, iter_tensors  # noqa: E402
+from cpllm.context_parallel.plan import RankCapabilities, plan_step  # noqa: E402
 from cpllm.context_parallel.sdpa import attention_with_lse, reference_attention  # noqa: E402
 from cpllm.distributed.parallel_dims import ParallelDims  # noqa: E402
 
@@ -161,8 +162,10 @@ def check_metadata(device: torch.device):
     steps = [[(0, 9), (6, 5), (10, 1), (3, 1)], [(17, 1), (17, 1), (18, 1)]]
     moved = 0
     for requests in steps:
-        batch = build_step_batch(make_chunks(requests, layout), layout, 2, 1, lambda c: [len(c.token_ids) - 1],
-                                 device=device, non_blocking=True)
+        chunks = make_chunks(requests, layout)
+        plan = plan_step(chunks, RankCapabilities(pcp_size=2, pcp_rank=1, kv_shards=2))
+        batch = build_step_batch(chunks, layout, 2, 1, lambda c: [len(c.token_ids) - 1], plan=plan, device=device,
+                                 non_blocking=True)
         for path, tensor in iter_tensors(batch):
             if tensor.device.type != device.type:
                 return False, f"{path} is on {tensor.device}"
@@ -305,7 +308,8 @@ def run_cp_layer(requests, *, pcp: int, dcp: int, strategy: str, interleave: int
                 if layout.owner(pos) == c:
                     slot = layout.slot(pos, chunk.block_table)
                     k_pool[slot], v_pool[slot] = ck[pos], cv[pos]
-        batch = build_step_batch(chunks, layout, pcp, p, lambda ch: [], device=device)
+        plan = plan_step(chunks, RankCapabilities(pcp_size=pcp, pcp_rank=p, kv_shards=cp))
+        batch = build_step_batch(chunks, layout, pcp, p, lambda ch: [], plan=plan, device=device)
         meta = batch.attention
         n = meta.num_rows
         q = torch.zeros(n, hq, head_dim, dtype=dtype)
@@ -461,7 +465,7 @@ def check_triton_prefill(device: torch.device, dtype_name: str):
 
 def time_triton_decode(device: torch.device):
     """Batch 1, 32K keys of Llama-3.2-1B's heads (32 / 8, 64), bf16: the kernel against the SDPA path."""
-    from cpllm.context_parallel import local_attention
+    from cpllm.layers.gqa import local_attention
     from cpllm.context_parallel.metadata import DecodeBatch
     from cpllm.kernels.triton_attention import paged_decode_attention
 

@@ -25,7 +25,7 @@ from cpllm.config import ParallelConfig
 from cpllm.context_parallel import attention as attention_module
 from cpllm.context_parallel.attention import CPComm, PagedCPAttention
 from cpllm.context_parallel.kv_layout import KVLayout
-from cpllm.context_parallel.gqa_backend import GQAPagedBackend
+from cpllm.layers.gqa.backend import GQAPagedBackend
 from cpllm.context_parallel.metadata import build_step_batch, shared_key_view
 from cpllm.context_parallel.sdpa import reference_attention
 from cpllm.distributed.groups import ParallelGroups

@@ -17,12 +17,13 @@ import torch
 import cp_layer_helpers as base
 from cpllm.config import ParallelConfig
 from cpllm.context_parallel.attention import CPComm, PagedCPAttention
-from cpllm.context_parallel.gqa_backend import GQAPagedBackend
+from cpllm.layers.gqa.backend import GQAPagedBackend
 from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.context_parallel.metadata import build_step_batch
 from cpllm.context_parallel.sdpa import reference_attention
 from cpllm.distributed.groups import ParallelGroups
 from cpllm.distributed.launch import init_distributed, shutdown_distributed
+from cpllm.layers.window.modifier import score_mods
 from cpllm.step import FREED_BLOCK, ScheduledChunk
 
 Req = base.Req
@@ -93,9 +94,6 @@ class CountingBackend(GQAPagedBackend):
     def attend(self, *a, **k):
         return self._count("attend", GQAPagedBackend.attend, *a, **k)
 
-    def attend_scored(self, *a, **k):
-        return self._count("attend_scored", GQAPagedBackend.attend_scored, *a, **k)
-
     def attend_decode(self, *a, **k):
         return self._count("attend_decode", GQAPagedBackend.attend_decode, *a, **k)
 
@@ -104,6 +102,22 @@ class CountingBackend(GQAPagedBackend):
 
     def attend_gathered_decode(self, *a, **k):
         return self._count("attend_gathered_decode", GQAPagedBackend.attend_gathered_decode, *a, **k)
+
+
+class CountingMods:
+    """A layer's score modifier counting, into a CountingBackend's `calls`, the pieces it attends with its own math
+    (masked or soft-capped: "attend_scored"); the plain ones reach the backend's `attend` and count there."""
+
+    def __init__(self, mods, calls: dict):
+        self._mods, self._calls = mods, calls
+
+    def __getattr__(self, name):
+        return getattr(self._mods, name)
+
+    def attend(self, backend, scale, q, k, v, piece):
+        if piece.mask is not None or self._mods.softcap is not None:
+            self._calls["attend_scored"] += 1
+        return self._mods.attend(backend, scale, q, k, v, piece)
 
 
 def reference_outputs(reqs, data, heads: slice, mods: Mods, sinks: torch.Tensor | None):
@@ -193,7 +207,9 @@ def run_case(groups: ParallelGroups, strategy: str, interleave: int, name: str, 
         q_loc[row], k_loc[row], v_loc[row] = q[j, heads], k[reqs[i].context + j], v[reqs[i].context + j]
 
     backend = CountingBackend()
-    layer = PagedCPAttention(comm, SCALE, backend, window=mods.window, softcap=mods.softcap)
+    layer_mods = score_mods(window=mods.window, softcap=mods.softcap)
+    layer_mods = None if layer_mods is None else CountingMods(layer_mods, backend.calls)
+    layer = PagedCPAttention(comm, SCALE, backend, mods=layer_mods)
     out = layer(q_loc, k_loc, v_loc, k_pool, v_pool, meta, sinks=sinks)
 
     refs, plain = reference_outputs(reqs, data, heads, mods, sinks)

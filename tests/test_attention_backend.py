@@ -1,15 +1,16 @@
-"""Attention backends (cpllm/context_parallel/backend.py): the registry, the GQA backend's interface, and the CP
-layer doing all of its local work through the backend it is given."""
+"""Attention backends (cpllm/context_parallel/backend.py, registered in cpllm/layers/registry.py): the registry, the
+GQA backend's interface, and the CP layer doing all of its local work through the backend it is given."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from cpllm.context_parallel import backend as backend_module
 from cpllm.context_parallel.attention import CPComm, PagedCPAttention
-from cpllm.context_parallel.backend import BACKENDS, AttentionBackend, attention_backend
-from cpllm.context_parallel.gqa_backend import GQAPagedBackend
+from cpllm.context_parallel.backend import AttentionBackend
+from cpllm.layers import registry as backend_module
+from cpllm.layers.registry import BACKENDS, attention_backend
+from cpllm.layers.gqa.backend import GQAPagedBackend
 from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.context_parallel.metadata import build_step_batch
 from cpllm.context_parallel.plan import StepPlan
@@ -21,7 +22,7 @@ METHODS = [name for name in AttentionBackend.__dict__ if not name.startswith("_"
 
 def test_registry_names_each_backend():
     assert isinstance(attention_backend("gqa"), GQAPagedBackend) and attention_backend().name == "gqa"
-    assert all(factory().name == name for name, factory in BACKENDS.items())
+    assert all(attention_backend(name).name == name for name in BACKENDS)
     with pytest.raises(ValueError, match="no attention backend 'linear'"):
         attention_backend("linear")
 
@@ -62,7 +63,8 @@ def _step(requests, plan=None):
 
 
 @pytest.mark.parametrize("requests, plan, used", [
-    ([(0, 9), (6, 5), (10, 1)], None, {"store_kv", "attend", "context_keys", "attend_decode"}),
+    ([(0, 9), (6, 5), (10, 1)], None, {"rows_to_move", "rows_moved", "store_kv", "attend", "context_keys",
+                                       "attend_decode"}),
     ([(10, 1), (3, 1)], None, {"store_kv", "attend_decode_whole"}),
     ([(10, 1), (3, 1)], StepPlan.GATHERED_DECODE, {"store_kv", "attend_decode"}),
 ])

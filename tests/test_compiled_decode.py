@@ -16,7 +16,7 @@ import torch
 
 import tiny_models as tm  # tests/ is on sys.path under pytest
 from cpllm import LLM, SamplingParams
-from cpllm.context_parallel.local_attention import reduction_attention
+from cpllm.layers.gqa.local_attention import reduction_attention
 from cpllm.context_parallel.sdpa import reference_attention
 from cpllm.engine.llm import build_engine_config
 from cpllm.model import fused_decode

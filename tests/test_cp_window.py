@@ -36,6 +36,8 @@ import cp_window_helpers as helpers
 from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.context_parallel.partition import rank_token_ranges
 from cpllm.distributed.launch import find_free_port
+from cpllm.layers.window.modifier import ScoreMods, score_mods
+from step_plans import eager_plan
 
 ATOL = 2e-5
 WORLDS = [(2, 2, False), (2, 2, True), (2, 1, False), (1, 2, False), (2, 1, True), (1, 1, False)]
@@ -122,7 +124,8 @@ def _key_runs(strategy: str, req, pcp: int, q_start: int, key_pcp_ranks) -> list
 def _own_calls(length: int, window) -> int:
     """Calls of a query run against its own keys: one, or the blocks a run longer than the window is split into
     (the split itself: test_pieces_keep_each_visible_pair_exactly_once)."""
-    from cpllm.context_parallel.window import ScoreMods, new_key_pieces
+    from cpllm.layers.window.modifier import ScoreMods
+    from cpllm.layers.window.pieces import new_key_pieces
     return len(new_key_pieces(((0, 0, length),), 0, length, ScoreMods(window=window))) if length else 0
 
 
@@ -278,7 +281,7 @@ def _one_rank_step(reqs, layer, sinks, seed: int):
     chunks = [ScheduledChunk(request_id=str(i), token_ids=tuple(helpers.base.token_id(i, j) for j in range(r.new)),
                              start_pos=r.context, block_table=tables[i], sample=True, prompt_logits=False)
               for i, r in enumerate(reqs)]
-    batch = build_step_batch(chunks, layout, 1, 0, lambda c: [])
+    batch = build_step_batch(chunks, layout, 1, 0, lambda c: [], plan=eager_plan(chunks, layout))
     k_pool, v_pool = (torch.zeros(num_blocks * helpers.BLOCK, helpers.HKV, helpers.D) for _ in range(2))
     for i, (req, (_, k, v)) in enumerate(zip(reqs, data)):
         for pos in range(req.context):
@@ -315,7 +318,7 @@ def test_one_rank_matches_transformers_attention(family, steps):
     Req = helpers.Req
     reqs = ([Req(3 * window + 5, 2 * window + 1), Req(0, 5 * window), Req(6 * window, 1), Req(5, 1)]
             if steps == "mixed" else [Req(6 * window + 3, 1), Req(4 * window, 1), Req(2, 1)])
-    layer = PagedCPAttention(CPComm(), helpers.SCALE, window=window, softcap=softcap)
+    layer = PagedCPAttention(CPComm(), helpers.SCALE, mods=score_mods(window=window, softcap=softcap))
     data, got, plan = _one_rank_step(reqs, layer, sinks, seed=11)
     assert plan == ("prefill" if steps == "mixed" else "one-shard")
     mask_fn = sliding_window_causal_mask_function(window)
@@ -371,8 +374,9 @@ def test_pieces_keep_each_visible_pair_exactly_once(monkeypatch, block, window):
     """Head-tail runs of a 96-token prompt on PCP = 2 (and a 40-token one in one run): for every query run, the
     pieces against every key run keep exactly the pairs the window shows, each once, with query blocks of
     `block` rows for runs longer than that."""
-    from cpllm.context_parallel import window as window_module
-    from cpllm.context_parallel.window import ScoreMods, new_key_pieces
+    from cpllm.layers.window import pieces as window_module
+    from cpllm.layers.window.modifier import ScoreMods
+    from cpllm.layers.window.pieces import new_key_pieces
     monkeypatch.setattr(window_module, "QUERY_BLOCK", block)
     mods = ScoreMods(window=window)
     for total, pcp in ((96, 2), (40, 1)):
@@ -391,14 +395,14 @@ def test_long_runs_in_query_blocks_match_direct_attention(monkeypatch):
     attend themselves in blocks, with windows of 8 and 20 and a soft-cap, against float64 attention."""
     import torch
 
-    from cpllm.context_parallel import window as window_module
+    from cpllm.layers.window import pieces as window_module
     from cpllm.context_parallel.attention import CPComm, PagedCPAttention
     monkeypatch.setattr(window_module, "QUERY_BLOCK", 16)
     Req = helpers.Req
     reqs = [Req(0, 100), Req(45, 70), Req(60, 1)]
     for mods in (helpers.Mods(8, None, False), helpers.Mods(20, 10.0, True)):
         sinks = torch.rand(helpers.HQ, generator=torch.Generator().manual_seed(2)) * 5 + 6 if mods.sinks else None
-        layer = PagedCPAttention(CPComm(), helpers.SCALE, window=mods.window, softcap=mods.softcap)
+        layer = PagedCPAttention(CPComm(), helpers.SCALE, mods=mods)
         data, got, _ = _one_rank_step(reqs, layer, sinks, seed=4)
         refs, _ = helpers.reference_outputs(reqs, data, slice(0, helpers.HQ), mods, sinks)
         worst = max((got[(i, j)].double() - refs[i][j]).abs().max().item()
@@ -410,12 +414,13 @@ def test_the_window_view_is_built_once_per_step_and_only_where_the_window_hides_
     """Every layer of a step gets the same in-window view of the decode batch (cached per window), and a window
     that hides no key gives the batch itself (no copy); a view row keeps exactly its in-window local slots."""
     from cpllm.context_parallel.kv_layout import KVLayout
-    from cpllm.context_parallel.metadata import build_step_batch, window_view
+    from cpllm.context_parallel.metadata import build_step_batch
+    from cpllm.layers.window.decode_view import window_view
     from cpllm.step import ScheduledChunk
     layout = KVLayout(cp_size=2, cp_rank=1, interleave=2, block_size=4)
     chunks = [ScheduledChunk(request_id=str(i), token_ids=(1,), start_pos=ctx, block_table=tuple(range(8 * i, 8 * i + 8)),
                              sample=True, prompt_logits=False) for i, ctx in enumerate((40, 5))]
-    meta = build_step_batch(chunks, layout, 1, 0, lambda c: []).attention
+    meta = build_step_batch(chunks, layout, 1, 0, lambda c: [], plan=eager_plan(chunks, layout)).attention
     view = window_view(meta, 8)
     assert window_view(meta, 8) is view and window_view(meta, 64) is meta.decode
     assert window_view(meta, None) is meta.decode
@@ -429,9 +434,9 @@ def test_bad_score_modifiers_are_refused():
 
     from cpllm.context_parallel.attention import CPComm, PagedCPAttention
     with pytest.raises(ValueError, match="window must be an integer >= 1"):
-        PagedCPAttention(CPComm(), 1.0, window=0)
+        score_mods(window=0)
     with pytest.raises(ValueError, match="softcap must be > 0"):
-        PagedCPAttention(CPComm(), 1.0, softcap=0.0)
+        score_mods(softcap=0.0)
     layer = PagedCPAttention(CPComm(), helpers.SCALE)
     with pytest.raises(ValueError, match=r"sinks \(3,\): want one logit per local query head, \[4\]"):
         _one_rank_step([helpers.Req(4, 1)], layer, torch.zeros(3), seed=1)
@@ -444,10 +449,11 @@ def test_scored_layers_refuse_the_fused_and_compiled_plans(monkeypatch):
 
     from cpllm.context_parallel import metadata as metadata_module
     from cpllm.context_parallel.attention import CPComm, PagedCPAttention
-    from cpllm.context_parallel.plan import StepPlan
-    layer = PagedCPAttention(CPComm(), helpers.SCALE, window=8)
+    from cpllm.context_parallel.plan import StepPath, StepPlan
+    layer = PagedCPAttention(CPComm(), helpers.SCALE, mods=ScoreMods(window=8))
     real = metadata_module.build_step_batch
-    for plan in (StepPlan.FUSED, StepPlan.COMPILED, StepPlan.TP_TEAM):
+    for path in (StepPath.FUSED, StepPath.COMPILED, StepPath.TP_TEAM):
+        plan = StepPlan(path=path)
         def planned(*args, plan=plan, **kwargs):  # the step laid out as usual, carrying `plan`
             batch = real(*args, **kwargs)
             return dataclasses.replace(batch, attention=dataclasses.replace(batch.attention, plan=plan))

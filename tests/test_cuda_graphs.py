@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cpllm.context_parallel.attention import CPComm, PagedCPAttention
-from cpllm.context_parallel.gqa_backend import GQAPagedBackend
+from cpllm.layers.gqa.backend import GQAPagedBackend
 from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.context_parallel.metadata import build_step_batch
 from cpllm.context_parallel.plan import StepPlan

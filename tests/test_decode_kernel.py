@@ -14,7 +14,7 @@ import logging
 import pytest
 import torch
 
-from cpllm.context_parallel.local_attention import attend_decode
+from cpllm.layers.gqa.local_attention import attend_decode
 from cpllm.context_parallel.metadata import DecodeBatch
 from cpllm.context_parallel.sdpa import reference_attention
 from cpllm.kernels import library

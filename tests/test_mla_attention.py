@@ -1,4 +1,4 @@
-"""Multi-head latent attention (cpllm/model/mla_attention.py, context_parallel/mla_backend.py) on one rank against
+"""Multi-head latent attention (cpllm/layers/mla/attention.py, backend.py) on one rank against
 transformers' DeepseekV2Attention, DeepseekV3Attention and Glm4MoeLiteAttention on the same random weights.
 
 Two requests run through the CP layer with the MLA backend over one latent pool, in four steps as the scheduler
@@ -23,13 +23,14 @@ from cpllm.context_parallel.attention import CPComm
 from cpllm.context_parallel.backend import AttentionBackend
 from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.context_parallel.metadata import build_step_batch
-from cpllm.context_parallel.mla_backend import MLAPagedBackend, latent_pool
-from cpllm.context_parallel.plan import StepPlan
+from cpllm.layers.mla.backend import MLAPagedBackend, latent_pool
+from cpllm.context_parallel.plan import StepPath
 from cpllm.context_parallel.sdpa import reference_attention
 from cpllm.model.layers import TPShard
-from cpllm.model.mla_attention import MLAAttention
+from cpllm.layers.mla.attention import MLAAttention
 from cpllm.model.rope import RotaryEmbedding
 from cpllm.step import ScheduledChunk
+from step_plans import eager_plan
 from test_deepseek_moe import ARCH, DictSource
 
 PREFIX = "model.layers.0.self_attn"
@@ -121,7 +122,7 @@ def inputs(seed: int) -> dict[str, torch.Tensor]:
     return {name: torch.randn(length, HIDDEN, generator=gen) for name, length in LENGTHS.items()}
 
 
-def run_steps(layer: MLAAttention, rope: RotaryEmbedding, x: dict, decode_plan: StepPlan | None):
+def run_steps(layer: MLAAttention, rope: RotaryEmbedding, x: dict, decode_plan: StepPath | None):
     """The four steps through the CP layer; returns ({request: output rows [L, hidden]}, pool)."""
     layout = KVLayout(cp_size=1, cp_rank=0, interleave=1, block_size=BLOCK)
     pool = latent_pool(20 * BLOCK, layer.mla.kv_lora_rank, layer.mla.qk_rope_head_dim, torch.float32)
@@ -131,8 +132,7 @@ def run_steps(layer: MLAAttention, rope: RotaryEmbedding, x: dict, decode_plan: 
         chunks = [ScheduledChunk(request_id=name, token_ids=tuple([1] * new), start_pos=start,
                                  block_table=BLOCKS[name], sample=True, prompt_logits=False)
                   for name, start, new in step]
-        single = all(new == 1 for _, _, new in step)
-        batch = build_step_batch(chunks, layout, 1, 0, lambda c: [], plan=decode_plan if single else None)
+        batch = build_step_batch(chunks, layout, 1, 0, lambda c: [], plan=eager_plan(chunks, layout, path=decode_plan))
         hidden = torch.cat([x[name][start:start + new] for name, start, new in step])
         assert batch.attention.num_rows == hidden.shape[0]
         assert batch.positions.tolist() == [p for _, start, new in step for p in range(start, start + new)]
@@ -146,7 +146,7 @@ def run_steps(layer: MLAAttention, rope: RotaryEmbedding, x: dict, decode_plan: 
 
 
 @pytest.mark.parametrize("expanded_prefill", [True, False], ids=["expanded-prefill", "absorbed-prefill"])
-@pytest.mark.parametrize("decode_plan", [None, StepPlan.GATHERED_DECODE], ids=["one-shard", "partials"])
+@pytest.mark.parametrize("decode_plan", [None, StepPath.GATHERED_DECODE], ids=["one-shard", "partials"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_absorbed_steps_match_transformers(name, decode_plan, expanded_prefill, monkeypatch):
     """Decode absorbed; prefill chunks expanded (new tokens) + absorbed (cached context), or wholly absorbed."""
@@ -263,7 +263,7 @@ def test_softmax_scale_yarn_mscale():
         MLAConfig(**{**SHAPES, "qk_rope_head_dim": 15})
 
 
-@pytest.mark.parametrize("plan", [None, StepPlan.GATHERED_DECODE], ids=["one-shard", "partials"])
+@pytest.mark.parametrize("plan", [None, StepPath.GATHERED_DECODE], ids=["one-shard", "partials"])
 def test_decode_over_576_wide_latents(plan):
     """DeepSeek-V3's latent width (512 + 64) and 16 query heads on one latent head: the decode paths (the C
     kernel where it runs) equal float64 attention over the request's latents."""
@@ -271,7 +271,7 @@ def test_decode_over_576_wide_latents(plan):
     layout = KVLayout(cp_size=1, cp_rank=0, interleave=1, block_size=BLOCK)
     chunks = [ScheduledChunk(request_id=str(i), token_ids=(1,), start_pos=ctx, block_table=tuple(range(1 + 12 * i,
               13 + 12 * i)), sample=True, prompt_logits=False) for i, ctx in enumerate((37, 5))]
-    meta = build_step_batch(chunks, layout, 1, 0, lambda c: [], plan=plan).attention
+    meta = build_step_batch(chunks, layout, 1, 0, lambda c: [], plan=eager_plan(chunks, layout, path=plan)).attention
     pool = latent_pool(30 * BLOCK, 512, 64, torch.float32).normal_(generator=gen)
     q = 3.0 * torch.randn(2, 16, 576, generator=gen) / 576**0.5
     backend, scale = MLAPagedBackend(), 192**-0.5

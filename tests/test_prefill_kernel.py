@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpllm.context_parallel.local_attention import attend
+from cpllm.layers.gqa.local_attention import attend
 from cpllm.context_parallel.sdpa import reference_attention
 from cpllm.kernels import library
 from cpllm.kernels.prefill_attention import prefill_attention

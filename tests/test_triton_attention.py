@@ -17,9 +17,11 @@ import sys
 import pytest
 import torch
 
-from cpllm.context_parallel import triton_backend
-from cpllm.context_parallel.backend import BACKENDS, attention_backend
-from cpllm.context_parallel.triton_backend import TritonPagedBackend, kind_for
+from cpllm.layers.gqa_triton import backend as triton_backend
+from cpllm.layers.registry import attention_backend
+from cpllm.layers.gqa_triton import choice
+from cpllm.layers.gqa_triton.backend import TritonPagedBackend
+from cpllm.layers.gqa_triton.choice import kind_for
 from cpllm.kernels import triton_attention
 from cpllm.kernels.triton_attention import paged_decode_attention, split_count
 from cpllm.kernels.triton_prefill import prefill_attention
@@ -96,7 +98,7 @@ def test_kernels_compile_for_nvidia_targets_without_a_gpu():
 
 
 def test_registry_and_interface():
-    assert isinstance(attention_backend("gqa-triton"), TritonPagedBackend) and BACKENDS["gqa-triton"]().name == \
+    assert isinstance(attention_backend("gqa-triton"), TritonPagedBackend) and attention_backend("gqa-triton").name == \
         "gqa-triton"
     gqa = attention_backend("gqa")
     missing = [name for name in dir(type(gqa)) if not name.startswith("_") and not hasattr(TritonPagedBackend, name)]
@@ -109,9 +111,9 @@ def test_kind_is_chosen_per_device(monkeypatch):
     assert kind_for("mla", "cuda") == "mla"  # only the GQA kind has Triton kernels
     with torch.device("meta"):
         assert kind_for("gqa") == "gqa"  # the default device, as a runner sets it while it builds the model
-    monkeypatch.setenv(triton_backend.ENV_SWITCH, "0")
+    monkeypatch.setenv(choice.ENV_SWITCH, "0")
     assert kind_for("gqa", "cuda") == "gqa"
-    monkeypatch.delenv(triton_backend.ENV_SWITCH)
+    monkeypatch.delenv(choice.ENV_SWITCH)
     monkeypatch.setattr(triton_attention, "available", lambda: False)
     assert kind_for("gqa", "cuda") == "gqa"  # no triton: the SDPA path stays
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from cpllm.context_parallel import triton_backend
+from cpllm.layers.gqa_triton import backend as triton_backend
 from cpllm.context_parallel.attention import CPComm, PagedCPAttention
-from cpllm.context_parallel.gqa_backend import GQAPagedBackend
+from cpllm.layers.gqa.backend import GQAPagedBackend
 from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.context_parallel.metadata import build_step_batch
 from cpllm.context_parallel.plan import StepPlan
+from cpllm.layers.window.modifier import score_mods
 from cpllm.step import ScheduledChunk
 
 HQ, HKV, D, BLOCK = 4, 2, 16, 4
@@ -45,7 +46,7 @@ def layer_case(requests, plan=None, window=None, pool_dtype=torch.float32, seed=
                "paged_decode_attention")):
     (q, k, v), pools, meta = _step(requests, plan, seed, pool_dtype)
     scale = D**-0.5
-    want = PagedCPAttention(CPComm(), scale=scale, backend=GQAPagedBackend(), window=window)(
+    want = PagedCPAttention(CPComm(), scale=scale, backend=GQAPagedBackend(), mods=score_mods(window=window))(
         q, k, v, *[p.clone() for p in pools], meta)
     calls: dict = {}
     saved = {name: getattr(triton_backend, name) for name in kernels}
@@ -53,7 +54,8 @@ def layer_case(requests, plan=None, window=None, pool_dtype=torch.float32, seed=
         setattr(triton_backend, name, _counted(calls, name))
     try:
         k_pool, v_pool = (p.clone() for p in pools)
-        got = PagedCPAttention(CPComm(), scale=scale, backend=triton_backend.TritonPagedBackend(), window=window)(
+        got = PagedCPAttention(CPComm(), scale=scale, backend=triton_backend.TritonPagedBackend(),
+                               mods=score_mods(window=window))(
             q, k, v, k_pool, v_pool, meta)
     finally:
         for name, fn in saved.items():

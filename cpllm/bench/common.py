@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cpllm.distributed.parallel_dims import ParallelDims
+from cpllm.kv_groups import full_cache_spec
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -84,11 +85,9 @@ def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
 
 
 def kv_bytes_per_token(model_config: Any, dtype_bytes: int = 4) -> int:
-    """K and V of one token over all layers on a single rank (no sharding); an MLA model's one latent row."""
-    mla = getattr(model_config, "mla", None)
-    if mla is not None:  # one pool per layer, the same rows as K and V (cpllm/kv_groups.py's latent group)
-        return model_config.num_hidden_layers * mla.latent_width * dtype_bytes
-    return 2 * model_config.num_hidden_layers * model_config.num_key_value_heads * model_config.head_dim * dtype_bytes
+    """Cache bytes of one token over all layers on a single rank (no sharding), from the layers' cache spec."""
+    spec = full_cache_spec(model_config, model_config.num_key_value_heads, dtype_bytes)
+    return model_config.num_hidden_layers * spec.bytes_per_token
 
 
 def kv_budget_for(model_config: Any, tokens: int, cp_size: int, dtype_bytes: int = 4) -> int:

@@ -33,14 +33,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from cpllm.context_parallel.backend import AttentionBackend, attention_backend
+from cpllm.context_parallel.backend import AttentionBackend
 from cpllm.context_parallel.merge import accumulate as _accumulate
 from cpllm.context_parallel.merge import accumulator_dtype, apply_sinks, merge_attention_partials, merge_two
-from cpllm.context_parallel.metadata import AttentionMetadata, RequestAttention, window_view
+from cpllm.context_parallel.metadata import AttentionMetadata, RequestAttention
 from cpllm.context_parallel.partition import key_runs
 from cpllm.context_parallel.pass_q import pass_q_attention
-from cpllm.context_parallel.plan import StepPlan
-from cpllm.context_parallel.window import ScoreMods, attend_piece, context_piece, context_range, new_key_pieces
+from cpllm.context_parallel.plan import StepPath
 from cpllm.distributed.comm import all_gather, all_to_all, ring_exchange
 from cpllm.distributed.parallel_dims import ParallelDims
 
@@ -91,27 +90,32 @@ class CPComm:
         return self.pcp_rank if self.dims.kv_replicated else piece // self.dims.dcp
 
 
-_ONE_SHARD, _COMPILED, _PCP_DECODE = StepPlan.ONE_SHARD, StepPlan.COMPILED, StepPlan.PCP_DECODE
+_ONE_SHARD, _COMPILED, _PCP_DECODE = StepPath.ONE_SHARD, StepPath.COMPILED, StepPath.PCP_DECODE
+
+
+def _default_backend() -> AttentionBackend:
+    from cpllm.layers.registry import attention_backend  # the registry's default kind (import: no cycle)
+    return attention_backend()
 
 
 class PagedCPAttention(torch.nn.Module):
     """Stores this rank's share of the new K/V and returns attention outputs for its query rows; the attention on
     this rank is the backend's (backend.py), every collective and merge is this layer's.
 
-    `window` (sliding window W: query position i sees keys i - W < j <= i) and `softcap` (scores become
-    softcap * tanh(score / softcap) before the mask) apply to every piece on its own keys (window.py); `sinks`
-    ([Hq] float32, one logit per local query head) join each head's denominator once, after the last merge
-    (merge.py `apply_sinks`). Without any of them the layer runs exactly its plain paths."""
+    `mods` (a score modifier: a sliding window, soft-capping) applies to every piece on its own keys
+    (cpllm/layers/window/modifier.py); `sinks` ([Hq] float32, one logit per local query head) join each head's
+    denominator once, after the last merge (merge.py `apply_sinks`). Without any of them the layer runs exactly
+    its plain paths."""
 
-    def __init__(self, comm: CPComm, scale: float, backend: AttentionBackend | None = None, *,
-                 window: int | None = None, softcap: float | None = None):
+    def __init__(self, comm: CPComm, scale: float, backend: AttentionBackend | None = None, *, mods=None):
         super().__init__()
         self.comm, self.scale = comm, scale
-        self.backend = backend if backend is not None else attention_backend()
-        self.window, self.softcap = window, softcap
-        self.mods = ScoreMods(window=window, softcap=softcap) if window is not None or softcap is not None else None
-        """None: no score modifier (the plain paths, exactly as without these options)."""
-        self._decode_kwargs = {} if softcap is None else {"softcap": softcap}
+        self.backend = backend if backend is not None else _default_backend()
+        self.mods = mods
+        """The layer's score modifier (cpllm/layers/window/modifier.py `ScoreMods`: a window, a soft-cap), asked
+        which keys each piece keeps and how to attend it; None: the plain paths."""
+        self._decode_kwargs = {} if mods is None else mods.decode_kwargs
+        self._softcap = None if mods is None else mods.softcap
 
     def forward(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -121,7 +125,7 @@ class PagedCPAttention(torch.nn.Module):
                 raise ValueError(f"sinks {tuple(sinks.shape)}: want one logit per local query head, [{q.shape[1]}]")
             out, lse = self._scored(q, k, v, k_pool, v_pool, meta, sinks)
             return (out if sinks is None else apply_sinks(out.float(), lse, sinks)).to(q.dtype)
-        plan = meta.plan  # the runner's (plan.py); these decode paths read the new K/V only from the pools
+        plan = meta.plan.path  # the runner's (plan.py); these decode paths read the new K/V only from the pools
         if plan is _ONE_SHARD or plan is _COMPILED:
             return self._one_shard_decode(q, k, v, k_pool, v_pool, meta)
         if plan is _PCP_DECODE:
@@ -141,7 +145,7 @@ class PagedCPAttention(torch.nn.Module):
         if strategy == "pass-q" and self.comm.pcp_size > 1 and meta.has_new:
             if meta.pass_q is None:
                 raise ValueError("strategy 'pass-q' needs the step's K/V store plan: build the metadata with "
-                                 "build_step_batch(..., strategy='pass-q')")
+                                 "a plan of strategy 'pass-q' (plan.py `plan_step`)")
             return pass_q_attention(self.comm, self.backend, self.scale, q, k, v, k_pool, v_pool, meta, self.mods)
         out = torch.zeros(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
@@ -158,13 +162,13 @@ class PagedCPAttention(torch.nn.Module):
         """forward's paths for a layer with a window, a soft-cap or sinks -> (out, lse) of the last merge: the same
         collectives, each piece restricted to its keys in the window, the decode rows read through their
         in-window view (no mask), soft-capped pieces on the backend's scored path."""
-        plan = meta.plan
+        plan = meta.plan.path
         if plan.fused or plan is _COMPILED:
             raise ValueError(f"plan {plan.value!r} runs kernels that know no window, soft-cap or sink: plan the "
                              "steps of such a model eagerly (its family builds no fused decode layers and refuses "
                              "--compile-decode)")
-        if self.window is not None and meta.decode is not None:
-            meta = dataclasses.replace(meta, decode=window_view(meta, self.window))
+        if self.mods is not None and meta.decode is not None:
+            meta = dataclasses.replace(meta, decode=self.mods.decode_view(meta))
         if plan is _ONE_SHARD:
             return self._one_shard_scored(q, k, v, k_pool, v_pool, meta, whole=sinks is None)
         if plan is _PCP_DECODE:
@@ -182,7 +186,7 @@ class PagedCPAttention(torch.nn.Module):
             return torch.zeros_like(q), lse
         rows = decode.rows[self.comm.pcp_rank]  # [B]
         q_rows = q if rows.numel() == meta.num_rows else q.index_select(0, rows)
-        if whole and self.softcap is None:
+        if whole and self._softcap is None:
             o, lse_rows = self.backend.attend_decode_whole(q_rows, k_pool, v_pool, decode, self.scale), None
         else:
             o, lse_rows = self.backend.attend_decode(q_rows, k_pool, v_pool, decode, self.scale,
@@ -222,8 +226,8 @@ class PagedCPAttention(torch.nn.Module):
 
     def _gathered_new_tokens(self, q, k, v, k_pool, v_pool, meta, out, lse) -> None:
         if meta.has_new:
-            k_all = all_gather(k, self.comm.pcp_group)
-            v_all = k_all if v is k else all_gather(v, self.comm.pcp_group)  # MLA: one latent row is both
+            moved = tuple(all_gather(part, self.comm.pcp_group) for part in self.backend.rows_to_move(k, v))
+            k_all, v_all = self.backend.rows_moved(moved)
             rows = meta.write_rows
         else:  # only single tokens: every PCP rank holds them at the same rows, so PCP rank 0's rows are local
             k_all, v_all = k, v
@@ -252,41 +256,42 @@ class PagedCPAttention(torch.nn.Module):
         for chunk in request.local_chunks:
             # key runs in new-token index space (row = index into new_kv_rows): [0, s) before, [s, s+n) itself
             source = ((0, 0, chunk.new_start), (chunk.new_start, chunk.new_start, chunk.length))
-            for piece in new_key_pieces(source, chunk.new_start, chunk.length, self.mods):
+            for piece in self.mods.new_key_pieces(source, chunk.new_start, chunk.length):
                 keys, rows = request.new_kv_rows[piece.keys], piece.rows(chunk.row)
-                _accumulate(out, lse, rows, *attend_piece(self.backend, self.scale, self.mods, q[rows],
-                                                          k_all[keys], v_all[keys], piece))
+                _accumulate(out, lse, rows, *self.mods.attend(self.backend, self.scale, q[rows], k_all[keys],
+                                                              v_all[keys], piece))
 
     def _ring_new_tokens(self, q, k, v, k_pool, v_pool, meta, out, lse) -> None:
         """Pass-KV ring: the block of PCP rank (me - i) arrives at step i while step i-1's attention runs."""
         comm, n = self.comm, meta.num_rows
-        block = k.unsqueeze(0) if v is k else torch.stack((k, v))  # [2, N, Hkv, D]; MLA's latents once: [1, ...]
+        block = torch.stack(self.backend.rows_to_move(k, v))  # [parts, N, ...]: K and V, or one latent row
         for step in range(comm.pcp_size):
             source = (comm.pcp_rank - step) % comm.pcp_size
             transfer = ring_exchange(block, comm.pcp_group) if step < comm.pcp_size - 1 else None
             mine = (meta.write_rows >= source * n) & (meta.write_rows < (source + 1) * n)
             rows = meta.write_rows[mine] - source * n
-            self.backend.store_kv(k_pool, v_pool, meta.write_slots[mine], block[0], block[-1], rows)
+            k_block, v_block = self.backend.rows_moved(tuple(block))
+            self.backend.store_kv(k_pool, v_pool, meta.write_slots[mine], k_block, v_block, rows)
             for request in meta.requests:
                 if request.num_new > 1:
-                    self._ring_pair(q, block, source, request, out, lse)
+                    self._ring_pair(q, k_block, v_block, source, request, out, lse)
             if transfer is not None:
                 block = transfer.wait()
 
-    def _ring_pair(self, q, block, source: int, request: RequestAttention, out, lse) -> None:
+    def _ring_pair(self, q, k_block, v_block, source: int, request: RequestAttention, out, lse) -> None:
         if self.mods is not None:  # the window trims (or skips) each key run
             for chunk in request.local_chunks:
-                for piece in new_key_pieces(request.source_rank_rows[source], chunk.new_start, chunk.length,
-                                            self.mods):
+                for piece in self.mods.new_key_pieces(request.source_rank_rows[source], chunk.new_start,
+                                                      chunk.length):
                     rows = piece.rows(chunk.row)
-                    _accumulate(out, lse, rows, *attend_piece(self.backend, self.scale, self.mods, q[rows],
-                                                              block[0][piece.keys], block[-1][piece.keys], piece))
+                    _accumulate(out, lse, rows, *self.mods.attend(self.backend, self.scale, q[rows],
+                                                                  k_block[piece.keys], v_block[piece.keys], piece))
             return
         for chunk in request.local_chunks:
             rows = slice(chunk.row, chunk.row + chunk.length)
             for keys, causal in key_runs(request.source_rank_rows[source], chunk.new_start):
                 _accumulate(out, lse, rows,
-                            *self.backend.attend(q[rows], block[0][keys], block[-1][keys], self.scale, causal))
+                            *self.backend.attend(q[rows], k_block[keys], v_block[keys], self.scale, causal))
 
     def _decode_context(self, q_all, k_pool, v_pool, meta: AttentionMetadata, o_part, lse_part, dcp_size,
                         num_pieces: int) -> None:
@@ -304,11 +309,23 @@ class PagedCPAttention(torch.nn.Module):
             o_piece, lse_piece = by_dcp_rank[piece % dcp_size]
             o_part[rows], lse_part[rows] = o_piece.to(o_part.dtype), lse_piece  # index_put wants equal dtypes
 
-    def context(self, q, k_pool, v_pool, meta: AttentionMetadata):
-        """The cached-context partial alone (out, lse), every row's queries gathered over the KV-shard group and
-        merged back exactly, for a layer that computes its new tokens' part in another form (MLA's expanded
-        prefill: cpllm/model/mla_attention.py); the caller stores the new K/V first and merges the two parts."""
+    def context_partial(self, q, k_pool, v_pool, meta: AttentionMetadata):
+        """The cached-context piece of `forward`'s general path alone -> (out, lse) float32: every row's queries
+        gathered over the KV-shard group, attended to each shard, merged back exactly. With `new_token_partial`,
+        the two pieces a kind assembles itself when its new tokens attend in another form than its cache (MLA's
+        expanded prefill on one PCP rank); the caller stores the new rows first and merges the two."""
         return self._context(q, k_pool, v_pool, meta)
+
+    def new_token_partial(self, q, k_new, v_new, meta: AttentionMetadata):
+        """The new-token piece of `forward`'s general path on one PCP rank alone -> (out, lse) float32: each
+        request's local runs against its new keys (the rows of `k_new`/`v_new` in `request.new_kv_rows`), causal
+        by position. Keys and values may be in any form the backend attends (values narrower than the keys)."""
+        out = torch.zeros((*q.shape[:2], v_new.shape[-1]), dtype=accumulator_dtype(q.dtype), device=q.device)
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        for request in meta.requests:
+            if request.num_new > 1:
+                self._new_token_attention(q, k_new, v_new, request, out, lse)
+        return out, lse
 
     def _context(self, q, k_pool, v_pool, meta: AttentionMetadata):
         """Queries of the whole KV shard group against this rank's shard, merged back on their owners."""
@@ -350,18 +367,18 @@ class PagedCPAttention(torch.nn.Module):
         query are read, and each query run of each piece attends the suffix its own window leaves (no call where it
         leaves none)."""
         layout, mods, n = meta.kv_layout, self.mods, meta.num_rows
-        lo, hi = context_range(layout, request.context_len, request.start_pos, mods)
+        lo, hi = mods.context_range(layout, request.context_len, request.start_pos)
         if lo >= hi:
             return  # the whole shard lies before every query's window
         k_ctx, v_ctx = self.backend.context_keys(k_pool, v_pool, request.context_slots[lo:hi], q_all.dtype)
         for piece_index in range(self.comm.kv_size):
             for row, new_start, length in request.source_rank_rows[self.comm.piece_pcp_rank(piece_index)]:
-                piece = context_piece(layout, request.context_len, lo, request.start_pos + new_start, length, mods)
+                piece = mods.context_piece(layout, request.context_len, lo, request.start_pos + new_start, length)
                 if piece is None:
                     continue
                 rows = piece.rows(piece_index * n + row)
-                o_part[rows], lse_part[rows] = attend_piece(self.backend, self.scale, mods, q_all[rows],
-                                                            k_ctx[piece.keys], v_ctx[piece.keys], piece)
+                o_part[rows], lse_part[rows] = mods.attend(self.backend, self.scale, q_all[rows], k_ctx[piece.keys],
+                                                           v_ctx[piece.keys], piece)
 
     def _replicated_query_context(self, q, k_pool, v_pool, meta: AttentionMetadata):
         """A step of single tokens without DCP, sharded layout: every CP rank already holds every query, at the same

@@ -1,29 +1,25 @@
-"""The interface between the context-parallel attention layer and one local attention kind, and their registry.
+"""The interface between the context-parallel attention layer and one layer kind's local work.
 
 PagedCPAttention (attention.py) and pass-Q (pass_q.py) own everything that crosses ranks: all-gather, the pass-KV
 ring, pass-Q, the DCP query gather and the all-to-all of partials, the log-sum-exp merges, the replicated layout's
-copies. On its own rank each asks a backend for three things only: store new K/V in the paged pools, attend a set
-of query rows to a set of keys (with a window's mask or a soft-cap: `attend_scored`), and attend single-token
-(decode) rows to their context read from the pools. Every
-answer is a partial (out, lse) the layer merges exactly in float32, so the layer is written once for every kind.
+copies. On its own rank each asks a backend for local work only: which tensors hold a step's new rows (what PCP
+moves), store them in the paged pools, attend a set of query rows to a set of keys, and attend single-token
+(decode) rows to their context read from the pools. Every answer is a partial (out, lse) the layer merges exactly
+in float32, so the layer is written once for every kind. Windows, soft-capping and sinks are score modifiers the
+layer applies to pieces (cpllm/layers/window/modifier.py), not backend methods.
 
 A backend holds no per-layer state; which kernel runs inside it (a C kernel, SDPA, the CUDA kernels) is its own
 choice, made per call from the tensors it is given. The step's metadata is laid out the same whatever kernels
 exist (decode rows carry each request's own slots); an implementation wanting another form of it (the shared-key
-union) builds that as a per-step cached view (metadata.py `shared_key_view`). A new kind (a latent-KV pool, a windowed one) is a new module
-with a class that satisfies `AttentionBackend`, and one line in `BACKENDS`.
+union) builds that as a per-step cached view (metadata.py `shared_key_view`). Backends live in their kind's
+package under cpllm/layers/ and are registered there (cpllm/layers/registry.py).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
-
-from cpllm.context_parallel.gqa_backend import GQAPagedBackend
-from cpllm.context_parallel.mla_backend import MLAPagedBackend
-from cpllm.context_parallel.triton_backend import TritonPagedBackend
-
 
 class AttentionBackend(Protocol):
     """One rank's attention over its paged K/V pools (shapes: q [N, Hq, D], k/v [S, Hkv, D], pools [num_slots,
@@ -41,24 +37,25 @@ class AttentionBackend(Protocol):
         """Query rows against a key set (causal: square, query i sees keys 0..i) -> out [N, Hq, D] (q's dtype or
         wider), lse [N, Hq] float32; a row that sees no key gets (0, -inf)."""
 
-    def attend_scored(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
-                      causal: bool = False, mask: torch.Tensor | None = None,
-                      softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """`attend` with score modifiers the fast kernels do not know: a bool keep-mask [N, S] (a sliding window's
-        band, from positions; True keeps) and/or logit soft-capping (softcap * tanh(score / softcap) before the
-        mask). Called only by layers that have a window or a soft-cap (window.py)."""
+    def rows_to_move(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What PCP moves of a step's new rows (all-gather, the pass-KV ring, pass-Q's returned rows): the tensors
+        [N, ...] that hold this kind's new cache rows (K and V; one latent row that is both)."""
+
+    def rows_moved(self, parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) back from the moved tensors (`rows_to_move`'s, gathered or received)."""
 
     def context_keys(self, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values at `slots` [S] read out of the pools, in `dtype`, for `attend` (one request's
-        cached context, attended by several query runs)."""
+        """The keys and values at `slots` [S], in `dtype`, for `attend` (one request's cached context, attended by
+        several query runs): tensors [S, Hkv, D], or views of the pools that `attend` reads in place, which slice
+        like tensors and read out with `.tensor()`."""
 
     def attend_decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, decode,
                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode rows [B, Hq, D] against this rank's share of their context, read from the pools in place ->
         out [B, Hq, D], lse [B, Hq] float32; a request with no local context gets (0, -inf). A soft-capped layer
-        passes `softcap=` (keyword); a windowed one passes the batch's in-window view (metadata.py
-        `window_view`), which needs no mask."""
+        passes `softcap=` (keyword); a windowed one passes the batch's in-window view
+        (cpllm/layers/window/decode_view.py), which needs no mask."""
 
     def attend_decode_whole(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, decode,
                             scale: float) -> torch.Tensor:
@@ -78,19 +75,3 @@ class AttentionBackend(Protocol):
         implementation reads from these pools: `decode` itself or a view of it built once per step (the GQA
         backend's SDPA path: the union of shared keys). Asked once per step by the compiled decode step, whose
         graphs cannot build a view; the eager calls above choose for themselves."""
-
-
-BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
-    "gqa": GQAPagedBackend,
-    "gqa-triton": TritonPagedBackend,  # the same kind, Triton kernels: chosen on CUDA (triton_backend.kind_for)
-    "mla": MLAPagedBackend,  # one latent pool per layer, read as K and V (mla_backend.py)
-}
-"""Attention kinds by name: a factory each."""
-
-
-def attention_backend(name: str = "gqa") -> AttentionBackend:
-    """The backend registered as `name`."""
-    try:
-        return BACKENDS[name]()
-    except KeyError:
-        raise ValueError(f"no attention backend {name!r} (known: {', '.join(sorted(BACKENDS))})") from None

@@ -20,7 +20,7 @@ import torch
 from cpllm.context_parallel.kv_layout import KVLayout, local_context_slots
 from cpllm.context_parallel.partition import rank_token_ranges
 from cpllm.context_parallel.pass_q_plan import PassQPlan, build_pass_q_plan
-from cpllm.context_parallel.plan import StepPlan, eager_decode_plan
+from cpllm.context_parallel.plan import StepPath, StepPlan
 from cpllm.context_parallel.replica_sync import ReplicaSync, build_replica_sync
 
 
@@ -43,7 +43,7 @@ class RequestAttention:
     """New tokens of the request in this step (all ranks together)."""
     start_pos: int
     """Absolute position of its first new token (new token t sits at start_pos + t): with the layout, what a
-    sliding window reads its positions from (window.py)."""
+    sliding window reads its positions from (cpllm/layers/window/)."""
     context_len: int
     """Cached positions the queries read from the KV shards (P, or P + 1 for an unsplit single token)."""
     local_chunks: tuple[LocalChunk, ...]
@@ -86,9 +86,10 @@ class DecodeBatch:
     """Set where two or more of the requests start from the same cached block (a shared prefix; found from the
     block tables at build time, no tensor read): a backend that reads keys once per query block may ask for the
     batch's shared-key view (`shared_key_view`). None: no request shares a key with another."""
-    window_views: "WindowViews | None" = None
-    """The cache of this batch's in-window views (`window_view`), one per window and device, shared by the CPU
-    batch and its device copy; None in a view itself or a batch built by hand."""
+    views: "StepViews | None" = None
+    """The cache of the views layer kinds build of this batch once per step (cpllm/layers/window/decode_view.py:
+    one per window and device), shared by the CPU batch and its device copy; None in a view itself or a batch
+    built by hand."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -116,13 +117,14 @@ class AttentionMetadata:
     rows_same_over_pcp: bool = False
     """Every PCP rank holds the same rows in the same order (one PCP rank, or a step of single tokens that are
     not split over PCP): MoE layers then skip gathering tokens over PCP (cpllm/model/moe.py)."""
-    plan: StepPlan = StepPlan.PREFILL
-    """The path the step takes (cpllm/context_parallel/plan.py), chosen once by the runner: a decode team's plan
-    keeps every row on every member and each request's own context slots (no shared keys)."""
+    plan: StepPlan
+    """The step's plan (cpllm/context_parallel/plan.py), made once by the runner: its path, prefill strategy, graph
+    bucket, MLP and LM-head splits and replica sync; every layer reads it and none re-decides it. A decode team's
+    plan keeps every row on every member and each request's own context slots (no shared keys)."""
     kv_layout: KVLayout | None = None
     """The layout the slots were laid out with (which positions this rank holds: local context index l is
     position (l // I) * C * I + rank * I + l % I): how a sliding window finds the positions of a shard's keys
-    (window.py). Plain ints, no tensor."""
+    (cpllm/layers/window/). Plain ints, no tensor."""
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> "AttentionMetadata":
         """A copy with every tensor on `device` (see `to_device`)."""
@@ -141,8 +143,9 @@ class StepBatch:
     output_rows: tuple[tuple[int, int], ...]
     """(pcp rank, row) of each hidden state the driver needs, in the order the driver expects."""
     replica_sync: ReplicaSync | None = None
-    """Replicated KV layout, decode-only step: the single tokens' K/V to copy between PCP ranks after the forward
-    (each was computed, and stored, by one PCP rank only)."""
+    """The single tokens' K/V to copy between PCP ranks after the forward, where the plan says so
+    (`StepPlan.replica_sync`: replicated KV layout, decode-only step; each was computed, and stored, by one PCP
+    rank only)."""
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> "StepBatch":
         """A copy with the token ids, positions and every metadata tensor on `device` (see `to_device`)."""
@@ -260,26 +263,25 @@ def _chunk_runs(chunks, pcp_size: int, row_offsets: list[int], split_single: boo
     return runs_per_chunk
 
 
-def build_step_batch(chunks, layout: KVLayout, pcp_size: int, pcp_rank: int, output_plan,
-                     device: torch.device | str | None = None, non_blocking: bool = False,
-                     strategy: str | None = None, split_single_tokens: bool = False,
-                     plan: StepPlan | None = None) -> StepBatch:
-    """Lay out one step for this rank; `output_plan(chunk) -> new-token indices whose hidden state is needed`.
+def build_step_batch(chunks, layout: KVLayout, pcp_size: int, pcp_rank: int, output_plan, *, plan: StepPlan,
+                     device: torch.device | str | None = None, non_blocking: bool = False) -> StepBatch:
+    """Lay out one step for this rank as `plan` (the runner's, cpllm/context_parallel/plan.py `plan_step`) says;
+    `output_plan(chunk) -> new-token indices whose hidden state is needed`.
 
-    `strategy` is the step's prefill strategy (None: the layer's own); "pass-q" adds the plan of its K/V
-    stores. `split_single_tokens` (replicated KV layout: every PCP rank holds every token's K/V) computes each
-    single-token chunk on one PCP rank instead of all. `plan` is the runner's choice of path (None: the eager
-    layers' one for this layout, `eager_decode_plan`); a team's plan keeps every row on every PCP rank. The decode
-    rows always carry each request's own context slots (the form the C kernel and the fused layers read), whatever
-    kernels exist; where requests share a prefix the batch says so (`DecodeBatch.shared_prefix`) and a backend
-    that wants the union of their keys builds it once per step (`shared_key_view`). With `device`, every tensor of
-    the result (token ids, positions, all metadata) is on it."""
+    The plan's `strategy` is the step's prefill strategy (None: the layer's own); "pass-q" adds the plan of its
+    K/V stores. Its `split_single_tokens` (replicated KV layout outside a team) computes each single-token chunk on
+    one PCP rank instead of all, and its `replica_sync` adds what to copy between the copies after the step; a
+    team's plan keeps every row on every PCP rank. The decode rows always carry each request's own context slots
+    (the form the C kernel and the fused layers read), whatever kernels exist; where requests share a prefix the
+    batch says so (`DecodeBatch.shared_prefix`) and a backend that wants the union of their keys builds it once
+    per step (`shared_key_view`). With `device`, every tensor of the result (token ids, positions, all metadata)
+    is on it."""
+    if not isinstance(plan, StepPlan):
+        raise TypeError(f"plan {plan!r}: build_step_batch needs the step's StepPlan record (plan.py `plan_step`)")
     has_new = any(len(c.token_ids) > 1 for c in chunks)
-    if plan is None:
-        plan = StepPlan.PREFILL if has_new else eager_decode_plan(layout.cp_size, pcp_size, split_single_tokens)
-    elif has_new and plan is not StepPlan.PREFILL:
+    if has_new and plan.path is not StepPath.PREFILL:
         raise ValueError(f"plan {plan.value!r} is for steps of single tokens; this step has a prompt chunk")
-    split_single_tokens = split_single_tokens and not plan.team
+    strategy, split_single_tokens = plan.strategy, plan.split_single_tokens
     row_offsets = [0] * pcp_size
     runs_per_chunk = _chunk_runs(chunks, pcp_size, row_offsets, split_single_tokens)
     # Without a prompt chunk nothing is gathered: each rank stores what it holds, from its own rows.
@@ -316,7 +318,7 @@ def build_step_batch(chunks, layout: KVLayout, pcp_size: int, pcp_rank: int, out
         kv_layout=layout,
     )
     replica_sync = None
-    if split_single_tokens and not has_new and pcp_size > 1:
+    if plan.replica_sync:
         replica_sync = build_replica_sync(chunks, runs_per_chunk, layout, pcp_size)
     batch = StepBatch(token_ids=token_ids, positions=positions, attention=attention, output_rows=tuple(output_rows),
                       replica_sync=replica_sync)
@@ -397,7 +399,7 @@ def _decode_batch(requests: list[RequestAttention], chunks) -> DecodeBatch | Non
     return DecodeBatch(requests=tuple(members), slots=slots, key_mask=key_mask, rows=_rows(requests, members),
                        max_local_context=max(lengths), window=_window(slots) if lengths[0] else None,
                        lengths=torch.tensor(lengths, dtype=torch.long), shared_prefix=shared,
-                       window_views=WindowViews())
+                       views=StepViews())
 
 
 class SharedPrefix:
@@ -469,58 +471,12 @@ def _shared_key_batch(requests, members, union: torch.Tensor, lengths: list[int]
                        max_local_context=max(lengths), shared_keys=True, window=_window(slots))
 
 
-class WindowViews:
-    """The in-window views of one step's decode batch, built on first use and kept for every later layer (one per
-    window and device). Not a dataclass: `to_device` passes it along as is."""
+class StepViews:
+    """Per-step views of a decode batch that a layer kind builds on first use and keeps for every later layer of the
+    step (a window's in-window batch, keyed by the kind as it likes). Not a dataclass: `to_device` passes it along
+    as is, so the CPU batch and its device copy share one cache."""
 
     __slots__ = ("views",)
 
     def __init__(self):
-        self.views: dict[tuple[torch.device, int], DecodeBatch] = {}
-
-
-def window_view(meta: AttentionMetadata, window: int | None) -> DecodeBatch | None:
-    """The step's decode batch restricted to each row's in-window keys: the row at position p keeps the local
-    slots of positions > p - window, so the decode kernels run it unmasked (every key kept is visible). Built on
-    the first call of the step for this window and cached; the batch itself where the window hides nothing
-    (or there is no window)."""
-    decode = meta.decode
-    if decode is None or window is None:
-        return decode
-    key = (decode.slots.device, window)
-    cache = decode.window_views
-    if cache is not None and key in cache.views:
-        return cache.views[key]
-    view = _window_batch(decode, meta, window)
-    if cache is not None:
-        cache.views[key] = view
-    return view
-
-
-def _window_batch(decode: DecodeBatch, meta: AttentionMetadata, window: int) -> DecodeBatch:
-    layout, requests = meta.kv_layout, meta.requests
-    if layout is None:
-        raise ValueError("a windowed decode needs the step's KV layout: build the metadata with build_step_batch")
-    # The token at position p = context_len - 1 sees positions >= context_len - window.
-    starts = [layout.num_local_tokens(max(requests[i].context_len - window, 0)) for i in decode.requests]
-    if not any(starts):
-        return decode
-    lengths = [layout.num_local_tokens(requests[i].context_len) - s for i, s in zip(decode.requests, starts)]
-    width = max(max(lengths), 1)
-    device = decode.slots.device
-    index = (torch.tensor(starts).unsqueeze(1) + torch.arange(width)).clamp_(max=decode.slots.shape[1] - 1)
-    slots = decode.slots.gather(1, index.to(device))  # [B, width]
-    key_mask = None
-    if min(lengths) < width:
-        valid = torch.arange(width) < torch.tensor(lengths).unsqueeze(1)  # [B, width]
-        key_mask = torch.zeros(len(lengths), 1, 1, width).masked_fill(~valid[:, None, None, :], float("-inf"))
-        key_mask = key_mask.to(device)
-        # Padding reads slot 0 under the mask, as in the batch itself: the slots gathered there may lie in blocks
-        # a windowed KV group has freed.
-        slots = slots.masked_fill(~valid.to(device), 0)
-    contiguous = None
-    if decode.window is not None and lengths[0]:  # one request in consecutive slots: a narrower run of them
-        contiguous = (decode.window[0] + starts[0], lengths[0])
-    return DecodeBatch(requests=decode.requests, slots=slots, key_mask=key_mask, rows=decode.rows,
-                       max_local_context=max(lengths), window=contiguous,
-                       lengths=torch.tensor(lengths, dtype=torch.long).to(device))
+        self.views: dict = {}

@@ -35,15 +35,14 @@ import torch
 from cpllm.context_parallel.merge import accumulate, accumulator_dtype, merge_attention_partials
 from cpllm.context_parallel.metadata import AttentionMetadata, RequestAttention
 from cpllm.context_parallel.partition import key_runs
-from cpllm.context_parallel.window import ScoreMods, attend_piece, context_piece, context_range, new_key_pieces
 from cpllm.distributed.comm import all_to_all, ring_exchange
 
 
-def pass_q_attention(comm, backend, scale: float, q, k, v, k_pool, v_pool, meta: AttentionMetadata,
-                     mods: ScoreMods | None = None):
+def pass_q_attention(comm, backend, scale: float, q, k, v, k_pool, v_pool, meta: AttentionMetadata, mods=None):
     """Attention of this rank's query rows over new tokens and cached context; (out, lse) in float32. `backend`
     (an `AttentionBackend`) stores and attends on this rank. `mods` (a window, a soft-cap) apply to every piece
-    on its own keys (window.py); the layer passes decode rows' in-window view in `meta.decode`.
+    on its own keys (cpllm/layers/window/modifier.py); the layer passes decode rows' in-window view in
+    `meta.decode`.
 
     q [N, Hq, D]; k, v [N, Hkv, D]; k_pool, v_pool [num_slots, Hkv, D]; `meta.pass_q` is set."""
     plan = meta.pass_q
@@ -90,8 +89,7 @@ class _PieceAttention:
     """Attends one visiting query block (the rows of PCP rank `src_pcp`, heads of DCP rank `src_dcp`) to the
     keys this rank holds; the cached context is read from the pools once per layer, not once per block."""
 
-    def __init__(self, comm, backend, scale, k, v, k_pool, v_pool, meta: AttentionMetadata,
-                 mods: ScoreMods | None = None):
+    def __init__(self, comm, backend, scale, k, v, k_pool, v_pool, meta: AttentionMetadata, mods=None):
         self.backend, self.scale, self.k, self.v, self.meta, self.mods = backend, scale, k, v, meta, mods
         self.my_pcp = comm.pcp_rank
         self.my_dcp = comm.cp_rank % (comm.cp_size // comm.pcp_size)
@@ -104,12 +102,12 @@ class _PieceAttention:
         else:  # only the shard's keys in the window of the request's first query are read
             self.windowed = []
             for request in readers:
-                lo, hi = context_range(meta.kv_layout, request.context_len, request.start_pos, mods)
+                lo, hi = mods.context_range(meta.kv_layout, request.context_len, request.start_pos)
                 if lo < hi:
                     self.windowed.append((request, lo, *backend.context_keys(
                         k_pool, v_pool, request.context_slots[lo:hi], k.dtype)))
             self.contexts = []
-        self._decode_kwargs = {} if mods is None or mods.softcap is None else {"softcap": mods.softcap}
+        self._decode_kwargs = {} if mods is None else mods.decode_kwargs
         self.decode_ctx = None
         if meta.decode is not None and meta.decode.max_local_context > 0:
             self.decode_ctx = (backend.decode_context(k_pool, meta.decode, k.dtype),
@@ -138,20 +136,20 @@ class _PieceAttention:
         layout = self.meta.kv_layout
         for request, lo, k_ctx, v_ctx in self.windowed:
             for row, new_start, length in request.source_rank_rows[src_pcp]:
-                piece = context_piece(layout, request.context_len, lo, request.start_pos + new_start, length,
-                                      self.mods)
+                piece = self.mods.context_piece(layout, request.context_len, lo, request.start_pos + new_start,
+                                                length)
                 if piece is not None:
                     rows = piece.rows(row)
-                    accumulate(out, lse, rows, *attend_piece(self.backend, self.scale, self.mods, q_block[rows],
-                                                             k_ctx[piece.keys], v_ctx[piece.keys], piece))
+                    accumulate(out, lse, rows, *self.mods.attend(self.backend, self.scale, q_block[rows],
+                                                                 k_ctx[piece.keys], v_ctx[piece.keys], piece))
 
     def _new_tokens(self, q_block, src_pcp: int, request: RequestAttention, out, lse) -> None:
         if self.mods is not None:
             for q_row, q_start, q_len in request.source_rank_rows[src_pcp]:
-                for piece in new_key_pieces(request.source_rank_rows[self.my_pcp], q_start, q_len, self.mods):
+                for piece in self.mods.new_key_pieces(request.source_rank_rows[self.my_pcp], q_start, q_len):
                     rows = piece.rows(q_row)
-                    accumulate(out, lse, rows, *attend_piece(self.backend, self.scale, self.mods, q_block[rows],
-                                                             self.k[piece.keys], self.v[piece.keys], piece))
+                    accumulate(out, lse, rows, *self.mods.attend(self.backend, self.scale, q_block[rows],
+                                                                 self.k[piece.keys], self.v[piece.keys], piece))
             return
         for q_row, q_start, q_len in request.source_rank_rows[src_pcp]:
             rows = slice(q_row, q_row + q_len)
@@ -173,7 +171,8 @@ class _PieceAttention:
 def _return_partials(ring: _Ring, backend, o_part, lse_part, k, v, k_pool, v_pool, plan):
     """One all-to-all: slot s of the partials (and the new K/V rows ring member s owns) go to member s."""
     size_r, n, heads, dim = o_part.shape
-    kv_width = 2 * k.shape[1] * k.shape[2]
+    parts = len(backend.rows_to_move(k[:0], v[:0]))  # K and V, or one latent row that is both
+    kv_width = parts * k.shape[1] * k.shape[2]
     partial = torch.cat((o_part.float(), lse_part.unsqueeze(-1)), dim=-1).view(size_r, -1)  # [R, N * Hq * (D+1)]
     send_counts, recv_counts = ring.members(plan.send_counts), ring.members(plan.recv_counts)
     rows = plan.send_rows.split(send_counts)  # K/V go only to ring members (same DCP rank), in group order
@@ -181,7 +180,8 @@ def _return_partials(ring: _Ring, backend, o_part, lse_part, k, v, k_pool, v_poo
     for dest in range(size_r):
         pieces.append(partial[dest])
         if send_counts[dest]:
-            pieces.append(torch.stack((k[rows[dest]], v[rows[dest]]), dim=1).float().reshape(-1))  # [m, 2, Hkv, D]
+            moved = backend.rows_to_move(k[rows[dest]], v[rows[dest]])
+            pieces.append(torch.stack(moved, dim=1).float().reshape(-1))  # [m, parts, Hkv, D]
     size = partial.shape[1]
     received = all_to_all(torch.cat(pieces), ring.group,
                           input_split_sizes=[size + c * kv_width for c in send_counts],
@@ -191,8 +191,8 @@ def _return_partials(ring: _Ring, backend, o_part, lse_part, k, v, k_pool, v_poo
         partials.append(part[:size])
         kv_rows.append(part[size:])
     if plan.recv_slots.numel():
-        kv = torch.cat(kv_rows).view(-1, 2, *k.shape[1:])  # [n_recv, 2, Hkv, D]
+        kv = torch.cat(kv_rows).view(-1, parts, *k.shape[1:])  # [n_recv, parts, Hkv, D]
         every = torch.arange(kv.shape[0], device=kv.device)
-        backend.store_kv(k_pool, v_pool, plan.recv_slots, kv[:, 0], kv[:, 1], every)
+        backend.store_kv(k_pool, v_pool, plan.recv_slots, *backend.rows_moved(kv.unbind(1)), every)
     packed = torch.stack(partials).view(size_r, n, heads, dim + 1)
     return merge_attention_partials(packed[..., :-1], packed[..., -1])  # float32

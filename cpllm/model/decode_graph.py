@@ -5,10 +5,10 @@ with its Python and dispatcher cost, around a few milliseconds of weight streami
 residual adds and the K/V store of each layer become a few generated C++ loops; attention is one opaque op, the C
 decode attention kernel reading each request's K/V in place from the pool (cpllm/kernels/decode_attention.c), or,
 where that kernel was not built, inductor's own loop over one request's context and the fused SDPA kernel for
-several (cpllm/context_parallel/local_attention.py, `attend_pooled_single_tokens`).
+several (cpllm/layers/gqa/local_attention.py, `attend_pooled_single_tokens`).
 
 Only steps whose tokens are all single decode tokens on a rank holding the whole context take this path (the
-runner's plan `StepPlan.COMPILED`; PagedCPAttention's one-shard decode); prompt steps run eager. Shapes are dynamic (batch and context length are symbols), so
+runner's plan, path `StepPath.COMPILED`; PagedCPAttention's one-shard decode); prompt steps run eager. Shapes are dynamic (batch and context length are symbols), so
 a few graphs serve every step: one per branch the step metadata selects (one request or several, contiguous slots
 or gathered ones, with or without a padding mask), each compiled on first use and cached on disk by inductor. A
 change of torch's thread count compiles them again (inductor's loops are built for one).

@@ -20,10 +20,10 @@ from cpllm.context_parallel.attention import CPComm
 from cpllm.context_parallel.backend import AttentionBackend
 from cpllm.distributed.comm import low_latency
 from cpllm.distributed.groups import PCPSplit
+from cpllm.layers.mla.attention import MLAAttention
 from cpllm.model.deepseek_moe import DeepseekMoEBlock
 from cpllm.model.layers import RMSNorm, TPShard
 from cpllm.model.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
-from cpllm.model.mla_attention import MLAAttention
 from cpllm.model.moe_placement import MoEShard
 from cpllm.model.rope import RotaryEmbedding
 

@@ -3,7 +3,7 @@ each computed as transformers 5 computes it (models/gemma2, models/gemma3):
 - sliding and full layers (`layer_types`; Gemma2 alternates them, Gemma3 has five sliding layers per full one),
   the window applied by PagedCPAttention (key j visible to query i iff i - W < j <= i);
 - scores scaled by query_pre_attn_scalar ** -0.5; Gemma2 soft-caps them, s -> c * tanh(s / c), before the mask
-  (PagedCPAttention's `softcap`), and both families may soft-cap the final logits the same way;
+  (the layer's score modifier, cpllm/layers/window/modifier.py), and both families may soft-cap the final logits the same way;
 - every RMSNorm multiplies by (1 + w), in float32, the result cast back to the model dtype;
 - four norms per layer: before and after attention, before and after the MLP ("sandwich"), each output norm
   applied before its residual add; Gemma3 also norms every query and key head (q_norm / k_norm) before rotary;
@@ -25,6 +25,7 @@ from cpllm.context_parallel.attention import CPComm, PagedCPAttention
 from cpllm.context_parallel.backend import AttentionBackend
 from cpllm.context_parallel.metadata import AttentionMetadata
 from cpllm.distributed.groups import PCPSplit
+from cpllm.layers.window.modifier import score_mods
 from cpllm.model.layers import RMSNorm, TPShard, VocabParallelEmbedding
 from cpllm.model.llama import ATTENTION_KIND, LlamaAttention, LlamaForCausalLM, LlamaMLP
 from cpllm.model.loader import WeightSource
@@ -86,8 +87,8 @@ class GemmaAttention(LlamaAttention):
                  backend: AttentionBackend | None, window: int | None):
         super().__init__(config, prefix, tp, comm, dtype, backend, window)
         scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
-        options = {"window": window, "softcap": config.attn_logit_softcapping}
-        self.attn = PagedCPAttention(comm, scale, backend, **{k: v for k, v in options.items() if v is not None})
+        self.attn = PagedCPAttention(comm, scale, backend,
+                                     mods=score_mods(window=window, softcap=config.attn_logit_softcapping))
         if config.qk_norm:  # Gemma3
             d, eps = config.head_dim, config.rms_norm_eps
             self.q_norm = GemmaRMSNorm(f"{prefix}.q_norm.weight", d, eps, dtype)

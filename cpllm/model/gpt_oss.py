@@ -21,6 +21,7 @@ from cpllm.context_parallel.backend import AttentionBackend
 from cpllm.context_parallel.metadata import AttentionMetadata
 from cpllm.distributed.groups import PCPSplit
 from cpllm.kernels.decode_rows import rope_qk_
+from cpllm.layers.window.modifier import score_mods
 from cpllm.model.gpt_oss_moe import GptOssMoEBlock
 from cpllm.model.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, RowRange, TPShard
 from cpllm.model.llama import ATTENTION_KIND, LlamaForCausalLM, local_kv_heads
@@ -53,8 +54,7 @@ class GptOssAttention(torch.nn.Module):
         # [Hq_local] float32: this rank's heads' sink logits, in the float32 softmax whatever the model dtype
         self.sinks = torch.nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
         self.window = layer_window(config, index, max_positions)
-        windowed = {} if self.window is None else {"window": self.window}  # full layers keep every fast path
-        self.attn = PagedCPAttention(comm, d**-0.5, backend, **windowed)
+        self.attn = PagedCPAttention(comm, d**-0.5, backend, mods=score_mods(window=self.window))  # full: None
         self.head_dim = d
         self.q_norm = self.k_norm = None  # read by shared code that asks every layer (fused_decode.py)
 

@@ -15,13 +15,15 @@ import torch.nn.functional as F
 from cpllm.config import ModelConfig
 from cpllm.config_attention import layer_window
 from cpllm.context_parallel.attention import CPComm, PagedCPAttention
-from cpllm.context_parallel.backend import AttentionBackend, attention_backend
+from cpllm.context_parallel.backend import AttentionBackend
 from cpllm.context_parallel.metadata import AttentionMetadata
-from cpllm.context_parallel.triton_backend import kind_for
 from cpllm.distributed.comm import low_latency
 from cpllm.distributed.groups import PCPSplit
 from cpllm.distributed.parallel_dims import kv_heads_of_tp_rank
 from cpllm.kernels.decode_rows import rope_qk_, silu_mul
+from cpllm.layers.gqa_triton.choice import kind_for
+from cpllm.layers.registry import attention_backend
+from cpllm.layers.window.modifier import score_mods
 from cpllm.model.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -38,7 +40,7 @@ from cpllm.model.moe import SparseMoEBlock
 from cpllm.model.moe_log import moe_summary_lines
 from cpllm.model.layer_kinds_log import layer_kinds_lines
 from cpllm.model.moe_placement import MoEShard
-from cpllm.model.quant_report import summary_lines
+from cpllm.model.formats.report import summary_lines
 from cpllm.model.rope import RotaryEmbedding, apply_rope
 
 logger = logging.getLogger(__name__)
@@ -77,8 +79,7 @@ class LlamaAttention(torch.nn.Module):
             f"{prefix}.o_proj", config.num_attention_heads * d, config.hidden_size, tp, dtype, config.quantization
         )
         # only a windowed layer names a window: full layers keep every fast path of PagedCPAttention
-        windowed = {} if window is None else {"window": window}
-        self.attn = PagedCPAttention(comm, scale=d**-0.5, backend=backend, **windowed)
+        self.attn = PagedCPAttention(comm, scale=d**-0.5, backend=backend, mods=score_mods(window=window))
         self.window = window
         self.head_dim = d
         self.q_norm = self.k_norm = None  # Qwen3: RMSNorm over each head's width before rotary
@@ -133,14 +134,17 @@ class LlamaMLP(torch.nn.Module):
                                                config.quantization)
 
     def after_load(self, source: WeightSource) -> None:
-        """Once the projections are loaded (their format known): the decode split's slices."""
+        """Once the projections are loaded (their format known): the decode split's slices, or no split where they
+        cannot be sliced (the rank's capabilities then read that no MLP splits: cpllm/worker/rank_capabilities.py)."""
         if self.decode_split is not None:
             self.decode_split.load_from(source, self.gate_up_proj, self.down_proj)
+            if not self.decode_split.usable:
+                self.decode_split = None
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
-        split = self.decode_split
-        if split is not None and split.usable and meta is not None and meta.rows_same_over_pcp and not meta.has_new:
-            return split(x)
+        # the step's plan says whether the MLPs split (plan.py `StepPlan.mlp_split`: same rows on every PCP rank)
+        if meta is not None and meta.plan.mlp_split and self.decode_split is not None:
+            return self.decode_split(x)
         gate_up = self.gate_up_proj(x)
         act = silu_mul(gate_up, self.shard)  # one C call on eager CPU float32 steps (as the fused decode layer)
         if act is None:
@@ -265,7 +269,7 @@ class LlamaForCausalLM(torch.nn.Module):
 
     def pack_weights(self) -> None:
         """Attention projections and shared experts in oneDNN's layout (the routed experts pack at load): for models
-        whose float weights no fused decode layer reads in place, and outside compiled graphs (packed_weights.py)."""
+        whose float weights no fused decode layer reads in place, and outside compiled graphs (formats/packed_weights.py)."""
         for layer in self.layers:
             linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
             shared = getattr(layer.mlp, "shared_expert", None)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 from cpllm.config import ModelConfig
 from cpllm.distributed.parallel_dims import ParallelDims
+from cpllm.kv_groups import full_cache_spec
 from cpllm.planner.hardware import HardwareSpec
 
 WEIGHT_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
@@ -258,9 +259,10 @@ class CostModel:
         return (linear + embedding) * self.precision.weight_bytes
 
     def kv_bytes_per_token(self, tp: int) -> float:
-        """KV bytes per token on one device (its KV heads, all layers)."""
+        """KV bytes per token on one device (its KV heads, all layers), from the layers' cache spec."""
         _, hkv = self.local_heads(tp)
-        return 2 * self.model.num_hidden_layers * hkv * self.model.head_dim * self.precision.kv_bytes
+        spec = full_cache_spec(self.model, hkv, self.precision.kv_bytes)
+        return self.model.num_hidden_layers * spec.bytes_per_token
 
     def decode_step(self, layout: ParallelDims, context: int, batch: int = 1) -> float:
         """Seconds of one decode step of `batch` requests of `context` tokens each (the time per output token)."""

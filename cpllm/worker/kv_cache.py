@@ -1,6 +1,7 @@
-"""Per-rank KV pools: one flat [num_slots, kv_heads, head_dim] K and V tensor per layer, each layer's sized by its KV
-group's block count (cpllm/kv_groups.py: a sliding-window group needs only its requests' windows, the full-attention
-layers take the rest of the memory)."""
+"""Per-rank KV pools: the flat [num_slots, heads, width] tensors each layer's cache spec names (a K and a V pool of
+this rank's KV heads; one latent pool read as both), each layer's sized by its KV group's block count
+(cpllm/kv_groups.py: a sliding-window group needs only its requests' windows, the full-attention layers take the
+rest of the memory). Nothing here knows a layer kind: the specs (cpllm/layers/cache_spec.py) say what to allocate."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import os
 import torch
 
 from cpllm.config import EngineConfig
-from cpllm.kv_groups import KVGroupSpec, group_block_needs, split_blocks
+from cpllm.kv_groups import KVGroupSpec, group_block_needs, group_cache_spec, split_blocks
+from cpllm.layers.cache_spec import CacheSpec
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +53,15 @@ def usable_blocks(config: EngineConfig) -> int:
     return s.max_num_seqs * -(-s.max_model_len // tokens_per_block)
 
 
-def layer_bytes_per_block(config: EngineConfig, num_kv_heads: int, dtype: torch.dtype,
-                          group: KVGroupSpec | None = None) -> int:
-    """KV bytes of one block of one layer on one rank (a latent group's: one pool of latent rows)."""
-    element = torch.empty((), dtype=dtype).element_size()
-    pools, heads, width = (2, num_kv_heads, config.model.head_dim) if group is None else \
-        group.pool_rows(num_kv_heads, config.model.head_dim)
-    return pools * config.cache.block_size * heads * width * element
+def layer_cache_spec(config: EngineConfig, num_kv_heads: int, dtype: torch.dtype,
+                     group: KVGroupSpec) -> CacheSpec:
+    """One layer's cache spec in `group` on a rank holding `num_kv_heads` KV heads, in the pools' dtype."""
+    return group_cache_spec(group, config.model, num_kv_heads, torch.empty((), dtype=dtype).element_size())
+
+
+def layer_bytes_per_block(config: EngineConfig, num_kv_heads: int, dtype: torch.dtype, group: KVGroupSpec) -> int:
+    """Cache bytes of one block of one layer on one rank."""
+    return layer_cache_spec(config, num_kv_heads, dtype, group).block_bytes(config.cache.block_size)
 
 
 def group_block_counts(config: EngineConfig, device: torch.device, groups: tuple[KVGroupSpec, ...],
@@ -87,20 +91,16 @@ def group_block_counts(config: EngineConfig, device: torch.device, groups: tuple
     return counts
 
 
-def allocate_kv_cache(layer_blocks: list[int], block_size: int, num_kv_heads: int, head_dim: int,
-                      dtype: torch.dtype, device: torch.device,
-                      latent_width: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (K, V) pool pair per layer; layer i holds `layer_blocks[i]` blocks (its KV group's count).
-    `latent_width` (a latent group, KVGroupSpec.latent_width): one pool [slots, 1, latent_width] per layer, the
-    same tensor as K and V."""
-    if latent_width is not None:
-        pools = [zeroed_pool((blocks * block_size, 1, latent_width), dtype, device) for blocks in layer_blocks]
-        return [(pool, pool) for pool in pools]
-    return [
-        (zeroed_pool((blocks * block_size, num_kv_heads, head_dim), dtype, device),
-         zeroed_pool((blocks * block_size, num_kv_heads, head_dim), dtype, device))
-        for blocks in layer_blocks
-    ]
+def allocate_kv_cache(layer_blocks: list[int], block_size: int, layer_specs: list[CacheSpec], dtype: torch.dtype,
+                      device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    """Each layer's pools as its spec names them: layer i holds `layer_blocks[i]` blocks (its KV group's count) in
+    each of `layer_specs[i].pools`, a pool [blocks * block_size, heads, width]. The layer's cache is the tuple of
+    its pools; a spec whose one pool is read as K and V (`shared_kv`) gives (pool, pool), the same tensor."""
+    caches = []
+    for blocks, spec in zip(layer_blocks, layer_specs, strict=True):
+        pools = tuple(zeroed_pool((blocks * block_size, pool.heads, pool.width), dtype, device) for pool in spec.pools)
+        caches.append(pools * 2 if spec.shared_kv else pools)
+    return caches
 
 
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -13,7 +13,7 @@ from cpllm.config import EngineConfig
 from cpllm.context_parallel.attention import CPComm
 from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.context_parallel.metadata import StepBatch, build_step_batch
-from cpllm.context_parallel.plan import StepPlan, eager_decode_plan, single_token_rows
+from cpllm.context_parallel.plan import RankCapabilities, StepPath, StepPlan, plan_step
 from cpllm.context_parallel.replica_sync import sync_replicas
 from cpllm.distributed.comm import all_reduce
 from cpllm.distributed.groups import ParallelGroups
@@ -28,7 +28,8 @@ from cpllm.kv_groups import kv_groups, layer_groups
 from cpllm.planner.runtime import StepStrategy, device_hardware, engine_cost
 from cpllm.step import SchedulerOutput, output_positions
 from cpllm.worker.cuda_graphs import decode_graphs_for
-from cpllm.worker.kv_cache import allocate_kv_cache, group_block_counts, layer_bytes_per_block
+from cpllm.worker.kv_cache import allocate_kv_cache, group_block_counts, layer_bytes_per_block, layer_cache_spec
+from cpllm.worker.rank_capabilities import rank_capabilities
 from cpllm.worker.rank_stats import DecodeLayers, KVCapacity, RankInfo, RankStats
 
 logger = logging.getLogger(__name__)
@@ -69,18 +70,16 @@ class ModelRunner:
         """Layer index -> its group's index."""
         self.group_blocks = self._count_blocks()
         self.num_blocks = self.group_blocks[0]
+        group_specs = [layer_cache_spec(config, self.num_kv_heads, self.kv_dtype, g) for g in self.kv_groups]
         self.kv_caches = allocate_kv_cache([self.group_blocks[g] for g in self.layer_group], config.cache.block_size,
-                                           self.num_kv_heads, config.model.head_dim, self.kv_dtype, device,
-                                           self.kv_groups[0].latent_width)  # MLA: one latent pool per layer
+                                           [group_specs[g] for g in self.layer_group], self.kv_dtype, device)
         if self.model.fused_decode is not None and not self.model.fused_decode.fits_pools(self.kv_caches):
             logger.info("decode steps: eager layers (K/V pools the fused layers do not read)")
             self.model.fused_decode = None
         self._form_decode_team()
         self.compiled_decode = CompiledDecode(self.model, device) if config.compile_decode else None
-        self.eager_decode_plan = eager_decode_plan(comm.kv_size, groups.pcp_size, self.replicated)
-        """The eager layers' path for a step of single tokens on this layout."""
         self.plan_counts: dict[str, int] = {}
-        """Steps run with each plan since start (`StepPlan` values), counted once per step."""
+        """Steps run with each plan since start (by path: `StepPath` values), counted once per step."""
         if self.model.fused_decode is None and self.compiled_decode is None:
             self.model.pack_weights()
         self.decode_graphs = decode_graphs_for(
@@ -88,6 +87,10 @@ class ModelRunner:
             replica_ranks=groups.dims.replica_size, max_num_seqs=config.scheduler.max_num_seqs,
             max_local_context=config.scheduler.max_model_len)
         """Decode steps captured as CUDA graphs per batch bucket (None: eager, the reason logged at start)."""
+        self.capabilities: RankCapabilities = rank_capabilities(
+            groups, self.model, kv_groups=len(self.kv_groups), compiled=self.compiled_decode is not None,
+            decode_graphs=self.decode_graphs)
+        """What this rank can run, fixed from here on: every step's plan is made from it and the step alone."""
 
     def _form_decode_team(self) -> None:
         """The PCP ranks (or, with TP and PCP = 1, the TP ranks) of one host run fused decode steps as one team
@@ -124,7 +127,8 @@ class ModelRunner:
     @property
     def kv_bytes(self) -> int:
         """KV bytes allocated on this rank."""
-        return sum(k.numel() * k.element_size() * (1 if k is v else 2) for k, v in self.kv_caches)
+        # a pool read as both K and V counts once
+        return sum(t.numel() * t.element_size() for cache in self.kv_caches for t in {id(t): t for t in cache}.values())
 
     @property
     def strategy_counts(self) -> dict[str, int]:
@@ -141,35 +145,43 @@ class ModelRunner:
             return None
         chunks = self._verify_rows(step.chunks)
         strategy = self.step_strategy(step.step_id, chunks)  # the same choice on every rank
-        plan = self._plan(chunks)
+        plan = plan_step(chunks, self.capabilities, strategy)  # every later stage follows it
         self.plan_counts[plan.value] = self.plan_counts.get(plan.value, 0) + 1
         logger.debug("step %d: plan %s", step.step_id, plan.value)
-        batches = self._group_batches(chunks, strategy, plan)
+        batches = self._group_batches(chunks, plan)
         batch = batches[0]  # token ids, positions and output rows are every group's; the metadata is group 0's
-        forward = self.compiled_decode if plan is StepPlan.COMPILED else self.model
+        forward = self.compiled_decode if plan.path is StepPath.COMPILED else self.model
         keep = self._rows_kept(batch) if forward is self.model else None
         args = (batch.token_ids, batch.positions, self.kv_caches, batch.attention)
         # each layer reads its own group's metadata (its block tables' slots); one group: batch.attention
         layers = {} if len(batches) == 1 else {"layer_meta": tuple(batches[g].attention for g in self.layer_group)}
-        graphed = plan is StepPlan.ONE_SHARD and self.decode_graphs is not None and len(batches) == 1
-        hidden = self.decode_graphs.run(batch) if graphed else None  # a CUDA graph replay (worker/cuda_graphs.py)
+        hidden = self._replay(batch, plan)
         if hidden is not None:
             keep = None  # the graph returns every row; the sampled ones are picked below
         else:
             hidden = forward(*args, **layers) if keep is None else forward(*args, keep, **layers)  # keep: sampled rows
-        for group, group_batch in zip(self.kv_groups, batches):
-            if group_batch.replica_sync is not None:  # decode K/V computed on one PCP rank reach the other copies
+        if plan.replica_sync:  # decode K/V computed on one PCP rank reach the other copies
+            for group, group_batch in zip(self.kv_groups, batches):
                 caches = self.kv_caches if len(batches) == 1 else [self.kv_caches[i] for i in group.layers]
                 sync_replicas(caches, group_batch.replica_sync, self.groups.pcp_group, self.groups.pcp_rank)
         if not batch.output_rows:
             return None
         rows = hidden if keep is not None else self._gather_output_rows(hidden, batch)
-        if self.groups.pcp_rank != 0 and self.model.lm_head.pcp is None:
+        if self.groups.pcp_rank != 0 and not plan.lm_head_split:
             return None  # the LM head runs on PCP rank 0's TP group only
         logits = self.model.logits(rows)  # split over PCP: every PCP rank computes a share of the vocabulary
         return logits if self.is_driver else None
 
-    def _group_batches(self, chunks, strategy, plan: StepPlan) -> list[StepBatch]:
+    def _replay(self, batch: StepBatch, plan: StepPlan) -> torch.Tensor | None:
+        """Hidden states of every row by one replay of the CUDA graph the plan chose (worker/cuda_graphs.py), or
+        None: the step runs eager."""
+        if plan.graph_bucket is not None:
+            return self.decode_graphs.run(batch)
+        if self.decode_graphs is not None and plan.path is StepPath.ONE_SHARD:
+            self.decode_graphs.note_eager(batch)  # why the plan chose no bucket for it (each reason logged once)
+        return None
+
+    def _group_batches(self, chunks, plan: StepPlan) -> list[StepBatch]:
         """The step laid out once per KV group, each with that group's block tables (a windowed group's freed
         entries are never read: its layers attend only in-window keys). Every tensor of the step (token ids,
         positions, all attention metadata) on this rank's device."""
@@ -178,8 +190,7 @@ class ModelRunner:
             group_chunks = chunks if g == 0 else tuple(
                 dataclasses.replace(chunk, block_table=chunk.group_table(g)) for chunk in chunks)
             batches.append(build_step_batch(group_chunks, self.layout, self.groups.pcp_size, self.groups.pcp_rank,
-                                            output_positions, device=self.device, non_blocking=True,
-                                            strategy=strategy, split_single_tokens=self.replicated, plan=plan))
+                                            output_positions, plan=plan, device=self.device, non_blocking=True))
         return batches
 
     def _verify_rows(self, chunks):
@@ -206,22 +217,6 @@ class ModelRunner:
             rows += [dataclasses.replace(chunk, token_ids=(token,), start_pos=chunk.start_pos + i, num_draft_tokens=0)
                      for i, token in enumerate(chunk.token_ids)]
         return tuple(rows)
-
-    def _plan(self, chunks) -> StepPlan:
-        """The step's path, decided here once (every later stage follows `AttentionMetadata.plan`): fused layers,
-        as a team or alone, where they take the step (faster than the compiled step: docs/benchmarks.md), else the
-        compiled step, else the eager layers' path for this layout."""
-        if any(len(chunk.token_ids) > 1 for chunk in chunks):
-            return StepPlan.PREFILL
-        fused = self.model.fused_decode
-        if fused is not None:
-            split = self.replicated and fused.team is None  # outside a team each PCP copy computes its own tokens
-            plan = fused.plan(len(chunks), *single_token_rows(len(chunks), self.groups.pcp_size,
-                                                                self.groups.pcp_rank, split,
-                                                                [c.request_id for c in chunks]))
-            if plan is not None:
-                return plan
-        return StepPlan.COMPILED if self.compiled_decode is not None else self.eager_decode_plan
 
     def _rows_kept(self, batch: StepBatch) -> torch.Tensor | None:
         """The rows the driver samples from, where the last layer can skip the others: one PCP rank (over PCP the
@@ -253,7 +248,7 @@ class ModelRunner:
                               compiled=self.compiled_decode is not None)
         kv = KVCapacity(num_blocks=self.num_blocks, block_size=self.config.cache.block_size, bytes=self.kv_bytes,
                         dtype=str(self.kv_caches[0][0].dtype).removeprefix("torch."), group_blocks=self.group_blocks)
-        devices = {self.device.type, *(k.device.type for k, _ in self.kv_caches),
+        devices = {self.device.type, *(cache[0].device.type for cache in self.kv_caches),
                    *(p.device.type for p in self.model.parameters())}
         return RankInfo(rank=self.groups.rank, devices=frozenset(devices), kv=kv, decode=decode)
 

@@ -10,7 +10,7 @@ union of its keys, a view built on its first use in a step and reused by every l
 
 from __future__ import annotations
 
-from cpllm.context_parallel import local_attention
+from cpllm.layers.gqa import local_attention
 from cpllm.kernels.decode_rows import store_rows_
 
 
@@ -20,6 +20,14 @@ def _store_kv(k_pool, v_pool, slots, k, v, rows) -> None:
         k_pool.index_copy_(0, slots, k.index_select(0, rows).to(k_pool.dtype))
     if not store_rows_(v_pool, slots, v, rows):
         v_pool.index_copy_(0, slots, v.index_select(0, rows).to(v_pool.dtype))
+
+
+def _rows_to_move(k, v):
+    return k, v  # K and V rows travel side by side
+
+
+def _rows_moved(parts):
+    return parts
 
 
 def _context_keys(k_pool, v_pool, slots, dtype):
@@ -34,8 +42,9 @@ class GQAPagedBackend:
     # The module's functions as they are (no wrapper frame on the per-layer path).
     store_kv = staticmethod(_store_kv)
     attend = staticmethod(local_attention.attend)
-    attend_scored = staticmethod(local_attention.attend_scored)
     context_keys = staticmethod(_context_keys)
+    rows_to_move = staticmethod(_rows_to_move)
+    rows_moved = staticmethod(_rows_moved)
     attend_decode = staticmethod(local_attention.attend_decode)
     attend_decode_whole = staticmethod(local_attention.attend_pooled_single_tokens)
     decode_context = staticmethod(local_attention.gather_decode_context)

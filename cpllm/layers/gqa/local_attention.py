@@ -1,4 +1,4 @@
-"""The GQA backend's implementations (gqa_backend.py): the C kernels, SDPA, the compiled-graph forms."""
+"""The GQA backend's implementations (backend.py): the C kernels, SDPA, the compiled-graph forms."""
 
 from __future__ import annotations
 
@@ -22,21 +22,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, caus
     out, lse = attention_with_lse(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
         scale=scale, causal=causal,
-    )
-    return out[0].transpose(0, 1), lse[0].transpose(0, 1)
-
-
-def attend_scored(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool = False,
-                  mask: torch.Tensor | None = None, softcap: float | None = None):
-    """`attend` with what the C kernel does not know: a bool keep-mask [L, S] (a sliding window's band, built
-    from positions) and/or logit soft-capping. SDPA with the mask where there is no soft-cap, else the float32
-    matmul path (scores, tanh, mask, log-sum-exp). Rows that see no key get (0, -inf)."""
-    # q [L, Hq, D], k/v [S, Hkv, D] -> out [L, Hq, D], lse [L, Hq]
-    if mask is not None:
-        mask = mask.to(q.device)[None, None]  # [1, 1, L, S]
-    out, lse = attention_with_lse(
-        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-        scale=scale, causal=causal, mask=mask, softcap=softcap,
     )
     return out[0].transpose(0, 1), lse[0].transpose(0, 1)
 

@@ -1,42 +1,27 @@
 """Grouped-query attention over the paged pools with the Triton kernels: the `AttentionBackend` of CUDA ranks.
 
-The same kind as `GQAPagedBackend` (gqa_backend.py), other kernels: decode rows read each request's slots in place
-(cpllm/kernels/triton_attention.py, split-K with an exact merge), a prefill chunk's cached context is read in
-place through its slot table and its own new keys causally (cpllm/kernels/triton_prefill.py). Every answer is the
-float32 (out, lse) partial the CP layer merges. What the kernels do not know (a window's mask or a soft-cap on
-prompt pieces: `attend_scored`; a soft-capped decode; pass-Q's gathered decode contexts; the shared-key view)
-runs the GQA backend's torch path on the same tensors, so every layer and layout runs, only slower there.
+The same kind as `GQAPagedBackend` (cpllm/layers/gqa/backend.py), other kernels: decode rows read each
+request's slots in place (cpllm/kernels/triton_attention.py, split-K with an exact merge), a prefill chunk's
+cached context is read in place through its slot table and its own new keys causally
+(cpllm/kernels/triton_prefill.py). Every answer is the float32 (out, lse) partial the CP layer merges. What the
+kernels do not know (a soft-capped decode; pass-Q's gathered decode contexts; the shared-key view) runs the GQA
+backend's torch path on the same tensors, so every layer and layout runs, only slower there. A window's masked or
+soft-capped prompt pieces never reach a backend (cpllm/layers/window/modifier.py).
 
 The kernels run where triton imports and the tensors are on CUDA, or on the CPU under Triton's interpreter
 (TRITON_INTERPRET=1, for the tests); anywhere else each call is the GQA backend's. `kind_for` is the choice of
-the default kind per device (the Llama family's `attention_backend(kind_for(ATTENTION_KIND, device))`).
+the default kind per device (choice.py).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from cpllm.context_parallel import local_attention
-from cpllm.context_parallel.gqa_backend import GQAPagedBackend
 from cpllm.kernels import triton_attention
 from cpllm.kernels.triton_attention import POOL_DTYPES, paged_decode_attention
 from cpllm.kernels.triton_prefill import prefill_attention
-
-ENV_SWITCH = "CPLLM_TRITON"
-"""Set to 0 to keep CUDA ranks on the GQA backend's SDPA path (read when a model is built)."""
-
-
-def kind_for(kind: str, device: torch.device | str | None = None) -> str:
-    """The backend kind a model of attention kind `kind` uses on `device` (None: the default device, which a
-    runner sets while it builds the model): "gqa-triton" for "gqa" on CUDA where triton imports (and
-    CPLLM_TRITON is not 0), else `kind` itself."""
-    device = torch.get_default_device() if device is None else torch.device(device)
-    if kind == "gqa" and device.type == "cuda" and os.environ.get(ENV_SWITCH, "1") != "0" \
-            and triton_attention.available():
-        return "gqa-triton"
-    return kind
+from cpllm.layers.gqa import local_attention
+from cpllm.layers.gqa.backend import GQAPagedBackend
 
 
 def runs_here(t: torch.Tensor) -> bool:
@@ -95,10 +80,6 @@ def _attend(q, k, v, scale: float, causal: bool):
     return prefill_attention(q, k, v, scale)
 
 
-def _attend_scored(q, k, v, scale: float, *, causal: bool = False, mask=None, softcap=None):
-    return _GQA.attend_scored(q, _tensor(k), _tensor(v), scale, causal=causal, mask=mask, softcap=softcap)
-
-
 def _context_keys(k_pool, v_pool, slots, dtype):
     if not runs_here(k_pool):
         return _GQA.context_keys(k_pool, v_pool, slots, dtype)
@@ -139,8 +120,9 @@ class TritonPagedBackend:
     name = "gqa-triton"
     store_kv = staticmethod(_GQA.store_kv)  # index_copy_: one launch per pool, capturable in a CUDA graph
     attend = staticmethod(_attend)
-    attend_scored = staticmethod(_attend_scored)
     context_keys = staticmethod(_context_keys)
+    rows_to_move = staticmethod(_GQA.rows_to_move)
+    rows_moved = staticmethod(_GQA.rows_moved)
     attend_decode = staticmethod(_attend_decode)
     attend_decode_whole = staticmethod(_attend_decode_whole)
     decode_context = staticmethod(_GQA.decode_context)  # pass-Q: contexts gathered once for several blocks

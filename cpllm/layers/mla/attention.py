@@ -14,13 +14,13 @@ Two exact forms:
   q_lat = (q_nope W_UK) | q_pe [N, H, r + rope], which attends the latent rows as multi-query attention (keys and
   values both the latent; its first r columns are the value); the output's first r columns times W_UV [H, v, r]
   per head are the heads' outputs. It reads the cache as it is, through PagedCPAttention with the MLA backend
-  (cpllm/context_parallel/mla_backend.py), under every plan the CP layer has.
+  (backend.py), under every plan the CP layer has.
 - expanded (the new tokens of a prefill step on one PCP rank, `_expanded_prefill`; `forward_expanded` runs a
   whole sequence this way, as the reference does): the keys and values of every head built from the latents
   (`expand`), attended with key width nope + rope and value width v. It wins for a chunk of many tokens (0.39 s
   against 0.52 s at 512 tokens, one layer of DeepSeek-V2-Lite's shape), the absorbed form for decode (about 40x
   at 2K context: it never expands the cache). A prefill step's cached context still goes through the CP layer
-  absorbed (`PagedCPAttention.context`), so under DCP the other ranks' heads meet this rank's latents.
+  absorbed (`PagedCPAttention.context_partial`), so under DCP the other ranks' heads meet this rank's latents.
 Interleaved rotary pairs are taken apart (evens, then odds) before the rotate-half rotary of cpllm/model/rope.py,
 in q and k alike, so their dot products are the reference's.
 TP splits the heads (q, kv_b_proj rows, o_proj columns); the latent projection and the cache are replicated.
@@ -34,10 +34,10 @@ import torch.nn.functional as F
 from cpllm.config_deepseek import MLAConfig
 from cpllm.context_parallel.attention import CPComm, PagedCPAttention
 from cpllm.context_parallel.backend import AttentionBackend
-from cpllm.context_parallel.merge import accumulator_dtype, merge_two
+from cpllm.context_parallel.merge import merge_two
 from cpllm.context_parallel.metadata import AttentionMetadata
-from cpllm.context_parallel.mla_backend import MLAPagedBackend
-from cpllm.context_parallel.plan import StepPlan
+from cpllm.layers.mla.backend import MLAPagedBackend
+from cpllm.context_parallel.plan import StepPath
 from cpllm.model.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, RowRange, TPShard
 from cpllm.model.loader import WeightSource
 from cpllm.model.rope import apply_rope
@@ -140,7 +140,7 @@ class MLAAttention(torch.nn.Module):
         q_lat = torch.cat((q_c, q_pe), dim=-1)  # [N, H, r + rope]
         latent = torch.cat((c.unsqueeze(1), k_pe), dim=-1)  # [N, 1, r + rope]
         pool = kv_cache[0]
-        if self.expanded_prefill and meta.plan is StepPlan.PREFILL and self.attn.comm.pcp_size == 1:
+        if self.expanded_prefill and meta.plan.path is StepPath.PREFILL and self.attn.comm.pcp_size == 1:
             heads_out = self._expanded_prefill(q_nope, q_pe, q_lat, latent, pool, meta)  # [N, H, v]
             if keep is not None:
                 if keep.numel() == 0:
@@ -170,25 +170,11 @@ class MLAAttention(torch.nn.Module):
             latent = latent.to(pool.dtype).to(latent.dtype)
         backend.store_kv(pool, pool, meta.write_slots, latent, latent, meta.write_rows)  # this rank's own rows
         q = torch.cat((q_nope, q_pe), dim=-1)  # [N, H, nope + rope]
-        n = q.shape[0]
-        out = torch.zeros(n, self.heads, self.mla.v_head_dim, dtype=accumulator_dtype(q.dtype), device=q.device)
-        lse = torch.full((n, self.heads), float("-inf"), dtype=torch.float32, device=q.device)
-        k_all = v_all = None
-        for request in meta.requests:
-            if request.num_new <= 1:
-                continue  # a single token attends its context, itself included (stored above)
-            if k_all is None:
-                k_all, v_all = self.expand(latent)  # [N, H, nope + rope], [N, H, v]
-            for chunk in request.local_chunks:
-                rows = slice(chunk.row, chunk.row + chunk.length)
-                own = request.new_kv_rows[chunk.new_start:chunk.new_start + chunk.length]
-                out[rows], lse[rows] = backend.attend(q[rows], k_all[own], v_all[own], self.scale, True)
-                if chunk.new_start > 0:
-                    before = request.new_kv_rows[:chunk.new_start]
-                    o_b, lse_b = backend.attend(q[rows], k_all[before], v_all[before], self.scale, False)
-                    out[rows], lse[rows] = merge_two(out[rows], lse[rows], o_b, lse_b)
+        # the new tokens' piece (a single token attends its context, itself included, stored above)
+        k_new, v_new = self.expand(latent)  # [N, H, nope + rope], [N, H, v]: a prefill step has several new tokens
+        out, lse = self.attn.new_token_partial(q, k_new, v_new, meta)  # [N, H, v] float32
         if meta.has_context:
-            o_ctx, lse_ctx = self.attn.context(q_lat, pool, pool, meta)  # [N, H, r + rope] float32
+            o_ctx, lse_ctx = self.attn.context_partial(q_lat, pool, pool, meta)  # [N, H, r + rope] float32
             out, lse = merge_two(out, lse, self._up_values(o_ctx[..., :r].float()), lse_ctx)
         return out.to(q.dtype)
 

@@ -2,9 +2,9 @@
 
 An MLA layer caches one latent row per token, shared by every head: the normalised compressed KV (kv_lora_rank
 values, r) and the rotated RoPE key (qk_rope_head_dim values), `r + rope` wide (576 for DeepSeek-V3). The pool is
-[num_slots, 1, r + rope]: one latent "head", replicated over TP (docs/architecture.md, "Attention backends").
+[num_slots, 1, r + rope]: one latent "head", replicated over TP (docs/architecture.md, "Adding a layer kind").
 
-Decode, and every step that reads cached latents, attends in the absorbed form (cpllm/model/mla_attention.py): the
+Decode, and every step that reads cached latents, attends in the absorbed form (attention.py): the
 key up-projection folded into each query head, so the queries are [N, H, r + rope] and attend the latents directly,
 multi-query attention with one KV head whose keys and values are the same latent rows. The value is the latent's
 first r columns; the layer keeps those columns of the output and applies the value up-projection per head after
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cpllm.context_parallel import local_attention
+from cpllm.layers.gqa import local_attention
 from cpllm.kernels.decode_rows import store_rows_
 
 
@@ -57,9 +57,12 @@ def _attend(q, k, v, scale: float, causal: bool):
     return _at_key_width(local_attention.attend, q, k, v, scale, causal)
 
 
-def _attend_scored(q, k, v, scale: float, *, causal: bool = False, mask=None, softcap=None):
-    # no MLA model has a window or a soft-cap today; the protocol's method, for completeness
-    return _at_key_width(local_attention.attend_scored, q, k, v, scale, causal=causal, mask=mask, softcap=softcap)
+def _rows_to_move(k, v):
+    return (k,)  # one latent row is both: it travels once
+
+
+def _rows_moved(parts):
+    return parts[0], parts[0]
 
 
 def _context_keys(k_pool, v_pool, slots, dtype):
@@ -73,8 +76,9 @@ class MLAPagedBackend:
     name = "mla"
     store_kv = staticmethod(_store_kv)
     attend = staticmethod(_attend)
-    attend_scored = staticmethod(_attend_scored)
     context_keys = staticmethod(_context_keys)
+    rows_to_move = staticmethod(_rows_to_move)
+    rows_moved = staticmethod(_rows_moved)
     attend_decode = staticmethod(local_attention.attend_decode)
     attend_decode_whole = staticmethod(local_attention.attend_pooled_single_tokens)
     decode_context = staticmethod(local_attention.gather_decode_context)

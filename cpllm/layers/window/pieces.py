@@ -1,5 +1,4 @@
-"""Sliding windows and logit soft-capping on the pieces of a CP attention (docs/context_parallel.md, "Windows,
-soft-capping and sinks").
+"""Sliding windows on the pieces of a CP attention (docs/context_parallel.md, "Windows, soft-capping and sinks").
 
 A window `W` is a mask on absolute positions: key position `j` is visible to query position `i` iff
 `i - W < j <= i` (transformers' sliding-window overlay). Every piece of a CP attention (a run of queries against a
@@ -13,38 +12,19 @@ tensor read):
 - whether the keys left are visible to every query left (no mask: the backend's fastest kernel), or need a band
   mask built from positions; a run longer than the window against itself goes in query blocks of unmasked
   calls (`_banded_run`).
-
-Soft-capping `c` (Gemma 2) rewrites every scaled score `s` as `c * tanh(s / c)` before the mask; the kernels do
-not know it, so a soft-capped piece always runs the backend's scored (math) path.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from cpllm.context_parallel.kv_layout import KVLayout
 
-
-@dataclass(kw_only=True, frozen=True, slots=True)
-class ScoreMods:
-    """What a layer changes in its attention scores (None: nothing of that kind)."""
-
-    window: int | None = None
-    """Sliding window W: query i sees keys i - W < j <= i."""
-    softcap: float | None = None
-    """Scores (after the scale) become softcap * tanh(score / softcap) before the mask."""
-
-    def __post_init__(self) -> None:
-        if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
-            raise ValueError(f"window must be an integer >= 1 (or None), got {self.window!r}")
-        if self.softcap is not None and not self.softcap > 0:
-            raise ValueError(f"softcap must be > 0 (or None), got {self.softcap!r}")
-
-    def first_visible(self, q_first: int) -> int:
-        """Smallest key position any query at or after position `q_first` can see (0 without a window)."""
-        return 0 if self.window is None else max(q_first - self.window + 1, 0)
+if TYPE_CHECKING:
+    from cpllm.layers.window.modifier import ScoreMods
 
 
 QUERY_BLOCK = 1024
@@ -197,16 +177,3 @@ def context_piece(layout: KVLayout, context_len: int, lo_base: int, q_first: int
         return None
     return _before(q_first, q_len, slice(lo - lo_base, hi - lo_base), layout.local_position(lo),
                    layout.local_position(hi - 1), lambda: local_positions(layout, lo, hi), mods.window)
-
-
-def attend_piece(backend, scale: float, mods: ScoreMods | None, q, k, v, piece: Piece):
-    """One piece on this rank -> (out, lse): the backend's plain `attend` (its fastest kernel) where neither a mask
-    nor a soft-cap applies, else its scored path."""
-    softcap = None if mods is None else mods.softcap
-    if piece.reverse:  # query t sees key s >= t: causal with both runs reversed, the output turned back
-        out, lse = attend_piece(backend, scale, mods, q.flip(0), k.flip(0), v.flip(0),
-                                Piece(piece.queries, piece.keys, True, None))
-        return out.flip(0), lse.flip(0)
-    if piece.mask is None and softcap is None:
-        return backend.attend(q, k, v, scale, piece.causal)
-    return backend.attend_scored(q, k, v, scale, causal=piece.causal, mask=piece.mask, softcap=softcap)

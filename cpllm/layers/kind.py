@@ -1,0 +1,25 @@
+"""The record a layer kind registers (torch-free): cpllm/layers/registry.py lists one per kind."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from cpllm.layers.cache_spec import CacheSpec
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class LayerKind:
+    """One kind of attention layer: what it serves, what it caches, which backends run it."""
+
+    name: str
+    """The kind's key (also its default backend's name)."""
+    serves: Callable[[Any], bool]
+    """Whether a ModelConfig's layers are of this kind (the registry asks the kinds in order; the last serves
+    every model)."""
+    cache_spec: Callable[..., CacheSpec]
+    """(model_config, *, window, kv_heads, element_bytes) -> one layer's CacheSpec on a rank holding `kv_heads`
+    KV heads (window: the layer's sliding window or None)."""
+    backends: dict[str, str] = field(default_factory=dict)
+    """Backend name -> "module:Class" of an `AttentionBackend` for this kind's pools, imported on first use (so the
+    registry itself imports no torch)."""

@@ -1,0 +1,48 @@
+"""The layer kinds and their backends (torch-free until a backend is asked for).
+
+Adding a kind is its package and one entry in `LAYER_KINDS` (docs/architecture.md, "Adding a layer kind")."""
+
+from __future__ import annotations
+
+import importlib
+
+from cpllm.layers import gqa, gqa_triton, mla
+from cpllm.layers.kind import LayerKind
+
+LAYER_KINDS: tuple[LayerKind, ...] = (
+    mla.KIND,
+    gqa.KIND,  # last: serves every model no kind before it claims
+)
+"""Every kind, asked in this order which one serves a model."""
+
+BACKENDS: dict = {name: path for kind in LAYER_KINDS for name, path in kind.backends.items()}
+BACKENDS.update(gqa_triton.BACKENDS)
+"""Backend name -> "module:Class" (imported on first use), or a factory (a test's stand-in kind)."""
+
+
+def kind_of(config) -> LayerKind:
+    """The kind of a ModelConfig's attention layers."""
+    for kind in LAYER_KINDS:
+        if kind.serves(config):
+            return kind
+    raise ValueError(f"no layer kind serves architecture {getattr(config, 'architecture', '?')!r}")
+
+
+def layer_kind(name: str) -> LayerKind:
+    """The kind registered as `name`."""
+    for kind in LAYER_KINDS:
+        if kind.name == name:
+            return kind
+    raise ValueError(f"no layer kind {name!r} (known: {', '.join(k.name for k in LAYER_KINDS)})")
+
+
+def attention_backend(name: str = "gqa"):
+    """A new instance of the backend registered as `name` (its module imported on first use)."""
+    try:
+        target = BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"no attention backend {name!r} (known: {', '.join(sorted(BACKENDS))})") from None
+    if callable(target):
+        return target()
+    module, cls = target.split(":")
+    return getattr(importlib.import_module(module), cls)()
