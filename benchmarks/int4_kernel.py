@@ -3,7 +3,7 @@
     python benchmarks/int4_kernel.py --json benchmarks/results/int4_kernel.json
 
 Both sides are `Int4Linear` layers holding the same random 4-bit groups, one built for each backend
-(cpllm/model/quant_kernels.py): `vnni` (cpllm/kernels/int4_matmul.c) and `aten` (`_weight_int4pack_mm_for_cpu`,
+(cpllm/model/formats/group_kernels.py): `vnni` (cpllm/kernels/int4_matmul.c) and `aten` (`_weight_int4pack_mm_for_cpu`,
 bfloat16 activations). Per layer: the fused q|k|v (960 x 576), o (576 x 576), gate|up (3,072 x 576) and down
 (576 x 1,536) projections; 30 layers with their own weights, so they stream from memory as in a decode step. Rows
 of x: 1 (batch-1 decode), 16 (a 16-request decode step) and 512 (a prefill chunk). `error` is each side's output
@@ -22,8 +22,8 @@ import torch
 from cpllm.bench.common import machine_info
 from cpllm.bench.report import print_table, write_json
 from cpllm.kernels import int4_matmul
-from cpllm.model.quant_groups import quantize_int4
-from cpllm.model.quant_kernels import Int4Linear
+from cpllm.model.formats.groups import quantize_int4
+from cpllm.model.formats.group_kernels import Int4Linear
 
 LAYERS = 30
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]

@@ -143,7 +143,7 @@ def quality_section(results: Results, images: str, rel: str) -> list[str]:
               f"log-likelihood of a fixed {data['text_tokens']}-token English text: mean per-token log-probability, "
               "its mean (signed and absolute) difference from `none` on the same token ids, and perplexity. "
               "`int8` and `int4` quantize float-stored linear weights at load and run GGUF blocks as stored "
-              "(cpllm/model/quant_plan.py): on this file, whose every linear is Q4_1, they run the same int4 "
+              "(cpllm/model/formats/plan.py): on this file, whose every linear is Q4_1, they run the same int4 "
               "blocks as `auto` and differ from it only in the LM head, which they keep in float32 where `auto` "
               "runs the tied Q8_0 rows in the int8 kernel and recomputes each row's best 16 logits exactly.", ""]
     for note in data.get("notes", []):

@@ -17,6 +17,7 @@ from cpllm.config_moe import MOE_ARCHITECTURES, MoEConfig
 from cpllm.config_speculative import SpeculativeConfig
 from cpllm.config_rope import resolve_rope_scaling, rope_context_length
 from cpllm.distributed.parallel_dims import KV_CACHE_LAYOUTS, REPLICATED, SHARDED, ParallelDims
+from cpllm.model.formats.modes import QUANTIZATION_CHOICES, quantization_mode
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            *MOE_ARCHITECTURES, *GEMMA_ARCHITECTURES, *DEEPSEEK_MOE_ARCHITECTURES)
@@ -31,10 +32,10 @@ round the ring (pass-Q), or chosen per step from the step's sizes (auto; see doc
 COLLECTIVE_TRANSPORTS = ("auto", "gloo")
 """auto: collectives between ranks on one host go through shared memory (CPU, gloo backend), others through
 the backend; gloo: always through torch.distributed's backend (to compare, or where /dev/shm is unusable)."""
-QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
-"""How weights run (vLLM's `quantization`): auto = a GGUF file's Q4_0 / Q4_1 / Q4_K / Q8_0 tensors as stored, the
-rest dequantized; none = everything dequantized to `dtype`; int8 / int4 = float weights also quantized at load
-(cpllm/model/quant_plan.py has the table)."""
+# QUANTIZATION_CHOICES: how weights run (vLLM's `quantization`), the keys of the mode table
+# (cpllm/model/formats/modes.py): auto = a GGUF file's Q4_0 / Q4_1 / Q4_K / Q8_0 tensors as stored, the rest
+# dequantized; none = everything dequantized to `dtype`; int8 / int4 = float weights also quantized at load
+# (cpllm/model/formats/plan.py has the table).
 DEFAULT_QUANTIZATION = "auto"
 """The default of `quantization` everywhere (LLM, the CLI, ModelConfig): a GGUF file's quantized tensors run as
 stored; a floating-point checkpoint is unaffected. Comparisons with transformers ask for "none" (the exact path)."""
@@ -112,8 +113,7 @@ class ModelConfig:
     model from this config alone; checks that need the parallel layout are in EngineConfig."""
 
     def __post_init__(self) -> None:
-        if self.quantization not in QUANTIZATION_CHOICES:
-            raise ValueError(f"quantization={self.quantization!r}; choose one of {QUANTIZATION_CHOICES}")
+        quantization_mode(self.quantization)  # a ValueError naming the value and QUANTIZATION_CHOICES
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"unsupported architecture {self.architecture!r}; "
@@ -356,7 +356,7 @@ def check_quantized_widths(model: ModelConfig, tp: int) -> None:
     only known when the file is read).
     """
     mode = model.quantization
-    if mode not in ("int8", "int4"):
+    if quantization_mode(mode).float_weights == "float":  # auto and none quantize nothing at load
         return
     in_widths = {
         "hidden_size (input of q/k/v, gate/up and the LM head)": model.hidden_size,

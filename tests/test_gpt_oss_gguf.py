@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from cpllm import LLM
 from cpllm.model.gguf_gpt_oss import hf_mxfp4_blocks
 from cpllm.model.gguf_source import GGUFSource
-from cpllm.model.mxfp4 import dequantize_mxfp4
+from cpllm.model.formats.mxfp4 import dequantize_mxfp4
 from cpllm.model.safetensors_source import read_hf_config
 from parallel_helpers import (
     MODEL_SEED,

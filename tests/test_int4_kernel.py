@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from cpllm.kernels import int4_matmul
-from cpllm.model.quant_groups import Int4Groups, quantize_int4
-from cpllm.model.quant_kernels import Int4Linear
+from cpllm.model.formats.groups import Int4Groups, quantize_int4
+from cpllm.model.formats.group_kernels import Int4Linear
 
 pytestmark = pytest.mark.skipif(not int4_matmul.available(), reason="no AVX-512 VNNI kernel on this machine")
 

@@ -1,4 +1,4 @@
-"""The linear methods (cpllm/model/linear_methods/): each weight format multiplies as the plain float weight it
+"""The linear methods (cpllm/model/formats/): each weight format multiplies as the plain float weight it
 holds, answers the fused layer's and the MLP split's questions itself, and the layers pick them from the plan."""
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ from gguf import GGMLQuantizationType as QType
 import tiny_models as tm  # tests/ is on sys.path under pytest
 from cpllm.context_parallel.attention import CPComm
 from cpllm.kernels import int4_matmul
-from cpllm.model import packed_weights
+from cpllm.model.formats import packed_weights
 from cpllm.model.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, RowRange, TPShard,
                                 VocabParallelEmbedding)
-from cpllm.model.linear_methods import (ConcatenatedWeights, FloatHead, FloatWeight, GroupedWeight, OneDNNWeight,
+from cpllm.model.formats.methods import (ConcatenatedWeights, FloatHead, FloatWeight, GroupedWeight, OneDNNWeight,
                                         RefinedInt8Rows, StoredInt8Rows)
 from cpllm.model.llama import LlamaForCausalLM
 from cpllm.model.loader import open_weights
-from cpllm.model.quant_groups import quantize_int4, quantize_int8
-from cpllm.model.quant_kernels import Int4Linear
-from cpllm.model.quant_report import weight_bytes
+from cpllm.model.formats.groups import quantize_int4, quantize_int8
+from cpllm.model.formats.group_kernels import Int4Linear
+from cpllm.model.formats.report import weight_bytes
 
 
 class GroupedSource:

@@ -1,4 +1,4 @@
-"""The MXFP4 dequantizer (cpllm/model/mxfp4.py) against transformers' own (integrations/mxfp4.py), on random
+"""The MXFP4 dequantizer (cpllm/model/formats/mxfp4.py) against transformers' own (integrations/mxfp4.py), on random
 blocks holding every byte value, and the quantizer / int8-group forms built on it."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpllm.model.mxfp4 import FP4_MAGNITUDES, dequantize_mxfp4, int4_groups, int8_groups, quantize_mxfp4
+from cpllm.model.formats.mxfp4 import FP4_MAGNITUDES, dequantize_mxfp4, int4_groups, int8_groups, quantize_mxfp4
 
 
 def random_blocks(experts: int, rows: int, groups: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,14 +35,14 @@ from cpllm.engine.llm import build_engine_config
 from cpllm.engine_args import engine_kwargs
 from cpllm.model.default_model import default_model_path
 from cpllm.model.layers import TPShard
-from cpllm.model.linear_methods import FloatWeight, GroupedWeight
+from cpllm.model.formats.methods import FloatWeight, GroupedWeight
 from cpllm.model.llama import LlamaForCausalLM
 from cpllm.model.loader import open_weights
-from cpllm.model.quant_gguf import decode_int4_blocks
-from cpllm.model.quant_groups import Int4Groups, quantize_int4, quantize_int8
-from cpllm.model.quant_kernels import Int4Linear
-from cpllm.model.quant_lm_head import REFINED, RefinedInt8Head
-from cpllm.model.quant_plan import embedding_plan, lm_head_plan, plan_packed, wanted_plan
+from cpllm.model.formats.gguf_blocks import decode_int4_blocks
+from cpllm.model.formats.groups import Int4Groups, quantize_int4, quantize_int8
+from cpllm.model.formats.group_kernels import Int4Linear
+from cpllm.model.formats.refined_head import REFINED, RefinedInt8Head
+from cpllm.model.formats.plan import embedding_plan, lm_head_plan, plan_packed, wanted_plan
 
 FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K"}
 GROUPED = FOUR_BIT | {"Q8_0"}
@@ -111,7 +111,7 @@ def test_q4_k_decoding_against_gguf_on_random_blocks():
 
 
 BACKENDS = ["vnni", "aten"]
-"""The int4 kernels a layer can run on (cpllm/model/quant_kernels.py); vnni where this CPU has it."""
+"""The int4 kernels a layer can run on (cpllm/model/formats/group_kernels.py); vnni where this CPU has it."""
 
 
 @pytest.fixture(params=BACKENDS)

@@ -10,7 +10,7 @@ width 32, top-2. What the family adds is made to matter on these shapes:
   choices win by clear margins and rounding differences between layouts never flip one.
 
 `save_mxfp4_folder` writes the same model with its experts in the released checkpoints' MXFP4 form
-(`*_blocks` / `*_scales`, quantized by cpllm/model/mxfp4.py), and returns the weights those blocks dequantize to,
+(`*_blocks` / `*_scales`, quantized by cpllm/model/formats/mxfp4.py), and returns the weights those blocks dequantize to,
 so a test can run transformers on exactly what the engine should load.
 """
 
@@ -87,7 +87,7 @@ def save_mxfp4_folder(folder: str, *, seed: int = 0, **overrides: Any) -> dict[s
     Returns {float tensor name: the [E, in, out] weight the blocks dequantize to}."""
     from safetensors.torch import load_file, save_file
 
-    from cpllm.model.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+    from cpllm.model.formats.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
     save_tiny_gpt_oss(folder, seed=seed, **overrides)
     path = os.path.join(folder, "model.safetensors")

@@ -1,7 +1,7 @@
 """4-bit grouped weights times activations quantized to int8 per group (cpllm/kernels/int4_matmul.c, AVX-512 VNNI).
 
 `available()` says whether the kernel was built for this CPU; where it was not, the int4 layers run aten's int4
-kernel instead (cpllm/model/quant_kernels.py). `pack` lays a weight out once at load; `int4_matmul` is the
+kernel instead (cpllm/model/formats/group_kernels.py). `pack` lays a weight out once at load; `int4_matmul` is the
 matmul, a torch custom op so a compiled decode graph calls it without a graph break. An activation width or an
 output count that the packed weight does not hold raises ValueError naming both.
 

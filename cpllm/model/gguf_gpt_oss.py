@@ -32,7 +32,7 @@ from gguf.quants import dequantize
 
 from cpllm.model.gguf_file import StoredTensor
 from cpllm.model.loader import resolve_slice
-from cpllm.model.mxfp4 import BLOCK
+from cpllm.model.formats.mxfp4 import BLOCK
 
 GPT_OSS_GGUF_ARCH = "gpt-oss"
 SWIGLU_LIMIT = 7.0

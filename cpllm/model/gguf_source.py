@@ -6,7 +6,7 @@ Three things differ from a Hugging Face checkpoint:
   dequantizes them, and a row slice dequantizes only its rows, since a
   quantization block never crosses a row; `get_int4_groups` / `get_int8_groups`
   hand Q4_0 / Q4_1 / Q4_K / Q8_0 blocks out as codes and scales instead
-  (cpllm/model/quant_gguf.py);
+  (cpllm/model/formats/gguf_blocks.py);
 - Llama q/k rows: llama.cpp's converter reorders the rows of each head from
   "first half, second half" (HF's rotate-half rotary) to interleaved pairs
   (its own rotary). Reading undoes that so the rows match HF again. Qwen2 is
@@ -38,7 +38,7 @@ from cpllm.model.gguf_gpt_oss import (
 )
 from cpllm.model.gguf_moe import gguf_moe_config, hf_architecture, moe_hf_names
 from cpllm.model.loader import resolve_slice
-from cpllm.model.quant_gguf import (
+from cpllm.model.formats.gguf_blocks import (
     INT4_GGUF_TYPES,
     INT8_GGUF_TYPES,
     block_bytes,
@@ -46,7 +46,7 @@ from cpllm.model.quant_gguf import (
     decode_int4_blocks,
     decode_int8_blocks,
 )
-from cpllm.model.quant_groups import Int4Groups, Int8Groups
+from cpllm.model.formats.groups import Int4Groups, Int8Groups
 
 _Q = GGMLQuantizationType
 SUPPORTED_TENSOR_TYPES = frozenset(

@@ -8,16 +8,17 @@ As transformers computes it (models/gpt_oss/modeling_gpt_oss.py):
   up interleaved along the last axis (gate = [..., ::2], up = [..., 1::2]), its bias [E, 2I] likewise,
   `experts.down_proj` [E, I, hidden] and its bias [E, hidden]. With g = min(gate, limit) and
   u = clamp(up, -limit, limit) an expert computes ((u + 1) * g * sigmoid(alpha * g)) @ down + down_bias.
-  The released checkpoints store both weights as MXFP4 blocks (`*_blocks`, `*_scales`; cpllm/model/mxfp4.py).
+  The released checkpoints store both weights as MXFP4 blocks (`*_blocks`, `*_scales`; cpllm/model/formats/mxfp4.py).
 Placement: expert-TP gives a rank rows [r0, r1) of every expert's intermediate dimension, i.e. the interleaved
 columns [2 r0, 2 r1) of gate_up and its bias, and rows [r0, r1) of down; the down bias is one per expert, so only
 MoE group rank 0 adds it (the partials are summed over the group). Expert parallel: whole experts, biases with
 them.
 
-MXFP4 experts under a quantization mode other than none run in the int4 kernel (cpllm/model/quant_kernels.py),
-per expert, from the stored blocks (`mxfp4_plan`): int8 = the exact 8-bit form of the blocks (two 4-bit halves,
-twice the kernel's work), int4 = the blocks re-quantized to even 4-bit levels (lossy), auto = AUTO_MXFP4_FORMAT.
-Float checkpoints keep float experts in every mode, as the other MoE families do.
+MXFP4 experts under a quantization mode other than none run in the int4 kernel, per expert, from the stored blocks
+(the plan: cpllm/model/formats/plan.py, `experts_plan`; the format's expert method: formats/experts.py): int8 =
+the exact 8-bit form of the blocks (two 4-bit halves, twice the kernel's work), int4 = the blocks re-quantized to
+even 4-bit levels (lossy), auto = the mode table's choice for MXFP4 (formats/modes.py, int8). Float checkpoints
+keep float experts in every mode, as the other MoE families do.
 """
 
 from __future__ import annotations
@@ -25,20 +26,14 @@ from __future__ import annotations
 import torch
 
 from cpllm.config import QUANT_GROUP, ModelConfig
-from cpllm.model import packed_weights
+from cpllm.model.formats.experts import MXFP4Weight
+from cpllm.model.formats.loading import load_experts
+from cpllm.model.formats.mxfp4 import dequantize_mxfp4
+from cpllm.model.formats.plan import MXFP4_STORAGE, WeightPlan, experts_plan
 from cpllm.model.loader import WeightSource
 from cpllm.model.moe import SparseMoEBlock
 from cpllm.model.moe_experts import LocalExperts
 from cpllm.model.moe_placement import ExpertSlice, MoEShard, expert_slice
-from cpllm.model.mxfp4 import dequantize_mxfp4, int4_groups, int8_groups
-from cpllm.model.quant_kernels import Int4Linear
-from cpllm.model.quant_plan import NOT_QUANTIZED, WeightPlan
-
-AUTO_MXFP4_FORMAT = "int8"
-"""What MXFP4 experts run as under quantization=auto: the blocks' exact 8-bit form. Measured on the tiny model
-against its dequantized float run (tests/test_gpt_oss_vs_hf.py): prompt logprobs moved 0.0064 at most (0.001 on
-average; the kernel rounds activations to int8), where the re-quantized int4 form moved them up to 0.21 (0.04 on
-average) and changed every greedy continuation."""
 
 
 class TopKSoftmaxRouter(torch.nn.Module):
@@ -71,36 +66,45 @@ def read_expert(source: WeightSource, name: str, expert: int, dtype: torch.dtype
     return source.get(name, dim=0, start=expert, end=expert + 1, dtype=dtype)[0]
 
 
-def mxfp4_plan(mode: str, source: WeightSource, name: str, in_widths: tuple[int, ...], cpu: bool) -> WeightPlan:
-    """The format of an expert weight `name` whose inputs on this rank are `in_widths` wide (gate|up, down)."""
-    if mode == "none":
-        return NOT_QUANTIZED
-    if not source.has(f"{name}_blocks"):
-        return WeightPlan("float", "stored as floats: routed experts run in the model dtype")
-    if not cpu:
-        return WeightPlan("float", "stored MXFP4, dequantized: the int4 kernel runs on CPU only")
-    if any(width % QUANT_GROUP for width in in_widths):
-        return WeightPlan("float", f"stored MXFP4, dequantized: an input width of {in_widths} on this rank is not a "
-                                   f"multiple of {QUANT_GROUP}")
-    fmt = AUTO_MXFP4_FORMAT if mode == "auto" else mode
-    how = "its exact 8-bit form" if fmt == "int8" else "re-quantized to 4-bit groups"
-    return WeightPlan(fmt, f"stored MXFP4, run as {how}")
-
-
 def _mxfp4_rows(source: WeightSource, name: str, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
     # one expert's blocks [out, G, 16] and scales [out, G]
     blocks = source.get(f"{name}_blocks", dim=0, start=expert, end=expert + 1, dtype=torch.uint8)[0]
     return blocks, source.get(f"{name}_scales", dim=0, start=expert, end=expert + 1, dtype=torch.uint8)[0]
 
 
-def _kernel(fmt: str, blocks: torch.Tensor, scales: torch.Tensor) -> Int4Linear:
-    if fmt == "int8":
-        return Int4Linear.from_int8(int8_groups(blocks, scales))
-    return Int4Linear(int4_groups(blocks, scales))
+class StackedExperts:
+    """The ExpertReader of GPT-OSS's stacked expert tensors (`experts.gate_up_proj`, `experts.down_proj`, or their
+    MXFP4 `_blocks` / `_scales`): this rank's rows of every held expert, gate|up de-interleaved."""
+
+    def __init__(self, source: WeightSource, gate_up_name: str, down_name: str, held: ExpertSlice):
+        self.source, self.gate_up_name, self.down_name, self.held = source, gate_up_name, down_name, held
+
+    def quantized_storage(self) -> str | None:
+        """MXFP4_STORAGE where the experts are stored as blocks, None for float tensors."""
+        return MXFP4_STORAGE if self.source.has(f"{self.gate_up_name}_blocks") else None
+
+    def fill_floats(self, expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        held, e = self.held, self.held.first_expert + expert
+        cols = slice(2 * held.row_start, 2 * held.row_end)  # this rank's rows, still interleaved
+        w = read_expert(self.source, self.gate_up_name, e, gate_up.dtype)[:, cols]  # [hidden, 2 rows]
+        gate_up.copy_(torch.cat((w[:, 0::2], w[:, 1::2]), dim=1))
+        down.copy_(read_expert(self.source, self.down_name, e, down.dtype)[held.row_start : held.row_end])
+
+    def mxfp4(self, expert: int) -> tuple[MXFP4Weight, MXFP4Weight]:
+        """Expert `expert`'s gate|up (this rank's rows, de-interleaved) and down (its input groups) as stored."""
+        held, e = self.held, self.held.first_expert + expert
+        blocks, scales = _mxfp4_rows(self.source, self.gate_up_name, e)  # [2I, G, 16]: output rows interleaved
+        rows = torch.arange(2 * held.row_start, 2 * held.row_end)
+        order = torch.cat((rows[0::2], rows[1::2]))  # gate rows, then up rows
+        gate_up = MXFP4Weight(blocks=blocks[order], scales=scales[order])
+        blocks, scales = _mxfp4_rows(self.source, self.down_name, e)  # [hidden, I / 32, 16]
+        groups = slice(held.row_start // QUANT_GROUP, held.row_end // QUANT_GROUP)
+        return gate_up, MXFP4Weight(blocks=blocks[:, groups], scales=scales[:, groups])
 
 
 class GptOssExperts(LocalExperts):
-    """The held experts (LocalExperts' grouped matmuls and oneDNN packing), with biases and the clamped SwiGLU.
+    """The held experts (LocalExperts' expert method, in the format the plan picks), with biases and the clamped
+    SwiGLU.
 
     gate|up are held de-interleaved, [gate rows | up rows] as LocalExperts holds them, so the activation reads two
     contiguous halves."""
@@ -111,9 +115,6 @@ class GptOssExperts(LocalExperts):
         super().__init__(prefix, ("gate_up_proj", "gate_up_proj", "down_proj"), hidden, held, dtype)
         self.limit, self.alpha, self.adds_down_bias = limit, alpha, down_bias
         self.quantization, self.hidden = quantization, hidden
-        self.quantized: torch.nn.ModuleList | None = None
-        """Once loaded from MXFP4 blocks in a quantized format: per expert [gate|up, down] int4 kernels (the float
-        parameters are then dropped)."""
         self.plans: list[tuple[str, WeightPlan]] = []
         """(tensor name, plan) for the start-up log."""
         n, rows = held.num_experts, held.rows
@@ -121,61 +122,20 @@ class GptOssExperts(LocalExperts):
         self.down_bias = torch.nn.Parameter(torch.zeros(n, hidden, dtype=dtype), requires_grad=False)
 
     def load(self, source: WeightSource) -> None:
-        held, dtype = self.held, self.gate_up.dtype
+        held, dtype = self.held, self.dtype
         cols = slice(2 * held.row_start, 2 * held.row_end)  # this rank's rows, still interleaved
         gate_up_name, down_name = f"{self.prefix}.experts.gate_up_proj", f"{self.prefix}.experts.down_proj"
-        plan = mxfp4_plan(self.quantization, source, gate_up_name, (self.hidden, held.rows),
-                          self.gate_up.device.type == "cpu")
+        reader = StackedExperts(source, gate_up_name, down_name, held)
+        plan = experts_plan(self.quantization, reader.quantized_storage(), (self.hidden, held.rows),
+                            cpu=self.gate_up_bias.device.type == "cpu")
         self.plans = [(gate_up_name, plan), (down_name, plan)]
-        kernels = []
         for i in range(held.num_experts):
             e = held.first_expert + i
             b = source.get(f"{gate_up_name}_bias", dim=0, start=e, end=e + 1, dtype=dtype)[0, cols]
             self.gate_up_bias[i] = torch.cat((b[0::2], b[1::2]))
             if self.adds_down_bias:
                 self.down_bias[i] = source.get(f"{down_name}_bias", dim=0, start=e, end=e + 1, dtype=dtype)[0]
-            if plan.format != "float":
-                kernels.append(self._load_kernels(source, plan.format, gate_up_name, down_name, e))
-                continue
-            w = read_expert(source, gate_up_name, e, dtype)[:, cols]  # [hidden, 2 rows]
-            self.gate_up[i] = torch.cat((w[:, 0::2], w[:, 1::2]), dim=1)
-            self.down[i] = read_expert(source, down_name, e, dtype)[held.row_start : held.row_end]
-        if kernels:
-            self.quantized = torch.nn.ModuleList(torch.nn.ModuleList(pair) for pair in kernels)
-            self.gate_up = self.down = None
-        elif packed_weights.packs(dtype, self.gate_up.device):
-            self.packed = [(packed_weights.pack(self.gate_up[i].t()), packed_weights.pack(self.down[i].t()))
-                           for i in range(held.num_experts)]
-            self.gate_up = self.down = None
-
-    def _load_kernels(self, source: WeightSource, fmt: str, gate_up_name: str, down_name: str, expert: int
-                      ) -> tuple[Int4Linear, Int4Linear]:
-        """Expert `expert`'s gate|up (this rank's rows, de-interleaved) and down (its input groups) from the
-        stored blocks, each one int4 kernel."""
-        held = self.held
-        blocks, scales = _mxfp4_rows(source, gate_up_name, expert)  # [2I, G, 16]: output rows interleaved
-        rows = torch.arange(2 * held.row_start, 2 * held.row_end)
-        order = torch.cat((rows[0::2], rows[1::2]))  # gate rows, then up rows
-        gate_up = _kernel(fmt, blocks[order], scales[order])
-        blocks, scales = _mxfp4_rows(source, down_name, expert)  # [hidden, I / 32, 16]
-        groups = slice(held.row_start // QUANT_GROUP, held.row_end // QUANT_GROUP)
-        return gate_up, _kernel(fmt, blocks[:, groups], scales[:, groups])
-
-    @property
-    def nbytes(self) -> int:
-        if self.quantized is None:
-            return super().nbytes
-        return sum(b.numel() * b.element_size() for b in self.quantized.buffers())
-
-    def plain_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.quantized is not None:
-            raise ValueError("experts held in the int4 kernel have no plain float weights")
-        return super().plain_weights()
-
-    def _expert(self, e: int, x: torch.Tensor, which: int) -> torch.Tensor:
-        if self.quantized is not None:
-            return self.quantized[e][which](x.contiguous())
-        return super()._expert(e, x, which)
+        self.method = load_experts(reader, self.method, plan)
 
     def activation(self, h: torch.Tensor) -> torch.Tensor:
         # h [count, 2 rows] = gate | up (bias added) -> [count, rows], written over the gate half
@@ -200,8 +160,8 @@ class GptOssExperts(LocalExperts):
         for e, count in enumerate(counts):
             if count:
                 mine = tokens[start : start + count]
-                h = self._expert(e, x.index_select(0, mine), 0).add_(self.gate_up_bias[e])  # [count, 2 rows]
-                y = self._expert(e, self.activation(h), 1)  # [count, hidden]
+                h = self.method.matmul(e, x.index_select(0, mine), 0).add_(self.gate_up_bias[e])  # [count, 2 rows]
+                y = self.method.matmul(e, self.activation(h), 1)  # [count, hidden]
                 if self.adds_down_bias:
                     y.add_(self.down_bias[e])
                 out.index_add_(0, mine, y.mul_(scale[start : start + count]))

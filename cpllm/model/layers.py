@@ -1,9 +1,10 @@
 """Tensor-parallel building blocks: each layer receives its TP group and loads only its own shard.
 
 These layers hold the tensor-parallel logic (which rows or columns of which stored tensors a rank holds, the
-bias, the collectives). The weight is a linear method (cpllm/model/linear_methods/), one object per format,
-picked at load from the engine's `quantization` mode and how each tensor is stored (cpllm/model/quant_plan.py);
-the layers record each tensor's plan in `plans` for the start-up log. With "none" every weight is plain float.
+bias, the collectives). The weight is a method of its weight format (cpllm/model/formats/), built at load by the
+format the plan picks from the engine's `quantization` mode and how each tensor is stored (formats/plan.py,
+formats/registry.py); the layers record each tensor's plan in `plans` for the start-up log. With "none" every
+weight is plain float.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ import torch.nn.functional as F
 from cpllm.distributed.comm import all_gather, all_reduce
 from cpllm.distributed.groups import PCPSplit
 from cpllm.kernels.rms_norm import rms_norm
-from cpllm.model.linear_methods import (EmbeddingRows, FloatHead, FloatRows, FloatWeight, FusedWeight, HeadMethod,
-                                        LinearMethod, load_embedding, load_head, load_linear)
+from cpllm.model.formats.methods import (EmbeddingRows, FloatHead, FloatRows, FloatWeight, FusedWeight, HeadMethod,
+                                         LinearMethod, load_embedding, load_head, load_linear)
+from cpllm.model.formats.plan import WeightPlan
 from cpllm.model.loader import WeightSource
-from cpllm.model.quant_plan import WeightPlan
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -169,7 +170,7 @@ class VocabParallelEmbedding(torch.nn.Module):
 
 class ParallelLMHead(torch.nn.Module):
     """Logits over this rank's vocabulary rows, gathered over TP for sampling (the model dtype, or a Q8_0 head's
-    int8 rows with each row's best logits refined in float32: cpllm/model/quant_plan.py)."""
+    int8 rows with each row's best logits refined in float32: cpllm/model/formats/plan.py)."""
 
     def __init__(self, embedding: VocabParallelEmbedding | None, name: str, vocab_size: int, hidden: int,
                  tp: TPShard, dtype: torch.dtype, quantization: str = "none", pcp: PCPSplit | None = None):

@@ -21,7 +21,7 @@ Face layout, so the model code never knows which file format it came from:
 tensor-parallel rank reads its shard without holding every shard at once.
 `storage_type(name)` says how a tensor is stored, and `get_int4_groups` /
 `get_int8_groups` hand out a GGUF file's Q4 / Q8_0 blocks as codes and scales, so
-they run as stored (cpllm/model/quant_plan.py decides which weights do).
+they run as stored (cpllm/model/formats/plan.py decides which weights do).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 from cpllm.config import ModelConfig
 
 if TYPE_CHECKING:
-    from cpllm.model.quant_groups import Int4Groups, Int8Groups
+    from cpllm.model.formats.groups import Int4Groups, Int8Groups
 
 
 @runtime_checkable

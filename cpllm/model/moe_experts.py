@@ -2,8 +2,9 @@
 
 Token-expert pairs are sorted by expert; each held expert gathers its run of tokens, multiplies them (one matmul
 for gate|up, one for down), and adds the weighted results back to their tokens with index_add. The output is
-this rank's partial sum; the MoE block (moe.py) sums the partials over the MoE group. On the CPU the loaded
-weights are repacked for oneDNN's matmul (packed_weights.py), which replaces the plain copy.
+this rank's partial sum; the MoE block (moe.py) sums the partials over the MoE group. The weights are one expert
+method of their format (cpllm/model/formats/experts.py): float here, repacked on the CPU for oneDNN's matmul
+(formats/packed_weights.py), which replaces the plain copy.
 """
 
 from __future__ import annotations
@@ -12,9 +13,33 @@ import torch
 import torch.nn.functional as F
 
 from cpllm.kernels.decode_rows import silu_mul
-from cpllm.model import packed_weights
+from cpllm.model.formats.experts import ExpertMethod, FloatExperts, MXFP4Weight
+from cpllm.model.formats.loading import load_experts
 from cpllm.model.loader import WeightSource
 from cpllm.model.moe_placement import ExpertSlice
+
+
+class ExpertTensors:
+    """The ExpertReader of one expert per stored tensor (`{prefix}.experts.{e}.{gate|up|down}.weight`, HF layout)."""
+
+    def __init__(self, source: WeightSource, prefix: str, names: tuple[str, str, str], held: ExpertSlice):
+        self.source, self.prefix, self.names, self.held = source, prefix, names, held
+
+    def fill_floats(self, expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        held, rows = self.held, self.held.rows
+        name = f"{self.prefix}.experts.{held.first_expert + expert}"
+        gate, up, down_name = self.names
+        for j, proj in enumerate((gate, up)):  # HF [I, hidden]: our rows of it
+            w = self.source.get(f"{name}.{proj}.weight", dim=0, start=held.row_start, end=held.row_end,
+                                dtype=gate_up.dtype)
+            gate_up[:, j * rows : (j + 1) * rows] = w.t()
+        # HF down [hidden, I]: the same rows, as its columns
+        w = self.source.get(f"{name}.{down_name}.weight", dim=1, start=held.row_start, end=held.row_end,
+                            dtype=down.dtype)
+        down.copy_(w.t())
+
+    def mxfp4(self, expert: int) -> tuple[MXFP4Weight, MXFP4Weight]:
+        raise ValueError(f"experts of {self.prefix} are stored one tensor per expert in a float type, not as MXFP4")
 
 
 class LocalExperts(torch.nn.Module):
@@ -24,48 +49,20 @@ class LocalExperts(torch.nn.Module):
                  dtype: torch.dtype):
         super().__init__()
         self.prefix, self.names, self.held = prefix, names, held
-        n, rows = held.num_experts, held.rows
-        # Stored transposed ([in, out]) like the dense layers: x @ W
-        self.gate_up = torch.nn.Parameter(torch.empty(n, hidden, 2 * rows, dtype=dtype), requires_grad=False)
-        self.down = torch.nn.Parameter(torch.empty(n, rows, hidden, dtype=dtype), requires_grad=False)
         self.dtype = dtype
-        self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        """Once loaded, where oneDNN packs: per expert (gate|up [2 * rows, hidden], down [hidden, rows]) in its
-        layout; the plain parameters are then dropped (None)."""
+        self.method: ExpertMethod = FloatExperts(held.num_experts, hidden, held.rows, dtype)
+        """The held experts' weights in their format (unloaded float stacks until `load`)."""
 
     def load(self, source: WeightSource) -> None:
-        gate, up, down = self.names
-        held, rows, dtype = self.held, self.held.rows, self.gate_up.dtype
-        for i in range(held.num_experts):
-            name = f"{self.prefix}.experts.{held.first_expert + i}"
-            for j, proj in enumerate((gate, up)):  # HF [I, hidden]: our rows of it
-                w = source.get(f"{name}.{proj}.weight", dim=0, start=held.row_start, end=held.row_end, dtype=dtype)
-                self.gate_up[i, :, j * rows : (j + 1) * rows] = w.t()
-            # HF down [hidden, I]: the same rows, as its columns
-            w = source.get(f"{name}.{down}.weight", dim=1, start=held.row_start, end=held.row_end, dtype=dtype)
-            self.down[i] = w.t()
-        if packed_weights.packs(dtype, self.gate_up.device):
-            self.packed = [(packed_weights.pack(self.gate_up[i].t()), packed_weights.pack(self.down[i].t()))
-                           for i in range(held.num_experts)]
-            self.gate_up = self.down = None
+        self.method = load_experts(ExpertTensors(source, self.prefix, self.names, self.held), self.method)
 
     def plain_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate|up [n, hidden, 2 * rows], down [n, rows, hidden]) as loaded, whichever way they are held."""
-        if self.packed is None:
-            return self.gate_up, self.down
-        return (torch.stack([packed_weights.unpack(g).t() for g, _ in self.packed]),
-                torch.stack([packed_weights.unpack(d).t() for _, d in self.packed]))
+        """(gate|up [n, hidden, 2 rows], down [n, rows, hidden]) as loaded, whichever way they are held."""
+        return self.method.plain_weights()
 
     @property
     def nbytes(self) -> int:
-        held = [w for pair in self.packed for w in pair] if self.packed is not None else [self.gate_up, self.down]
-        return sum(w.numel() * w.element_size() for w in held)
-
-    def _expert(self, e: int, x: torch.Tensor, which: int) -> torch.Tensor:
-        # x [count, in] -> expert e's gate|up (which = 0) or down (1) product
-        if self.packed is not None:
-            return packed_weights.matmul(x, self.packed[e][which])
-        return x @ (self.gate_up if which == 0 else self.down)[e]
+        return self.method.nbytes
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         # x [T, hidden], weights / ids [T, k] -> partial output [T, hidden]
@@ -87,11 +84,11 @@ class LocalExperts(torch.nn.Module):
         for e, count in enumerate(counts):
             if count:
                 mine = tokens[start : start + count]
-                h = self._expert(e, x.index_select(0, mine), 0)  # [count, 2 * rows] = gate | up
+                h = self.method.matmul(e, x.index_select(0, mine), 0)  # [count, 2 * rows] = gate | up
                 act = silu_mul(h, rows)  # one C pass on CPU float32 (as the dense MLP), else torch's two ops
                 if act is None:  # silu(gate) * up written over gate: no new [count, rows] buffer
                     act = F.silu(h[:, :rows], inplace=True).mul_(h[:, rows:])
-                y = self._expert(e, act, 1)  # [count, hidden]
+                y = self.method.matmul(e, act, 1)  # [count, hidden]
                 out.index_add_(0, mine, y.mul_(scale[start : start + count]))
                 start += count
         return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from cpllm.config_moe import describe_placement
+from cpllm.model.formats.modes import FLOAT, quantization_mode
 from cpllm.model.moe import expert_bytes, moe_blocks
 
 
@@ -19,7 +20,8 @@ def moe_summary_lines(model: torch.nn.Module) -> list[str]:
                                 expert_parallel=shard.expert_parallel)]
     lines.append(f"  expert weight bytes on this rank (MoE group rank {shard.rank} of {shard.size}): "
                  f"{expert_bytes(model) / 2**20:.2f} MiB over {len(blocks)} sparse layers")
-    if config.quantization != "none" and getattr(blocks[0].experts, "quantized", None) is None:  # (GPT-OSS MXFP4)
+    quantized_elsewhere = quantization_mode(config.quantization).quantizes
+    if quantized_elsewhere and blocks[0].experts.method.weight_format == FLOAT:  # (GPT-OSS MXFP4 may not be)
         lines.append(f"  routed experts run in {dtype} (quantization={config.quantization} applies to the other "
                      "weights only)")
     return lines

@@ -1,8 +1,8 @@
 """An LM head over Q8_0 rows run as stored, with the top of each row's logits recomputed in float32.
 
-The int4 kernel (the Q8_0 rows as two 4-bit halves, cpllm/model/quant_groups.py) streams a quarter of the bytes
+The int4 kernel (the Q8_0 rows as two 4-bit halves, cpllm/model/formats/groups.py) streams a quarter of the bytes
 of a float32 head, but it is not float32 arithmetic: aten's kernel returns bfloat16 logits (steps of 1/8 at
-magnitude 16-32, enough to tie the two best tokens and send greedy decoding down the other branch, quant_plan.py),
+magnitude 16-32, enough to tie the two best tokens and send greedy decoding down the other branch, plan.py),
 and cpllm's VNNI kernel rounds the activations (about 2^-15 of each group's largest value), still enough to swap a
 near tie. So the kernel only ranks: the REFINED best logits of each row are then recomputed exactly, in float32, from the same
 stored rows (the values the float32 head holds, since that head is these rows dequantized), and written over
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from cpllm.model.quant_groups import Int8Groups
-from cpllm.model.quant_kernels import Int4Linear, Int8Rows
+from cpllm.model.formats.groups import Int8Groups
+from cpllm.model.formats.group_kernels import Int4Linear, Int8Rows
 
 REFINED = 16
 """Logits per row recomputed in float32."""

@@ -8,7 +8,7 @@ Stored per weight of HF layout [..., out, in] (the checkpoint's `*_blocks` / `*_
 Every value is exact in float32 (and bfloat16): a magnitude has at most 2 significant bits.
 
 Since every FP4 magnitude is a multiple of 0.5 and at most 6, a block is also exactly an int8 group of Q8_0's
-form (cpllm/model/quant_groups.py): codes 2 x value in -12..12, step 2^(s - 128). `int8_groups` gives that form;
+form (cpllm/model/formats/groups.py): codes 2 x value in -12..12, step 2^(s - 128). `int8_groups` gives that form;
 `int4_groups` re-quantizes the dequantized block to the int4 kernel's uniform 4-bit groups (not exact: FP4's
 levels are not evenly spaced).
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from cpllm.model.quant_groups import Int4Groups, Int8Groups, quantize_int4
+from cpllm.model.formats.groups import Int4Groups, Int8Groups, quantize_int4
 
 BLOCK = 32
 """Values per scale."""

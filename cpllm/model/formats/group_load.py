@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from cpllm.model.loader import WeightSource
-from cpllm.model.quant_groups import Int4Groups, Int8Groups, quantize_int4, quantize_int8
-from cpllm.model.quant_kernels import Int4Linear
-from cpllm.model.quant_plan import INT4_STORAGE, INT8_STORAGE
+from cpllm.model.formats.groups import Int4Groups, Int8Groups, quantize_int4, quantize_int8
+from cpllm.model.formats.group_kernels import Int4Linear
+from cpllm.model.formats.plan import INT4_STORAGE, INT8_STORAGE
 
 
 def read_int4(source: WeightSource, name: str, *, dim: int, start: int, end: int) -> Int4Groups:
@@ -25,14 +25,13 @@ def read_int8(source: WeightSource, name: str, *, dim: int, start: int, end: int
     return quantize_int8(source.get(name, dim=dim, start=start, end=end, dtype=torch.float32))
 
 
-def quantized_linear(source: WeightSource, fmt: str, parts: list[tuple[str, int, int]], *, dim: int = 0
-                     ) -> Int4Linear:
+def int4_kernel(source: WeightSource, parts: list[tuple[str, int, int]], *, dim: int = 0) -> Int4Linear:
     """Slices [(name, start, end)] along `dim` (0: output rows, packed in order; 1: one group-aligned input
-    shard) as one int4 kernel, holding 4-bit groups ("int4") or 8-bit groups as two 4-bit halves ("int8")."""
-    if fmt == "int4":
-        return Int4Linear(Int4Groups.cat_rows([read_int4(source, n, dim=dim, start=s, end=e) for n, s, e in parts]))
-    if fmt == "int8":
-        return Int4Linear.from_int8(
-            Int8Groups.cat_rows([read_int8(source, n, dim=dim, start=s, end=e) for n, s, e in parts])
-        )
-    raise ValueError(f"format {fmt!r} is not a quantized format; expected 'int4' or 'int8'")
+    shard) as one int4 kernel over 4-bit groups."""
+    return Int4Linear(Int4Groups.cat_rows([read_int4(source, n, dim=dim, start=s, end=e) for n, s, e in parts]))
+
+
+def int8_kernel(source: WeightSource, parts: list[tuple[str, int, int]], *, dim: int = 0) -> Int4Linear:
+    """As int4_kernel, over 8-bit groups held as two 4-bit halves."""
+    return Int4Linear.from_int8(Int8Groups.cat_rows([read_int8(source, n, dim=dim, start=s, end=e)
+                                                     for n, s, e in parts]))

@@ -1,12 +1,12 @@
-"""Weights in 4-bit or 8-bit groups, run in the int4 kernel (cpllm/model/quant_kernels.py): GGUF blocks as stored,
-or a float weight quantized at load."""
+"""Weights in 4-bit or 8-bit groups, run in the int4 kernel (group_kernels.py): GGUF blocks as stored, or a float
+weight quantized at load. The linear method of the int8 and int4 formats (int8_format.py, int4_format.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from cpllm.model.linear_methods.base import FusedWeight, LinearMethod
-from cpllm.model.quant_kernels import Int4Linear
+from cpllm.model.formats.base import FusedWeight, LinearMethod
+from cpllm.model.formats.group_kernels import Int4Linear
 
 
 class GroupedWeight(LinearMethod):

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from cpllm.model import packed_weights
-from cpllm.model.linear_methods.base import FusedWeight, LinearMethod
-from cpllm.model.linear_methods.onednn import OneDNNWeight
+from cpllm.model.formats import packed_weights
+from cpllm.model.formats.base import FusedWeight, LinearMethod, Ranges
+from cpllm.model.formats.onednn import OneDNNWeight
 from cpllm.model.loader import WeightSource
-
-Ranges = list[tuple[str, int, int]]
-"""[(tensor name, start, end)]: slices of stored tensors along one dimension."""
 
 
 class FloatWeight(LinearMethod):

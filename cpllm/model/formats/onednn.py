@@ -1,12 +1,12 @@
-"""A float weight prepacked in oneDNN's blocked layout (cpllm/model/packed_weights.py), for linears no fused decode
-layer reads: it replaces the plain weight, so nothing is held twice."""
+"""A float weight prepacked in oneDNN's blocked layout (packed_weights.py), for linears no fused decode layer
+reads: it replaces the plain weight, so nothing is held twice. A layout of the float format (float_format.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from cpllm.model import packed_weights
-from cpllm.model.linear_methods.base import LinearMethod
+from cpllm.model.formats import packed_weights
+from cpllm.model.formats.base import LinearMethod
 
 
 class OneDNNWeight(LinearMethod):

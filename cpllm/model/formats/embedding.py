@@ -1,4 +1,4 @@
-"""Formats of the token embedding's rows: a lookup, not a matmul (the plan: cpllm/model/quant_plan.py,
+"""Formats of the token embedding's rows: a lookup, not a matmul (the plan: cpllm/model/formats/plan.py,
 `embedding_plan`)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cpllm.model.quant_kernels import Int8Rows
+from cpllm.model.formats.group_kernels import Int8Rows
 
 
 class EmbeddingRows(torch.nn.Module):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from cpllm.model.linear_methods.base import LinearMethod
+from cpllm.model.formats.base import LinearMethod
 
 
 class ConcatenatedWeights(LinearMethod):

@@ -1,4 +1,4 @@
-"""Formats of the LM head's weight (the plan: cpllm/model/quant_plan.py, `lm_head_plan`). The head itself
+"""Formats of the LM head's weight (the plan: cpllm/model/formats/plan.py, `lm_head_plan`). The head itself
 (cpllm/model/layers.py) splits the vocabulary over TP and, where asked, this TP shard's columns over PCP; these
 compute a shard's logits, or one PCP rank's columns of it, and the int8 one refines the joined logits."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from cpllm.model.loader import WeightSource
-from cpllm.model.quant_kernels import Int4Linear
-from cpllm.model.quant_lm_head import REFINED, RefinedInt8Head
+from cpllm.model.formats.group_kernels import Int4Linear
+from cpllm.model.formats.refined_head import REFINED, RefinedInt8Head
 
 
 class HeadMethod(torch.nn.Module):
@@ -58,7 +58,7 @@ class FloatHead(HeadMethod):
 
 
 class RefinedInt8Rows(HeadMethod):
-    """The stored Q8_0 rows in the int4 kernel, each row's best logits recomputed in float32 (quant_lm_head.py)."""
+    """The stored Q8_0 rows in the int4 kernel, each row's best logits recomputed in float32 (refined_head.py)."""
 
     def __init__(self, head: RefinedInt8Head):
         super().__init__()

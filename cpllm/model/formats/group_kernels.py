@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from cpllm.config import QUANT_GROUP
 from cpllm.kernels import int4_matmul
-from cpllm.model.quant_groups import Int4Groups, Int8Groups
+from cpllm.model.formats.groups import Int4Groups, Int8Groups
 
 KERNEL_DTYPE = torch.bfloat16
 ROW_MULTIPLE = 16
@@ -48,7 +48,7 @@ class Int4Linear(torch.nn.Module):
         self.backend = backend or ("vnni" if int4_matmul.available() else "aten")
         """Which kernel runs this layer (see the module)."""
         self.weight_format = "int8" if repeat_input == 2 else "int4"
-        """What the groups hold, for the start-up log's weight bytes (cpllm/model/quant_report.py)."""
+        """What the groups hold, for the start-up log's weight bytes (cpllm/model/formats/report.py)."""
         if self.backend == "vnni":
             self.register_buffer("packed", int4_matmul.pack(groups.codes, groups.d, groups.m))
             return
