@@ -45,6 +45,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    """Prompt tokens read from the prefix cache instead of computed (the first sequence's, when first scheduled)."""
     metrics: "RequestMetrics" = field(default_factory=lambda: RequestMetrics())
 
 

@@ -40,6 +40,9 @@ class Request:
     num_registered_blocks: int = 0
     """Leading blocks of block_ids that are computed and registered in the prefix cache."""
     num_preemptions: int = 0
+    num_cached_tokens: int | None = None
+    """Prompt tokens found in the prefix cache when the request was first scheduled (None before that); a
+    preempted request keeps its first count, as vLLM reports it."""
     draft_token_ids: list[int] = field(default_factory=list)
     """Guesses of the tokens after all_token_ids (speculative decoding), set by the engine after each step the
     request advanced in; the scheduler puts them into the request's next decode step as a verify chunk."""

@@ -104,12 +104,23 @@ def _sampled_logprobs(
     out: list[dict[int, Logprob] | None] = [None] * len(rows)
     if wanted:
         lps = torch.log_softmax(logits[wanted], dim=-1)  # [len(wanted), vocab]
-        entries = logprob_entries(
-            lps, [token_ids[i] for i in wanted], [rows[i].params.logprobs for i in wanted]
-        )
-        for i, entry in zip(wanted, entries):
+        # a row that names its tokens (logprob_token_ids) gets those instead of its top alternatives
+        tops = [0 if rows[i].params.logprob_token_ids else rows[i].params.logprobs for i in wanted]
+        entries = logprob_entries(lps, [token_ids[i] for i in wanted], tops)
+        for j, (i, entry) in enumerate(zip(wanted, entries)):
+            if rows[i].params.logprob_token_ids:
+                entry.update(_named_entries(lps[j], rows[i].params.logprob_token_ids))
             out[i] = entry
     return out
+
+
+def _named_entries(logprobs: torch.Tensor, token_ids: Sequence[int]) -> dict[int, Logprob]:
+    """The logprob and rank of each named token; logprobs: [vocab] one log_softmax row. Ids outside the
+    vocabulary are left out (the server refuses them before they get here)."""
+    ids = [t for t in token_ids if t < logprobs.shape[0]]
+    values = logprobs[torch.tensor(ids, dtype=torch.long, device=logprobs.device)]  # [len(ids)]
+    ranks = ((logprobs[None, :] > values[:, None]).sum(dim=-1) + 1).tolist()
+    return {t: Logprob(logprob=v, rank=r) for t, v, r in zip(ids, values.tolist(), ranks)}
 
 
 def _needs_processing(row: SamplingRow) -> bool:

@@ -76,6 +76,12 @@ class SamplingParams:
     """Constrain the output to a JSON schema, regex, choice or grammar (enforced by a token mask)."""
     guided_decoding: StructuredOutputsParams | None = None
     """vLLM's older name of structured_outputs; moved there at init (give one of the two)."""
+    max_logprobs: int = MAX_LOGPROBS
+    """Largest `logprobs` / `prompt_logprobs` allowed (vLLM's --max-logprobs; a server that allows the whole
+    vocabulary passes its size)."""
+    logprob_token_ids: list[int] | None = None
+    """Report these token ids' logprobs at every sampled position in place of the top `logprobs` alternatives
+    (the sampled token is always reported too)."""
 
     def __post_init__(self) -> None:
         self._validate_counts()
@@ -99,9 +105,9 @@ class SamplingParams:
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+            if value is not None and (not _is_int(value) or not 0 <= value <= self.max_logprobs):
                 raise ValueError(
-                    f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {value!r}"
+                    f"{name} must be None or an int in [0, {self.max_logprobs}], got {value!r}"
                 )
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
@@ -160,6 +166,11 @@ class SamplingParams:
             if not all(w and all(_is_int(t) and t >= 0 for t in w) for w in words):
                 raise ValueError(f"bad_words_token_ids must be non-empty lists of ints >= 0, got {words!r}")
             self.bad_words_token_ids = words
+        if self.logprob_token_ids is not None:
+            ids = list(self.logprob_token_ids)
+            if not ids or not all(_is_int(t) and t >= 0 for t in ids):
+                raise ValueError(f"logprob_token_ids must be a non-empty list of ints >= 0, got {ids!r}")
+            self.logprob_token_ids = ids
 
     def _merge_guided_decoding(self) -> None:
         for name in ("structured_outputs", "guided_decoding"):

@@ -123,6 +123,8 @@ class Scheduler:
             self.running.append(request)
             chunks.append(self._chunk(request, num_new))
             self.num_prefix_hit_tokens += num_hit_tokens
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_hit_tokens
             if self.pool.enable_prefix_caching and not request.wants_prompt_logprobs:
                 self.num_prefix_query_tokens += request.num_tokens
             budget -= num_new

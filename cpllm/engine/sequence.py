@@ -62,6 +62,7 @@ class RequestState:
             outputs=[seq.completion() for seq in self.sequences],
             finished=self.finished,
             prompt_logprobs=self.prompt_logprobs,
+            num_cached_tokens=self.sequences[0].request.num_cached_tokens or 0,
             metrics=self.metrics,
         )
 

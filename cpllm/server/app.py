@@ -19,9 +19,10 @@ from cpllm.server.admission import Admission
 from cpllm.server.async_engine import AsyncEngine, EngineDeadError
 from cpllm.server.cancellation import unless_disconnected
 from cpllm.server.errors import APIError, bad_request, from_validation_error
-from cpllm.server.extra_routes import add_extra_routes, model_card
+from cpllm.server.extra_routes import add_batch_routes, add_extra_routes, model_card
 from cpllm.server.formatting import TokenTexts
 from cpllm.server.health import HealthReport
+from cpllm.server.load_tracking import LoadCounter, ServerLoad
 from cpllm.server.metrics import ServerMetrics
 from cpllm.server.openapi import install_openapi
 from cpllm.server.options import ServeOptions
@@ -57,8 +58,12 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
         logger.info("stopping the engine")
         await asyncio.to_thread(engine.shutdown)
 
-    app = FastAPI(title="cpllm", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # root_path: FastAPI serves every route both under the prefix (/llm/v1/...) and without it, as vLLM does
+    app = FastAPI(title="cpllm", lifespan=lifespan, docs_url=None, redoc_url=None, root_path=options.root_path)
     app.add_middleware(_HTTPMetrics, metrics=metrics, routes=app.router.routes)
+    load = LoadCounter() if options.enable_server_load_tracking else None
+    if load is not None:
+        app.add_middleware(ServerLoad, counter=load)
     _add_error_handlers(app)
 
     def authorize(request: Request) -> None:
@@ -127,6 +132,7 @@ def build_app(engine: AsyncEngine, *, model_name: str, api_key: str | None = Non
         return respond(await unless_disconnected(request, create_chat_completion(ctx, req, arrival)))
 
     add_extra_routes(app, ctx, parse=parse, authorize=authorize, respond=respond, health=health)
+    add_batch_routes(app, ctx, parse=parse, respond=respond, load=load)
     install_openapi(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
                           "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest,
                           "/detokenize": DetokenizeRequest})

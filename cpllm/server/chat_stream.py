@@ -8,10 +8,11 @@ from collections.abc import AsyncIterator
 from cpllm.engine.outputs import CompletionOutput
 from cpllm.engine.sampling_params import SamplingParams
 from cpllm.server import requests
-from cpllm.server.formatting import ChoiceCursor, chat_logprobs, sse, usage
+from cpllm.server.formatting import ChoiceCursor, chat_logprobs, sse
 from cpllm.server.prompt_fields import echo_prefix, token_texts
 from cpllm.server.protocol import ChatCompletionRequest
 from cpllm.server.requests import ServerContext
+from cpllm.server.stream_usage import StreamUsage
 from cpllm.server.tool_calls import ToolPlan, finish_reason, new_call_id, tool_call_dicts
 
 
@@ -26,8 +27,8 @@ def choice_message(ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPla
         message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"}
                                  for call in tool_call_dicts(extracted.tool_calls)]
     return {"index": c.index, "message": message,
-            "logprobs": (chat_logprobs(token_texts(ctx.texts, req), c.token_ids, c.logprobs or [], num_top)
-                         if req.logprobs else None),
+            "logprobs": (chat_logprobs(token_texts(ctx.texts, req), c.token_ids, c.logprobs or [], num_top,
+                                       req.logprob_token_ids) if req.logprobs else None),
             "finish_reason": finish_reason(extracted, c.finish_reason), "stop_reason": c.stop_reason}
 
 
@@ -39,22 +40,30 @@ class _ToolCursor(ChoiceCursor):
 
 
 async def chat_events(ctx: ServerContext, req: ChatCompletionRequest, params: SamplingParams, plan: ToolPlan,
-                      streams: list[requests.RequestStream], head: dict) -> AsyncIterator[str]:
+                      streams: list[requests.RequestStream], head: dict, prompt_token_ids: list[int]) -> AsyncIterator[str]:
+    """The stream's chunks. With return_token_ids the first chunk carries the prompt's ids (`prompt_token_ids`,
+    on that chunk only, as vLLM) and every choice chunk its new tokens' ids (`token_ids`)."""
     head = {**head, "object": "chat.completion.chunk"}
-    include_usage = req.stream_options is not None and req.stream_options.include_usage
-    extra = {"usage": None} if include_usage else {}
+    reporting = StreamUsage.of(req, ctx.options, len(prompt_token_ids))
+    ids = {"token_ids": []} if req.return_token_ids else {}
     cursors = [_ToolCursor() for _ in range(params.n)]
     prefix = echo_prefix(req)
     for index in range(params.n):  # OpenAI opens every choice with the role (and an echoed prefix, if any)
+        first = index == 0 and req.return_token_ids
         yield sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": prefix},
-                                        "logprobs": None, "finish_reason": None}], **extra})
+                                        "logprobs": None, "finish_reason": None, **ids}],
+                   **({"prompt_token_ids": list(prompt_token_ids)} if first else {}),
+                   **reporting.chunk_fields(streams)})
     async for _, out in requests.merged(streams):
         for c in out.outputs:
+            sent_tokens = cursors[c.index].tokens
             chunk = _delta_choice(ctx, req, params, plan, c, cursors[c.index])
             if chunk is not None:
-                yield sse({**head, "choices": [chunk], **extra})
-    if include_usage:
-        yield sse({**head, "choices": [], "usage": usage([streams[0].last])})
+                if req.return_token_ids:
+                    chunk["token_ids"] = list(c.token_ids[sent_tokens : cursors[c.index].tokens])
+                yield sse({**head, "choices": [chunk], **reporting.chunk_fields(streams)})
+    if reporting.final:
+        yield sse({**head, "choices": [], "usage": reporting.now(streams)})
 
 
 def _delta_choice(ctx: ServerContext, req: ChatCompletionRequest, params: SamplingParams, plan: ToolPlan,
@@ -69,7 +78,7 @@ def _delta_choice(ctx: ServerContext, req: ChatCompletionRequest, params: Sampli
     if req.logprobs:
         positions = (c.logprobs or [])[cursor.tokens : len(c.token_ids)]
         logprobs = chat_logprobs(token_texts(ctx.texts, req), c.token_ids[cursor.tokens :], positions,
-                                 req.top_logprobs or 0)
+                                 req.top_logprobs or 0, req.logprob_token_ids)
     cursor.tokens = len(c.token_ids)
     cursor.done = finished
     return {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason,

@@ -1,5 +1,5 @@
 """The routes a vLLM user scripts against beside the generation ones: /tokenize, /detokenize, /version, /ping,
-/v1/models/{model_id} and /v1/responses."""
+/v1/models/{model_id} and /v1/responses; and vLLM's /v1/chat/completions/batch, /invocations and /load."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ from cpllm.server.errors import APIError
 from cpllm.server.protocol_responses import ResponsesRequest
 from cpllm.server.protocol_tokenize import DetokenizeRequest, TokenizeRequest
 from cpllm.server.requests import ServerContext
+from cpllm.server.load_tracking import LoadCounter
+from cpllm.server.serving_batch import (BatchChatCompletionRequest, InvocationRequest, create_batch_chat_completion,
+                                        create_invocation)
 from cpllm.server.serving_responses import create_response
 from cpllm.server.serving_tokenize import detokenize, tokenize
 
@@ -63,3 +66,27 @@ def add_extra_routes(app: FastAPI, ctx: ServerContext, *, parse: Parse, authoriz
         arrival = time.monotonic()
         req = await parse(request, ResponsesRequest)
         return respond(await unless_disconnected(request, create_response(ctx, req, arrival)))
+
+
+def add_batch_routes(app: FastAPI, ctx: ServerContext, *, parse: Parse, respond: Callable[[Any], Response],
+                     load: LoadCounter | None) -> None:
+    """/v1/chat/completions/batch, /invocations and /load (`load`: the in-flight count, None when not tracked)."""
+
+    @app.post("/v1/chat/completions/batch")
+    async def batch_chat(request: Request):
+        arrival = time.monotonic()
+        req = await parse(request, BatchChatCompletionRequest)
+        return respond(await unless_disconnected(request, create_batch_chat_completion(ctx, req, arrival)))
+
+    @app.post("/invocations")
+    async def invocations(request: Request):
+        arrival = time.monotonic()
+        req = await parse(request, InvocationRequest)
+        return respond(await unless_disconnected(request, create_invocation(ctx, req, arrival)))
+
+    @app.get("/load")
+    async def server_load() -> JSONResponse:
+        if load is None:
+            raise APIError(404, "server load is not tracked; start the server with --enable-server-load-tracking",
+                           code="load_tracking_disabled")
+        return JSONResponse({"server_load": load.in_flight})

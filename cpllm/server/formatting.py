@@ -8,7 +8,7 @@ import json
 import math
 
 from cpllm.engine.outputs import PositionLogprobs, RequestOutput
-from cpllm.engine.sampling_params import SamplingParams
+from cpllm.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from cpllm.model.tokenizer import Tokenizer
 from cpllm.server.errors import bad_request, param_of
 from cpllm.server.protocol import SamplingFields
@@ -24,8 +24,10 @@ LOGPROB_FLOOR = -9999.0
 def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None = None, max_tokens_param: str = "max_tokens",
                     structured: StructuredOutputsParams | None = None, max_n: int = DEFAULT_MAX_N,
-                    bad_words_token_ids: list[list[int]] | None = None) -> SamplingParams:
-    """The request's SamplingParams; a bad value becomes a 400 that names the field."""
+                    bad_words_token_ids: list[list[int]] | None = None,
+                    max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
+    """The request's SamplingParams; a bad value becomes a 400 that names the field. `max_logprobs` is the
+    server's bound on logprobs counts (already resolved to the vocabulary size when that is allowed)."""
     _check_n(req, max_n)
     given = {
         "n": req.n, "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "stop": req.stop,
@@ -39,7 +41,8 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: in
             skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=_logit_bias(req),
             structured_outputs=structured, allowed_token_ids=getattr(req, "allowed_token_ids", None),
-            bad_words_token_ids=bad_words_token_ids,
+            bad_words_token_ids=bad_words_token_ids, max_logprobs=max_logprobs,
+            logprob_token_ids=getattr(req, "logprob_token_ids", None),
         )
     except ValueError as exc:
         message = str(exc)
@@ -128,8 +131,11 @@ def clamp(logprob: float) -> float:
     return LOGPROB_FLOOR if math.isinf(logprob) or math.isnan(logprob) else max(logprob, LOGPROB_FLOOR)
 
 
-def top_entries(position: PositionLogprobs, num_top: int) -> list[tuple[int, float]]:
-    """The position's alternatives ranked 1..num_top, best first."""
+def top_entries(position: PositionLogprobs, num_top: int, named: list[int] | None = None) -> list[tuple[int, float]]:
+    """The position's alternatives ranked 1..num_top, best first; or, when the request named its tokens
+    (logprob_token_ids), those tokens in the order named."""
+    if named:
+        return [(tok, position[tok].logprob) for tok in dict.fromkeys(named) if tok in position]
     ranked = sorted(((lp.rank or 0, tok, lp.logprob) for tok, lp in position.items() if (lp.rank or 0) <= num_top))
     seen, out = set(), []
     for _, tok, lp in ranked:
@@ -140,7 +146,7 @@ def top_entries(position: PositionLogprobs, num_top: int) -> list[tuple[int, flo
 
 
 def completion_logprobs(texts: TokenTexts, token_ids: list[int], positions: list[PositionLogprobs | None],
-                        num_top: int, offset: int) -> dict:
+                        num_top: int, offset: int, named: list[int] | None = None) -> dict:
     """OpenAI completions shape: tokens, token_logprobs, top_logprobs, text_offset (from `offset` on)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token_id, position in zip(token_ids, positions):
@@ -153,13 +159,14 @@ def completion_logprobs(texts: TokenTexts, token_ids: list[int], positions: list
             out["top_logprobs"].append(None)
             continue
         out["token_logprobs"].append(clamp(position[token_id].logprob))
-        top = {texts.text(tok): clamp(lp) for tok, lp in top_entries(position, num_top)}
+        top = {texts.text(tok): clamp(lp) for tok, lp in top_entries(position, num_top, named)}
         top.setdefault(token, clamp(position[token_id].logprob))
         out["top_logprobs"].append(top)
     return out
 
 
-def chat_logprobs(texts: TokenTexts, token_ids: list[int], positions: list[PositionLogprobs], num_top: int) -> dict:
+def chat_logprobs(texts: TokenTexts, token_ids: list[int], positions: list[PositionLogprobs], num_top: int,
+                  named: list[int] | None = None) -> dict:
     """OpenAI chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
     def entry(token_id: int, logprob: float) -> dict:
         token = texts.text(token_id)
@@ -168,16 +175,22 @@ def chat_logprobs(texts: TokenTexts, token_ids: list[int], positions: list[Posit
     content = []
     for token_id, position in zip(token_ids, positions):
         item = entry(token_id, position[token_id].logprob)
-        item["top_logprobs"] = [entry(tok, lp) for tok, lp in top_entries(position, num_top)]
+        item["top_logprobs"] = [entry(tok, lp) for tok, lp in top_entries(position, num_top, named)]
         content.append(item)
     return {"content": content}
 
 
-def usage(outputs: list[RequestOutput]) -> dict:
-    """prompt_tokens per prompt (once, not per choice) and every generated token of every choice."""
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+def usage(outputs: list[RequestOutput], details: bool = False, prompt_tokens: int | None = None) -> dict:
+    """prompt_tokens per prompt (once, not per choice) and every generated token of every choice so far;
+    `cache_read_input_tokens` the prompt tokens read from the prefix cache, repeated in
+    `prompt_tokens_details.cached_tokens` when `details` (--enable-prompt-tokens-details; else that is null, as
+    in vLLM). `prompt_tokens` overrides the count when some prompt has no output yet (a stream's first chunks)."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs) if prompt_tokens is None else prompt_tokens
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached} if details else None,
+            "cache_read_input_tokens": cached}
 
 
 def sse(payload: dict | str) -> str:

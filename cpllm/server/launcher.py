@@ -89,10 +89,11 @@ def run_server(args: argparse.Namespace) -> int:
     llm = LLM(args.model_path or args.model, **engine_kwargs(args))  # other ranks never return from here
     name = served_model_name(args, llm.engine.config.model_path)
     engine = AsyncEngine(llm.engine, ServerMetrics(name))
-    app = build_app(engine, model_name=name, api_key=args.api_key, options=options)
+    api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None  # vLLM's environment variable too
+    app = build_app(engine, model_name=name, api_key=api_key, options=options)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("listening on %s: reachable from other machines%s", args.host,
-                       "" if args.api_key else " without an API key")
+                       "" if api_key else " without an API key")
     logger.info("serving %r (max_model_len=%d) on http://%s:%d/v1", name, llm.engine.max_model_len,
                 args.host, args.port)
     # uvicorn's own deadline is the backstop: by then end_all has ended every request

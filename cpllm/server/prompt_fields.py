@@ -3,11 +3,18 @@ return_tokens_as_token_ids and the `prompt_logprobs` / `token_ids` parts of a re
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, TypeVar
+
 from cpllm.engine.outputs import PositionLogprobs, RequestOutput
 from cpllm.model.tokenizer import Tokenizer
 from cpllm.server.errors import bad_request
 from cpllm.server.formatting import TokenTexts, clamp
 from cpllm.server.protocol import ChatCompletionRequest, SamplingFields
+
+if TYPE_CHECKING:
+    from cpllm.server.requests import ServerContext
+
+R = TypeVar("R", bound=SamplingFields)
 
 
 class TokenIdTexts:
@@ -20,8 +27,10 @@ class TokenIdTexts:
 
 def echo_prefix(req: ChatCompletionRequest) -> str:
     """vLLM's chat echo: the last message's text when it is the assistant's (the reply continues it), else ""."""
+    if not req.echo or not req.messages:
+        return ""
     last = req.messages[-1]
-    return last.text() if req.echo and last.role == "assistant" else ""
+    return last.text() if last.role == "assistant" else ""
 
 
 def token_texts(texts: TokenTexts, req: SamplingFields) -> TokenTexts | TokenIdTexts:
@@ -30,7 +39,8 @@ def token_texts(texts: TokenTexts, req: SamplingFields) -> TokenTexts | TokenIdT
 
 
 def truncated(token_ids: list[int], req: SamplingFields, max_model_len: int) -> list[int]:
-    """The prompt's last truncate_prompt_tokens ids (-1: the last max_model_len); all of it when the field is unset."""
+    """The prompt cut to truncate_prompt_tokens ids (-1: max_model_len): its last ones, or its first ones with
+    truncation_side "right"; all of it when the field is unset."""
     keep = req.truncate_prompt_tokens
     if keep is None:
         return token_ids
@@ -39,14 +49,48 @@ def truncated(token_ids: list[int], req: SamplingFields, max_model_len: int) -> 
     if keep > max_model_len:
         raise bad_request(f"truncate_prompt_tokens={keep} exceeds max_model_len={max_model_len}",
                           "truncate_prompt_tokens")
-    return token_ids[-keep:]
+    return token_ids[:keep] if req.truncation_side == "right" else token_ids[-keep:]
 
 
 def check_allowed_token_ids(req: SamplingFields, vocab_size: int) -> None:
-    bad = [t for t in req.allowed_token_ids or () if t >= vocab_size]
-    if bad:
-        raise bad_request(f"allowed_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})",
-                          "allowed_token_ids")
+    """allowed_token_ids and logprob_token_ids inside the vocabulary (every bad id named)."""
+    for name in ("allowed_token_ids", "logprob_token_ids"):
+        bad = [t for t in getattr(req, name) or () if t >= vocab_size]
+        if bad:
+            ids = ", ".join(map(str, bad))
+            raise bad_request(f"{name}: token id(s) {ids} outside the vocabulary [0, {vocab_size})", name)
+
+
+def logprobs_limit(max_logprobs: int, vocab_size: int) -> int:
+    """The most logprobs a request may ask for: --max-logprobs, or the whole vocabulary when it is -1."""
+    return vocab_size if max_logprobs == -1 else max_logprobs
+
+
+def resolve_logprobs(value: int | None, name: str, max_logprobs: int, vocab_size: int) -> int | None:
+    """A logprobs count as the engine takes it: -1 means the whole vocabulary; above --max-logprobs is a 400."""
+    if value is None:
+        return None
+    limit = logprobs_limit(max_logprobs, vocab_size)
+    count = vocab_size if value == -1 else value
+    if count > limit:
+        asked = f"{name}=-1 asks for the whole vocabulary ({vocab_size} tokens), which" if value == -1 else \
+            f"{name}={value}"
+        raise bad_request(f"{asked} exceeds this server's limit of {limit} (--max-logprobs {max_logprobs}; "
+                          "-1 allows the whole vocabulary)", name)
+    return count
+
+
+def resolved_counts(ctx: ServerContext, req: R, names: tuple[str, ...], *, wants_logprobs: bool) -> tuple[R, int]:
+    """The request with its logprobs counts (`names`) as the engine takes them (-1: the vocabulary), and the bound
+    the engine checks them against; logprob_token_ids without logprobs is a 400 (there would be nothing to report
+    them in)."""
+    vocab_size = ctx.engine.tokenizer.vocab_size
+    max_logprobs = ctx.options.max_logprobs
+    update = {name: resolve_logprobs(getattr(req, name), name, max_logprobs, vocab_size) for name in names}
+    if req.logprob_token_ids and not wants_logprobs:
+        raise bad_request("logprob_token_ids needs logprobs (chat: logprobs=true); they are reported there",
+                          "logprob_token_ids")
+    return req.model_copy(update=update), logprobs_limit(max_logprobs, vocab_size)
 
 
 def bad_words_token_ids(tokenizer: Tokenizer, words: list[str] | None) -> list[list[int]] | None:

@@ -23,6 +23,8 @@ TokenIds = list[Annotated[int, Field(ge=0)]]
 class StreamOptions(BaseModel):
     include_usage: bool = False
     """Send one more chunk, with no choices, that carries the usage of the whole request."""
+    continuous_usage_stats: bool = False
+    """With include_usage: every chunk also carries the usage so far."""
 
 
 class JsonSchemaFormat(BaseModel):
@@ -115,14 +117,19 @@ class SamplingFields(BaseModel):
     """Only these token ids may be sampled."""
     bad_words: list[str] | None = None
     """Words the output may not contain (their tokenizations, with and without a leading space, are masked)."""
-    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    """Logprobs of every prompt token plus this many alternatives, in the response's `prompt_logprobs`."""
+    prompt_logprobs: Annotated[int, Field(ge=-1)] | None = None
+    """Logprobs of every prompt token plus this many alternatives, in the response's `prompt_logprobs`; -1 = the
+    whole vocabulary. Bounded by --max-logprobs (checked by the route)."""
+    logprob_token_ids: TokenIds | None = None
+    """Report these tokens' logprobs at every generated position instead of the top alternatives."""
     return_tokens_as_token_ids: bool = False
     """Spell logprobs' tokens as "token_id:N" (tokens that are not valid UTF-8 alone stay distinguishable)."""
     return_token_ids: bool = False
     """Put the prompt's and each choice's token ids in the response (`prompt_token_ids`, `token_ids`)."""
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
-    """Keep only the last k prompt tokens; -1 = the last max_model_len."""
+    """Keep only k prompt tokens (the last ones unless truncation_side says "right"); -1 = max_model_len."""
+    truncation_side: Literal["left", "right"] | None = None
+    """Which end truncate_prompt_tokens cuts: "left" (the default) drops the first tokens, "right" the last."""
     request_id: str | None = None
     """The id the response carries (after its "cmpl-"/"chatcmpl-" prefix); None = a random one."""
     echo: bool = False
@@ -138,9 +145,8 @@ class SamplingFields(BaseModel):
             raise FieldError("stream_options is only allowed together with stream=true", "stream_options")
         if self.truncate_prompt_tokens == 0:
             raise FieldError("truncate_prompt_tokens must be >= 1 (or -1 for max_model_len)", "truncate_prompt_tokens")
-        if self.stream and (self.prompt_logprobs is not None or self.return_token_ids):
-            name = "prompt_logprobs" if self.prompt_logprobs is not None else "return_token_ids"
-            raise FieldError(f"{name} is not supported with stream=true", name)
+        if self.stream and self.prompt_logprobs is not None:
+            raise FieldError("prompt_logprobs is not supported with stream=true", "prompt_logprobs")
         return self
 
 
@@ -148,8 +154,8 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     """Text, token ids, or a batch of either; each prompt gets n choices."""
     max_tokens: int | None = 16
-    logprobs: int | None = None
-    """Logprobs of the sampled token plus this many alternatives (0..20)."""
+    logprobs: Annotated[int, Field(ge=-1)] | None = None
+    """Logprobs of the sampled token plus this many alternatives (up to --max-logprobs; -1 = the vocabulary)."""
     add_special_tokens: bool = True
     """Add the tokenizer's special tokens (BOS) to a text prompt."""
 
@@ -211,13 +217,16 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: list[ChatMessage]
+    """At least one, except with prompt_token_ids (then none)."""
+    prompt_token_ids: TokenIds | None = None
+    """vLLM's chat token-in: the rendered prompt's ids, sent with messages=[]; no template runs."""
     max_tokens: int | None = None
     """Deprecated by OpenAI in favour of max_completion_tokens; None = up to max_model_len."""
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    """Alternatives per position (0..20); needs logprobs=true."""
+    top_logprobs: Annotated[int, Field(ge=-1)] | None = None
+    """Alternatives per position (up to --max-logprobs; -1 = the vocabulary); needs logprobs=true."""
     add_generation_prompt: bool = True
     """End the prompt with the template's opening of an assistant turn."""
     continue_final_message: bool = False
@@ -238,6 +247,11 @@ class ChatCompletionRequest(SamplingFields):
     def _check_chat(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldError("top_logprobs needs logprobs=true", "top_logprobs")
+        if self.prompt_token_ids is not None:
+            _check_token_in(self)
+        elif not self.messages:
+            raise FieldError("messages must hold at least one message (or send prompt_token_ids with "
+                             "messages=[])", "messages")
         if self.continue_final_message:
             if "add_generation_prompt" in self.model_fields_set and self.add_generation_prompt:
                 raise FieldError("continue_final_message and add_generation_prompt cannot both be true",
@@ -255,6 +269,21 @@ class ChatCompletionRequest(SamplingFields):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [_template_message(m) for m in self.messages]
+
+
+TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
+                   "tools", "echo")
+"""Chat fields that shape the rendered prompt, which a token-in request (prompt_token_ids) has already."""
+
+
+def _check_token_in(req: ChatCompletionRequest) -> None:
+    """Token-in: no messages and no template option, since no template runs."""
+    if req.messages:
+        raise FieldError("prompt_token_ids replaces messages: send messages=[] with it", "messages")
+    for name in TEMPLATE_FIELDS:
+        if name in req.model_fields_set and getattr(req, name) not in (None, False, []):
+            raise FieldError(f"{name} is a chat-template option; prompt_token_ids is an already rendered prompt, "
+                             "so it cannot be combined with it", name)
 
 
 def _check_message(message: ChatMessage, where: str) -> None:

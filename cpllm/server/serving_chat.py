@@ -6,6 +6,7 @@ import dataclasses
 import time
 import uuid
 
+from cpllm.engine.outputs import RequestOutput
 from cpllm.engine.sampling_params import SamplingParams
 from cpllm.server import requests
 from cpllm.server.async_engine import RequestStream
@@ -13,7 +14,7 @@ from cpllm.server.chat_stream import chat_events, choice_message
 from cpllm.server.errors import bad_request
 from cpllm.server.formatting import sampling_params, usage
 from cpllm.server.prompt_fields import (bad_words_token_ids, check_allowed_token_ids, prompt_logprobs_json,
-                                        token_texts, truncated)
+                                        resolved_counts, token_texts, truncated)
 from cpllm.server.protocol import ChatCompletionRequest
 from cpllm.server.requests import Prompt, ServerContext
 from cpllm.server.structured_fields import Constraint, request_constraint
@@ -21,7 +22,12 @@ from cpllm.server.tool_calls import ToolPlan, plan_tools, tool_schema_constraint
 
 
 def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPlan) -> Prompt:
+    """The rendered, tokenized and truncated prompt; a token-in request's own ids (prompt_token_ids) as given."""
     tokenizer = ctx.engine.tokenizer
+    if req.prompt_token_ids is not None:
+        _check_prompt_ids(req.prompt_token_ids, tokenizer.vocab_size)
+        kept = truncated(list(req.prompt_token_ids), req, ctx.engine.max_model_len)
+        return Prompt(token_ids=kept, text=None)
     try:
         text = tokenizer.apply_chat_template(req.template_messages(), add_generation_prompt=req.add_generation_prompt,
                                              tools=plan.template_tools,
@@ -34,6 +40,15 @@ def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPlan) 
     token_ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
     kept = truncated(token_ids, req, ctx.engine.max_model_len)
     return Prompt(token_ids=kept, text=text if len(kept) == len(token_ids) else None)
+
+
+def _check_prompt_ids(token_ids: list[int], vocab_size: int) -> None:
+    if not token_ids:
+        raise bad_request("prompt_token_ids is empty; send at least one token id", "prompt_token_ids")
+    bad = [t for t in token_ids if t >= vocab_size]
+    if bad:
+        raise bad_request(f"prompt_token_ids: token id(s) {', '.join(map(str, bad))} outside the vocabulary "
+                          f"[0, {vocab_size})", "prompt_token_ids")
 
 
 async def _check_tool_schemas(ctx: ServerContext, req: ChatCompletionRequest) -> None:
@@ -63,12 +78,17 @@ class ChatRun:
     """Its sampling params."""
     streams: list[RequestStream]
     """Its one engine request's stream."""
+    request: ChatCompletionRequest
+    """The request as run (its logprobs counts resolved: -1 became the vocabulary size)."""
+    prompt: Prompt
+    """The prompt the engine got."""
 
 
 async def start_chat(ctx: ServerContext, req: ChatCompletionRequest, request_id: str, arrival_time: float,
                      limit_param: str | None = None) -> ChatRun:
     """Tools planned and checked, prompt rendered, constraint compiled, and the request added to the engine.
     `limit_param` names the output limit in errors (default: the chat field the request used)."""
+    req, limit = resolved_counts(ctx, req, ("top_logprobs", "prompt_logprobs"), wants_logprobs=req.logprobs)
     plan = plan_tools(req, ctx.options)
     constraint = _constraint(req, plan)
     await _check_tool_schemas(ctx, req)
@@ -81,27 +101,34 @@ async def start_chat(ctx: ServerContext, req: ChatCompletionRequest, request_id:
                              max_tokens_param=limit_param, max_n=ctx.options.max_n,
                              structured=constraint.params if constraint else None,
                              prompt_logprobs=req.prompt_logprobs,
-                             bad_words_token_ids=bad_words_token_ids(ctx.engine.tokenizer, req.bad_words))
+                             bad_words_token_ids=bad_words_token_ids(ctx.engine.tokenizer, req.bad_words),
+                             max_logprobs=limit)
     await requests.compile_constraint(ctx, constraint)
     streams = await requests.start(ctx, request_id, [prompt], params, arrival_time, limit_param)
-    return ChatRun(plan=plan, params=params, streams=streams)
+    return ChatRun(plan=plan, params=params, streams=streams, request=req, prompt=prompt)
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, arrival_time: float):
     """A response dict, or an async iterator of server-sent events when req.stream."""
     request_id = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
     run = await start_chat(ctx, req, request_id, arrival_time)
-    plan, params, streams, num_top = run.plan, run.params, run.streams, req.top_logprobs or 0
+    req, plan, params, streams = run.request, run.plan, run.params, run.streams
     head = {"id": request_id, "created": int(time.time()), "model": ctx.model_name}
     if req.stream:
-        return requests.sse_events(head["id"], streams, chat_events(ctx, req, params, plan, streams, head))
+        return requests.sse_events(head["id"], streams, chat_events(ctx, req, params, plan, streams, head,
+                                                                    run.prompt.token_ids))
     (output,) = await requests.finished(request_id, streams)
-    choices = [choice_message(ctx, req, plan, c, num_top) for c in output.outputs]
-    response = {**head, "object": "chat.completion", "choices": choices, "usage": usage([output])}
-    if req.prompt_logprobs is not None:
-        response["prompt_logprobs"] = prompt_logprobs_json(token_texts(ctx.texts, req), output)
-    if req.return_token_ids:
-        response["prompt_token_ids"] = list(output.prompt_token_ids)
-        for choice, c in zip(choices, output.outputs):
-            choice["token_ids"] = list(c.token_ids)
-    return response
+    return chat_response(ctx, req, plan, output, head)
+
+
+def chat_response(ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPlan, output: RequestOutput,
+                  head: dict) -> dict:
+    """The whole response; the fields a request did not ask for are null, as vLLM sends them."""
+    choices = [choice_message(ctx, req, plan, c, req.top_logprobs or 0) for c in output.outputs]
+    for choice, c in zip(choices, output.outputs):
+        choice["token_ids"] = list(c.token_ids) if req.return_token_ids else None
+    return {**head, "object": "chat.completion", "choices": choices,
+            "usage": usage([output], ctx.options.enable_prompt_tokens_details),
+            "prompt_logprobs": (prompt_logprobs_json(token_texts(ctx.texts, req), output)
+                                if req.prompt_logprobs is not None else None),
+            "prompt_token_ids": list(output.prompt_token_ids) if req.return_token_ids else None}

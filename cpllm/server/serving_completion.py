@@ -12,9 +12,10 @@ from cpllm.server import requests
 from cpllm.server.errors import bad_request
 from cpllm.server.formatting import ChoiceCursor, completion_logprobs, sampling_params, sse, usage
 from cpllm.server.prompt_fields import (bad_words_token_ids, check_allowed_token_ids, prompt_logprobs_json,
-                                        token_texts, truncated)
+                                        resolved_counts, token_texts, truncated)
 from cpllm.server.protocol import CompletionRequest
 from cpllm.server.requests import Prompt, ServerContext
+from cpllm.server.stream_usage import StreamUsage
 from cpllm.server.structured_fields import request_constraint
 
 
@@ -37,6 +38,7 @@ def _prompts(ctx: ServerContext, req: CompletionRequest) -> list[Prompt]:
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, arrival_time: float):
     """A response dict, or an async iterator of server-sent events when req.stream."""
+    req, limit = resolved_counts(ctx, req, ("logprobs", "prompt_logprobs"), wants_logprobs=req.logprobs is not None)
     constraint = request_constraint(req)
     prompts = _prompts(ctx, req)
     check_allowed_token_ids(req, ctx.engine.tokenizer.vocab_size)
@@ -44,7 +46,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, arrival_
     params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
                              prompt_logprobs=max(asked) if asked else None, max_n=ctx.options.max_n,
                              structured=constraint.params if constraint else None,
-                             bad_words_token_ids=bad_words_token_ids(ctx.engine.tokenizer, req.bad_words))
+                             bad_words_token_ids=bad_words_token_ids(ctx.engine.tokenizer, req.bad_words),
+                             max_logprobs=limit)
     await requests.compile_constraint(ctx, constraint)
     request_id = f"cmpl-{req.request_id or uuid.uuid4().hex}"
     streams = await requests.start(ctx, request_id, prompts, params, arrival_time)
@@ -54,7 +57,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, arrival_
     outputs = await requests.finished(request_id, streams)
     choices = [_choice(ctx, req, p, out, c, i * params.n + c.index)
                for i, (p, out) in enumerate(zip(prompts, outputs)) for c in out.outputs]
-    return {**head, "object": "text_completion", "choices": choices, "usage": usage(outputs)}
+    return {**head, "object": "text_completion", "choices": choices,
+            "usage": usage(outputs, ctx.options.enable_prompt_tokens_details)}
 
 
 def _prompt_text(ctx: ServerContext, prompt: Prompt) -> str:
@@ -73,15 +77,15 @@ def _choice(ctx: ServerContext, req: CompletionRequest, prompt: Prompt, out: Req
     if req.logprobs is not None:
         logprobs = _echo_logprobs(ctx, req, prompt, out) if req.echo else None
         generated = completion_logprobs(token_texts(ctx.texts, req), c.token_ids, c.logprobs or [], req.logprobs,
-                                        len(prefix))
+                                        len(prefix), req.logprob_token_ids)
         logprobs = generated if logprobs is None else {k: logprobs[k] + generated[k] for k in generated}
-    choice = {"index": index, "text": prefix + c.text, "logprobs": logprobs,
-              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-    if req.prompt_logprobs is not None:
-        choice["prompt_logprobs"] = prompt_logprobs_json(token_texts(ctx.texts, req), out)
-    if req.return_token_ids:
-        choice.update(prompt_token_ids=list(out.prompt_token_ids), token_ids=list(c.token_ids))
-    return choice
+    # vLLM sends the fields a request did not ask for as null (clients read them as attributes)
+    return {"index": index, "text": prefix + c.text, "logprobs": logprobs,
+            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+            "prompt_logprobs": (prompt_logprobs_json(token_texts(ctx.texts, req), out)
+                                if req.prompt_logprobs is not None else None),
+            "prompt_token_ids": list(out.prompt_token_ids) if req.return_token_ids else None,
+            "token_ids": list(c.token_ids) if req.return_token_ids else None}
 
 
 async def _stream(ctx: ServerContext, req: CompletionRequest, params: SamplingParams, prompts: list[Prompt],
@@ -90,10 +94,19 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, params: SamplingPa
     n = params.n
     cursors = {}
     offsets = {}  # (prompt, choice) -> chars of echoed prompt text
-    include_usage = req.stream_options is not None and req.stream_options.include_usage
+    reporting = StreamUsage.of(req, ctx.options, sum(len(p.token_ids) for p in prompts))
     # Echoed prompts go first; with logprobs they wait for the prompt's logprobs (the engine's first output).
     echo_waits = req.echo and req.logprobs is not None
     echoed: set[int] = set()
+    opened: set[tuple[int, int]] = set()  # choices whose first chunk went out (it carries prompt_token_ids)
+
+    def token_fields(i: int, j: int, new_ids: list[int]) -> dict:
+        """return_token_ids: the chunk's new token ids, and the prompt's ids on the choice's first chunk."""
+        if not req.return_token_ids:
+            return {}
+        first = (i, j) not in opened
+        opened.add((i, j))
+        return {"token_ids": new_ids, **({"prompt_token_ids": list(prompts[i].token_ids)} if first else {})}
 
     def echo_chunks(i: int, out: RequestOutput | None) -> list[str]:
         echoed.add(i)
@@ -103,8 +116,9 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, params: SamplingPa
         for j in range(n):
             offsets[i, j] = len(text)
             chunks.append(sse({**head, "choices": [{"index": i * n + j, "text": text, "logprobs": logprobs,
-                                                    "finish_reason": None, "stop_reason": None}],
-                               **({"usage": None} if include_usage else {})}))
+                                                    "finish_reason": None, "stop_reason": None,
+                                                    **token_fields(i, j, [])}],
+                               **reporting.chunk_fields(streams)}))
         return chunks
 
     if req.echo and not echo_waits:
@@ -117,11 +131,13 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, params: SamplingPa
                 yield chunk
         for c in out.outputs:
             cursor = cursors.setdefault((i, c.index), ChoiceCursor())
+            sent_tokens = cursor.tokens
             chunk = _delta_choice(ctx, req, params, c, cursor, offsets.get((i, c.index), 0), i * n + c.index)
             if chunk is not None:
-                yield sse({**head, "choices": [chunk], **({"usage": None} if include_usage else {})})
-    if include_usage:
-        yield sse({**head, "choices": [], "usage": usage([s.last for s in streams])})
+                chunk.update(token_fields(i, c.index, list(c.token_ids[sent_tokens : cursor.tokens])))
+                yield sse({**head, "choices": [chunk], **reporting.chunk_fields(streams)})
+    if reporting.final:
+        yield sse({**head, "choices": [], "usage": reporting.now(streams)})
 
 
 def _delta_choice(ctx: ServerContext, req: CompletionRequest, params: SamplingParams, c: CompletionOutput,
@@ -139,7 +155,7 @@ def _delta_choice(ctx: ServerContext, req: CompletionRequest, params: SamplingPa
         ids = c.token_ids[cursor.tokens :]
         positions = (c.logprobs or [])[cursor.tokens : len(c.token_ids)]
         logprobs = completion_logprobs(token_texts(ctx.texts, req), ids, positions, req.logprobs,
-                                       echo_chars + start_chars)
+                                       echo_chars + start_chars, req.logprob_token_ids)
     cursor.tokens = len(c.token_ids)
     cursor.done = finished
     return {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": c.finish_reason,

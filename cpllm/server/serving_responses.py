@@ -75,7 +75,8 @@ def _finished(shell: dict[str, Any], items: list[dict[str, Any]], output: Reques
 
 def _usage(output: RequestOutput) -> dict[str, Any]:
     prompt, generated = len(output.prompt_token_ids), len(output.outputs[0].token_ids)
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": generated,
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": output.num_cached_tokens},
+            "output_tokens": generated,
             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": prompt + generated}
 
 

@@ -1,0 +1,271 @@
+"""What vLLM's own server tests check that cpllm had not built (issue 42), against a real `cpllm serve` on the tiny
+random model: null for fields not asked for, /v1/chat/completions/batch, /invocations, /load, prefix-cache hits in
+usage, continuous usage in streams, truncation_side, whole-vocabulary logprobs, logprob_token_ids, streamed token
+ids, chat token-in and --root-path. The model's text is random: tests compare token ids and shapes, and runs of
+the same greedy request against each other."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import uuid
+
+import httpx
+import openai
+import pytest
+from tiny_models import save_tiny_hf_model, tiny_hf_tokenizer
+
+from cpllm.server.errors import APIError
+from cpllm.server.options import ServeOptions
+from cpllm.server.process import ServerProcess
+from cpllm.server.prompt_fields import resolve_logprobs
+from cpllm.server.protocol import CompletionRequest
+from cpllm.server.stream_usage import StreamUsage
+
+BLOCK = 4
+FLAGS = ["--kv-cache-memory-bytes", "8MiB", "--max-model-len", "256", "--block-size", str(BLOCK),
+         "--served-model-name", "tiny", "--enable-prompt-tokens-details", "--enable-server-load-tracking",
+         "--max-logprobs", "-1", "--root-path", "/llm"]
+MODEL = "tiny"
+ASK = [{"role": "user", "content": "hello there"}]
+VOCAB = 300  # tiny_models' vocabulary
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = save_tiny_hf_model(str(tmp_path_factory.mktemp("tiny_vllm_compat")))
+    with ServerProcess.running([folder, *FLAGS]) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=60, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def post(http, path: str, **body) -> dict:
+    response = http.post(path, json={"model": MODEL, **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def error_param(response: httpx.Response) -> str:
+    assert response.status_code == 400, response.text
+    return response.json()["error"]["param"]
+
+
+def events(http, path: str, **body) -> list[dict]:
+    with http.stream("POST", path, json={"model": MODEL, "stream": True, **body}) as response:
+        assert response.status_code == 200, response.read()
+        lines = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+# ---- fields vLLM sends as null ---------------------------------------------------------------------------
+
+
+def test_fields_not_asked_for_are_null(http, client):
+    choice = post(http, "/v1/completions", prompt="the cat", max_tokens=2)["choices"][0]
+    assert {k: choice[k] for k in ("prompt_logprobs", "prompt_token_ids", "token_ids")} == dict.fromkeys(
+        ("prompt_logprobs", "prompt_token_ids", "token_ids"))
+    reply = post(http, "/v1/chat/completions", messages=ASK, max_tokens=2)
+    assert reply["prompt_logprobs"] is None and reply["prompt_token_ids"] is None
+    assert reply["choices"][0]["token_ids"] is None
+    typed = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2)
+    assert typed.prompt_logprobs is None and typed.choices[0].token_ids is None  # attributes, not AttributeError
+
+
+# ---- /v1/chat/completions/batch, /invocations, /load ------------------------------------------------------
+
+
+def test_batch_answers_each_conversation_as_its_own_request(http):
+    conversations = [[{"role": "user", "content": "say yes"}], [{"role": "user", "content": "say something else"}]]
+    fields = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    batch = post(http, "/v1/chat/completions/batch", messages=conversations, **fields)
+    singles = [post(http, "/v1/chat/completions", messages=m, **fields) for m in conversations]
+    assert [c["index"] for c in batch["choices"]] == [0, 1]
+    assert [c["message"]["content"] for c in batch["choices"]] == [s["choices"][0]["message"]["content"]
+                                                                  for s in singles]
+    assert batch["usage"]["prompt_tokens"] == sum(s["usage"]["prompt_tokens"] for s in singles)
+    assert batch["usage"]["completion_tokens"] == 12
+    choices = post(http, "/v1/chat/completions/batch", messages=conversations, max_tokens=4,
+                   guided_choice=["yes", "no"])["choices"]
+    assert {c["message"]["content"] for c in choices} <= {"yes", "no"}
+
+
+def test_batch_refusals_name_the_conversation(http):
+    bad = [ASK, [{"role": "user"}]]
+    assert error_param(http.post("/v1/chat/completions/batch", json={"messages": bad})) == "messages.1.0.content"
+    assert error_param(http.post("/v1/chat/completions/batch", json={"messages": [ASK], "stream": True})) == "stream"
+    assert error_param(http.post("/v1/chat/completions/batch", json={"messages": []})) == "messages"
+
+
+def test_invocations_routes_by_body(http):
+    completion = {"prompt": "the cat sat", "max_tokens": 5, "temperature": 0}
+    chat = {"messages": ASK, "max_tokens": 5, "temperature": 0}
+    for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+        direct, invoked = post(http, path, **body), post(http, "/invocations", **body)
+        assert invoked["object"] == direct["object"]
+        assert invoked["choices"] == direct["choices"] and invoked["usage"]["prompt_tokens"] == \
+            direct["usage"]["prompt_tokens"]
+    assert error_param(http.post("/invocations", json={"input": "x"})) == "messages"
+
+
+def _load(http) -> int:
+    response = http.get("/load")
+    assert response.status_code == 200, response.text
+    return response.json()["server_load"]
+
+
+def test_server_load_counts_requests_in_flight(server, http):
+    assert _load(http) == 0
+    body = json.dumps({"model": MODEL, "prompt": "a story", "max_tokens": 4}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as conn:
+        conn.sendall(head + body[:10])  # arrived, its body not yet complete: in flight until answered
+        assert _poll(lambda: _load(http) == 1)
+        conn.sendall(body[10:])
+        answer = b"".join(iter(lambda: conn.recv(65536), b""))
+    assert answer.startswith(b"HTTP/1.1 200") and b'"text_completion"' in answer
+    assert _poll(lambda: _load(http) == 0)
+
+
+def _poll(condition, tries: int = 200) -> bool:
+    """True once `condition()` holds (the server counts on its event loop, a moment after the socket moved)."""
+    for _ in range(tries):
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+# ---- usage ---------------------------------------------------------------------------------------------
+
+
+def test_prefix_cache_hits_in_usage(http):
+    prompt = f"unique {uuid.uuid4().hex} prompt that spans blocks"
+    first = post(http, "/v1/completions", prompt=prompt, max_tokens=2)["usage"]
+    again = post(http, "/v1/completions", prompt=prompt, max_tokens=2)["usage"]
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0} and first["cache_read_input_tokens"] == 0
+    hit = BLOCK * ((again["prompt_tokens"] - 1) // BLOCK)  # every full block but the one holding the last token
+    assert again["prompt_tokens_details"] == {"cached_tokens": hit} and again["cache_read_input_tokens"] == hit > 0
+    streamed = events(http, "/v1/completions", prompt=prompt, max_tokens=2, stream_options={"include_usage": True})
+    assert streamed[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": hit}
+
+
+def test_continuous_usage_stats(http):
+    chunks = events(http, "/v1/chat/completions", messages=ASK, max_tokens=6, ignore_eos=True,
+                    stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert all(c["usage"] is not None for c in chunks)
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 6
+    assert len({c["usage"]["prompt_tokens"] for c in chunks}) == 1
+    plain = events(http, "/v1/chat/completions", messages=ASK, max_tokens=2, stream_options={"include_usage": True})
+    assert all(c["usage"] is None for c in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 2
+
+
+def test_force_include_usage_makes_every_stream_continuous():
+    req = CompletionRequest(prompt="x", stream=True)
+    forced = StreamUsage.of(req, ServeOptions(enable_force_include_usage=True), 3)
+    assert forced.final and forced.continuous
+    plain = StreamUsage.of(req, ServeOptions(), 3)
+    assert not plain.final and not plain.continuous and plain.chunk_fields([]) == {}
+
+
+# ---- request fields ------------------------------------------------------------------------------------
+
+
+def test_truncation_side(http):
+    full = tiny_hf_tokenizer().encode("the cat sat on the mat")
+    for side, kept in (("left", full[-3:]), ("right", full[:3]), (None, full[-3:])):
+        body = {"truncation_side": side} if side else {}
+        choice = post(http, "/v1/completions", prompt="the cat sat on the mat", max_tokens=1,
+                      truncate_prompt_tokens=3, return_token_ids=True, **body)["choices"][0]
+        assert choice["prompt_token_ids"] == kept, side
+
+
+def test_minus_one_is_the_whole_vocabulary(http):
+    choice = post(http, "/v1/completions", prompt="the cat sat", max_tokens=1, prompt_logprobs=-1,
+                  logprobs=-1, return_tokens_as_token_ids=True)["choices"][0]  # text keys would merge byte tokens
+    assert all(len(position) == VOCAB for position in choice["prompt_logprobs"][1:])
+    assert len(choice["logprobs"]["top_logprobs"][0]) == VOCAB
+    reply = post(http, "/v1/chat/completions", messages=ASK, max_tokens=1, logprobs=True, top_logprobs=-1)
+    top = reply["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    assert len(top) == VOCAB and top == sorted(top, key=lambda e: -e["logprob"])
+
+
+def test_max_logprobs_bounds_requests():
+    assert resolve_logprobs(-1, "top_logprobs", -1, VOCAB) == VOCAB
+    assert resolve_logprobs(20, "top_logprobs", 20, VOCAB) == 20
+    for value in (21, -1):
+        with pytest.raises(APIError) as info:
+            resolve_logprobs(value, "top_logprobs", 20, VOCAB)
+        assert info.value.status == 400 and info.value.param == "top_logprobs"
+        assert "--max-logprobs 20" in info.value.message
+
+
+def test_logprob_token_ids_report_the_named_tokens(http):
+    named = [100, 150, 200]
+    body = {"messages": ASK, "max_tokens": 3, "temperature": 0, "logprobs": True, "return_tokens_as_token_ids": True}
+    pinned = post(http, "/v1/chat/completions", **body, top_logprobs=3, logprob_token_ids=named)
+    whole = post(http, "/v1/chat/completions", **body, top_logprobs=-1)
+    for got, every in zip(pinned["choices"][0]["logprobs"]["content"], whole["choices"][0]["logprobs"]["content"]):
+        assert got["token"] == every["token"]
+        reference = {e["token"]: e["logprob"] for e in every["top_logprobs"]}
+        assert [e["token"] for e in got["top_logprobs"]] == [f"token_id:{t}" for t in named]
+        assert all(e["logprob"] == pytest.approx(reference[e["token"]], abs=1e-5) for e in got["top_logprobs"])
+    assert error_param(http.post("/v1/chat/completions", json={**body, "logprob_token_ids": [VOCAB]})) == \
+        "logprob_token_ids"
+    assert error_param(http.post("/v1/chat/completions", json={"messages": ASK, "logprob_token_ids": [1]})) == \
+        "logprob_token_ids"
+
+
+def test_return_token_ids_streamed(http):
+    body = {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    whole = post(http, "/v1/completions", prompt="the cat", **body)["choices"][0]
+    chunks = events(http, "/v1/completions", prompt="the cat", logprobs=0, return_tokens_as_token_ids=True, **body)
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    streamed = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+    spelled = [int(t.removeprefix("token_id:")) for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert streamed == spelled == whole["token_ids"]
+    reply = post(http, "/v1/chat/completions", messages=ASK, **body)
+    chat = events(http, "/v1/chat/completions", messages=ASK, **body)
+    assert chat[0]["prompt_token_ids"] == reply["prompt_token_ids"]
+    assert all("prompt_token_ids" not in c for c in chat[1:])
+    assert [t for c in chat for t in c["choices"][0]["token_ids"]] == reply["choices"][0]["token_ids"]
+
+
+def test_chat_token_in(http):
+    ids = post(http, "/tokenize", messages=ASK)["tokens"]
+    fields = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    rendered = post(http, "/v1/chat/completions", messages=ASK, **fields)
+    token_in = post(http, "/v1/chat/completions", messages=[], prompt_token_ids=ids, return_token_ids=True, **fields)
+    assert token_in["prompt_token_ids"] == ids
+    assert token_in["choices"][0]["message"]["content"] == rendered["choices"][0]["message"]["content"]
+    refuse = {"messages": [], "prompt_token_ids": ids}
+    assert error_param(http.post("/v1/chat/completions", json={**refuse, "add_generation_prompt": True})) == \
+        "add_generation_prompt"
+    assert error_param(http.post("/v1/chat/completions", json={**refuse, "messages": ASK})) == "messages"
+    assert error_param(http.post("/v1/chat/completions", json={"messages": []})) == "messages"
+    assert error_param(http.post("/v1/chat/completions", json={**refuse, "prompt_token_ids": [VOCAB]})) == \
+        "prompt_token_ids"
+
+
+# ---- server flags --------------------------------------------------------------------------------------
+
+
+def test_root_path_serves_both_forms(server):
+    for base in (f"{server.url}/llm/v1", f"{server.url}/v1"):
+        client = openai.OpenAI(base_url=base, api_key="unused", timeout=60, max_retries=0)
+        assert client.models.list().data[0].id == MODEL
+        assert client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2).choices
+    assert httpx.get(f"{server.url}/llm/health", timeout=10).status_code == 200
