@@ -28,7 +28,7 @@ def format_counts(model: torch.nn.Module) -> dict[str, Counter]:
 
 def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
     """Bytes of this rank's weights by format ("float", "int8", "int4"), each tensor counted once; rotary tables
-    are not weights. A module holding quantized tensors says which in its `weight_format` (the linear methods and
+    are not weights. A module holding quantized tensors says which in its `weight_format` (the formats' methods and
     their kernels, cpllm/model/formats/); the rest are float."""
     totals: Counter = Counter()
     seen: set[int] = set()
