@@ -12,6 +12,11 @@ The grid is fixed by (B, Hkv, splits) and the slot table's width, never by the l
 from device memory: a CUDA graph captured for a batch size replays for any lengths up to that width
 (cpllm/worker/cuda_graphs.py). Runs on CUDA, and on the CPU under Triton's interpreter (TRITON_INTERPRET=1, set
 before triton is imported), which is how tests/test_triton_attention.py checks it against float64 attention.
+
+Before a launch the wrapper checks the shapes, dtypes and devices, then the values the kernels follow into memory:
+each length within the slot table's width, each slot a request reads within the pool (triton_checks.py; errors
+name the value and the limit, as the C kernels' do). `available()` also reads the kernels' kill switch
+(CPLLM_KERNELS=0, library.py) at each call, so the gqa-triton backend then sends every call to its torch path.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ import os
 import threading
 
 import torch
+
+from cpllm.kernels import library
+from cpllm.kernels.triton_checks import check_decode_tables, check_index_tensor
 
 POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """K/V pool dtypes the kernels read (widened to float32 as they are read where the query is float32)."""
@@ -45,7 +53,10 @@ def _triton():
 
 
 def available() -> bool:
-    """triton imports (the `cuda` extra, or the interpreter tests' `triton` extra)."""
+    """triton imports (the `cuda` extra, or the interpreter tests' `triton` extra) and the kernels are not switched
+    off (CPLLM_KERNELS=0, read now: library.enabled)."""
+    if not library.enabled():
+        return False
     try:
         _triton()
     except ImportError:
@@ -95,8 +106,13 @@ def _kernels():
     return kernels.decode_split_kernel, kernels.merge_splits_kernel
 
 
+_KERNEL = "triton decode attention"
+"""How the errors of the value checks name this kernel."""
+
+
 def _check(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
            lengths: torch.Tensor) -> None:
+    """Shapes, dtypes and devices that fit together, then every length and read slot within its limit."""
     if q.dim() != 3 or k_pool.dim() != 3 or k_pool.shape != v_pool.shape:
         raise ValueError(f"decode attention wants q [B, Hq, D] and pools [N, Hkv, D] alike; got q {tuple(q.shape)}, "
                          f"k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}")
@@ -110,6 +126,11 @@ def _check(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: t
         raise ValueError(f"decode attention reads pools of {POOL_DTYPES}, got {k_pool.dtype} / {v_pool.dtype}")
     if k_pool.stride(2) != 1 or v_pool.stride(2) != 1:
         raise ValueError("decode attention reads pools whose rows are contiguous along the head size")
+    if q.device != k_pool.device or v_pool.device != k_pool.device:
+        raise ValueError(f"decode attention: q on {q.device}, pools on {k_pool.device} / {v_pool.device}")
+    check_index_tensor(_KERNEL, "slots", slots, k_pool.device)
+    check_index_tensor(_KERNEL, "lengths", lengths, k_pool.device)
+    check_decode_tables(_KERNEL, slots, lengths, k_pool.shape[0])
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,

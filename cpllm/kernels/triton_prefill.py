@@ -7,6 +7,7 @@ then over the new keys (query i sees new keys 0..i; the loop stops at the block'
 lse [L, Hq] are float32: the partial the CP layer merges with the other ranks' and pieces' (a row that sees no
 key gets (0, -inf)). The same kernel serves the backend protocol's plain `attend` (keys given as a tensor: no
 slot table, `slots=None`). Tested on the CPU under Triton's interpreter (tests/test_triton_attention.py).
+Before a launch the wrapper checks shapes, dtypes and devices, and every slot against the pool (triton_checks.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ from __future__ import annotations
 import torch
 
 from cpllm.kernels.triton_attention import POOL_DTYPES, launch_guard, next_pow2, widen
+from cpllm.kernels.triton_checks import check_index_tensor, check_slots
+
+_KERNEL = "triton prefill attention"
+"""How the errors of the value checks name this kernel."""
 
 
 def _blocks(head_dim: int, wide: bool) -> tuple[int, int]:
@@ -28,6 +33,7 @@ def _blocks(head_dim: int, wide: bool) -> tuple[int, int]:
 
 
 def _check(q, ctx_k, ctx_v, slots, new_k, new_v) -> None:
+    """Shapes, dtypes and devices that fit together, then every slot within the pool."""
     if q.dim() != 3 or ctx_k.dim() != 3 or ctx_k.shape != ctx_v.shape:
         raise ValueError(f"prefill attention wants q [L, Hq, D] and context [S, Hkv, D] alike; got q "
                          f"{tuple(q.shape)}, k {tuple(ctx_k.shape)}, v {tuple(ctx_v.shape)}")
@@ -38,10 +44,18 @@ def _check(q, ctx_k, ctx_v, slots, new_k, new_v) -> None:
         raise ValueError(f"prefill attention reads keys of {POOL_DTYPES}, got {ctx_k.dtype} / {ctx_v.dtype}")
     if slots is not None and slots.dim() != 1:
         raise ValueError(f"prefill attention: slots must be [S], got {tuple(slots.shape)}")
+    if (new_k is None) != (new_v is None):
+        raise ValueError("prefill attention: give new_k and new_v together")
     if new_k is not None:
         if new_k.shape != new_v.shape or new_k.shape[0] != q.shape[0] or new_k.shape[1:] != ctx_k.shape[1:]:
             raise ValueError(f"prefill attention: new keys {tuple(new_k.shape)} / {tuple(new_v.shape)} must be "
                              f"[L, Hkv, D] for q {tuple(q.shape)} and context {tuple(ctx_k.shape)}")
+    devices = {t.device for t in (q, ctx_k, ctx_v, new_k, new_v) if t is not None}
+    if len(devices) > 1:
+        raise ValueError(f"prefill attention: q, keys and values on several devices ({sorted(map(str, devices))})")
+    if slots is not None:
+        check_index_tensor(_KERNEL, "slots", slots, ctx_k.device)
+        check_slots(_KERNEL, slots, ctx_k.shape[0])
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
