@@ -99,6 +99,16 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+DTYPE_ALIASES = {"auto": "float32", "half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32",
+                 "bf16": "bfloat16"}
+"""vLLM's --dtype spellings -> cpllm's dtypes ("auto" is cpllm's default, float32)."""
+
+
+def parse_dtype(text: str) -> str:
+    """'half' -> 'float16', 'auto' -> 'float32'; cpllm's own names pass through (argparse checks the choices)."""
+    return DTYPE_ALIASES.get(text.strip().lower(), text.strip().lower())
+
+
 def parse_json_object(text: str) -> dict:
     """'{"method": "ngram", ...}' -> the dict (the config it fills validates the keys)."""
     try:
@@ -127,8 +137,9 @@ def config_field_default(path: str) -> Any:
 
 
 ENGINE_OPTIONS: tuple[EngineOption, ...] = (
-    EngineOption("dtype", str, "engine.dtype", choices=SUPPORTED_DTYPES,
-                 help="weights and activations dtype (default: %(default)s)"),
+    EngineOption("dtype", str, "engine.dtype", choices=SUPPORTED_DTYPES, parse=parse_dtype,
+                 help="weights and activations dtype; vLLM's names work too: auto (= %(default)s, the dtype the "
+                      "CPU kernels are exact in), half, float, bf16 (default: %(default)s)"),
     EngineOption("quantization", str, "model.quantization", short="-q", choices=QUANTIZATION_CHOICES,
                  help="auto: a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 weights run as stored in the int4 kernel, the rest "
                       "dequantized; none: everything dequantized to --dtype (exact against transformers); "

@@ -14,19 +14,27 @@ import uuid
 import httpx
 import openai
 import pytest
+import torch
 from tiny_models import save_tiny_hf_model, tiny_hf_tokenizer
 
+from cpllm.cli import build_parser
 from cpllm.server.errors import APIError
-from cpllm.server.options import ServeOptions
+from cpllm.server.launcher import serve_engine_kwargs
+from cpllm.server.options import ServeOptions, serve_options
 from cpllm.server.process import ServerProcess
 from cpllm.server.prompt_fields import resolve_logprobs
 from cpllm.server.protocol import CompletionRequest
 from cpllm.server.stream_usage import StreamUsage
+from cpllm.worker.kv_cache import available_memory_bytes
 
 BLOCK = 4
 FLAGS = ["--kv-cache-memory-bytes", "8MiB", "--max-model-len", "256", "--block-size", str(BLOCK),
          "--served-model-name", "tiny", "--enable-prompt-tokens-details", "--enable-server-load-tracking",
-         "--max-logprobs", "-1", "--root-path", "/llm"]
+         "--max-logprobs", "-1", "--root-path", "/llm", "--dtype", "float", "--trust-remote-code",
+         "--disable-frontend-multiprocessing", "--enable-log-requests", "--load-format", "safetensors"]
+MARK = "SERVER-TEMPLATE "
+TEMPLATE = (MARK + "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 MODEL = "tiny"
 ASK = [{"role": "user", "content": "hello there"}]
 VOCAB = 300  # tiny_models' vocabulary
@@ -35,7 +43,9 @@ VOCAB = 300  # tiny_models' vocabulary
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = save_tiny_hf_model(str(tmp_path_factory.mktemp("tiny_vllm_compat")))
-    with ServerProcess.running([folder, *FLAGS]) as server:
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text(TEMPLATE)
+    with ServerProcess.running([folder, *FLAGS, "--chat-template", str(template)]) as server:
         yield server
 
 
@@ -269,3 +279,42 @@ def test_root_path_serves_both_forms(server):
         assert client.models.list().data[0].id == MODEL
         assert client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2).choices
     assert httpx.get(f"{server.url}/llm/health", timeout=10).status_code == 200
+
+
+def test_server_chat_template_and_request_logs(server, http):
+    tokenizer = tiny_hf_tokenizer()
+    reply = post(http, "/v1/chat/completions", messages=ASK, max_tokens=1, return_token_ids=True)
+    assert tokenizer.decode(reply["prompt_token_ids"]).startswith(MARK)  # the file given to --chat-template
+    own = post(http, "/v1/chat/completions", messages=ASK, max_tokens=1, return_token_ids=True,
+               chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert tokenizer.decode(own["prompt_token_ids"]) == "hello there"  # a request's own template wins
+    assert f"received request {reply['id']}: 1 prompt(s)" in server.log()  # --enable-log-requests
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--reasoning-parser", "qwen3"], "--reasoning-parser"),
+    (["--api-server-count", "2"], "--api-server-count"),
+    (["--load-format", "dummy"], "--load-format"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+    (["--chat-template", "no-such-file"], "--chat-template"),
+])  # fmt: skip
+def test_vllm_flags_refused_by_name(flags, named):
+    args = build_parser().parse_args(["serve", *flags])
+    with pytest.raises(ValueError, match=named):
+        serve_options(args)
+
+
+def test_vllm_engine_flags():
+    args = build_parser().parse_args(["serve", "model-dir", "--dtype", "half", "--gpu-memory-utilization", "0.25"])
+    assert args.dtype == "float16"
+    assert [build_parser().parse_args(["serve", "--dtype", d]).dtype for d in ("auto", "float", "bfloat16")] == \
+        ["float32", "float32", "bfloat16"]
+    options = serve_options(args)
+    kv = serve_engine_kwargs(args, options)["kv_cache_memory_bytes"]
+    assert kv == pytest.approx(0.25 * available_memory_bytes(torch.device("cpu")), rel=0.05)
+    with pytest.raises(ValueError, match="not both"):
+        serve_engine_kwargs(build_parser().parse_args(["serve", "--gpu-memory-utilization", "0.2",
+                                                  "--kv-cache-memory-bytes", "1MiB"]), options)
+    gguf = build_parser().parse_args(["serve", "model-dir", "--load-format", "gguf"])
+    with pytest.raises(ValueError, match="--load-format gguf does not match"):
+        serve_engine_kwargs(gguf, serve_options(gguf))

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 from cpllm.engine_args import add_option_arguments, option_values
 from cpllm.engine_options import EngineOption, parse_bytes
 
+LOAD_FORMATS = ("auto", "safetensors", "gguf")
+"""--load-format values: how the weights on disk are stored (auto: told by the path)."""
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 """Names accepted by --tool-call-parser (vLLM's names for the same formats)."""
 
@@ -52,6 +55,23 @@ class ServeOptions:
     """Count generation requests in flight and serve the count at GET /load."""
     root_path: str = ""
     """A path prefix a proxy adds in front of every route (e.g. /llm): both /llm/v1/... and /v1/... are served."""
+    chat_template: str | None = None
+    """The chat template of requests that give none: a file's path or the Jinja text itself; None = the model's."""
+    gpu_memory_utilization: float | None = None
+    """vLLM's flag: the fraction of the memory available at start (a GPU's free memory, or the host's split among
+    its ranks) that the KV cache takes; None = cpllm's default (a fifth, capped at what the run can fill)."""
+    load_format: str = "auto"
+    """How the weights are stored: auto (from the path), safetensors or gguf; checked against the model path."""
+    trust_remote_code: bool = False
+    """Accepted: cpllm runs the architectures it implements itself and never executes a model's own code."""
+    disable_frontend_multiprocessing: bool = False
+    """Accepted: the HTTP front always runs in the engine's driver process (there is no separate front process)."""
+    enable_log_requests: bool = False
+    """Log each generation request as it arrives: its id, prompt sizes and sampling parameters."""
+    reasoning_parser: str | None = None
+    """vLLM's reasoning parsers are not built: any value is refused at start, naming the flag."""
+    api_server_count: int = 1
+    """API server processes; only 1 (this process) is built, more are refused at start."""
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes is not None and self.max_request_body_bytes < 1024:
@@ -73,6 +93,23 @@ class ServeOptions:
         if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
             raise ValueError(f"--root-path must start with '/' and not end with one (e.g. /llm), got "
                              f"{self.root_path!r}")
+        self._check_vllm_flags()
+
+    def _check_vllm_flags(self) -> None:
+        """vLLM's deployment flags: each does what it says here, or is refused naming itself and why."""
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"--load-format {self.load_format!r} is not supported (cpllm reads real weights: one "
+                             f"of {', '.join(LOAD_FORMATS)})")
+        if self.reasoning_parser is not None:
+            raise ValueError(f"--reasoning-parser {self.reasoning_parser!r} is not supported: no reasoning parser "
+                             "is built, so a model's thinking stays in message.content")
+        if self.api_server_count != 1:
+            raise ValueError(f"--api-server-count {self.api_server_count} is not supported: this one process serves "
+                             "HTTP beside the engine (scale the engine with -dp instead)")
+        if self.chat_template is not None:
+            object.__setattr__(self, "chat_template", _template_text(self.chat_template))
 
     def body_limit(self, max_model_len: int) -> int:
         """The body limit in bytes for a server of this max_model_len."""
@@ -114,6 +151,26 @@ SERVE_OPTIONS: tuple[EngineOption, ...] = (
                   help="count generation requests in flight, served at GET /load"),
     _serve_option("root_path", str, "root_path", metavar="PATH",
                   help="a prefix a proxy puts before every route (e.g. /llm): /llm/v1/... and /v1/... both work"),
+    _serve_option("chat_template", str, "chat_template", metavar="FILE_OR_TEMPLATE",
+                  help="chat template for requests that give none: a file, or the Jinja text (default: the "
+                       "model's)"),
+    _serve_option("gpu_memory_utilization", float, "gpu_memory_utilization", metavar="FRACTION",
+                  help="fraction of the memory available at start that the KV cache takes (a GPU's free memory; "
+                       "on the CPU the host's, split among its ranks); default: a fifth, capped at what "
+                       "max_num_seqs x max_model_len can fill"),
+    _serve_option("load_format", str, "load_format",
+                  help=f"weights' format: {', '.join(LOAD_FORMATS)} (checked against the model path; vLLM's "
+                       "others, such as dummy, are refused) (default: %(default)s)"),
+    _serve_option("trust_remote_code", bool, "trust_remote_code",
+                  help="accepted: cpllm implements its architectures itself and never runs a model's own code"),
+    _serve_option("disable_frontend_multiprocessing", bool, "disable_frontend_multiprocessing",
+                  help="accepted: the HTTP front always runs in the engine's driver process"),
+    _serve_option("enable_log_requests", bool, "enable_log_requests",
+                  help="log each generation request on arrival (id, prompt tokens, sampling parameters)"),
+    _serve_option("reasoning_parser", str, "reasoning_parser", metavar="NAME",
+                  help="refused: no reasoning parser is built (the thinking stays in the content)"),
+    _serve_option("api_server_count", int, "api_server_count",
+                  help="API server processes; only 1 is built (default: %(default)s)"),
 )
 """The server's flags, one row per ServeOptions field (vLLM's names where vLLM has the option); a flag's default
 is its field's."""
@@ -127,3 +184,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def serve_options(args: argparse.Namespace) -> ServeOptions:
     """ServeOptions from parsed flags (validated: a bad value raises ValueError naming its flag)."""
     return ServeOptions(**option_values(args, SERVE_OPTIONS))
+
+
+def _template_text(value: str) -> str:
+    """--chat-template's text: the file's when it names one, else the value itself if it is a Jinja template."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")

@@ -49,6 +49,9 @@ async def start(ctx: ServerContext, base_id: str, prompts: list[Prompt], params:
                 arrival_time: float, max_tokens_param: str = "max_tokens") -> list[RequestStream]:
     """Adds every prompt to the engine; if one is refused, the others are aborted and a 400 is raised.
     429 when the server's queue cannot take the request's sequences (they are released when the streams close)."""
+    if ctx.options.enable_log_requests:
+        logger.info("received request %s: %d prompt(s) of %s tokens, params=%r", base_id, len(prompts),
+                    ",".join(str(len(p.token_ids)) for p in prompts), params)
     ticket = ctx.admission.admit(len(prompts) * params.n)
     streams: list[RequestStream] = []
     try:

@@ -32,7 +32,7 @@ def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPlan) 
         text = tokenizer.apply_chat_template(req.template_messages(), add_generation_prompt=req.add_generation_prompt,
                                              tools=plan.template_tools,
                                              continue_final_message=req.continue_final_message,
-                                             chat_template=req.chat_template,
+                                             chat_template=req.chat_template or ctx.options.chat_template,
                                              template_kwargs=req.chat_template_kwargs)
     except Exception as exc:  # noqa: BLE001 - jinja raises many kinds; all mean "these messages do not fit"
         param = "chat_template_kwargs" if isinstance(exc, TypeError) and req.chat_template_kwargs else "messages"
