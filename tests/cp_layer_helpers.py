@@ -31,6 +31,7 @@ from cpllm.context_parallel.sdpa import reference_attention
 from cpllm.distributed.groups import ParallelGroups
 from cpllm.distributed.launch import init_distributed, shutdown_distributed
 from cpllm.step import ScheduledChunk
+from step_plans import eager_plan
 
 HQ = 4
 """Query heads per TP rank (TP ranks of a DCP group hold different query heads)."""
@@ -159,7 +160,8 @@ def run_case(groups: ParallelGroups, strategy: str, interleave: int, name: str, 
     chunks = [ScheduledChunk(request_id=str(i), token_ids=tuple(token_id(i, j) for j in range(r.new)),
                              start_pos=r.context, block_table=tables[i], sample=True, prompt_logits=False)
               for i, r in enumerate(reqs)]
-    batch = build_step_batch(chunks, layout, pcp, groups.pcp_rank, lambda c: [len(c.token_ids) - 1])
+    batch = build_step_batch(chunks, layout, pcp, groups.pcp_rank, lambda c: [len(c.token_ids) - 1],
+                             plan=eager_plan(chunks, layout, pcp))
     meta = batch.attention
 
     # Pools: NaN everywhere, finite garbage in the unused block 0, the owned context positions filled in.

@@ -1,8 +1,8 @@
 """Rank side of tests/test_cp_pass_q_layer.py: the pass-Q strategy of PagedCPAttention in real gloo groups.
 
 Reuses tests/cp_layer_helpers.py case by case (same scenarios, same float64 reference, same exact check of the KV
-pools), with the step's metadata built for pass-Q (`build_step_batch(..., strategy="pass-q")`), which carries the
-plan of where each new token's K/V is stored.
+pools), with the step's metadata built for a plan of strategy pass-Q (`eager_plan(..., strategy="pass-q")`), which
+carries the plan of where each new token's K/V is stored.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ SCENARIOS = helpers.SCENARIOS
 
 
 def run_pass_q_case(groups: ParallelGroups, interleave: int, name: str, seed: int) -> dict:
-    original = helpers.build_step_batch
-    helpers.build_step_batch = functools.partial(original, strategy=STRATEGY)
+    original = helpers.eager_plan
+    helpers.eager_plan = functools.partial(original, strategy=STRATEGY)
     try:
         return helpers.run_case(groups, STRATEGY, interleave, name, seed)
     finally:
-        helpers.build_step_batch = original
+        helpers.eager_plan = original
 
 
 def ring_events(groups: ParallelGroups, seed: int) -> tuple[list, dict]:

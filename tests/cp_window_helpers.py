@@ -25,6 +25,7 @@ from cpllm.distributed.groups import ParallelGroups
 from cpllm.distributed.launch import init_distributed, shutdown_distributed
 from cpllm.layers.window.modifier import score_mods
 from cpllm.step import FREED_BLOCK, ScheduledChunk
+from step_plans import eager_plan
 
 Req = base.Req
 HQ, HKV, D, BLOCK, SCALE = base.HQ, base.HKV, base.D, base.BLOCK, base.SCALE
@@ -169,7 +170,7 @@ def run_case(groups: ParallelGroups, strategy: str, interleave: int, name: str, 
                              start_pos=r.context, block_table=tables[i], sample=True, prompt_logits=False)
               for i, r in enumerate(reqs)]
     batch = build_step_batch(chunks, layout, pcp, groups.pcp_rank, lambda c: [len(c.token_ids) - 1],
-                             strategy=strategy, split_single_tokens=replicated)
+                             plan=eager_plan(chunks, layout, pcp, replicated=replicated, strategy=strategy))
     meta = batch.attention
 
     pools = []

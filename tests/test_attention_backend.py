@@ -13,8 +13,9 @@ from cpllm.layers.registry import BACKENDS, attention_backend
 from cpllm.layers.gqa.backend import GQAPagedBackend
 from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.context_parallel.metadata import build_step_batch
-from cpllm.context_parallel.plan import StepPlan
+from cpllm.context_parallel.plan import StepPath
 from cpllm.step import ScheduledChunk
+from step_plans import eager_plan
 
 HQ, HKV, D, BLOCK = 4, 2, 8, 4
 METHODS = [name for name in AttentionBackend.__dict__ if not name.startswith("_")]
@@ -56,7 +57,7 @@ def _step(requests, plan=None):
     chunks = [ScheduledChunk(request_id=str(i), token_ids=tuple([1] * new), start_pos=ctx,
                              block_table=tuple(range(1 + 8 * i, 9 + 8 * i)), sample=True, prompt_logits=False)
               for i, (ctx, new) in enumerate(requests)]
-    meta = build_step_batch(chunks, layout, 1, 0, lambda c: [], plan=plan).attention
+    meta = build_step_batch(chunks, layout, 1, 0, lambda c: [], plan=eager_plan(chunks, layout, path=plan)).attention
     pools = [torch.randn(80 * BLOCK, HKV, D, generator=g) for _ in range(2)]
     q, k, v = (torch.randn(meta.num_rows, h, D, generator=g) for h in (HQ, HKV, HKV))
     return (q, k, v), pools, meta
@@ -66,7 +67,7 @@ def _step(requests, plan=None):
     ([(0, 9), (6, 5), (10, 1)], None, {"rows_to_move", "rows_moved", "store_kv", "attend", "context_keys",
                                        "attend_decode"}),
     ([(10, 1), (3, 1)], None, {"store_kv", "attend_decode_whole"}),
-    ([(10, 1), (3, 1)], StepPlan.GATHERED_DECODE, {"store_kv", "attend_decode"}),
+    ([(10, 1), (3, 1)], StepPath.GATHERED_DECODE, {"store_kv", "attend_decode"}),
 ])
 def test_the_cp_layer_attends_only_through_its_backend(monkeypatch, requests, plan, used):
     (q, k, v), pools, meta = _step(requests, plan)
@@ -109,9 +110,9 @@ def test_step_metadata_is_the_same_with_and_without_the_kernels(monkeypatch, nam
     """The runner lays a step out alike whatever kernels built: each request's own slots and the shared-prefix
     hint, never the union (which the SDPA path builds on first use)."""
     chunks, layout, _, _ = _shared_prefix_step(SHARED_STEPS[name])
-    on = build_step_batch(chunks, layout, 1, 0, lambda c: [])
+    on = build_step_batch(chunks, layout, 1, 0, lambda c: [], plan=eager_plan(chunks, layout))
     monkeypatch.setenv("CPLLM_KERNELS", "0")
-    off = build_step_batch(chunks, layout, 1, 0, lambda c: [])
+    off = build_step_batch(chunks, layout, 1, 0, lambda c: [], plan=eager_plan(chunks, layout))
     assert _structure(on) == _structure(off)
     decode = on.attention.decode
     assert not decode.shared_keys and decode.lengths is not None and decode.shared_prefix is not None
@@ -133,7 +134,7 @@ def test_the_sdpa_path_builds_the_union_once_and_matches_the_kernel(monkeypatch,
     layer = PagedCPAttention(CPComm(), scale=D**-0.5)
 
     def run_step(layers: int = 3):
-        meta = build_step_batch(chunks, layout, 1, 0, lambda c: []).attention
+        meta = build_step_batch(chunks, layout, 1, 0, lambda c: [], plan=eager_plan(chunks, layout)).attention
         step_pools = [p.clone() for p in pools]
         return [layer(q, k, v, *step_pools, meta) for _ in range(layers)], meta
 

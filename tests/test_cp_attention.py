@@ -10,6 +10,7 @@ from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.context_parallel.metadata import build_step_batch, shared_key_view
 from cpllm.context_parallel.sdpa import reference_attention
 from cpllm.step import ScheduledChunk
+from step_plans import eager_plan
 
 HQ, HKV, D, BLOCK = 4, 2, 8, 4
 
@@ -22,7 +23,7 @@ def run_case(requests, seed=0):
     layout = KVLayout(cp_size=1, cp_rank=0, interleave=1, block_size=BLOCK)
     chunks = [ScheduledChunk(request_id=str(i), token_ids=tuple([1] * new), start_pos=ctx, block_table=tuple(bt),
                              sample=True, prompt_logits=False) for i, (ctx, new, bt) in enumerate(requests)]
-    batch = build_step_batch(chunks, layout, 1, 0, lambda c: [])
+    batch = build_step_batch(chunks, layout, 1, 0, lambda c: [], plan=eager_plan(chunks, layout))
     n = batch.attention.num_rows
     q, k, v = (torch.randn(n, h, D, generator=g) for h in (HQ, HKV, HKV))
     # Snapshot each request's cached context before the layer writes the new tokens.

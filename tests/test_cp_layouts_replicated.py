@@ -39,6 +39,7 @@ from parallel_helpers import (
     reference_prompts,
     workload_prompts,
 )
+from step_plans import eager_plan
 
 GROUP_TOKENS = 96
 """Tokens each PCP rank's copy holds: the workload (about 125 tokens with 8 generated each) must preempt."""
@@ -190,8 +191,8 @@ def test_decode_rows_are_split_over_pcp_ranks_and_synced_after_the_step():
     chunks = [ScheduledChunk(request_id=str(i), token_ids=(5,), start_pos=10 + i, block_table=(1, 2, 3, 4, 5),
                              sample=True, prompt_logits=False) for i in range(4)]
     layout = KVLayout(cp_size=1, cp_rank=0, interleave=1, block_size=4)  # replicated, DCP = 1
-    batches = [build_step_batch(chunks, layout, 2, rank, output_positions, split_single_tokens=True)
-               for rank in range(2)]
+    plan = eager_plan(chunks, layout, 2, replicated=True)
+    batches = [build_step_batch(chunks, layout, 2, rank, output_positions, plan=plan) for rank in range(2)]
     assert [b.attention.num_rows for b in batches] == [2, 2]
     assert [len(b.attention.decode.requests) for b in batches] == [2, 2]
     homes = batches[0].output_rows

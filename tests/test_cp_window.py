@@ -454,9 +454,9 @@ def test_scored_layers_refuse_the_fused_and_compiled_plans(monkeypatch):
     real = metadata_module.build_step_batch
     for path in (StepPath.FUSED, StepPath.COMPILED, StepPath.TP_TEAM):
         plan = StepPlan(path=path)
-        def planned(*args, plan=plan, **kwargs):  # the step laid out as usual, carrying `plan`
+        def planned(*args, forced=plan, **kwargs):  # the step laid out as usual, carrying the forced plan
             batch = real(*args, **kwargs)
-            return dataclasses.replace(batch, attention=dataclasses.replace(batch.attention, plan=plan))
+            return dataclasses.replace(batch, attention=dataclasses.replace(batch.attention, plan=forced))
         monkeypatch.setattr(metadata_module, "build_step_batch", planned)
         with pytest.raises(ValueError, match=f"plan '{plan.value}' runs kernels that know no window"):
             _one_rank_step([helpers.Req(20, 1)], layer, None, seed=1)

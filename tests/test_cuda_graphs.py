@@ -15,10 +15,11 @@ from cpllm.context_parallel.attention import CPComm, PagedCPAttention
 from cpllm.layers.gqa.backend import GQAPagedBackend
 from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.context_parallel.metadata import build_step_batch
-from cpllm.context_parallel.plan import StepPlan
+from cpllm.context_parallel.plan import GraphBuckets, RankCapabilities, StepPath, plan_step
 from cpllm.step import ScheduledChunk
 from cpllm.worker.cuda_graphs import (FallbackLog, StaticDecodeInputs, bucket_for, capture_sizes, model_reason,
                                       sizes_within_memory, step_reason)
+from step_plans import eager_plan
 
 HQ, HKV, D, BLOCK = 4, 2, 8, 4
 
@@ -59,17 +60,18 @@ def _chunks(requests):
             for i, (ctx, new) in enumerate(requests)]
 
 
-def _batch(requests, plan=StepPlan.ONE_SHARD):
+def _batch(requests, path=StepPath.ONE_SHARD):
     layout = KVLayout(cp_size=1, cp_rank=0, interleave=1, block_size=BLOCK)
-    plan = StepPlan.PREFILL if any(new > 1 for _, new in requests) else plan
-    return build_step_batch(_chunks(requests), layout, 1, 0, lambda c: [len(c.token_ids) - 1], plan=plan), layout
+    chunks = _chunks(requests)
+    plan = eager_plan(chunks, layout, path=path)  # a prompt chunk plans a prefill
+    return build_step_batch(chunks, layout, 1, 0, lambda c: [len(c.token_ids) - 1], plan=plan), layout
 
 
 def test_step_reasons():
     sizes = (1, 2, 4)
     assert step_reason(_batch([(10, 1), (3, 1)])[0], sizes, width=64) is None
     assert step_reason(_batch([(10, 4), (3, 1)])[0], sizes, width=64) == "plan prefill"
-    assert step_reason(_batch([(10, 1)], StepPlan.GATHERED_DECODE)[0], sizes, 64) == "plan gathered-decode"
+    assert step_reason(_batch([(10, 1)], StepPath.GATHERED_DECODE)[0], sizes, 64) == "plan gathered-decode"
     assert "batch of 5 rows over the largest captured size 4" in step_reason(_batch([(3, 1)] * 5)[0], sizes, 64)
     assert "context of 41 slots over the captured width 40" in step_reason(_batch([(40, 1)])[0], sizes, 40)
 
@@ -146,12 +148,14 @@ def test_decode_steps_through_the_buckets_give_the_eager_model_s_hidden_states(t
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18], [19]]
     tables = [tuple(range(1 + 12 * i, 13 + 12 * i)) for i in range(len(prompts))]
 
-    def step(members, starts, tokens, plan):
+    caps = RankCapabilities(graphs=GraphBuckets(sizes=(1, 2, 4), width=40))  # the graphs built below
+
+    def step(members, starts, tokens):
         chunks = [ScheduledChunk(request_id=str(i), token_ids=tuple(tokens[i]), start_pos=starts[i],
                                  block_table=tables[i], sample=True, prompt_logits=False) for i in members]
-        return build_step_batch(chunks, layout, 1, 0, lambda c: [len(c.token_ids) - 1], plan=plan)
+        return build_step_batch(chunks, layout, 1, 0, lambda c: [len(c.token_ids) - 1], plan=plan_step(chunks, caps))
 
-    prefill = step(range(4), [0] * 4, prompts, StepPlan.PREFILL)
+    prefill = step(range(4), [0] * 4, prompts)
     model(prefill.token_ids, prefill.positions, pools, prefill.attention)
     graphs = DecodeGraphs(model, pools, layout, sizes=(1, 2, 4), width=40, device=torch.device("cpu"))
     for size in graphs.sizes:
@@ -159,7 +163,7 @@ def test_decode_steps_through_the_buckets_give_the_eager_model_s_hidden_states(t
         graphs.graphs[size] = _EagerReplay(graphs, size)
     starts = [len(p) for p in prompts]
     for members, token in [((0, 1, 2), 30), ((3,), 31), ((0, 2, 3), 32)]:
-        batch = step(members, starts, {i: [token + i] for i in members}, StepPlan.ONE_SHARD)
+        batch = step(members, starts, {i: [token + i] for i in members})
         eager_pools = [(k.clone(), v.clone()) for k, v in pools]
         want = model(batch.token_ids, batch.positions, eager_pools, batch.attention)
         got = graphs.run(batch)
@@ -171,6 +175,6 @@ def test_decode_steps_through_the_buckets_give_the_eager_model_s_hidden_states(t
         for i in members:
             starts[i] += 1
     assert graphs.replays == 3
-    five = step(range(4), starts, {i: [40] for i in range(4)}, StepPlan.ONE_SHARD)
+    five = step(range(4), starts, {i: [40] for i in range(4)})
     five = dataclasses.replace(five, token_ids=torch.cat((five.token_ids, five.token_ids[:1])))  # 5 rows: no bucket
     assert graphs.run(five) is None and list(graphs.fallbacks.counts) == ["decode rows are not every row of the step"]

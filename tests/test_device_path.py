@@ -31,6 +31,7 @@ from cpllm.context_parallel.metadata import (
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 import gpu_check  # noqa: E402  (scripts/gpu_check.py: the step builder and the simulated CP ranks)
+from step_plans import eager_plan  # noqa: E402
 
 STEP_CLASSES = (StepBatch, AttentionMetadata, RequestAttention, DecodeBatch, LocalChunk)
 STEPS = {  # (context_len, num_new) per request: prefill with context + padded decodes; decodes sharing a prefix
@@ -43,7 +44,8 @@ def _steps(pcp: int = 2, pcp_rank: int = 1):
     layout = KVLayout(cp_size=pcp, cp_rank=pcp_rank, interleave=1, block_size=4)
     for requests in STEPS.values():
         chunks = gpu_check.make_chunks(requests, layout)
-        yield build_step_batch(chunks, layout, pcp, pcp_rank, lambda c: [len(c.token_ids) - 1])
+        yield build_step_batch(chunks, layout, pcp, pcp_rank, lambda c: [len(c.token_ids) - 1],
+                               plan=eager_plan(chunks, layout, pcp))
 
 
 def _tensor_fields(cls) -> set[str]:
@@ -98,8 +100,8 @@ def test_move_keeps_values_shapes_and_dtypes():
 
 def test_build_step_batch_device_argument():
     layout = KVLayout(cp_size=1, cp_rank=0, interleave=1, block_size=4)
-    batch = build_step_batch(gpu_check.make_chunks(STEPS["mixed"], layout), layout, 1, 0, lambda c: [],
-                             device="meta")
+    chunks = gpu_check.make_chunks(STEPS["mixed"], layout)
+    batch = build_step_batch(chunks, layout, 1, 0, lambda c: [], plan=eager_plan(chunks, layout), device="meta")
     assert {t.device.type for _, t in metadata_module.iter_tensors(batch)} == {"meta"}
 
 

@@ -26,6 +26,7 @@ from cpllm.server.metrics_vllm import VllmMetrics
 from cpllm.step import ScheduledChunk
 from parallel_helpers import max_abs_diff, sampled_logprobs
 from spec_decode_helpers import CYCLE, random_tokens, run_phase, save_cycle_model, walk
+from step_plans import eager_plan
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
         "draft_length": "fixed"}
@@ -246,7 +247,8 @@ def test_replicated_copies_keep_a_verify_chunks_rows_together():
                              prompt_logits=False) for i, r in enumerate(ids)]
     homes = {}
     for rank in range(2):
-        batch = build_step_batch(chunks, layout, 2, rank, lambda c: [0], split_single_tokens=True)
+        plan = eager_plan(chunks, layout, 2, replicated=True)
+        batch = build_step_batch(chunks, layout, 2, rank, lambda c: [0], plan=plan)
         held = [i for i, r in enumerate(batch.attention.requests) if r.local_chunks]
         homes.update({i: rank for i in held})
         assert single_token_rows(len(ids), 2, rank, True, ids) == (len(held), batch.attention.num_rows)

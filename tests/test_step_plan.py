@@ -1,15 +1,20 @@
-"""The execution plan of a step (cpllm/context_parallel/plan.py): chosen once by the runner, carried in the
-metadata, followed by every later stage; the metadata's layout follows the plan."""
+"""The execution plan of a step (cpllm/context_parallel/plan.py): a record made once per step by `plan_step` from
+the step's chunks and the rank's capabilities, carried in the metadata, followed by every later stage; the
+metadata's layout follows the plan."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
 from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.context_parallel.metadata import build_step_batch, shared_key_view
-from cpllm.context_parallel.plan import StepPlan, eager_decode_plan, single_token_rows
+from cpllm.context_parallel.plan import (FusedLayers, GraphBuckets, RankCapabilities, StepPath, StepPlan,
+                                         eager_decode_path, plan_step, single_token_rows)
 from cpllm.model.fused_decode import FusedDecode
 from cpllm.step import ScheduledChunk
+from step_plans import eager_plan
 
 BLOCK = 4
 
@@ -33,15 +38,17 @@ def _layout(cp_size: int = 1, cp_rank: int = 0) -> KVLayout:
 
 
 @pytest.mark.parametrize("kv_shards, pcp, replicated, want", [
-    (1, 1, False, StepPlan.ONE_SHARD),  # one rank, or TP alone
-    (1, 2, True, StepPlan.ONE_SHARD),  # replicated copies over PCP, no DCP
-    (2, 2, False, StepPlan.PCP_DECODE),  # sharded over PCP, no DCP
-    (2, 1, False, StepPlan.GATHERED_DECODE),  # DCP alone
-    (4, 2, False, StepPlan.GATHERED_DECODE),  # PCP x DCP
-    (2, 2, True, StepPlan.GATHERED_DECODE),  # replicated over PCP, DCP = 2
+    (1, 1, False, StepPath.ONE_SHARD),  # one rank, or TP alone
+    (1, 2, True, StepPath.ONE_SHARD),  # replicated copies over PCP, no DCP
+    (2, 2, False, StepPath.PCP_DECODE),  # sharded over PCP, no DCP
+    (2, 1, False, StepPath.GATHERED_DECODE),  # DCP alone
+    (4, 2, False, StepPath.GATHERED_DECODE),  # PCP x DCP
+    (2, 2, True, StepPath.GATHERED_DECODE),  # replicated over PCP, DCP = 2
 ])
 def test_eager_decode_plan_by_layout(kv_shards, pcp, replicated, want):
-    assert eager_decode_plan(kv_shards, pcp, replicated) is want
+    assert eager_decode_path(kv_shards, pcp, replicated) is want
+    caps = RankCapabilities(pcp_size=pcp, kv_shards=kv_shards, replicated=replicated)
+    assert caps.eager_decode is want and plan_step(_chunks([(5, 1)]), caps).path is want
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 3, 5])
@@ -49,36 +56,51 @@ def test_eager_decode_plan_by_layout(kv_shards, pcp, replicated, want):
 def test_single_token_rows_match_the_layout(tokens, pcp):
     chunks = _chunks([(5, 1)] * tokens)
     for rank in range(pcp):
-        batch = build_step_batch(chunks, _layout(), pcp, rank, lambda c: [0], split_single_tokens=True)
+        batch = build_step_batch(chunks, _layout(), pcp, rank, lambda c: [0],
+                                 plan=eager_plan(chunks, _layout(), pcp, replicated=True))
         rows_here = sum(1 for t in batch.token_ids.tolist() if t != 0)
         assert single_token_rows(tokens, pcp, rank, split=True) == (rows_here, batch.attention.num_rows)
     assert single_token_rows(tokens, pcp, 0, split=False) == (tokens, tokens)
 
 
-def test_default_plan_follows_the_layout():
+def test_eager_plan_follows_the_layout():
     decodes, mixed = _chunks([(5, 1), (7, 1)]), _chunks([(5, 1), (0, 6)])
-    assert build_step_batch(decodes, _layout(), 1, 0, lambda c: []).attention.plan is StepPlan.ONE_SHARD
-    assert build_step_batch(mixed, _layout(), 1, 0, lambda c: []).attention.plan is StepPlan.PREFILL
-    assert build_step_batch(decodes, _layout(2, 1), 2, 1, lambda c: []).attention.plan is StepPlan.PCP_DECODE
-    assert build_step_batch(decodes, _layout(2, 1), 1, 0, lambda c: []).attention.plan is StepPlan.GATHERED_DECODE
+    for chunks, layout, pcp, want in [(decodes, _layout(), 1, StepPath.ONE_SHARD),
+                                      (mixed, _layout(), 1, StepPath.PREFILL),
+                                      (decodes, _layout(2, 1), 2, StepPath.PCP_DECODE),
+                                      (decodes, _layout(2, 1), 1, StepPath.GATHERED_DECODE)]:
+        plan = eager_plan(chunks, layout, pcp)
+        assert plan.path is want
+        assert build_step_batch(chunks, layout, pcp, pcp - 1, lambda c: [], plan=plan).attention.plan is plan
 
 
 def test_a_decode_plan_refuses_a_prompt_chunk():
     with pytest.raises(ValueError, match="prompt chunk"):
-        build_step_batch(_chunks([(0, 6)]), _layout(), 1, 0, lambda c: [], plan=StepPlan.FUSED)
+        build_step_batch(_chunks([(0, 6)]), _layout(), 1, 0, lambda c: [], plan=StepPlan(path=StepPath.FUSED))
+
+
+def test_build_step_batch_requires_the_plan_record():
+    chunks = _chunks([(5, 1)])
+    with pytest.raises(TypeError, match="required keyword-only argument: 'plan'"):
+        build_step_batch(chunks, _layout(), 1, 0, lambda c: [])  # noqa: the missing plan is the point
+    for wrong in (None, StepPath.ONE_SHARD, "one-shard"):
+        with pytest.raises(TypeError, match="needs the step's StepPlan record"):
+            build_step_batch(chunks, _layout(), 1, 0, lambda c: [], plan=wrong)
 
 
 def test_fused_plans_lay_out_own_slots_and_teams_every_row():
     chunks = _chunks([(16, 1)] * 4, shared_prefix=True)
-    eager = build_step_batch(chunks, _layout(), 1, 0, lambda c: [])
+    eager = build_step_batch(chunks, _layout(), 1, 0, lambda c: [], plan=eager_plan(chunks, _layout()))
     assert shared_key_view(eager.attention.decode).shared_keys  # the union pays here (for the SDPA path)
-    for plan in (StepPlan.FUSED, StepPlan.PCP_TEAM, StepPlan.TP_TEAM):
+    for path in (StepPath.FUSED, StepPath.PCP_TEAM, StepPath.TP_TEAM):
+        plan = StepPlan(path=path)
         meta = build_step_batch(chunks, _layout(), 1, 0, lambda c: [], plan=plan).attention
         assert meta.plan is plan and not meta.decode.shared_keys and meta.decode.lengths is not None
     # Replicated over two PCP ranks: outside a team each copy computes half of the tokens, a team all of them.
-    split = build_step_batch(chunks, _layout(), 2, 1, lambda c: [], split_single_tokens=True).attention
-    team = build_step_batch(chunks, _layout(), 2, 1, lambda c: [], split_single_tokens=True,
-                            plan=StepPlan.PCP_TEAM).attention
+    split = build_step_batch(chunks, _layout(), 2, 1, lambda c: [],
+                             plan=eager_plan(chunks, _layout(), 2, replicated=True)).attention
+    team = build_step_batch(chunks, _layout(), 2, 1, lambda c: [],
+                            plan=eager_plan(chunks, _layout(), 2, replicated=True, path=StepPath.PCP_TEAM)).attention
     assert (split.num_rows, team.num_rows) == (2, 4) and team.decode.rows.tolist() == [[0, 1, 2, 3]] * 2
 
 
@@ -86,28 +108,92 @@ class _Team:
     def __init__(self, max_batch: int):
         self.max_batch = max_batch
 
-    def takes(self, rows: int) -> bool:
-        return 0 < rows <= self.max_batch
+
+def _fused_path(fused: FusedDecode, tokens: int, pcp: int = 1, rank: int = 0) -> StepPath | None:
+    """The path `plan_step` gives a step of `tokens` single tokens on a rank of these fused layers (under the
+    replicated layout over `pcp` PCP copies: each computes its share), None where it is not a fused one."""
+    caps = RankCapabilities(pcp_size=pcp, pcp_rank=rank, replicated=pcp > 1, fused=fused.capability())
+    path = plan_step(_chunks([(5, 1)] * tokens), caps).path
+    return path if path.fused else None
 
 
 @pytest.mark.parametrize("tensor_parallel", [False, True])
 def test_fused_decode_plans_from_the_step_alone(tensor_parallel):
     alone = FusedDecode(None, [], [], team_size=1, needs_team=False)
-    assert alone.plan(3, 3, 3) is StepPlan.FUSED
-    assert alone.plan(3, 1, 2) is None and alone.plan(0, 0, 0) is None  # padding rows, or no row here
+    assert _fused_path(alone, 3) is StepPath.FUSED
+    # padding rows (3 tokens over 2 copies: this one computes 1 of the batch's 2 rows), or no row here
+    assert _fused_path(alone, 3, pcp=2, rank=1) is None and _fused_path(alone, 0) is None
+    assert _fused_path(alone, 3, pcp=2, rank=0) is StepPath.FUSED  # 2 rows of 2 on this copy
     alone.max_rows = 2
-    assert alone.plan(3, 3, 3) is None and alone.plan(2, 2, 2) is StepPlan.FUSED
+    assert _fused_path(alone, 3) is None and _fused_path(alone, 2) is StepPath.FUSED
     member = FusedDecode(None, [], [], team_size=2, needs_team=True, tensor_parallel=tensor_parallel)
-    assert member.plan(2, 2, 2) is None  # no team formed: a layout that needs one runs eager
+    assert _fused_path(member, 2) is None  # no team formed: a layout that needs one runs eager
     member.team = _Team(max_batch=4)
-    assert member.plan(4, 2, 2) is (StepPlan.TP_TEAM if tensor_parallel else StepPlan.PCP_TEAM)
-    assert member.plan(5, 3, 3) is None  # more rows than the team's buffers
+    assert _fused_path(member, 4) is (StepPath.TP_TEAM if tensor_parallel else StepPath.PCP_TEAM)
+    assert _fused_path(member, 5) is None  # more rows than the team's buffers
+
+
+_PROMPT, _DECODE = [(0, 6), (5, 1)], [(5, 1), (7, 1)]
+_TEAM = FusedLayers(needs_team=True, team=StepPath.PCP_TEAM, team_rows=8)
+
+
+@pytest.mark.parametrize("caps, step, want", [
+    # one rank, eager layers: one-shard decode; the strategy reaches a prefill only as given
+    (RankCapabilities(), _PROMPT, dict(path=StepPath.PREFILL, strategy="ring")),
+    (RankCapabilities(), _DECODE, dict(path=StepPath.ONE_SHARD)),
+    # fused layers alone before the compiled step; the compiled step before the eager path
+    (RankCapabilities(fused=FusedLayers(), compiled=True), _DECODE, dict(path=StepPath.FUSED)),
+    (RankCapabilities(fused=FusedLayers(max_rows=1), compiled=True), _DECODE, dict(path=StepPath.COMPILED)),
+    # CUDA graphs: a one-shard step of one KV group replays the smallest bucket holding it, if its context fits
+    (RankCapabilities(graphs=GraphBuckets(sizes=(1, 4), width=8)), _DECODE,
+     dict(path=StepPath.ONE_SHARD, graph_bucket=4)),
+    (RankCapabilities(graphs=GraphBuckets(sizes=(1, 4), width=7)), _DECODE, dict(path=StepPath.ONE_SHARD)),
+    (RankCapabilities(graphs=GraphBuckets(sizes=(1,), width=8)), _DECODE, dict(path=StepPath.ONE_SHARD)),
+    (RankCapabilities(graphs=GraphBuckets(sizes=(1, 4), width=8), kv_groups=2), _DECODE,
+     dict(path=StepPath.ONE_SHARD)),
+    (RankCapabilities(graphs=GraphBuckets(sizes=(1, 4), width=8)), _PROMPT,
+     dict(path=StepPath.PREFILL, strategy="ring")),
+    # sharded over PCP: the dense MLPs split decode steps (same rows on every rank), the LM head every step
+    (RankCapabilities(pcp_size=2, kv_shards=2, mlp_split=True, lm_head_split=True), _DECODE,
+     dict(path=StepPath.PCP_DECODE, mlp_split=True, lm_head_split=True)),
+    (RankCapabilities(pcp_size=2, kv_shards=2, mlp_split=True, lm_head_split=True), _PROMPT,
+     dict(path=StepPath.PREFILL, strategy="ring", lm_head_split=True)),
+    (RankCapabilities(pcp_size=2, kv_shards=4, mlp_split=True), _DECODE,
+     dict(path=StepPath.GATHERED_DECODE, mlp_split=True)),
+    # a team runs every row on every member: no split tokens, no sync, no MLP split (the C layers split theirs)
+    (RankCapabilities(pcp_size=2, kv_shards=2, mlp_split=True, fused=_TEAM), _DECODE,
+     dict(path=StepPath.PCP_TEAM)),
+    # replicated copies: each decode token on one copy, its K/V synced after the step; a prompt's travel anyway
+    (RankCapabilities(pcp_size=2, replicated=True), _DECODE,
+     dict(path=StepPath.ONE_SHARD, split_single_tokens=True, replica_sync=True)),
+    (RankCapabilities(pcp_size=2, replicated=True), _PROMPT,
+     dict(path=StepPath.PREFILL, strategy="ring", split_single_tokens=True)),
+    (RankCapabilities(pcp_size=2, replicated=True, fused=_TEAM), _DECODE, dict(path=StepPath.PCP_TEAM)),
+    (RankCapabilities(pcp_size=2, kv_shards=2, replicated=True), _DECODE,
+     dict(path=StepPath.GATHERED_DECODE, split_single_tokens=True, replica_sync=True)),
+])
+def test_plan_step_from_capabilities_and_step(caps, step, want):
+    """Each field of the plan from the rank's capabilities and the step's kind (prompt or single tokens); every
+    field not named is the record's default (nothing beyond the path)."""
+    strategy = "ring" if step is _PROMPT else None
+    assert plan_step(_chunks(step), caps, strategy) == StepPlan(**want)
+
+
+def test_capabilities_refuse_a_rank_outside_its_group():
+    with pytest.raises(ValueError, match="pcp_rank 2 outside"):
+        RankCapabilities(pcp_size=2, pcp_rank=2)
+    with pytest.raises(ValueError, match="kv_shards 0"):
+        RankCapabilities(kv_shards=0)
 
 
 def test_step_plan_kinds():
-    assert {p for p in StepPlan if p.fused} == {StepPlan.FUSED, StepPlan.PCP_TEAM, StepPlan.TP_TEAM}
-    assert {p for p in StepPlan if p.team} == {StepPlan.PCP_TEAM, StepPlan.TP_TEAM}
-    assert StepPlan("one-shard") is StepPlan.ONE_SHARD
+    assert {p for p in StepPath if p.fused} == {StepPath.FUSED, StepPath.PCP_TEAM, StepPath.TP_TEAM}
+    assert {p for p in StepPath if p.team} == {StepPath.PCP_TEAM, StepPath.TP_TEAM}
+    assert StepPath("one-shard") is StepPath.ONE_SHARD
+    plan = StepPlan(path=StepPath.PCP_TEAM)
+    assert (plan.value, plan.fused, plan.team) == ("pcp-team", True, True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.path = StepPath.FUSED
 
 
 def test_the_runner_counts_one_plan_per_step(tmp_path):
@@ -123,7 +209,7 @@ def test_the_runner_counts_one_plan_per_step(tmp_path):
         executor = llm.engine.executor
         stats, fused = executor.rank_stats(), executor.rank_info.decode.fused
     counts = dict(stats.plan_counts)
-    decode = StepPlan.FUSED.value if fused else StepPlan.ONE_SHARD.value
-    assert set(counts) == {StepPlan.PREFILL.value, decode} and counts[StepPlan.PREFILL.value] >= 1
+    decode = StepPath.FUSED.value if fused else StepPath.ONE_SHARD.value
+    assert set(counts) == {StepPath.PREFILL.value, decode} and counts[StepPath.PREFILL.value] >= 1
     assert counts[decode] >= params.max_tokens - 1
     assert stats.fused_steps == (counts[decode] if fused else 0)

@@ -11,9 +11,10 @@ from cpllm.context_parallel.attention import CPComm, PagedCPAttention
 from cpllm.layers.gqa.backend import GQAPagedBackend
 from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.context_parallel.metadata import build_step_batch
-from cpllm.context_parallel.plan import StepPlan
+from cpllm.context_parallel.plan import StepPath
 from cpllm.layers.window.modifier import score_mods
 from cpllm.step import ScheduledChunk
+from step_plans import eager_plan
 
 HQ, HKV, D, BLOCK = 4, 2, 16, 4
 TOL = 2e-5
@@ -26,7 +27,7 @@ def _step(requests, plan, seed: int, pool_dtype: torch.dtype):
     chunks = [ScheduledChunk(request_id=str(i), token_ids=tuple([1] * new), start_pos=ctx,
                              block_table=tuple(range(1 + 16 * i, 17 + 16 * i)), sample=True, prompt_logits=False)
               for i, (ctx, new) in enumerate(requests)]
-    meta = build_step_batch(chunks, layout, 1, 0, lambda c: [], plan=plan).attention
+    meta = build_step_batch(chunks, layout, 1, 0, lambda c: [], plan=eager_plan(chunks, layout, path=plan)).attention
     pools = [torch.randn(16 * len(requests) * BLOCK + 2 * BLOCK, HKV, D, generator=g).to(pool_dtype)
              for _ in range(2)]
     q, k, v = (torch.randn(meta.num_rows, h, D, generator=g) for h in (HQ, HKV, HKV))
@@ -74,7 +75,7 @@ def layer_cases() -> dict:
     return {
         "layer_mixed_prefill": lambda: layer_case(mixed),
         "layer_one_shard_decode": lambda: layer_case(decodes, kernels=("paged_decode_attention",)),
-        "layer_gathered_decode_lse": lambda: layer_case(decodes, plan=StepPlan.GATHERED_DECODE,
+        "layer_gathered_decode_lse": lambda: layer_case(decodes, plan=StepPath.GATHERED_DECODE,
                                                         kernels=("paged_decode_attention",)),
         "layer_bf16_pools": lambda: layer_case(mixed, pool_dtype=torch.bfloat16, seed=1),
         # a window: context pieces are trimmed slices of the in-place keys, band-masked ones take the torch path

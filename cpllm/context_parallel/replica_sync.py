@@ -6,7 +6,8 @@ the decode batch: each single-token chunk runs on one of them (metadata.py), whi
 a prompt chunk those K/V travel anyway, with the prompt's (all-gather or ring), and every rank stores them. In a
 decode-only step nothing travels, so after the forward one all-gather over the PCP group (all layers at once)
 brings each rank the K/V the others computed, at the same pool slots: the slot of a token depends only on the
-block table and the DCP layout, which all PCP ranks share.
+block table and the DCP layout, which all PCP ranks share. Which steps sync is the step plan's
+(`StepPlan.replica_sync`, plan.py): the runner runs `sync_replicas` exactly after those.
 """
 
 from __future__ import annotations

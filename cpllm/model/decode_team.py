@@ -74,6 +74,7 @@ class DecodeTeam:
         self.group, self._mapping, self.spec = group, mapping, spec
         self.size, self.member = group.size, group.rank
         self.max_batch = spec.max_batch
+        """Most rows a step the team runs may have (its buffers' size; the step plans read it: plan.py)."""
         self.split_context = split_context
         """Replicated layout: every member holds the whole context and attends its part of each request's."""
         self.tensor_parallel = tensor_parallel
@@ -113,10 +114,6 @@ class DecodeTeam:
         missing = [r for r in range(self.size) if flags[r * FLAG_STRIDE] < self.spec.seq]
         self.error = self.group.wait_problem(missing, "decode team barrier", waited_s)
         return 1 if self.error is not None else 0
-
-    def takes(self, rows: int) -> bool:
-        """A step of single tokens the team runs: no more rows than its buffers hold."""
-        return 0 < rows <= self.max_batch
 
     def context_part(self, slots: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This member's contiguous part of each request's context (replicated layout): (slots [B, width], lengths

@@ -4,9 +4,10 @@ An eager batch-1 decode step of a small model spends much of its time in Python 
 operator calls per layer) around kernels that stream the weights at memory speed. When every layer is a dense
 Llama-family layer whose four linears each run as one kernel (the VNNI int4 kernel, or a float32 weight without bias
 in cpllm/kernels/f32_matmul.c), with no q/k norm, `FusedDecode.build` packs each
-layer's pointers once. `plan` tells the runner which steps of single tokens run fused (`StepPlan.FUSED`, or a
-team's plan): the runner then lays their metadata out as the C layers read it (each request's own slots, every
-row a decode row), and `run` calls the layer function per layer. Every other step, and every other model, runs
+layer's pointers once. `capability` tells the step plans what these layers take (cpllm/context_parallel/plan.py
+`FusedLayers`: the steps of single tokens that run fused, `StepPath.FUSED` or a team's path): the runner then lays
+their metadata out as the C layers read it (each request's own slots, every row a decode row), and `run` calls the
+layer function per layer. Every other step, and every other model, runs
 the eager layers.
 
 Under PCP the ranks of one host run these steps as a decode team (cpllm/model/decode_team.py), each computing a
@@ -23,7 +24,7 @@ import logging
 import torch
 
 from cpllm.context_parallel.metadata import AttentionMetadata
-from cpllm.context_parallel.plan import StepPlan
+from cpllm.context_parallel.plan import FusedLayers, StepPath
 from cpllm.kernels import decode_layer
 from cpllm.kernels.checks import TEAM_ABORTED, decode_layer_error
 from cpllm.kernels.decode_attention import POOL_DTYPES
@@ -54,7 +55,7 @@ _KINDS = {"int4": LINEAR_INT4, "float32": LINEAR_F32}
 
 def _weight(linear) -> tuple[int, torch.Tensor] | None:
     """(kind, tensor) of a linear the fused layer runs as one kernel, as its method says (one VNNI int4 kernel, or
-    a float32 [in, out] weight, without bias: cpllm/model/linear_methods/); None otherwise."""
+    a float32 [in, out] weight, without bias: cpllm/model/formats/); None otherwise."""
     spec = linear.fused_spec()
     return None if spec is None else (_KINDS[spec.kind], spec.tensor)
 
@@ -145,22 +146,14 @@ class FusedDecode:
             return cls(lib, specs, keep, tp, True, tensor_parallel=True, dcp=comm.dcp_size)
         return cls(lib, specs, keep, comm.pcp_size, comm.kv_size > 1)
 
-    def plan(self, tokens: int, rows_here: int, rows: int) -> StepPlan | None:
-        """The fused plan for a step of `tokens` single tokens (`rows_here` computed by this rank, `rows` in every
-        rank's batch: `single_token_rows`), or None where it runs otherwise. Decided from the step alone, so every
-        member of a team decides alike: a team takes the steps its buffers hold and only the team does where the
-        layout needs one; alone, every row must be a decode row (no padding)."""
+    def capability(self) -> FusedLayers:
+        """What these layers take, for the step plans (read once at start-up, after the team is formed or not):
+        plan.py `plan_step` decides from it which steps run fused, as a team or alone."""
+        team = None
         if self.team is not None:
-            if not (self.team.takes(tokens) and self.fits_rows(tokens)):
-                return None
-            return StepPlan.TP_TEAM if self.tensor_parallel else StepPlan.PCP_TEAM
-        if self.needs_team or not 0 < rows_here == rows or not self.fits_rows(rows):
-            return None
-        return StepPlan.FUSED
-
-    def fits_rows(self, rows: int) -> bool:
-        """A step of `rows` rows is not too big to run fused (`max_rows`)."""
-        return self.max_rows is None or rows <= self.max_rows
+            team = StepPath.TP_TEAM if self.tensor_parallel else StepPath.PCP_TEAM
+        return FusedLayers(max_rows=self.max_rows, needs_team=self.needs_team, team=team,
+                           team_rows=self.team.max_batch if self.team is not None else 0)
 
     @staticmethod
     def fits_pools(kv_caches) -> bool:

@@ -13,7 +13,8 @@ columns of each projection, and two all-gathers over PCP join them:
 Every column is computed from the same inputs as without the split, so outputs equal the unsplit MLP (a split
 along the reduction instead would round each partial on its own: the int4 kernel returns bfloat16, and greedy
 decoding drifted within 20 tokens). Each rank streams 1/PCP of its MLP weights. Prefill steps (each PCP rank
-holds different tokens) run the whole shard.
+holds different tokens) run the whole shard. Which steps split is the step plan's (`StepPlan.mlp_split`,
+cpllm/context_parallel/plan.py); the MLP only follows it.
 
 Plain float weights are read through column views of the loaded shard (nothing copied; `LinearMethod.columns`).
 Other formats get their own copy of the slice, loaded in the same format from the same stored blocks (1/PCP of

@@ -11,10 +11,11 @@ written to the same slot, the same attention, outputs dropped), so no padding ro
 slots. The attention kernel reads each row's length from device memory (cpllm/kernels/triton_attention.py), so one
 graph serves every context length up to W.
 
-What is decided here without a GPU (and tested on the CPU, tests/test_cuda_graphs.py): the buckets, the choice of
-bucket, the static buffers and their fill, and every reason a step or a model runs eager instead
-(`model_reason`, `step_reason`), each logged once. Capture and replay (`DecodeGraphs`) run on CUDA only and are
-checked by scripts/gpu_check.sh (graphs on and off, same outputs).
+What is decided here without a GPU (and tested on the CPU, tests/test_cuda_graphs.py): the buckets, the static
+buffers and their fill, and every reason a step or a model runs eager instead (`model_reason`, `step_reason`),
+each logged once. Which bucket a step replays is its plan's (`StepPlan.graph_bucket`, chosen by plan.py from the
+captured sizes and width, which the rank's capabilities carry). Capture and replay (`DecodeGraphs`) run on CUDA
+only and are checked by scripts/gpu_check.sh (graphs on and off, same outputs).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from cpllm.context_parallel.metadata import AttentionMetadata, DecodeBatch, StepBatch
-from cpllm.context_parallel.plan import StepPlan
+from cpllm.context_parallel.plan import StepPath, StepPlan, bucket_for
+from cpllm.layers.registry import GRAPH_CAPTURABLE
 
 logger = logging.getLogger(__name__)
 
@@ -41,14 +43,6 @@ def capture_sizes(max_num_seqs: int, limit: int = MAX_CAPTURE_SIZE) -> tuple[int
     top = max(1, min(max_num_seqs, limit))
     sizes = {s for s in (1, 2, 4) if s <= top} | set(range(8, top + 1, 8)) | {top}
     return tuple(sorted(sizes))
-
-
-def bucket_for(sizes: tuple[int, ...], batch: int) -> int | None:
-    """The smallest captured size >= batch (None: larger than every bucket)."""
-    for size in sizes:
-        if size >= batch:
-            return size
-    return None
 
 
 def sizes_within_memory(sizes: tuple[int, ...], width: int, budget: int = STATIC_SLOT_BYTES) -> tuple[int, ...]:
@@ -78,8 +72,9 @@ def model_reason(*, device: torch.device, enforce_eager: bool, backend_name: str
         return f"device {device.type}: CUDA graphs need a CUDA device"
     if enforce_eager:
         return "enforce_eager=True"
-    if backend_name != "gqa-triton":
-        return f"attention backend {backend_name!r}: graphs need the Triton kernels (gqa-triton; is triton installed?)"
+    if backend_name not in GRAPH_CAPTURABLE:
+        return (f"attention backend {backend_name!r}: graphs need the Triton kernels ({', '.join(GRAPH_CAPTURABLE)}; "
+                "is triton installed?)")
     if replica_ranks > 1:
         return f"a replica of {replica_ranks} ranks: collectives inside graphs are not captured yet"
     if scored_layers:
@@ -93,10 +88,10 @@ def step_reason(batch: StepBatch, sizes: tuple[int, ...], width: int) -> str | N
     """Why this step runs eager although graphs exist (None: it replays a bucket). Read from shapes and plain
     fields only: no device tensor is read back."""
     meta = batch.attention
-    if meta.plan is not StepPlan.ONE_SHARD:
+    if meta.plan.path is not StepPath.ONE_SHARD:
         return f"plan {meta.plan.value}"
     decode = meta.decode
-    if decode is None or batch.replica_sync is not None:
+    if decode is None or meta.plan.replica_sync:
         return "no decode rows on this rank"
     rows = batch.token_ids.shape[0]
     if decode.slots.shape[0] != rows or decode.lengths is None or decode.shared_keys:
@@ -164,7 +159,7 @@ class StaticDecodeInputs:
                              rows=rows.unsqueeze(0), max_local_context=self.width, lengths=self.lengths[:size])
         return AttentionMetadata(num_rows=size, requests=(), write_rows=rows, write_slots=self.write_slots[:size],
                                  has_context=True, has_new=False, decode=decode, rows_same_over_pcp=True,
-                                 plan=StepPlan.ONE_SHARD, kv_layout=layout)
+                                 plan=StepPlan(path=StepPath.ONE_SHARD), kv_layout=layout)
 
 
 class DecodeGraphs:
@@ -214,18 +209,26 @@ class DecodeGraphs:
                 v_pool[0].zero_()
 
     def run(self, batch: StepBatch) -> torch.Tensor | None:
-        """Hidden states [B, hidden] of a decode step by one replay, or None (the caller runs it eager; the reason
-        is logged once)."""
+        """Hidden states [B, hidden] of a decode step by one replay of the bucket its plan chose
+        (`StepPlan.graph_bucket`: cpllm/context_parallel/plan.py), or None where the step is not in the form the
+        graphs read (the caller runs it eager; the reason is logged once)."""
         reason = step_reason(batch, self.sizes, self.static.width)
         if reason is not None:
             self.fallbacks.note(reason)
             return None
-        rows = batch.token_ids.shape[0]
-        size = bucket_for(self.sizes, rows)
+        size, rows = batch.attention.plan.graph_bucket, batch.token_ids.shape[0]
+        if size not in self.graphs or size < rows:
+            raise ValueError(f"graph bucket {size!r} for {rows} rows: the step was planned for no captured size "
+                             f"that holds it ({self.sizes})")
         self.static.fill(batch, size)
         self.graphs[size].replay()
         self.replays += 1
         return self.outputs[size][:rows]
+
+
+    def note_eager(self, batch: StepBatch) -> None:
+        """Count (and log once) why a decode step the plan gave no bucket runs eager."""
+        self.fallbacks.note(step_reason(batch, self.sizes, self.static.width) or "several KV groups")
 
 
 def _has_scored_layers(model) -> bool:
