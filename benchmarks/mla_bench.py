@@ -97,6 +97,7 @@ def build_layer(folder: str, context: int):
 def layer_part(folder: str, args) -> dict:
     from cpllm.context_parallel.kv_layout import KVLayout
     from cpllm.context_parallel.metadata import build_step_batch
+    from cpllm.context_parallel.plan import RankCapabilities, plan_step
     from cpllm.step import ScheduledChunk
 
     torch.set_num_threads(args.threads)
@@ -107,7 +108,7 @@ def layer_part(folder: str, args) -> dict:
         chunk = ScheduledChunk(request_id="a", token_ids=(1,), start_pos=context,
                                block_table=tuple(range(context // block + 1)), sample=True, prompt_logits=False)
         layout = KVLayout(cp_size=1, cp_rank=0, interleave=1, block_size=block)
-        batch = build_step_batch([chunk], layout, 1, 0, lambda c: [])
+        batch = build_step_batch([chunk], layout, 1, 0, lambda c: [], plan=plan_step([chunk], RankCapabilities()))
         tables = rope.tables(batch.positions, torch.float32)
         new_slots, context_slots = torch.tensor([context]), torch.arange(context)
         outputs = {}

@@ -16,6 +16,7 @@ on each tree in turn (PYTHONPATH=<tree>), a few times: the kernels build per sou
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -42,6 +43,8 @@ class Rig:
                        kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False)
         self.runner = self.llm.engine.executor._runner
         self.fused = self.runner.model.fused_decode
+        self.capabilities = self.runner.capabilities
+        """The runner's, with its fused layers; "eager" steps plan with `fused=None` (plan.py `RankCapabilities`)."""
         self.context, self.blocks = context, -(-(context + max_rows) // BLOCK)
         g = torch.Generator().manual_seed(0)
         prompt = torch.randint(100, 20000, (context,), generator=g).tolist()
@@ -55,11 +58,12 @@ class Rig:
         """Seconds of one step of `rows` rows at positions context .. context + rows - 1."""
         chunk = _chunk(self.drafts[:rows], self.context, rows - 1, self.blocks)
         self.runner.model.fused_decode = self.fused if fused else None
+        self.runner.capabilities = self.capabilities if fused else dataclasses.replace(self.capabilities, fused=None)
         self.step_id += 1
         begin = time.perf_counter()
         logits = self.runner.execute(SchedulerOutput(step_id=self.step_id, chunks=(chunk,)))
         seconds = time.perf_counter() - begin
-        self.runner.model.fused_decode = self.fused
+        self.runner.model.fused_decode, self.runner.capabilities = self.fused, self.capabilities
         assert logits.shape[0] == rows
         return seconds
 
