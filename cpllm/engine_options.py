@@ -105,8 +105,12 @@ DTYPE_ALIASES = {"auto": "float32", "half": "float16", "fp16": "float16", "float
 
 
 def parse_dtype(text: str) -> str:
-    """'half' -> 'float16', 'auto' -> 'float32'; cpllm's own names pass through (argparse checks the choices)."""
-    return DTYPE_ALIASES.get(text.strip().lower(), text.strip().lower())
+    """'half' -> 'float16', 'auto' -> 'float32'; cpllm's own names pass through (argparse checks the choices).
+    A known name comes back as SUPPORTED_DTYPES' own string: argparse parses a string default too, and the flag's
+    default must stay the very object the config field holds."""
+    name = text.strip().lower()
+    name = DTYPE_ALIASES.get(name, name)
+    return next((known for known in SUPPORTED_DTYPES if known == name), name)
 
 
 def parse_json_object(text: str) -> dict:

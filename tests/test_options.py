@@ -171,8 +171,17 @@ SERVE_CHANGED: dict[str, tuple[list[str], object]] = {
     "enable_force_include_usage": (["--enable-force-include-usage"], True),
     "enable_server_load_tracking": (["--enable-server-load-tracking"], True),
     "root_path": (["--root-path", "/llm"], "/llm"),
+    "chat_template": (["--chat-template", "{{ messages }}"], "{{ messages }}"),
+    "gpu_memory_utilization": (["--gpu-memory-utilization", "0.5"], 0.5),
+    "load_format": (["--load-format", "gguf"], "gguf"),
+    "trust_remote_code": (["--trust-remote-code"], True),
+    "disable_frontend_multiprocessing": (["--disable-frontend-multiprocessing"], True),
+    "enable_log_requests": (["--enable-log-requests"], True),
+    "reasoning_parser": (["--reasoning-parser", "no_such_parser"], ValueError),
+    "api_server_count": (["--api-server-count", "2"], ValueError),
 }
-"""server option -> (flags that change it, the value its ServeOptions field gets)."""
+"""server option -> (flags that change it, the value its ServeOptions field gets, or ValueError for a vLLM flag
+refused naming itself)."""
 
 
 def test_every_server_field_has_one_flag_whose_default_is_the_field_default():
@@ -196,7 +205,12 @@ def test_every_server_flag_reaches_its_field(name):
 
     flags, value = SERVE_CHANGED[name]
     option = next(option for option in SERVE_OPTIONS if option.name == name)
-    assert getattr(serve_options(build_parser().parse_args(["serve", *flags])), option.fills) == value
+    args = build_parser().parse_args(["serve", *flags])
+    if value is ValueError:
+        with pytest.raises(ValueError, match=option.flag):
+            serve_options(args)
+        return
+    assert getattr(serve_options(args), option.fills) == value
 
 
 def test_retry_after_has_a_flag_and_a_bad_value_names_it():
