@@ -7,6 +7,7 @@ the same greedy request against each other."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 import uuid
@@ -24,6 +25,7 @@ from cpllm.server.options import ServeOptions, serve_options
 from cpllm.server.process import ServerProcess
 from cpllm.server.prompt_fields import resolve_logprobs
 from cpllm.server.protocol import CompletionRequest
+from cpllm.server.reasoning import split_reasoning
 from cpllm.server.stream_usage import StreamUsage
 from cpllm.worker.kv_cache import available_memory_bytes
 
@@ -31,7 +33,8 @@ BLOCK = 4
 FLAGS = ["--kv-cache-memory-bytes", "8MiB", "--max-model-len", "256", "--block-size", str(BLOCK),
          "--served-model-name", "tiny", "--enable-prompt-tokens-details", "--enable-server-load-tracking",
          "--max-logprobs", "-1", "--root-path", "/llm", "--dtype", "float", "--trust-remote-code",
-         "--disable-frontend-multiprocessing", "--enable-log-requests", "--load-format", "safetensors"]
+         "--disable-frontend-multiprocessing", "--enable-log-requests", "--load-format", "safetensors",
+         "--reasoning-parser", "qwen3"]
 MARK = "SERVER-TEMPLATE "
 TEMPLATE = (MARK + "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -292,7 +295,7 @@ def test_server_chat_template_and_request_logs(server, http):
 
 
 @pytest.mark.parametrize("flags, named", [
-    (["--reasoning-parser", "qwen3"], "--reasoning-parser"),
+    (["--reasoning-parser", "granite"], "--reasoning-parser"),
     (["--api-server-count", "2"], "--api-server-count"),
     (["--load-format", "dummy"], "--load-format"),
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
@@ -318,3 +321,38 @@ def test_vllm_engine_flags():
     gguf = build_parser().parse_args(["serve", "model-dir", "--load-format", "gguf"])
     with pytest.raises(ValueError, match="--load-format gguf does not match"):
         serve_engine_kwargs(gguf, serve_options(gguf))
+
+
+# ---- reasoning parsers ---------------------------------------------------------------------------------
+
+THOUGHT = "<think>two and two</think>four"
+
+
+def test_reasoning_split_whole_and_streamed(http):
+    body = {"messages": ASK, "max_tokens": 60, "guided_regex": re.escape(THOUGHT)}
+    message = post(http, "/v1/chat/completions", **body)["choices"][0]["message"]
+    assert (message["reasoning"], message["reasoning_content"], message["content"]) == ("two and two",) * 2 + ("four",)
+    chunks = events(http, "/v1/chat/completions", **body)
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("reasoning") or "" for d in deltas) == "two and two"
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "two and two"
+    assert "".join(d.get("content") or "" for d in deltas) == "four"
+    dropped = post(http, "/v1/chat/completions", **body, include_reasoning=False)["choices"][0]["message"]
+    assert dropped["reasoning"] is None and dropped["content"] == "four"
+    plain = post(http, "/v1/chat/completions", messages=ASK, max_tokens=40, guided_regex="four")
+    assert plain["choices"][0]["message"]["reasoning"] is None  # no <think>: all content (qwen3)
+    assert plain["choices"][0]["message"]["content"] == "four"
+
+
+@pytest.mark.parametrize("text, in_thinking, finished, reasoning, content_start", [
+    ("two</think>four", True, True, "two", 11),   # deepseek_r1: the prompt opened the thinking
+    ("two", True, True, "two", None),              # still thinking when it ended
+    ("two</th", True, False, "two", None),         # a tag on its way is held back while streaming
+    ("<think>a</think>b", True, False, "a", 16),   # a tag the prompt already opened is dropped
+    ("<th", False, False, None, None),             # qwen3: could still become <think>
+    ("<th", False, True, None, 0),
+    ("plain", False, False, None, 0),
+])  # fmt: skip
+def test_split_reasoning(text, in_thinking, finished, reasoning, content_start):
+    split = split_reasoning(text, in_thinking=in_thinking, finished=finished)
+    assert (split.reasoning, split.content_start) == (reasoning, content_start)

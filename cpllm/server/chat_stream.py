@@ -1,9 +1,11 @@
-"""Chat choices, whole or as stream deltas, with tool calls where the ToolPlan finds them."""
+"""Chat choices, whole or as stream deltas, with tool calls where the ToolPlan finds them and the thinking split off
+where the request has a Reasoning (--reasoning-parser)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from cpllm.engine.outputs import CompletionOutput
 from cpllm.engine.sampling_params import SamplingParams
@@ -13,16 +15,24 @@ from cpllm.server.prompt_fields import echo_prefix, token_texts
 from cpllm.server.protocol import ChatCompletionRequest
 from cpllm.server.requests import ServerContext
 from cpllm.server.stream_usage import StreamUsage
+from cpllm.server.reasoning import Reasoning, output_parts
 from cpllm.server.tool_calls import ToolPlan, finish_reason, new_call_id, tool_call_dicts
+
+if TYPE_CHECKING:
+    from cpllm.server.serving_chat import ChatRun
 
 
 def choice_message(ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPlan, c: CompletionOutput,
-                   num_top: int) -> dict:
-    """One finished choice of a non-streamed response."""
-    extracted = plan.extract(c.text)
+                   num_top: int, reasoning: Reasoning | None = None) -> dict:
+    """One finished choice of a non-streamed response (`reasoning` and `reasoning_content` are null unless a
+    reasoning parser split some thinking off)."""
+    thought, text = output_parts(reasoning, c.text, True) if reasoning is not None else (None, c.text)
+    extracted = plan.extract(text or "")
     prefix = echo_prefix(req)
     content = prefix + (extracted.content or "") if prefix else extracted.content
-    message: dict = {"role": "assistant", "content": content}
+    if text is None and not prefix:
+        content = None  # still thinking when the output ended
+    message: dict = {"role": "assistant", "content": content, "reasoning": thought, "reasoning_content": thought}
     if extracted.tool_calls:
         message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"}
                                  for call in tool_call_dicts(extracted.tool_calls)]
@@ -37,12 +47,14 @@ class _ToolCursor(ChoiceCursor):
     """A streamed choice's progress, plus the id of the call it opened (named tool_choice)."""
 
     call_id: str | None = None
+    reasoning_chars: int = 0
+    """Characters of the reasoning sent so far."""
 
 
-async def chat_events(ctx: ServerContext, req: ChatCompletionRequest, params: SamplingParams, plan: ToolPlan,
-                      streams: list[requests.RequestStream], head: dict, prompt_token_ids: list[int]) -> AsyncIterator[str]:
+async def chat_events(ctx: ServerContext, run: ChatRun, head: dict) -> AsyncIterator[str]:
     """The stream's chunks. With return_token_ids the first chunk carries the prompt's ids (`prompt_token_ids`,
     on that chunk only, as vLLM) and every choice chunk its new tokens' ids (`token_ids`)."""
+    req, params, plan, streams, prompt_token_ids = run.request, run.params, run.plan, run.streams, run.prompt.token_ids
     head = {**head, "object": "chat.completion.chunk"}
     reporting = StreamUsage.of(req, ctx.options, len(prompt_token_ids))
     ids = {"token_ids": []} if req.return_token_ids else {}
@@ -57,7 +69,7 @@ async def chat_events(ctx: ServerContext, req: ChatCompletionRequest, params: Sa
     async for _, out in requests.merged(streams):
         for c in out.outputs:
             sent_tokens = cursors[c.index].tokens
-            chunk = _delta_choice(ctx, req, params, plan, c, cursors[c.index])
+            chunk = _delta_choice(ctx, req, params, plan, c, cursors[c.index], run.reasoning)
             if chunk is not None:
                 if req.return_token_ids:
                     chunk["token_ids"] = list(c.token_ids[sent_tokens : cursors[c.index].tokens])
@@ -67,11 +79,19 @@ async def chat_events(ctx: ServerContext, req: ChatCompletionRequest, params: Sa
 
 
 def _delta_choice(ctx: ServerContext, req: ChatCompletionRequest, params: SamplingParams, plan: ToolPlan,
-                  c: CompletionOutput, cursor: _ToolCursor) -> dict | None:
+                  c: CompletionOutput, cursor: _ToolCursor, reasoning: Reasoning | None) -> dict | None:
     if cursor.done:
         return None
     finished = c.finish_reason is not None
+    thought = ""
+    if reasoning is not None:  # the thinking streams as `reasoning`; the content part goes on as without a parser
+        so_far, text = output_parts(reasoning, c.text, finished)
+        thought = (so_far or "")[cursor.reasoning_chars :]
+        cursor.reasoning_chars += len(thought)
+        c = dataclasses.replace(c, text=text or "")
     delta, reason = _delta(plan, params, c, cursor, finished)
+    if thought:
+        delta = {"reasoning": thought, "reasoning_content": thought, **delta}
     if not delta and not finished:
         return None
     logprobs = None

@@ -12,6 +12,7 @@ import os
 
 from cpllm.engine_args import add_option_arguments, option_values
 from cpllm.engine_options import EngineOption, parse_bytes
+from cpllm.server.reasoning import REASONING_PARSERS
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf")
 """--load-format values: how the weights on disk are stored (auto: told by the path)."""
@@ -69,7 +70,7 @@ class ServeOptions:
     enable_log_requests: bool = False
     """Log each generation request as it arrives: its id, prompt sizes and sampling parameters."""
     reasoning_parser: str | None = None
-    """vLLM's reasoning parsers are not built: any value is refused at start, naming the flag."""
+    """Split the model's thinking into message.reasoning / reasoning_content: one of REASONING_PARSERS."""
     api_server_count: int = 1
     """API server processes; only 1 (this process) is built, more are refused at start."""
 
@@ -102,9 +103,9 @@ class ServeOptions:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"--load-format {self.load_format!r} is not supported (cpllm reads real weights: one "
                              f"of {', '.join(LOAD_FORMATS)})")
-        if self.reasoning_parser is not None:
-            raise ValueError(f"--reasoning-parser {self.reasoning_parser!r} is not supported: no reasoning parser "
-                             "is built, so a model's thinking stays in message.content")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser {self.reasoning_parser!r} is not supported; the parsers built are "
+                             f"{', '.join(REASONING_PARSERS)}")
         if self.api_server_count != 1:
             raise ValueError(f"--api-server-count {self.api_server_count} is not supported: this one process serves "
                              "HTTP beside the engine (scale the engine with -dp instead)")
@@ -168,7 +169,8 @@ SERVE_OPTIONS: tuple[EngineOption, ...] = (
     _serve_option("enable_log_requests", bool, "enable_log_requests",
                   help="log each generation request on arrival (id, prompt tokens, sampling parameters)"),
     _serve_option("reasoning_parser", str, "reasoning_parser", metavar="NAME",
-                  help="refused: no reasoning parser is built (the thinking stays in the content)"),
+                  help="split the thinking (<think>...</think>) into message.reasoning / reasoning_content: "
+                       f"{' or '.join(REASONING_PARSERS)} (default: none, the thinking stays in the content)"),
     _serve_option("api_server_count", int, "api_server_count",
                   help="API server processes; only 1 is built (default: %(default)s)"),
 )

@@ -242,6 +242,8 @@ class ChatCompletionRequest(SamplingFields):
     """None = "auto" when tools are given (parsed only with --enable-auto-tool-choice), else "none"."""
     parallel_tool_calls: bool = True
     """False: at most one call (the grammar allows one under "required", the first is kept under "auto")."""
+    include_reasoning: bool = True
+    """With --reasoning-parser: return the thinking in message.reasoning (false drops it)."""
 
     @model_validator(mode="after")
     def _check_chat(self):

@@ -76,7 +76,7 @@ async def create_batch_chat_completion(ctx: ServerContext, batch: BatchChatCompl
     head = {"id": base_id, "created": int(time.time()), "model": ctx.model_name}
     choices = []
     for i, (run, output) in enumerate(zip(runs, outputs)):
-        for choice in chat_response(ctx, run.request, run.plan, output, head)["choices"]:
+        for choice in chat_response(ctx, run, output, head)["choices"]:
             choices.append({**choice, "index": i * run.params.n + choice["index"]})
     return {**head, "object": "chat.completion", "choices": choices,
             "usage": usage(outputs, ctx.options.enable_prompt_tokens_details)}

@@ -17,6 +17,7 @@ from cpllm.server.prompt_fields import (bad_words_token_ids, check_allowed_token
                                         resolved_counts, token_texts, truncated)
 from cpllm.server.protocol import ChatCompletionRequest
 from cpllm.server.requests import Prompt, ServerContext
+from cpllm.server.reasoning import Reasoning, thinks_from_start
 from cpllm.server.structured_fields import Constraint, request_constraint
 from cpllm.server.tool_calls import ToolPlan, plan_tools, tool_schema_constraints
 
@@ -82,6 +83,8 @@ class ChatRun:
     """The request as run (its logprobs counts resolved: -1 became the vocabulary size)."""
     prompt: Prompt
     """The prompt the engine got."""
+    reasoning: Reasoning | None = None
+    """How its output's thinking is split off (--reasoning-parser); None: not at all."""
 
 
 async def start_chat(ctx: ServerContext, req: ChatCompletionRequest, request_id: str, arrival_time: float,
@@ -105,26 +108,34 @@ async def start_chat(ctx: ServerContext, req: ChatCompletionRequest, request_id:
                              max_logprobs=limit)
     await requests.compile_constraint(ctx, constraint)
     streams = await requests.start(ctx, request_id, [prompt], params, arrival_time, limit_param)
-    return ChatRun(plan=plan, params=params, streams=streams, request=req, prompt=prompt)
+    return ChatRun(plan=plan, params=params, streams=streams, request=req, prompt=prompt,
+                   reasoning=_reasoning(ctx, req, plan, prompt))
+
+
+def _reasoning(ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPlan, prompt: Prompt) -> Reasoning | None:
+    """The request's reasoning split, when the server has a parser and no tool call is forced."""
+    parser = ctx.options.reasoning_parser
+    if parser is None or plan.mode not in ("none", "auto"):
+        return None
+    tail = ctx.engine.tokenizer.decode(prompt.token_ids[-8:], skip_special_tokens=False)
+    return Reasoning(in_thinking=thinks_from_start(parser, tail), include=req.include_reasoning)
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, arrival_time: float):
     """A response dict, or an async iterator of server-sent events when req.stream."""
     request_id = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
     run = await start_chat(ctx, req, request_id, arrival_time)
-    req, plan, params, streams = run.request, run.plan, run.params, run.streams
     head = {"id": request_id, "created": int(time.time()), "model": ctx.model_name}
-    if req.stream:
-        return requests.sse_events(head["id"], streams, chat_events(ctx, req, params, plan, streams, head,
-                                                                    run.prompt.token_ids))
-    (output,) = await requests.finished(request_id, streams)
-    return chat_response(ctx, req, plan, output, head)
+    if run.request.stream:
+        return requests.sse_events(head["id"], run.streams, chat_events(ctx, run, head))
+    (output,) = await requests.finished(request_id, run.streams)
+    return chat_response(ctx, run, output, head)
 
 
-def chat_response(ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPlan, output: RequestOutput,
-                  head: dict) -> dict:
+def chat_response(ctx: ServerContext, run: ChatRun, output: RequestOutput, head: dict) -> dict:
     """The whole response; the fields a request did not ask for are null, as vLLM sends them."""
-    choices = [choice_message(ctx, req, plan, c, req.top_logprobs or 0) for c in output.outputs]
+    req = run.request
+    choices = [choice_message(ctx, req, run.plan, c, req.top_logprobs or 0, run.reasoning) for c in output.outputs]
     for choice, c in zip(choices, output.outputs):
         choice["token_ids"] = list(c.token_ids) if req.return_token_ids else None
     return {**head, "object": "chat.completion", "choices": choices,
