@@ -156,12 +156,12 @@ class GptOssExperts(LocalExperts):
         experts, tokens = local[pairs], pairs // k
         counts = torch.bincount(experts, minlength=self.held.num_experts).tolist()
         scale = weights.flatten()[pairs].to(x.dtype).unsqueeze(1)  # [S, 1]
-        start = 0
+        start, matmul = 0, self.method.matmul  # looked up once, not per expert
         for e, count in enumerate(counts):
             if count:
                 mine = tokens[start : start + count]
-                h = self.method.matmul(e, x.index_select(0, mine), 0).add_(self.gate_up_bias[e])  # [count, 2 rows]
-                y = self.method.matmul(e, self.activation(h), 1)  # [count, hidden]
+                h = matmul(e, x.index_select(0, mine), 0).add_(self.gate_up_bias[e])  # [count, 2 rows]
+                y = matmul(e, self.activation(h), 1)  # [count, hidden]
                 if self.adds_down_bias:
                     y.add_(self.down_bias[e])
                 out.index_add_(0, mine, y.mul_(scale[start : start + count]))

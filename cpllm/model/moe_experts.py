@@ -79,16 +79,17 @@ class LocalExperts(torch.nn.Module):
         counts = torch.bincount(experts, minlength=self.held.num_experts).tolist()
         scale = weights.flatten()[pairs].to(x.dtype).unsqueeze(1)  # [S, 1] routing weight of each pair
         rows, start = self.held.rows, 0
+        matmul = self.method.matmul  # looked up once, not per expert
         # One expert's tokens at a time: buffers of one expert's size are reused by the allocator, where gathering
         # all S pairs at once allocates (and page-faults) S x hidden floats twice per layer.
         for e, count in enumerate(counts):
             if count:
                 mine = tokens[start : start + count]
-                h = self.method.matmul(e, x.index_select(0, mine), 0)  # [count, 2 * rows] = gate | up
+                h = matmul(e, x.index_select(0, mine), 0)  # [count, 2 * rows] = gate | up
                 act = silu_mul(h, rows)  # one C pass on CPU float32 (as the dense MLP), else torch's two ops
                 if act is None:  # silu(gate) * up written over gate: no new [count, rows] buffer
                     act = F.silu(h[:, :rows], inplace=True).mul_(h[:, rows:])
-                y = self.method.matmul(e, act, 1)  # [count, hidden]
+                y = matmul(e, act, 1)  # [count, hidden]
                 out.index_add_(0, mine, y.mul_(scale[start : start + count]))
                 start += count
         return out
