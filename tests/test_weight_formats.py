@@ -5,6 +5,8 @@ unknown name is refused naming the known ones, and each format builds, describes
 from __future__ import annotations
 
 import argparse
+import pathlib
+import re
 
 import pytest
 import torch
@@ -23,6 +25,10 @@ from cpllm.model.formats.plan import (FLOAT_STORAGE, INT4_STORAGE, INT8_STORAGE,
 from cpllm.model.formats.registry import FORMATS, weight_format
 from test_linear_methods import GroupedSource, weights
 
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "cpllm"
+PICKED_BY_STRING = re.compile(r"""quantization\s*[!=]=\s*["']|quantization\s+(not\s+)?in\s+[(\[]"""
+                              r"""|["']int8["'],\s*["']int4["']|["']auto["'],\s*["']none["']""")
+"""A mode compared by name, or a hand-written list of modes: what the mode table replaces."""
 STORAGE = (*INT4_STORAGE, *INT8_STORAGE, *FLOAT_STORAGE, "Q6_K")
 """Every stored type a plan distinguishes, and one it has no kernel for."""
 
@@ -43,6 +49,13 @@ def test_every_quantization_choice_is_a_mode_of_the_table():
     assert QUANTIZATION_CHOICES == tuple(MODES) == ("auto", "none", "int8", "int4")
     assert OPTIONS["quantization"].choices == QUANTIZATION_CHOICES
     assert _quantization_choices(build_parser()) == {QUANTIZATION_CHOICES}  # generate, serve and bench alike
+
+
+def test_no_module_outside_the_formats_package_picks_a_mode_by_name():
+    found = [f"{path.relative_to(PACKAGE)}:{n}" for path in sorted(PACKAGE.rglob("*.py"))
+             if "formats" not in path.relative_to(PACKAGE).parts
+             for n, line in enumerate(path.read_text().splitlines(), 1) if PICKED_BY_STRING.search(line)]
+    assert found == []
 
 
 def test_every_format_a_mode_or_a_plan_names_is_registered():
