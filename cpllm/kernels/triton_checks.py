@@ -23,15 +23,15 @@ _REMEMBERED = 64
 """Tables CheckedTables remembers: a prefill step reads one per request and layer, a decode step one or a few."""
 
 
-def _identity(t: torch.Tensor) -> tuple:
-    """What makes `t`'s values the same as when last checked: its storage's owner (a view's base), the version
-    counter views share with it, and where and how `t` lies in it."""
-    base = t if t._base is None else t._base
-    return id(base), t._version, t.storage_offset(), tuple(t.shape), tuple(t.stride())
-
-
 def _owner(t: torch.Tensor) -> torch.Tensor:
+    """The tensor owning `t`'s storage: `t`, or the base it is a view of."""
     return t if t._base is None else t._base
+
+
+def _identity(t: torch.Tensor) -> tuple:
+    """What makes `t`'s values the same as when last checked: its storage's owner, the version counter views share
+    with it, and where and how `t` lies in it."""
+    return id(_owner(t)), t._version, t.storage_offset(), tuple(t.shape), tuple(t.stride())
 
 
 class CheckedTables:
