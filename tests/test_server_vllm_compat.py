@@ -356,3 +356,39 @@ def test_reasoning_split_whole_and_streamed(http):
 def test_split_reasoning(text, in_thinking, finished, reasoning, content_start):
     split = split_reasoning(text, in_thinking=in_thinking, finished=finished)
     assert (split.reasoning, split.content_start) == (reasoning, content_start)
+
+
+# ---- beam search ---------------------------------------------------------------------------------------
+
+
+def _next_logprobs(http, ids: list[int]) -> dict[int, float]:
+    """The model's logprob of every next token after `ids` (a whole-vocabulary request)."""
+    top = post(http, "/v1/completions", prompt=ids, max_tokens=1, logprobs=-1,
+               return_tokens_as_token_ids=True)["choices"][0]["logprobs"]["top_logprobs"][0]
+    return {int(t.removeprefix("token_id:")): lp for t, lp in top.items()}
+
+
+def test_beam_search_matches_a_search_by_hand(http):
+    ids = tiny_hf_tokenizer().encode("the cat")
+    out = post(http, "/v1/completions", prompt=[ids, ids], n=2, max_tokens=2, temperature=0, ignore_eos=True,
+               use_beam_search=True, return_token_ids=True)
+    got = [c["token_ids"] for c in out["choices"]]
+    assert len(got) == 4 and got[0] != got[1] and got[:2] == got[2:]  # two beams; same prompt, same beams
+    first = _next_logprobs(http, ids)
+    kept = sorted(first, key=first.get, reverse=True)[:2]  # step 1: the two best tokens
+    paths = {(a, b): first[a] + lp for a in kept for b, lp in _next_logprobs(http, [*ids, a]).items()}
+    assert got[:2] == [list(p) for p in sorted(paths, key=paths.get, reverse=True)[:2]]
+    assert all(c["finish_reason"] == "length" for c in out["choices"]) and out["usage"]["completion_tokens"] == 8
+
+
+def test_beam_search_chat_and_refusals(http):
+    reply = post(http, "/v1/chat/completions", messages=ASK, n=2, max_tokens=3, ignore_eos=True,
+                 use_beam_search=True, length_penalty=0.5, return_token_ids=True)
+    beams = [c["token_ids"] for c in reply["choices"]]
+    assert len(beams) == 2 and beams[0] != beams[1] and all(len(b) == 3 for b in beams)
+    base = {"prompt": "hi", "max_tokens": 2, "use_beam_search": True, "n": 2}
+    for extra, param in (({"stream": True}, "use_beam_search"), ({"n": 1}, "use_beam_search"),
+                         ({"logprobs": 1}, "logprobs"), ({"stop": ["x"]}, "stop")):
+        assert error_param(http.post("/v1/completions", json={**base, **extra})) == param
+    assert error_param(http.post("/v1/completions", json={"prompt": "hi", "length_penalty": 2.0})) == \
+        "length_penalty"

@@ -133,6 +133,10 @@ class SamplingFields(BaseModel):
     request_id: str | None = None
     """The id the response carries (after its "cmpl-"/"chatcmpl-" prefix); None = a random one."""
     echo: bool = False
+    use_beam_search: bool = False
+    """Search n beams instead of sampling (cpllm/server/beam_search.py); n >= 2."""
+    length_penalty: float = 1.0
+    """Beam search: beams are ranked by cumulative logprob / length ** length_penalty."""
 
     @model_validator(mode="before")
     @classmethod
@@ -143,6 +147,8 @@ class SamplingFields(BaseModel):
     def _check_common(self):
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options is only allowed together with stream=true", "stream_options")
+        if self.length_penalty != 1.0 and not self.use_beam_search:
+            raise FieldError("length_penalty only applies with use_beam_search=true", "length_penalty")
         if self.truncate_prompt_tokens == 0:
             raise FieldError("truncate_prompt_tokens must be >= 1 (or -1 for max_model_len)", "truncate_prompt_tokens")
         if self.stream and self.prompt_logprobs is not None:

@@ -12,8 +12,6 @@ logger = logging.getLogger("cpllm.server.protocol")
 
 REFUSED: dict[str, tuple[Any, str]] = {
     "suffix": (None, "suffix (text after the insertion point) is not supported by this server"),
-    "use_beam_search": (False, "beam search is not supported; sample with n instead"),
-    "length_penalty": (1.0, "length_penalty only applies to beam search, which is not supported"),
     "prompt_embeds": (None, "prompt embeddings are not supported; send text or token ids"),
     "logits_processors": (None, "custom logits processors are not supported"),
     "documents": (None, "documents (retrieval-augmented templates) are not supported"),

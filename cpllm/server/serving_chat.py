@@ -9,6 +9,7 @@ import uuid
 from cpllm.engine.outputs import RequestOutput
 from cpllm.engine.sampling_params import SamplingParams
 from cpllm.server import requests
+from cpllm.server.beam_search import beam_search, beam_settings, check_beam_request
 from cpllm.server.async_engine import RequestStream
 from cpllm.server.chat_stream import chat_events, choice_message
 from cpllm.server.errors import bad_request
@@ -124,8 +125,10 @@ def _reasoning(ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPlan, p
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, arrival_time: float):
     """A response dict, or an async iterator of server-sent events when req.stream."""
     request_id = f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
-    run = await start_chat(ctx, req, request_id, arrival_time)
     head = {"id": request_id, "created": int(time.time()), "model": ctx.model_name}
+    if req.use_beam_search:
+        return await _beam_chat(ctx, req, head, arrival_time)
+    run = await start_chat(ctx, req, request_id, arrival_time)
     if run.request.stream:
         return requests.sse_events(head["id"], run.streams, chat_events(ctx, run, head))
     (output,) = await requests.finished(request_id, run.streams)
@@ -143,3 +146,19 @@ def chat_response(ctx: ServerContext, run: ChatRun, output: RequestOutput, head:
             "prompt_logprobs": (prompt_logprobs_json(token_texts(ctx.texts, req), output)
                                 if req.prompt_logprobs is not None else None),
             "prompt_token_ids": list(output.prompt_token_ids) if req.return_token_ids else None}
+
+
+async def _beam_chat(ctx: ServerContext, req: ChatCompletionRequest, head: dict, arrival_time: float) -> dict:
+    """A beam search over the rendered conversation; its best n beams are the n choices (no tools: a forced call
+    is a grammar, which the search does not follow)."""
+    check_beam_request(req)
+    plan = plan_tools(req, ctx.options)
+    prompt = chat_prompt(ctx, req, plan)
+    limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    params = sampling_params(req, max_tokens=req.output_limit(), logprobs=None, max_tokens_param=limit_param,
+                             max_n=ctx.options.max_n)
+    output = await beam_search(ctx, head["id"], prompt, beam_settings(ctx, req, params), arrival_time)
+    requests.log_request(head["id"], [output], 200)
+    run = ChatRun(plan=plan, params=params, streams=[], request=req, prompt=prompt,
+                  reasoning=_reasoning(ctx, req, plan, prompt))
+    return chat_response(ctx, run, output, head)

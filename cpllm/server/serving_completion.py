@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -9,6 +10,7 @@ from collections.abc import AsyncIterator
 from cpllm.engine.outputs import CompletionOutput, RequestOutput
 from cpllm.engine.sampling_params import SamplingParams
 from cpllm.server import requests
+from cpllm.server.beam_search import beam_search, beam_settings, check_beam_request
 from cpllm.server.errors import bad_request
 from cpllm.server.formatting import ChoiceCursor, completion_logprobs, sampling_params, sse, usage
 from cpllm.server.prompt_fields import (bad_words_token_ids, check_allowed_token_ids, prompt_logprobs_json,
@@ -48,8 +50,10 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, arrival_
                              structured=constraint.params if constraint else None,
                              bad_words_token_ids=bad_words_token_ids(ctx.engine.tokenizer, req.bad_words),
                              max_logprobs=limit)
-    await requests.compile_constraint(ctx, constraint)
     request_id = f"cmpl-{req.request_id or uuid.uuid4().hex}"
+    if req.use_beam_search:
+        return await _beam_completion(ctx, req, prompts, params, request_id, arrival_time)
+    await requests.compile_constraint(ctx, constraint)
     streams = await requests.start(ctx, request_id, prompts, params, arrival_time)
     head = {"id": request_id, "created": int(time.time()), "model": ctx.model_name}
     if req.stream:
@@ -59,6 +63,20 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, arrival_
                for i, (p, out) in enumerate(zip(prompts, outputs)) for c in out.outputs]
     return {**head, "object": "text_completion", "choices": choices,
             "usage": usage(outputs, ctx.options.enable_prompt_tokens_details)}
+
+
+async def _beam_completion(ctx: ServerContext, req: CompletionRequest, prompts: list[Prompt], params: SamplingParams,
+                           request_id: str, arrival_time: float) -> dict:
+    """Every prompt's beam search (side by side in the engine), its best n beams as the prompt's n choices."""
+    check_beam_request(req)
+    settings = beam_settings(ctx, req, params)
+    outputs = await asyncio.gather(*(beam_search(ctx, f"{request_id}-{i}", p, settings, arrival_time)
+                                     for i, p in enumerate(prompts)))
+    requests.log_request(request_id, outputs, 200)
+    choices = [_choice(ctx, req, p, out, c, i * params.n + c.index)
+               for i, (p, out) in enumerate(zip(prompts, outputs)) for c in out.outputs]
+    return {"id": request_id, "created": int(time.time()), "model": ctx.model_name, "object": "text_completion",
+            "choices": choices, "usage": usage(outputs, ctx.options.enable_prompt_tokens_details)}
 
 
 def _prompt_text(ctx: ServerContext, prompt: Prompt) -> str:
