@@ -238,8 +238,8 @@ def test_logprob_token_ids_report_the_named_tokens(http):
         assert all(e["logprob"] == pytest.approx(reference[e["token"]], abs=1e-5) for e in got["top_logprobs"])
     assert error_param(http.post("/v1/chat/completions", json={**body, "logprob_token_ids": [VOCAB]})) == \
         "logprob_token_ids"
-    assert error_param(http.post("/v1/chat/completions", json={"messages": ASK, "logprob_token_ids": [1]})) == \
-        "logprob_token_ids"
+    for bad in ({"messages": ASK, "logprob_token_ids": [1]}, {**body, "logprob_token_ids": []}):
+        assert error_param(http.post("/v1/chat/completions", json=bad)) == "logprob_token_ids"
 
 
 def test_return_token_ids_streamed(http):
@@ -392,3 +392,20 @@ def test_beam_search_chat_and_refusals(http):
         assert error_param(http.post("/v1/completions", json={**base, **extra})) == param
     assert error_param(http.post("/v1/completions", json={"prompt": "hi", "length_penalty": 2.0})) == \
         "length_penalty"
+
+
+def test_echo_of_token_ids_keeps_special_tokens(http):
+    ids = [1, *tiny_hf_tokenizer().encode("hi", add_special_tokens=False)]  # <|im_start|> first
+    choice = post(http, "/v1/completions", prompt=ids, max_tokens=1, echo=True)["choices"][0]
+    assert choice["text"].startswith("<|im_start|>hi")
+
+
+@pytest.mark.parametrize("fields, param, named", [
+    ({"seed": 2**63}, "seed", None),
+    ({"stop_token_ids": [5, VOCAB + 1]}, "stop_token_ids", str(VOCAB + 1)),
+    ({"logit_bias": {"bad1": 1.0, "bad2": 2.0}}, "logit_bias", "'bad2'"),
+])  # fmt: skip
+def test_vllm_validation(http, fields, param, named):
+    response = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 1, **fields})
+    assert error_param(response) == param
+    assert named is None or named in response.json()["error"]["message"]

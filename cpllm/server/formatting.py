@@ -65,12 +65,10 @@ def _logit_bias(req: SamplingFields) -> dict[int, float] | None:
     """OpenAI sends token ids as JSON object keys (strings)."""
     if not req.logit_bias:
         return None
-    out = {}
-    for key, bias in req.logit_bias.items():
-        if not key.strip().isdigit():
-            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
-        out[int(key)] = bias
-    return out
+    bad = [key for key in req.logit_bias if not key.strip().isdigit()]
+    if bad:  # every bad key named at once, so one fix is enough
+        raise bad_request(f"logit_bias keys must be token ids, got {', '.join(map(repr, bad))}", "logit_bias")
+    return {int(key): bias for key, bias in req.logit_bias.items()}
 
 
 def engine_error(exc: ValueError, max_tokens_param: str = "max_tokens"):

@@ -53,8 +53,8 @@ def truncated(token_ids: list[int], req: SamplingFields, max_model_len: int) -> 
 
 
 def check_allowed_token_ids(req: SamplingFields, vocab_size: int) -> None:
-    """allowed_token_ids and logprob_token_ids inside the vocabulary (every bad id named)."""
-    for name in ("allowed_token_ids", "logprob_token_ids"):
+    """allowed_token_ids, logprob_token_ids and stop_token_ids inside the vocabulary (every bad id named)."""
+    for name in ("allowed_token_ids", "logprob_token_ids", "stop_token_ids"):
         bad = [t for t in getattr(req, name) or () if t >= vocab_size]
         if bad:
             ids = ", ".join(map(str, bad))

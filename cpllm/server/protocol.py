@@ -80,7 +80,8 @@ class SamplingFields(BaseModel):
     """OpenAI's range [0, 2]; None = 1.0."""
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None
+    """A 64-bit signed integer, as vLLM takes it."""
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     stream: bool = False
@@ -147,6 +148,8 @@ class SamplingFields(BaseModel):
     def _check_common(self):
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options is only allowed together with stream=true", "stream_options")
+        if self.logprob_token_ids == []:
+            raise FieldError("logprob_token_ids must not be an empty list", "logprob_token_ids")
         if self.length_penalty != 1.0 and not self.use_beam_search:
             raise FieldError("length_penalty only applies with use_beam_search=true", "length_penalty")
         if self.truncate_prompt_tokens == 0:

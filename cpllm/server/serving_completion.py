@@ -80,7 +80,10 @@ async def _beam_completion(ctx: ServerContext, req: CompletionRequest, prompts: 
 
 
 def _prompt_text(ctx: ServerContext, prompt: Prompt) -> str:
-    return prompt.text if prompt.text is not None else ctx.engine.tokenizer.decode(prompt.token_ids)
+    """The echoed prompt: its text, or its ids decoded with their special tokens (as vLLM echoes them)."""
+    if prompt.text is not None:
+        return prompt.text
+    return ctx.engine.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
 
 
 def _echo_logprobs(ctx: ServerContext, req: CompletionRequest, prompt: Prompt, out: RequestOutput) -> dict:
