@@ -107,7 +107,7 @@ def layer_part(folder: str, args) -> dict:
         block = 16
         chunk = ScheduledChunk(request_id="a", token_ids=(1,), start_pos=context,
                                block_table=tuple(range(context // block + 1)), sample=True, prompt_logits=False)
-        layout = KVLayout(cp_size=1, cp_rank=0, interleave=1, block_size=block)
+        layout = KVLayout(num_shards=1, shard_rank=0, interleave=1, block_size=block)
         batch = build_step_batch([chunk], layout, 1, 0, lambda c: [], plan=plan_step([chunk], RankCapabilities()))
         tables = rope.tables(batch.positions, torch.float32)
         new_slots, context_slots = torch.tensor([context]), torch.arange(context)

@@ -157,7 +157,7 @@ def make_chunks(requests, layout: KVLayout) -> list[Chunk]:
 
 
 def check_metadata(device: torch.device):
-    layout = KVLayout(cp_size=2, cp_rank=1, interleave=1, block_size=4)
+    layout = KVLayout(num_shards=2, shard_rank=1, interleave=1, block_size=4)
     # prefill chunks with context, padded decodes; then decodes sharing a prefix (the shared-key batch)
     steps = [[(0, 9), (6, 5), (10, 1), (3, 1)], [(17, 1), (17, 1), (18, 1)]]
     moved = 0
@@ -288,7 +288,7 @@ def run_cp_layer(requests, *, pcp: int, dcp: int, strategy: str, interleave: int
     def rand(*shape):  # rounded to the model dtype once; the reference sees exactly these values
         return torch.randn(*shape, generator=g).to(dtype)
 
-    layout0 = KVLayout(cp_size=cp, cp_rank=0, interleave=interleave, block_size=block_size)
+    layout0 = KVLayout(num_shards=cp, shard_rank=0, interleave=interleave, block_size=block_size)
     chunks = make_chunks(requests, layout0)
     num_slots = (max(b for c in chunks for b in c.block_table) + 1) * block_size
     ctx_k = [rand(ctx, hkv, head_dim) for ctx, _ in requests]
@@ -301,7 +301,7 @@ def run_cp_layer(requests, *, pcp: int, dcp: int, strategy: str, interleave: int
     ranks = []
     for c in range(cp):
         p, d = divmod(c, dcp)
-        layout = KVLayout(cp_size=cp, cp_rank=c, interleave=interleave, block_size=block_size)
+        layout = KVLayout(num_shards=cp, shard_rank=c, interleave=interleave, block_size=block_size)
         k_pool, v_pool = rand(num_slots, hkv, head_dim), rand(num_slots, hkv, head_dim)  # garbage where unused
         for chunk, ck, cv in zip(chunks, ctx_k, ctx_v):
             for pos in range(chunk.start_pos):

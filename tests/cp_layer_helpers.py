@@ -150,7 +150,7 @@ def _mismatched_slots(pool: torch.Tensor, expected: torch.Tensor) -> list[int]:
 def run_case(groups: ParallelGroups, strategy: str, interleave: int, name: str, seed: int) -> dict:
     """One step of the layer on this rank; returns plain data for the pytest process to judge."""
     pcp, cp = groups.pcp_size, groups.cp_size
-    layout = KVLayout(cp_size=cp, cp_rank=groups.cp_rank, interleave=interleave, block_size=BLOCK)
+    layout = KVLayout(num_shards=cp, shard_rank=groups.cp_rank, interleave=interleave, block_size=BLOCK)
     comm = CPComm(dims=groups.dims, pcp_group=groups.pcp_group, pcp_rank=groups.pcp_rank,
                   cp_group=groups.cp_group, cp_rank=groups.cp_rank, strategy=strategy)
     reqs = scenario(name, pcp, cp)

@@ -154,7 +154,7 @@ def run_case(groups: ParallelGroups, strategy: str, interleave: int, name: str, 
     """One step of the windowed layer on this rank: errors against the reference, pool check, call counts."""
     replicated = groups.dims.kv_replicated
     pcp, cp = groups.pcp_size, groups.dims.kv_shard_size
-    layout = KVLayout(cp_size=cp, cp_rank=groups.kv_shard_rank, interleave=interleave, block_size=BLOCK)
+    layout = KVLayout(num_shards=cp, shard_rank=groups.kv_shard_rank, interleave=interleave, block_size=BLOCK)
     comm = CPComm(dims=groups.dims, pcp_group=groups.pcp_group, pcp_rank=groups.pcp_rank, cp_group=groups.cp_group,
                   cp_rank=groups.cp_rank, strategy=strategy, dcp_group=groups.dcp_group)
     reqs = scenario(name, case_window(mods))

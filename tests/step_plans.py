@@ -12,7 +12,7 @@ def eager_plan(chunks, layout: KVLayout, pcp_size: int = 1, *, replicated: bool 
                strategy: str | None = None, path: StepPath | None = None) -> StepPlan:
     """The plan of a step of `chunks` on a rank of eager layers of `layout` (its KV shards) over `pcp_size` PCP
     ranks; `path`: the path of a step of single tokens instead of the layout's own (a prefill step keeps its)."""
-    plan = plan_step(chunks, RankCapabilities(pcp_size=pcp_size, kv_shards=layout.cp_size, replicated=replicated),
+    plan = plan_step(chunks, RankCapabilities(pcp_size=pcp_size, kv_shards=layout.num_shards, replicated=replicated),
                      strategy)
     if path is None or plan.path is StepPath.PREFILL:
         return plan

@@ -53,7 +53,7 @@ class _Counting:
 
 def _step(requests, plan=None):
     g = torch.Generator().manual_seed(len(requests))
-    layout = KVLayout(cp_size=1, cp_rank=0, interleave=1, block_size=BLOCK)
+    layout = KVLayout(num_shards=1, shard_rank=0, interleave=1, block_size=BLOCK)
     chunks = [ScheduledChunk(request_id=str(i), token_ids=tuple([1] * new), start_pos=ctx,
                              block_table=tuple(range(1 + 8 * i, 9 + 8 * i)), sample=True, prompt_logits=False)
               for i, (ctx, new) in enumerate(requests)]
@@ -85,7 +85,7 @@ def test_the_cp_layer_attends_only_through_its_backend(monkeypatch, requests, pl
 def _shared_prefix_step(requests):
     """requests: (context_len, num_new); every request's block table starts with the same 4 blocks (16 tokens)."""
     g = torch.Generator().manual_seed(7)
-    layout = KVLayout(cp_size=1, cp_rank=0, interleave=1, block_size=BLOCK)
+    layout = KVLayout(num_shards=1, shard_rank=0, interleave=1, block_size=BLOCK)
     chunks = [ScheduledChunk(request_id=str(i), token_ids=tuple([1] * new), start_pos=ctx,
                              block_table=(1, 2, 3, 4, 10 + 4 * i, 11 + 4 * i), sample=True, prompt_logits=False)
               for i, (ctx, new) in enumerate(requests)]

@@ -20,7 +20,7 @@ def run_case(requests, seed=0):
     g = torch.Generator().manual_seed(seed)
     num_slots = 64 * BLOCK
     k_pool, v_pool = torch.randn(num_slots, HKV, D, generator=g), torch.randn(num_slots, HKV, D, generator=g)
-    layout = KVLayout(cp_size=1, cp_rank=0, interleave=1, block_size=BLOCK)
+    layout = KVLayout(num_shards=1, shard_rank=0, interleave=1, block_size=BLOCK)
     chunks = [ScheduledChunk(request_id=str(i), token_ids=tuple([1] * new), start_pos=ctx, block_table=tuple(bt),
                              sample=True, prompt_logits=False) for i, (ctx, new, bt) in enumerate(requests)]
     batch = build_step_batch(chunks, layout, 1, 0, lambda c: [], plan=eager_plan(chunks, layout))

@@ -36,7 +36,7 @@ def random_block_table(num_blocks, rng):
 
 
 def test_design_table():
-    layouts = [KVLayout(cp_size=2, cp_rank=r, interleave=2, block_size=4) for r in range(2)]
+    layouts = [KVLayout(num_shards=2, shard_rank=r, interleave=2, block_size=4) for r in range(2)]
     owners = [layouts[0].owner(p) for p in range(10)]
     assert owners == [0, 0, 1, 1, 0, 0, 1, 1, 0, 0]
     assert [layouts[0].local_index(p) for p in range(10)] == [0, 1, 0, 1, 2, 3, 2, 3, 4, 5]
@@ -54,7 +54,7 @@ def test_scalar_api_vs_brute_force(cp_size, interleave, block_size):
     max_len = 3 * cp_size * block_size + 5
     owners, locals_ = brute_force(cp_size, interleave, max_len)
     for rank in range(cp_size):
-        lay = KVLayout(cp_size=cp_size, cp_rank=rank, interleave=interleave, block_size=block_size)
+        lay = KVLayout(num_shards=cp_size, shard_rank=rank, interleave=interleave, block_size=block_size)
         for pos in range(max_len):
             assert lay.owner(pos) == owners[pos]
             if owners[pos] == rank:
@@ -72,7 +72,7 @@ def test_slots_disjoint_and_inside_blocks(cp_size, interleave, block_size):
     rng = random.Random(cp_size * 7 + interleave * 3 + block_size)
     seq_len = rng.randint(1, 4 * cp_size * block_size + 3)
     for rank in range(cp_size):
-        lay = KVLayout(cp_size=cp_size, cp_rank=rank, interleave=interleave, block_size=block_size)
+        lay = KVLayout(num_shards=cp_size, shard_rank=rank, interleave=interleave, block_size=block_size)
         table = random_block_table(lay.num_virtual_blocks(seq_len), rng)
         allowed = {b * block_size + j for b in table for j in range(block_size)}
         slots = [lay.slot(p, table) for p in range(seq_len)]
@@ -91,19 +91,19 @@ def test_every_token_stored_once_across_ranks():
         table = list(range(10, 10 + -(-seq_len // (cp_size * block_size))))
         stored = []
         for rank in range(cp_size):
-            lay = KVLayout(cp_size=cp_size, cp_rank=rank, interleave=interleave, block_size=block_size)
+            lay = KVLayout(num_shards=cp_size, shard_rank=rank, interleave=interleave, block_size=block_size)
             stored += [(rank, lay.slot(p, table)) for p in range(seq_len) if lay.slot(p, table) is not None]
         assert len(stored) == seq_len == len(set(stored))
 
 
 def test_validation():
-    with pytest.raises(ValueError, match="cp_rank=2"):
-        KVLayout(cp_size=2, cp_rank=2, interleave=1, block_size=4)
+    with pytest.raises(ValueError, match="shard_rank=2"):
+        KVLayout(num_shards=2, shard_rank=2, interleave=1, block_size=4)
     with pytest.raises(ValueError, match="interleave=3 must divide block_size=4"):
-        KVLayout(cp_size=2, cp_rank=0, interleave=3, block_size=4)
+        KVLayout(num_shards=2, shard_rank=0, interleave=3, block_size=4)
     with pytest.raises(ValueError, match="block_size"):
-        KVLayout(cp_size=2, cp_rank=0, interleave=1, block_size=0)
-    lay = KVLayout(cp_size=2, cp_rank=0, interleave=1, block_size=4)
+        KVLayout(num_shards=2, shard_rank=0, interleave=1, block_size=0)
+    lay = KVLayout(num_shards=2, shard_rank=0, interleave=1, block_size=4)
     with pytest.raises(ValueError, match="table has 1"):
         lay.slot(8, [0])
     with pytest.raises(ValueError, match="seq_len"):

@@ -190,7 +190,7 @@ def test_decode_rows_are_split_over_pcp_ranks_and_synced_after_the_step():
     """Pure metadata: four decodes on PCP=2 go two to each rank; each rank knows which slots the other wrote."""
     chunks = [ScheduledChunk(request_id=str(i), token_ids=(5,), start_pos=10 + i, block_table=(1, 2, 3, 4, 5),
                              sample=True, prompt_logits=False) for i in range(4)]
-    layout = KVLayout(cp_size=1, cp_rank=0, interleave=1, block_size=4)  # replicated, DCP = 1
+    layout = KVLayout(num_shards=1, shard_rank=0, interleave=1, block_size=4)  # replicated, DCP = 1
     plan = eager_plan(chunks, layout, 2, replicated=True)
     batches = [build_step_batch(chunks, layout, 2, rank, output_positions, plan=plan) for rank in range(2)]
     assert [b.attention.num_rows for b in batches] == [2, 2]

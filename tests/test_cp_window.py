@@ -137,7 +137,7 @@ def expected_attend_calls(world, strategy: str, interleave: int, reqs, coords, w
     pcp, dcp, replicated = world
     pcp_rank, _, _, kv_rank = coords
     kv_size = dcp if replicated else pcp * dcp
-    layout = KVLayout(cp_size=kv_size, cp_rank=kv_rank, interleave=interleave, block_size=helpers.BLOCK)
+    layout = KVLayout(num_shards=kv_size, shard_rank=kv_rank, interleave=interleave, block_size=helpers.BLOCK)
     calls = 0
     for req in reqs:
         if req.new == 1:
@@ -173,7 +173,7 @@ def decode_keys_in_window(world, interleave: int, reqs, coords, held, window) ->
     """Some decode row this rank holds has a key of this rank's shard inside its window."""
     pcp, dcp, replicated = world
     kv_size = dcp if replicated else pcp * dcp
-    layout = KVLayout(cp_size=kv_size, cp_rank=coords[3], interleave=interleave, block_size=helpers.BLOCK)
+    layout = KVLayout(num_shards=kv_size, shard_rank=coords[3], interleave=interleave, block_size=helpers.BLOCK)
     for i, req in enumerate(reqs):
         if req.new == 1 and helpers.base.token_id(i, 0) in held:
             first = req.context - window + 1 if window is not None else 0
@@ -275,7 +275,7 @@ def _one_rank_step(reqs, layer, sinks, seed: int):
     from cpllm.context_parallel.kv_layout import KVLayout
     from cpllm.context_parallel.metadata import build_step_batch
     from cpllm.step import ScheduledChunk
-    layout = KVLayout(cp_size=1, cp_rank=0, interleave=1, block_size=helpers.BLOCK)
+    layout = KVLayout(num_shards=1, shard_rank=0, interleave=1, block_size=helpers.BLOCK)
     tables, num_blocks = helpers.base.block_tables(reqs, 1)
     data = helpers.base.make_data(reqs, helpers.HQ, seed)
     chunks = [ScheduledChunk(request_id=str(i), token_ids=tuple(helpers.base.token_id(i, j) for j in range(r.new)),
@@ -417,7 +417,7 @@ def test_the_window_view_is_built_once_per_step_and_only_where_the_window_hides_
     from cpllm.context_parallel.metadata import build_step_batch
     from cpllm.layers.window.decode_view import window_view
     from cpllm.step import ScheduledChunk
-    layout = KVLayout(cp_size=2, cp_rank=1, interleave=2, block_size=4)
+    layout = KVLayout(num_shards=2, shard_rank=1, interleave=2, block_size=4)
     chunks = [ScheduledChunk(request_id=str(i), token_ids=(1,), start_pos=ctx, block_table=tuple(range(8 * i, 8 * i + 8)),
                              sample=True, prompt_logits=False) for i, ctx in enumerate((40, 5))]
     meta = build_step_batch(chunks, layout, 1, 0, lambda c: [], plan=eager_plan(chunks, layout)).attention

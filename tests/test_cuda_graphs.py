@@ -61,7 +61,7 @@ def _chunks(requests):
 
 
 def _batch(requests, path=StepPath.ONE_SHARD):
-    layout = KVLayout(cp_size=1, cp_rank=0, interleave=1, block_size=BLOCK)
+    layout = KVLayout(num_shards=1, shard_rank=0, interleave=1, block_size=BLOCK)
     chunks = _chunks(requests)
     plan = eager_plan(chunks, layout, path=path)  # a prompt chunk plans a prefill
     return build_step_batch(chunks, layout, 1, 0, lambda c: [len(c.token_ids) - 1], plan=plan), layout
@@ -144,7 +144,7 @@ def test_decode_steps_through_the_buckets_give_the_eager_model_s_hidden_states(t
     model.load_weights(source)
     layers, hkv, d = source.config.num_hidden_layers, source.config.num_key_value_heads, source.config.head_dim
     pools = [(torch.zeros(64 * BLOCK, hkv, d), torch.zeros(64 * BLOCK, hkv, d)) for _ in range(layers)]
-    layout = KVLayout(cp_size=1, cp_rank=0, interleave=1, block_size=BLOCK)
+    layout = KVLayout(num_shards=1, shard_rank=0, interleave=1, block_size=BLOCK)
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18], [19]]
     tables = [tuple(range(1 + 12 * i, 13 + 12 * i)) for i in range(len(prompts))]
 

@@ -41,7 +41,7 @@ STEPS = {  # (context_len, num_new) per request: prefill with context + padded d
 
 
 def _steps(pcp: int = 2, pcp_rank: int = 1):
-    layout = KVLayout(cp_size=pcp, cp_rank=pcp_rank, interleave=1, block_size=4)
+    layout = KVLayout(num_shards=pcp, shard_rank=pcp_rank, interleave=1, block_size=4)
     for requests in STEPS.values():
         chunks = gpu_check.make_chunks(requests, layout)
         yield build_step_batch(chunks, layout, pcp, pcp_rank, lambda c: [len(c.token_ids) - 1],
@@ -99,7 +99,7 @@ def test_move_keeps_values_shapes_and_dtypes():
 
 
 def test_build_step_batch_device_argument():
-    layout = KVLayout(cp_size=1, cp_rank=0, interleave=1, block_size=4)
+    layout = KVLayout(num_shards=1, shard_rank=0, interleave=1, block_size=4)
     chunks = gpu_check.make_chunks(STEPS["mixed"], layout)
     batch = build_step_batch(chunks, layout, 1, 0, lambda c: [], plan=eager_plan(chunks, layout), device="meta")
     assert {t.device.type for _, t in metadata_module.iter_tensors(batch)} == {"meta"}

@@ -124,7 +124,7 @@ def inputs(seed: int) -> dict[str, torch.Tensor]:
 
 def run_steps(layer: MLAAttention, rope: RotaryEmbedding, x: dict, decode_plan: StepPath | None):
     """The four steps through the CP layer; returns ({request: output rows [L, hidden]}, pool)."""
-    layout = KVLayout(cp_size=1, cp_rank=0, interleave=1, block_size=BLOCK)
+    layout = KVLayout(num_shards=1, shard_rank=0, interleave=1, block_size=BLOCK)
     pool = latent_pool(20 * BLOCK, layer.mla.kv_lora_rank, layer.mla.qk_rope_head_dim, torch.float32)
     pool.fill_(float("nan"))  # a slot read before it is written poisons the output
     got = {name: torch.full((length, HIDDEN), float("nan")) for name, length in LENGTHS.items()}
@@ -268,7 +268,7 @@ def test_decode_over_576_wide_latents(plan):
     """DeepSeek-V3's latent width (512 + 64) and 16 query heads on one latent head: the decode paths (the C
     kernel where it runs) equal float64 attention over the request's latents."""
     gen = torch.Generator().manual_seed(3)
-    layout = KVLayout(cp_size=1, cp_rank=0, interleave=1, block_size=BLOCK)
+    layout = KVLayout(num_shards=1, shard_rank=0, interleave=1, block_size=BLOCK)
     chunks = [ScheduledChunk(request_id=str(i), token_ids=(1,), start_pos=ctx, block_table=tuple(range(1 + 12 * i,
               13 + 12 * i)), sample=True, prompt_logits=False) for i, ctx in enumerate((37, 5))]
     meta = build_step_batch(chunks, layout, 1, 0, lambda c: [], plan=eager_plan(chunks, layout, path=plan)).attention

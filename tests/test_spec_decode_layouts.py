@@ -241,7 +241,7 @@ def test_replicated_copies_keep_a_verify_chunks_rows_together():
     """Under the replicated layout outside a team each PCP copy computes the single tokens it is dealt and stores
     only their K/V until the step ends; a verify chunk's rows (one request, consecutive positions) must stay on
     one copy, and the runner's row counts (`single_token_rows`) must be the laid-out batch's."""
-    layout = KVLayout(cp_size=1, cp_rank=0, interleave=1, block_size=4)
+    layout = KVLayout(num_shards=1, shard_rank=0, interleave=1, block_size=4)
     ids = ["a", "a", "a", "b", "c", "c", "d"]
     chunks = [ScheduledChunk(request_id=r, token_ids=(1,), start_pos=8 + i, block_table=(1, 2, 3, 4), sample=True,
                              prompt_logits=False) for i, r in enumerate(ids)]

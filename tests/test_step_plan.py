@@ -34,7 +34,7 @@ def _chunks(requests, shared_prefix: bool = False):
 
 
 def _layout(cp_size: int = 1, cp_rank: int = 0) -> KVLayout:
-    return KVLayout(cp_size=cp_size, cp_rank=cp_rank, interleave=1, block_size=BLOCK)
+    return KVLayout(num_shards=cp_size, shard_rank=cp_rank, interleave=1, block_size=BLOCK)
 
 
 @pytest.mark.parametrize("kv_shards, pcp, replicated, want", [

@@ -23,7 +23,7 @@ TOL = 2e-5
 
 def _step(requests, plan, seed: int, pool_dtype: torch.dtype):
     g = torch.Generator().manual_seed(seed)
-    layout = KVLayout(cp_size=1, cp_rank=0, interleave=1, block_size=BLOCK)
+    layout = KVLayout(num_shards=1, shard_rank=0, interleave=1, block_size=BLOCK)
     chunks = [ScheduledChunk(request_id=str(i), token_ids=tuple([1] * new), start_pos=ctx,
                              block_table=tuple(range(1 + 16 * i, 17 + 16 * i)), sample=True, prompt_logits=False)
               for i, (ctx, new) in enumerate(requests)]

@@ -115,7 +115,6 @@ class PagedCPAttention(torch.nn.Module):
         """The layer's score modifier (cpllm/layers/window/modifier.py `ScoreMods`: a window, a soft-cap), asked
         which keys each piece keeps and how to attend it; None: the plain paths."""
         self._decode_kwargs = {} if mods is None else mods.decode_kwargs
-        self._softcap = None if mods is None else mods.softcap
 
     def forward(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -186,7 +185,7 @@ class PagedCPAttention(torch.nn.Module):
             return torch.zeros_like(q), lse
         rows = decode.rows[self.comm.pcp_rank]  # [B]
         q_rows = q if rows.numel() == meta.num_rows else q.index_select(0, rows)
-        if whole and self._softcap is None:
+        if whole and not self._decode_kwargs:  # no lse wanted and nothing the whole-context call cannot apply
             o, lse_rows = self.backend.attend_decode_whole(q_rows, k_pool, v_pool, decode, self.scale), None
         else:
             o, lse_rows = self.backend.attend_decode(q_rows, k_pool, v_pool, decode, self.scale,

@@ -54,7 +54,7 @@ class AttentionBackend(Protocol):
                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode rows [B, Hq, D] against this rank's share of their context, read from the pools in place ->
         out [B, Hq, D], lse [B, Hq] float32; a request with no local context gets (0, -inf). A soft-capped layer
-        passes `softcap=` (keyword); a windowed one passes the batch's in-window view
+        passes `score_mod=` (keyword: an elementwise function of the scaled scores, its modifier's); a windowed one passes the batch's in-window view
         (cpllm/layers/window/decode_view.py), which needs no mask."""
 
     def attend_decode_whole(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, decode,
@@ -68,7 +68,7 @@ class AttentionBackend(Protocol):
 
     def attend_gathered_decode(self, q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, decode,
                                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """`attend_decode` over contexts from `decode_context` (`softcap=` as there)."""
+        """`attend_decode` over contexts from `decode_context` (`score_mod=` as there)."""
 
     def decode_form(self, decode, k_pool: torch.Tensor):
         """The form of `decode` (each request's own slots, as every step lays it out) that this backend's

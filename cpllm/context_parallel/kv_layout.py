@@ -1,6 +1,6 @@
 """Where each token's K/V lives when the KV cache is sharded over a CP group.
 
-docs/context_parallel.md, "KV layout". With `C = cp_size` and `I = interleave`, token `pos` belongs to
+docs/context_parallel.md, "KV layout". With `C = num_shards` and `I = interleave`, token `pos` belongs to
 rank `(pos // I) % C`, at index `(pos // (C*I))*I + pos % I` of that rank's local
 sequence. The scheduler counts virtual blocks of `block_size * C` tokens; one
 block id names the same physical block index on every CP rank, and each rank
@@ -27,22 +27,23 @@ import torch
 class KVLayout:
     """Token-to-rank mapping of the KV cache, seen from one CP rank."""
 
-    cp_size: int
-    """Ranks the KV cache is sharded over (`PCP * DCP`); 1 means no sharding."""
-    cp_rank: int
-    """This rank's index in the CP group, in `[0, cp_size)`."""
+    num_shards: int
+    """Ranks one request's KV is divided over (`C`: PCP * DCP in the sharded layout, DCP in the replicated one;
+    ParallelDims.kv_shard_size); 1 means no sharding."""
+    shard_rank: int
+    """This rank's index among them, in `[0, num_shards)` (ParallelDims.kv_shard_rank)."""
     interleave: int
     """Consecutive tokens kept together on one rank (`I`); divides `block_size`."""
     block_size: int
     """Tokens per physical block in each rank's pool."""
 
     def __post_init__(self) -> None:
-        for name in ("cp_size", "interleave", "block_size"):
+        for name in ("num_shards", "interleave", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not isinstance(self.cp_rank, int) or not 0 <= self.cp_rank < self.cp_size:
-            raise ValueError(f"cp_rank={self.cp_rank!r} is outside [0, cp_size={self.cp_size})")
+        if not isinstance(self.shard_rank, int) or not 0 <= self.shard_rank < self.num_shards:
+            raise ValueError(f"shard_rank={self.shard_rank!r} is outside [0, num_shards={self.num_shards})")
         if self.block_size % self.interleave != 0:
             raise ValueError(
                 f"interleave={self.interleave} must divide block_size={self.block_size}"
@@ -51,11 +52,11 @@ class KVLayout:
     @property
     def cycle(self) -> int:
         """Tokens in one round-robin cycle over all ranks (`C * I`)."""
-        return self.cp_size * self.interleave
+        return self.num_shards * self.interleave
 
     def owner(self, pos: int) -> int:
         """CP rank that stores the K/V of absolute position `pos`."""
-        return (pos // self.interleave) % self.cp_size
+        return (pos // self.interleave) % self.num_shards
 
     def local_index(self, pos: int) -> int:
         """Index of `pos` in its owner's local sequence (meaningful on the owner only)."""
@@ -63,7 +64,7 @@ class KVLayout:
 
     def local_position(self, local: int) -> int:
         """The absolute position of this rank's local index `local` (the inverse of `local_index` on the owner)."""
-        return (local // self.interleave) * self.cycle + self.cp_rank * self.interleave + local % self.interleave
+        return (local // self.interleave) * self.cycle + self.shard_rank * self.interleave + local % self.interleave
 
     def num_local_tokens(self, seq_len: int) -> int:
         """Number of positions `< seq_len` that this rank owns, in O(1)."""
@@ -71,12 +72,12 @@ class KVLayout:
             raise ValueError(f"seq_len must be >= 0, got {seq_len}")
         full_cycles, rest = divmod(seq_len, self.cycle)
         # In the last, partial cycle this rank's run starts at cp_rank * I.
-        tail = min(max(rest - self.cp_rank * self.interleave, 0), self.interleave)
+        tail = min(max(rest - self.shard_rank * self.interleave, 0), self.interleave)
         return full_cycles * self.interleave + tail
 
     def virtual_block_size(self) -> int:
         """Tokens covered by one block id across the whole CP group."""
-        return self.block_size * self.cp_size
+        return self.block_size * self.num_shards
 
     def num_virtual_blocks(self, seq_len: int) -> int:
         """Block-table entries needed for a sequence of `seq_len` tokens."""
@@ -86,7 +87,7 @@ class KVLayout:
 
     def slot(self, pos: int, block_table: Sequence[int]) -> int | None:
         """This rank's pool slot for `pos`, or None when another rank owns it."""
-        if self.owner(pos) != self.cp_rank:
+        if self.owner(pos) != self.shard_rank:
             return None
         local = self.local_index(pos)
         block = local // self.block_size
@@ -104,7 +105,7 @@ class KVLayout:
             raise ValueError(f"need 0 <= start <= end, got start={start}, end={end}")
         out: list[int] = []
         # Walk this rank's runs of I tokens, beginning with the run that holds `start`.
-        run = (start // self.cycle) * self.cycle + self.cp_rank * self.interleave
+        run = (start // self.cycle) * self.cycle + self.shard_rank * self.interleave
         while run < end:
             out.extend(range(max(run, start), min(run + self.interleave, end)))
             run += self.cycle
@@ -126,7 +127,7 @@ def local_context_slots(seq_len: int, block_table: torch.Tensor, layout: KVLayou
 
 
 def owned_slots(positions: torch.Tensor, block_table: torch.Tensor, layout: KVLayout) -> torch.Tensor:
-    """Owner's pool slots of `positions` (all owned by `layout.cp_rank`; not checked). [len(positions)] long.
+    """Owner's pool slots of `positions` (all owned by `layout.shard_rank`; not checked). [len(positions)] long.
 
     The local index does not depend on the rank, so this is `KVLayout.slot` vectorised for one request.
     """

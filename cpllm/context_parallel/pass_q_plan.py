@@ -47,7 +47,7 @@ def build_pass_q_plan(chunks, new_kv_rows: list[torch.Tensor | None], local_sing
                       layout: KVLayout, pcp_size: int, pcp_rank: int, num_rows: int) -> PassQPlan:
     """The plan of one step; `new_kv_rows[i]` is chunk i's [num_new] gathered row (pcp rank * num_rows + row)
     of each new token (None for a single token), `local_single_rows[i]` this rank's row of a single token."""
-    cp, me = layout.cp_size, layout.cp_rank
+    cp, me = layout.num_shards, layout.shard_rank
     dcp = cp // pcp_size
     my_dcp = me % dcp
     local_rows, local_slots = [], []

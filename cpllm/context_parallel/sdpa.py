@@ -24,6 +24,8 @@ use `causal_offset_mask` instead.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import logging
 import warnings
 
@@ -158,13 +160,13 @@ def _math_attention(
     mask: torch.Tensor | None,
     causal: bool,
     compute_dtype: torch.dtype,
-    softcap: float | None = None,
+    score_mod: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     groups = q.shape[1] // k.shape[1]
     k, v = _expand_kv(k, groups), _expand_kv(v, groups)
     scores = torch.matmul(q.to(compute_dtype), k.to(compute_dtype).transpose(-1, -2)) * scale  # [B, H, L, S]
-    if softcap is not None:  # Gemma 2: capped before the mask, so masked keys stay -inf
-        scores = torch.tanh(scores / softcap) * softcap
+    if score_mod is not None:  # before the mask, so masked keys stay -inf (Gemma 2's soft-cap)
+        scores = score_mod(scores)
     if mask is not None:
         scores = scores + mask.to(compute_dtype)
     if causal:
@@ -186,12 +188,13 @@ def attention_with_lse(
     mask: torch.Tensor | None = None,
     causal: bool = False,
     every_row_sees_a_key: bool = False,
-    softcap: float | None = None,
+    score_mod: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention and its log-sum-exp.
 
-    `softcap`: every scaled score s becomes softcap * tanh(s / softcap) before the mask (Gemma 2); no fused
-    kernel does that, so such a call runs the matmul path in float32 on every device.
+    `score_mod`: an elementwise function of the scaled scores [B, Hq, L, S], applied before the mask (a layer's
+    score modifier: Gemma 2's soft-cap, cpllm/layers/window/modifier.py); no fused kernel takes one, so such a
+    call runs the matmul path in float32 on every device.
 
     `every_row_sees_a_key`: the caller knows no query row is fully masked (a decode token sees itself), so the
     scan of the mask for such rows, and its host sync, are skipped.
@@ -209,8 +212,8 @@ def attention_with_lse(
         raise ValueError(f"attention mask is on {mask.device} but q is on {q.device}: "
                          "move the step's metadata to the rank's device (AttentionMetadata.to)")
     fmask = _float_mask(mask, q.dtype)
-    if softcap is not None:
-        out, lse = _math_attention(q, k, v, scale, fmask, causal, torch.float32, softcap)
+    if score_mod is not None:
+        out, lse = _math_attention(q, k, v, scale, fmask, causal, torch.float32, score_mod)
     elif q.device.type == "cpu":
         out, lse = _cpu_attention(q, k, v, scale, fmask, causal)
     elif q.device.type == "cuda":
@@ -236,7 +239,7 @@ def reference_attention(
     scale: float,
     mask: torch.Tensor | None = None,
     causal: bool = False,
-    softcap: float | None = None,
+    score_mod: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain float64 matmul + softmax, for tests. Same contract as `attention_with_lse`,
     but both results are float64 (out [B, Hq, L, D], lse [B, Hq, L])."""
@@ -245,6 +248,6 @@ def reference_attention(
         out, lse = _empty_result(q, k.shape[2])
         return out.double(), lse.double()
     fmask = _float_mask(mask, torch.float64)
-    out, lse = _math_attention(q, k, v, scale, fmask, causal, torch.float64, softcap)
+    out, lse = _math_attention(q, k, v, scale, fmask, causal, torch.float64, score_mod)
     empty = torch.isneginf(lse)
     return out.masked_fill(empty.unsqueeze(-1), 0.0), lse

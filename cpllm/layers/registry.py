@@ -19,6 +19,9 @@ BACKENDS: dict = {name: path for kind in LAYER_KINDS for name, path in kind.back
 BACKENDS.update(gqa_triton.BACKENDS)
 """Backend name -> "module:Class" (imported on first use), or a factory (a test's stand-in kind)."""
 
+GRAPH_CAPTURABLE: frozenset[str] = frozenset(gqa_triton.GRAPH_CAPTURABLE)
+"""Backends whose decode steps CUDA graphs can capture (cpllm/worker/cuda_graphs.py)."""
+
 
 def kind_of(config) -> LayerKind:
     """The kind of a ModelConfig's attention layers."""

@@ -51,7 +51,7 @@ class ModelRunner:
             cp_rank=groups.cp_rank, strategy=config.parallel.cp_prefill_strategy, dcp_group=groups.dcp_group,
         )
         # Replicated: every PCP rank keeps a whole copy, divided over the DCP group only.
-        self.layout = KVLayout(cp_size=groups.dims.kv_shard_size, cp_rank=groups.kv_shard_rank,
+        self.layout = KVLayout(num_shards=groups.dims.kv_shard_size, shard_rank=groups.kv_shard_rank,
                                interleave=config.parallel.cp_kv_cache_interleave_size,
                                block_size=config.cache.block_size)
         moe = MoEShard(tp=tp, pcp_rank=groups.pcp_rank, pcp_size=groups.pcp_size, pcp_group=groups.pcp_group,
@@ -206,7 +206,7 @@ class ModelRunner:
         if not any(c.num_draft_tokens for c in chunks):
             return chunks
         whole = [bool(c.num_draft_tokens) and len(c.token_ids) == c.num_draft_tokens + 1 for c in chunks]
-        spread = self.groups.pcp_size > 1 or self.layout.cp_size > 1
+        spread = self.groups.pcp_size > 1 or self.layout.num_shards > 1
         if spread and any(len(c.token_ids) > 1 and not w for c, w in zip(chunks, whole)):
             return chunks
         rows = []

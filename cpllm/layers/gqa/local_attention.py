@@ -27,16 +27,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, caus
 
 
 def attend_single_tokens(q, k_ctx, v_ctx, decode, scale: float, every_row_sees_a_key: bool = False,
-                         softcap: float | None = None):
+                         score_mod=None):
     # q [B, Hq, D] -> out [B, Hq, D], lse [B, Hq]
     if decode.shared_keys:  # the B queries are the rows of one sequence over the union of keys
         out, lse = attention_with_lse(q.transpose(0, 1).unsqueeze(0), k_ctx, v_ctx, scale=scale,
                                       mask=decode.key_mask, every_row_sees_a_key=every_row_sees_a_key,
-                                      softcap=softcap)  # [1, Hq, B, D], [1, Hq, B]
+                                      score_mod=score_mod)  # [1, Hq, B, D], [1, Hq, B]
         return out[0].transpose(0, 1), lse[0].transpose(0, 1)
     out, lse = attention_with_lse(q.unsqueeze(2), k_ctx, v_ctx, scale=scale, mask=decode.key_mask,
                                   every_row_sees_a_key=every_row_sees_a_key,
-                                  softcap=softcap)  # [B, Hq, 1, D], [B, Hq, 1]
+                                  score_mod=score_mod)  # [B, Hq, 1, D], [B, Hq, 1]
     return out[:, :, 0], lse[:, :, 0]
 
 
@@ -56,19 +56,19 @@ def gather_context(pool: torch.Tensor, decode, dtype: torch.dtype | None = None)
 
 
 def attend_decode(q, k_pool, v_pool, decode, scale: float, every_row_sees_a_key: bool = False,
-                  softcap: float | None = None):
+                  score_mod=None):
     """Single-token queries against this rank's share of their context in the pools -> out [B, Hq, D], lse [B, Hq].
 
     Where the C kernel runs it reads each request's own slots in place, shared prefix or not (several times faster
     than gathering them and calling the flash kernel, and faster than the shared-key union: docs/benchmarks.md).
     Elsewhere (no kernel, CUDA, CPLLM_KERNELS=0) the context is gathered, in the batch's shared-key view where
     requests share a prefix (built once per step: `sdpa_form`), and attention_with_lse runs. A request with no
-    local context gets (0, -inf). With `softcap` (the kernel does not cap) the gathered path's math runs."""
-    if softcap is None and _kernel_applies(q, k_pool, decode):
+    local context gets (0, -inf). With `score_mod` (a layer's score modifier: the kernel takes none) the gathered path's math runs."""
+    if score_mod is None and _kernel_applies(q, k_pool, decode):
         return paged_decode_attention(q, k_pool, v_pool, decode.slots, decode.lengths, scale)
     decode = sdpa_form(decode)
     k_ctx, v_ctx = gather_context(k_pool, decode, q.dtype), gather_context(v_pool, decode, q.dtype)
-    return attend_single_tokens(q, k_ctx, v_ctx, decode, scale, every_row_sees_a_key, softcap)
+    return attend_single_tokens(q, k_ctx, v_ctx, decode, scale, every_row_sees_a_key, score_mod)
 
 
 def sdpa_form(decode):
@@ -95,9 +95,9 @@ def gather_decode_context(pool: torch.Tensor, decode, dtype: torch.dtype) -> tor
     return gather_context(pool, sdpa_form(decode), dtype)
 
 
-def attend_gathered_decode(q, k_ctx, v_ctx, decode, scale: float, softcap: float | None = None):
+def attend_gathered_decode(q, k_ctx, v_ctx, decode, scale: float, score_mod=None):
     """Decode rows against contexts from `gather_decode_context` (the same cached form)."""
-    return attend_single_tokens(q, k_ctx, v_ctx, sdpa_form(decode), scale, softcap=softcap)
+    return attend_single_tokens(q, k_ctx, v_ctx, sdpa_form(decode), scale, score_mod=score_mod)
 
 
 def attend_pooled_single_tokens(q, k_pool, v_pool, decode, scale: float) -> torch.Tensor:

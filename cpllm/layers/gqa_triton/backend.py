@@ -4,7 +4,7 @@ The same kind as `GQAPagedBackend` (cpllm/layers/gqa/backend.py), other kernels:
 request's slots in place (cpllm/kernels/triton_attention.py, split-K with an exact merge), a prefill chunk's
 cached context is read in place through its slot table and its own new keys causally
 (cpllm/kernels/triton_prefill.py). Every answer is the float32 (out, lse) partial the CP layer merges. What the
-kernels do not know (a soft-capped decode; pass-Q's gathered decode contexts; the shared-key view) runs the GQA
+kernels do not know (a decode with a score modifier; pass-Q's gathered decode contexts; the shared-key view) runs the GQA
 backend's torch path on the same tensors, so every layer and layout runs, only slower there. A window's masked or
 soft-capped prompt pieces never reach a backend (cpllm/layers/window/modifier.py).
 
@@ -86,17 +86,17 @@ def _context_keys(k_pool, v_pool, slots, dtype):
     return PagedKeys(k_pool, slots, dtype), PagedKeys(v_pool, slots, dtype)
 
 
-def _decode_runs(q, k_pool, decode, softcap) -> bool:
-    """The decode kernel takes this batch: own slots per request, no soft-cap, a device and dtypes it reads."""
-    return (softcap is None and not decode.shared_keys and decode.lengths is not None and runs_here(k_pool)
+def _decode_runs(q, k_pool, decode, score_mod) -> bool:
+    """The decode kernel takes this batch: own slots per request, no score modifier, a device and dtypes it reads."""
+    return (score_mod is None and not decode.shared_keys and decode.lengths is not None and runs_here(k_pool)
             and q.dtype in POOL_DTYPES)
 
 
 def _attend_decode(q, k_pool, v_pool, decode, scale: float, every_row_sees_a_key: bool = False,
-                   softcap: float | None = None):
+                   score_mod=None):
     # q [B, Hq, D] -> out [B, Hq, D] float32, lse [B, Hq] float32
-    if not _decode_runs(q, k_pool, decode, softcap):
-        return _GQA.attend_decode(q, k_pool, v_pool, decode, scale, every_row_sees_a_key, softcap)
+    if not _decode_runs(q, k_pool, decode, score_mod):
+        return _GQA.attend_decode(q, k_pool, v_pool, decode, scale, every_row_sees_a_key, score_mod)
     return paged_decode_attention(q, k_pool, v_pool, decode.slots, decode.lengths, scale)
 
 

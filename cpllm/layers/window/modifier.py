@@ -7,8 +7,8 @@ the last merge, cpllm/context_parallel/merge.py `apply_sinks`). The CP layer (cp
 attention.py, pass_q.py) asks the modifier, never a backend, which keys a piece keeps and how to attend it: a
 piece the window leaves unmasked and uncapped goes to the backend's plain `attend` (its fastest kernel), any
 other to the modifier's own float32 math (`scored_attention`), so no backend implements a scored path. Decode
-rows read the batch's in-window view (decode_view.py), which needs no mask; a soft-capped decode asks the
-backend's decode call with `softcap=` (its math path caps; the kernels do not).
+rows read the batch's in-window view (decode_view.py), which needs no mask; a soft-capped decode passes the
+backend's decode call its `score_mod` (the backend's math path applies it; the kernels take none).
 """
 
 from __future__ import annotations
@@ -62,8 +62,12 @@ class ScoreMods:
 
     @property
     def decode_kwargs(self) -> dict:
-        """What a decode call on the backend needs to know: the soft-cap, if any."""
-        return {} if self.softcap is None else {"softcap": self.softcap}
+        """What a decode call on the backend needs to know: the score function, if the scores change."""
+        return {} if self.softcap is None else {"score_mod": self.score_mod}
+
+    def score_mod(self, scores: torch.Tensor) -> torch.Tensor:
+        """The scaled scores as this layer uses them: softcap * tanh(s / softcap) (before any mask)."""
+        return scores if self.softcap is None else torch.tanh(scores / self.softcap) * self.softcap
 
     def attend(self, backend, scale: float, q, k, v, piece: Piece):
         """One piece on this rank -> (out, lse): the backend's plain `attend` where neither a mask nor a soft-cap
@@ -75,7 +79,7 @@ class ScoreMods:
         if piece.mask is None and self.softcap is None:
             return backend.attend(q, k, v, scale, piece.causal)
         return scored_attention(_rows(q), _rows(k), _rows(v), scale, causal=piece.causal, mask=piece.mask,
-                                softcap=self.softcap)
+                                score_mod=None if self.softcap is None else self.score_mod)
 
 
 def score_mods(window: int | None = None, softcap: float | None = None) -> ScoreMods | None:
@@ -84,16 +88,16 @@ def score_mods(window: int | None = None, softcap: float | None = None) -> Score
 
 
 def scored_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *, causal: bool = False,
-                     mask: torch.Tensor | None = None, softcap: float | None = None):
-    """Attention with a bool keep-mask [L, S] (a window's band, from positions; True keeps) and/or soft-capping:
-    SDPA with the mask where there is no soft-cap, else the float32 matmul path (scores, tanh, mask,
+                     mask: torch.Tensor | None = None, score_mod=None):
+    """Attention with a bool keep-mask [L, S] (a window's band, from positions; True keeps) and/or a score
+    function: SDPA with the mask where there is none, else the float32 matmul path (scores, score_mod, mask,
     log-sum-exp). Rows that see no key get (0, -inf)."""
     # q [L, Hq, D], k/v [S, Hkv, D] -> out [L, Hq, D], lse [L, Hq]
     if mask is not None:
         mask = mask.to(q.device)[None, None]  # [1, 1, L, S]
     out, lse = attention_with_lse(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-        scale=scale, causal=causal, mask=mask, softcap=softcap,
+        scale=scale, causal=causal, mask=mask, score_mod=score_mod,
     )
     return out[0].transpose(0, 1), lse[0].transpose(0, 1)
 

@@ -156,7 +156,7 @@ def local_positions(layout: KVLayout, start: int, end: int) -> torch.Tensor:
     """[end - start] absolute positions of this rank's local context indices [start, end) (ascending)."""
     local = torch.arange(start, end)
     return torch.div(local, layout.interleave, rounding_mode="floor") * layout.cycle \
-        + layout.cp_rank * layout.interleave + local % layout.interleave
+        + layout.shard_rank * layout.interleave + local % layout.interleave
 
 
 def context_range(layout: KVLayout, context_len: int, q_first: int, mods: ScoreMods) -> tuple[int, int]:
