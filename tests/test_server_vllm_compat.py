@@ -13,6 +13,7 @@ import time
 import uuid
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
@@ -409,3 +410,27 @@ def test_vllm_validation(http, fields, param, named):
     response = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 1, **fields})
     assert error_param(response) == param
     assert named is None or named in response.json()["error"]["message"]
+
+
+CAR_TOOL = {"type": "function", "function": {"name": "set_car", "parameters": {
+    "$defs": {"CarType": {"enum": ["sedan", "SUV"]}, "Car": {"type": "object", "properties": {
+        "kind": {"$ref": "#/$defs/CarType"}}, "required": ["kind"]}},
+    "type": "object", "properties": {"car": {"$ref": "#/$defs/Car"}}, "required": ["car"]}}}
+
+
+def test_required_tool_call_with_its_own_defs(http):
+    reply = post(http, "/v1/chat/completions", messages=ASK, tools=[CAR_TOOL], tool_choice="required",
+                 max_tokens=120, temperature=0, parallel_tool_calls=False)
+    calls = reply["choices"][0]["message"].get("tool_calls")
+    assert calls, reply
+    assert calls and reply["choices"][0]["finish_reason"] == "tool_calls"
+    for call in calls:
+        assert call["function"]["name"] == "set_car"
+        jsonschema.validate(json.loads(call["function"]["arguments"]), CAR_TOOL["function"]["parameters"])
+
+
+def test_named_call_cut_short_has_no_tool_calls(http):
+    reply = post(http, "/v1/chat/completions", messages=ASK, tools=[CAR_TOOL], max_tokens=2,
+                 tool_choice={"type": "function", "function": {"name": "set_car"}})
+    choice = reply["choices"][0]
+    assert choice["finish_reason"] == "length" and not choice["message"].get("tool_calls")

@@ -12,6 +12,7 @@ and how the finished text becomes OpenAI `tool_calls`.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import uuid
@@ -49,6 +50,10 @@ class ToolPlan:
     def extract(self, text: str) -> ExtractedToolCalls:
         """The content and calls of a finished choice."""
         if self.mode == "named":
+            try:
+                json.loads(text)
+            except ValueError:  # cut short by max_tokens: no complete call to report (as vLLM, and as "required")
+                return ExtractedToolCalls(content=text, tool_calls=[])
             return ExtractedToolCalls(content=None, tool_calls=[ParsedToolCall(self.function, text)])
         if self.mode == "required":
             return _required_calls(text)
@@ -113,16 +118,63 @@ def _constraint(schema: dict[str, Any]) -> StructuredOutputsParams:
 
 
 def _required_schema(req: ChatCompletionRequest) -> dict[str, Any]:
+    defs: dict[str, Any] = {}
     calls = [{"type": "object",
               "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                             "parameters": parameters_schema(t.function)},
+                             "parameters": _hoisted(parameters_schema(t.function), f"tool{i}_", defs)},
               "required": ["name", "parameters"], "additionalProperties": False}
-             for t in req.tools]
+             for i, t in enumerate(req.tools)]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else
                               {"anyOf": calls}}
     if not req.parallel_tool_calls:
         schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return schema
+
+
+def _hoisted(schema: dict[str, Any], prefix: str, defs: dict[str, Any]) -> dict[str, Any]:
+    """A tool's parameters schema made to work nested inside the combined one: its own `$defs` / `definitions`
+    move to the root's `$defs` (names prefixed, so tools cannot collide) and its local `$ref`s follow them; a `$ref`
+    to its root ("#") points at a copy of it there."""
+    schema = copy.deepcopy(schema)
+    moved: dict[str, str] = {}
+    for key in ("$defs", "definitions"):
+        for name, sub in (schema.pop(key, None) or {}).items():
+            new = f"{prefix}{key.lstrip('$')}_{name}"
+            moved[f"#/{key}/{name}"] = f"#/$defs/{new}"
+            defs[new] = sub
+    root = f"#/$defs/{prefix}root"
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, dict):
+            out = {k: rewrite(v) for k, v in node.items()}
+            ref = out.get("$ref")
+            if isinstance(ref, str):
+                if ref == "#":
+                    out["$ref"] = root
+                else:
+                    out["$ref"] = next((target + ref[len(old):] for old, target in moved.items()
+                                        if ref == old or ref.startswith(old + "/")), ref)
+            return out
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    for name in [n for n in defs if n.startswith(prefix)]:
+        defs[name] = rewrite(defs[name])
+    hoisted = rewrite(schema)
+    if _refers_to(hoisted, root) or any(_refers_to(defs[n], root) for n in defs if n.startswith(prefix)):
+        defs[f"{prefix}root"] = hoisted
+    return hoisted
+
+
+def _refers_to(node: Any, ref: str) -> bool:
+    if isinstance(node, dict):
+        return node.get("$ref") == ref or any(_refers_to(v, ref) for v in node.values())
+    if isinstance(node, list):
+        return any(_refers_to(v, ref) for v in node)
+    return False
 
 
 def _required_calls(text: str) -> ExtractedToolCalls:
