@@ -434,3 +434,13 @@ def test_named_call_cut_short_has_no_tool_calls(http):
                  tool_choice={"type": "function", "function": {"name": "set_car"}})
     choice = reply["choices"][0]
     assert choice["finish_reason"] == "length" and not choice["message"].get("tool_calls")
+
+
+def test_a_dropped_stream_is_logged_499(server, http):
+    body = {"model": MODEL, "prompt": "drop me", "max_tokens": 200, "ignore_eos": True, "stream": True,
+            "request_id": f"drop-{uuid.uuid4().hex[:8]}"}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        next(response.iter_lines())  # one event, then the client goes
+    line = f"request cmpl-{body['request_id']} status="
+    assert _poll(lambda: line in server.log())
+    assert f"{line}499" in server.log(), [entry for entry in server.log().splitlines() if line in entry]

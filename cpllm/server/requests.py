@@ -132,10 +132,11 @@ class EventStream:
         return self._events()
 
     async def _events(self) -> AsyncIterator[str]:
-        status = 200
+        status = CLIENT_CLOSED  # until the chunks run out: a client that leaves closes (or cancels) us mid-way
         try:
             async for chunk in self._chunks:
                 yield chunk
+            status = 200
         except APIError as exc:
             status = exc.status
             yield sse(exc.body())
