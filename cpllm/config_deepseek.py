@@ -18,13 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from cpllm.config_moe import MoEConfig
+from cpllm.config_routing import DeepseekRouting
 
 DEEPSEEK_MOE_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
 """Hugging Face architectures whose sparse layers are DeepSeek MoE blocks and whose attention is MLA (MLAConfig;
 cpllm/model/deepseek.py builds them)."""
-SCORING_FUNCS = ("softmax", "sigmoid")
-TOPK_METHODS = {"softmax": ("greedy", "group_limited_greedy"), "sigmoid": ("noaux_tc",)}
-"""The top-k selections each scoring function is combined with (transformers' V2 and V3 routers)."""
 HF_DEFAULTS = {
     "DeepseekV2ForCausalLM": dict(routed_scaling_factor=1.0, n_shared_experts=2,
                                   first_k_dense_replace=0, topk_method="greedy", norm_topk_prob=False),
@@ -34,48 +32,6 @@ HF_DEFAULTS = {
                                    norm_topk_prob=True),
 }
 """transformers 5.24's config defaults of each family, for a field config.json leaves out."""
-
-
-@dataclass(kw_only=True, frozen=True, slots=True)
-class DeepseekRouting:
-    """How a DeepSeek router picks and weighs each token's experts (every step in float32)."""
-
-    scoring_func: str
-    """"softmax" over all experts' logits (V2) or an independent "sigmoid" per expert (V3, GLM-4.7-Flash)."""
-    topk_method: str
-    """"greedy": the top-k scores; "group_limited_greedy": the top-k among the experts of the `topk_group`
-    groups with the highest single score (V2); "noaux_tc": the top-k of score + e_score_correction_bias among
-    the `topk_group` groups whose two best biased scores sum highest (V3)."""
-    n_group: int = 1
-    """Groups of consecutive experts (num_experts / n_group each) for the group-limited selections."""
-    topk_group: int = 1
-    """Groups a token's experts may come from."""
-    routed_scaling_factor: float = 1.0
-    """Factor on the routed experts' weights (after any renormalisation); the shared experts are not scaled."""
-    n_shared_experts: int = 0
-    """Always-on experts, run as one gated MLP of n_shared_experts x moe_intermediate_size rows, no gate."""
-
-    def check(self, num_experts: int, top_k: int) -> None:
-        """Refuse a routing that cannot pick `top_k` of `num_experts` experts (called by MoEConfig)."""
-        if self.scoring_func not in SCORING_FUNCS:
-            raise ValueError(f"scoring_func={self.scoring_func!r}; supported: {', '.join(SCORING_FUNCS)}")
-        methods = TOPK_METHODS[self.scoring_func]
-        if self.topk_method not in methods:
-            raise ValueError(f"topk_method={self.topk_method!r} with scoring_func={self.scoring_func!r}; "
-                             f"supported: {', '.join(methods)}")
-        if self.n_group < 1 or num_experts % self.n_group != 0:
-            raise ValueError(f"n_group={self.n_group} must be >= 1 and divide n_routed_experts={num_experts}")
-        if not 1 <= self.topk_group <= self.n_group:
-            raise ValueError(f"topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
-        per_group = num_experts // self.n_group
-        if self.topk_method == "noaux_tc" and per_group < 2:
-            raise ValueError(f"noaux_tc ranks groups by their two best experts: n_routed_experts={num_experts} / "
-                             f"n_group={self.n_group} leaves {per_group} per group")
-        if self.topk_method != "greedy" and top_k > self.topk_group * per_group:
-            raise ValueError(f"num_experts_per_tok={top_k} exceeds the {self.topk_group * per_group} experts of "
-                             f"topk_group={self.topk_group} groups of {per_group}")
-        if self.n_shared_experts < 0:
-            raise ValueError(f"n_shared_experts={self.n_shared_experts} must be >= 0")
 
 
 def dense_layers(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int, ...]:

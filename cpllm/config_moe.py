@@ -10,10 +10,9 @@ Expert-TP (default) splits every expert's intermediate dimension over M; expert 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from cpllm.config_deepseek import DeepseekRouting
+from cpllm.config_routing import DeepseekRouting
 
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
 """Hugging Face architectures whose MLPs are (partly) sparse mixtures of experts."""
@@ -42,8 +41,8 @@ class MoEConfig:
     """Module name of the sparse block in HF checkpoints ("mlp"; Mixtral: "block_sparse_moe")."""
     expert_weight_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     """HF names of one expert's gate, up and down projections (Mixtral: w1, w3, w2)."""
-    deepseek_router: "DeepseekRouting | None" = None
-    """DeepSeek's router and ungated shared experts (cpllm/config_deepseek.py); None: the softmax top-k router."""
+    deepseek_router: DeepseekRouting | None = None
+    """DeepSeek's router and ungated shared experts (cpllm/config_routing.py); None: the softmax top-k router."""
     swiglu_limit: float | None = None
     """GPT-OSS's clamped SwiGLU experts (cpllm/model/gpt_oss_moe.py): gate clamped to at most this, up to
     [-limit, limit]; None: the plain SiLU-gated experts."""

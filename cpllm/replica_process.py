@@ -16,7 +16,7 @@ import time
 
 from cpllm.config import EngineConfig
 from cpllm.engine.replica_link import ReplicaInfo, ReplicaLink, ReplicaState
-from cpllm.launch import create_engine
+from cpllm.launch_ranks import create_rank_engine
 from cpllm.model.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ def replica_main(index: int, config: EngineConfig, commands_address: str, front_
     link = ReplicaLink(commands_address, front_address, index, incarnation)
     engine = None
     try:
-        engine = create_engine(config, load_tokenizer(config.model_path), threads_per_rank=threads_per_rank)
+        engine = create_rank_engine(config, load_tokenizer(config.model_path), threads_per_rank=threads_per_rank)
         workers = engine.executor.workers
         if workers is not None:
             workers.arm_watchdog(config.parallel.distributed_timeout_s)

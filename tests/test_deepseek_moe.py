@@ -23,7 +23,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cpllm.config_deepseek import DeepseekRouting, deepseek_moe_config
+from cpllm.config_deepseek import deepseek_moe_config
+from cpllm.config_routing import DeepseekRouting
 from cpllm.config_moe import MoEConfig, check_moe_placement
 from cpllm.distributed.launch import find_free_port
 from cpllm.model.deepseek_moe import DeepseekMoEBlock

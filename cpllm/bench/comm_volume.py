@@ -26,13 +26,14 @@ import torch
 
 from cpllm.context_parallel.partition import rank_num_tokens
 from cpllm.distributed import comm
+from cpllm.distributed.parallel_dims import kv_heads_of_tp_rank
 
 WRAPPED = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "ring_exchange")
 
 
 def kv_heads_per_rank(config: Any, tp: int) -> int:
-    """KV heads are split over TP when there are at least TP of them, else each rank keeps one."""
-    return config.num_key_value_heads // tp if config.num_key_value_heads >= tp else 1
+    """KV heads one TP rank holds (the engine's placement rule, parallel_dims.kv_heads_of_tp_rank)."""
+    return kv_heads_of_tp_rank(config.num_key_value_heads, tp, 0)[1]
 
 
 def formula_bytes_per_layer(config: Any, tokens: int, pcp: int, tp: int = 1, dtype_bytes: int = 4) -> int:

@@ -20,12 +20,9 @@ Global ranks are laid out as `arange(world).reshape(DP, PCP, TP)` (TP varies fas
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 from cpllm.config_moe import check_moe_placement
-
-if TYPE_CHECKING:
-    from cpllm.config import ModelConfig
 
 SHARDED, REPLICATED = "sharded", "replicated"
 KV_CACHE_LAYOUTS = (SHARDED, REPLICATED)
@@ -160,8 +157,9 @@ class ParallelDims:
 
     # ---- the rules that need the model -----------------------------------------------------------------------
 
-    def validate(self, model: ModelConfig) -> None:
-        """Every rule the model's shapes put on the layout, checked before any weight is cut."""
+    def validate(self, model: Any) -> None:
+        """Every rule the model's shapes put on the layout (`model`: a cpllm.config ModelConfig, which imports this
+        module), checked before any weight is cut."""
         tp, kv_heads = self.tp, model.num_key_value_heads
         if model.mla is not None and kv_heads != 1:
             # MLA's cache is one latent row per token that every query head reads: one KV "head", replicated

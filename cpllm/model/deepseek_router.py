@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cpllm.config_deepseek import DeepseekRouting
+from cpllm.config_routing import DeepseekRouting
 from cpllm.model.loader import WeightSource
 
 

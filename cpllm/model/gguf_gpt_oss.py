@@ -31,7 +31,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from cpllm.model.gguf_file import StoredTensor
-from cpllm.model.loader import resolve_slice
+from cpllm.model.weight_slices import resolve_slice
 from cpllm.model.formats.mxfp4 import BLOCK
 
 GPT_OSS_GGUF_ARCH = "gpt-oss"

@@ -37,7 +37,7 @@ from cpllm.model.gguf_gpt_oss import (
     gpt_oss_layer_name,
 )
 from cpllm.model.gguf_moe import gguf_moe_config, hf_architecture, moe_hf_names
-from cpllm.model.loader import resolve_slice
+from cpllm.model.weight_slices import resolve_slice
 from cpllm.model.formats.gguf_blocks import (
     INT4_GGUF_TYPES,
     INT8_GGUF_TYPES,

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from cpllm.config import ModelConfig
-from cpllm.model.loader import resolve_slice
+from cpllm.model.weight_slices import resolve_slice
 
 _INDEX_FILE = "model.safetensors.index.json"
 

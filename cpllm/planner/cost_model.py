@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass, field
 
 from cpllm.config import ModelConfig
-from cpllm.distributed.parallel_dims import ParallelDims
+from cpllm.distributed.parallel_dims import ParallelDims, kv_heads_of_tp_rank
 from cpllm.kv_groups import full_cache_spec
 from cpllm.planner.hardware import HardwareSpec
 
@@ -47,6 +47,56 @@ PARTIAL_BYTES = 4
 USABLE_MEMORY = 0.9
 """Share of device memory for weights and KV (the rest: activations, workspace, fragmentation)."""
 STRATEGIES = ("allgather", "ring", "pass-kv", "pass-q")
+LAYER_KERNELS = 12
+"""Kernels one decoder layer launches in a prefill step: two norms, the packed q|k|v projection, rope, the K/V
+store, one attention call, the output projection, two residual adds, the packed gate|up projection, the
+activation and the down projection (the TP all-reduces are counted as collectives)."""
+RING_STEP_KERNELS = 2
+"""Kernels each ring step past the first adds: the attention call on the block received and the merge into the
+running output."""
+STEP_KERNELS = 4
+"""Kernels of the step outside the layers: the embedding, the final norm, the LM head and the sampler."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class LinkTime:
+    """One message or collective: its bytes on the wire and its fixed cost (seconds)."""
+
+    transfer_s: float
+    latency_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.transfer_s + self.latency_s
+
+    def __add__(self, other: "LinkTime") -> "LinkTime":
+        return LinkTime(transfer_s=self.transfer_s + other.transfer_s, latency_s=self.latency_s + other.latency_s)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class RingStep:
+    """One ring step: compute of the block in hand against the transfer of the next block (seconds)."""
+
+    compute_s: float
+    exposed_s: float
+    """What of the transfer the compute does not hide: max(0, transfer - compute)."""
+    latency_s: float
+    """The message's fixed cost, never hidden."""
+
+    @property
+    def total_s(self) -> float:
+        """max(compute, transfer) + latency."""
+        return self.compute_s + self.exposed_s + self.latency_s
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class LayerComm:
+    """One layer's PCP communication beyond its compute (seconds), and the kernels its ring steps add."""
+
+    exposed_s: float = 0.0
+    blocking_s: float = 0.0
+    latency_s: float = 0.0
+    extra_kernels: int = 0
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -83,12 +133,25 @@ class PrefillCost:
     cp_exposed_s: float
     """Ring transfers not hidden behind attention."""
     cp_blocking_s: float
-    """Collectives outside the ring (all-gathers, all-to-alls)."""
+    """Collectives outside the ring (all-gathers, all-to-alls): their bytes on the wire."""
+    latency_s: float = 0.0
+    """Every message's fixed cost: each collective's base latency and hops, each ring step's (a ring step costs
+    max(compute, transfer) + latency, so its latency is never hidden)."""
+    launch_s: float = 0.0
+    """Kernel launches: each layer's kernels, each ring step's attention call and merge, the step's own."""
+
+    @property
+    def compute_s(self) -> float:
+        return self.linear_s + self.attention_s + self.elementwise_s
+
+    @property
+    def exposed_transfer_s(self) -> float:
+        """Bytes on the wire that no compute hides: TP all-reduces, ring excess, blocking collectives."""
+        return self.tp_comm_s + self.cp_exposed_s + self.cp_blocking_s
 
     @property
     def total_s(self) -> float:
-        return (self.linear_s + self.attention_s + self.elementwise_s + self.tp_comm_s + self.cp_exposed_s
-                + self.cp_blocking_s)
+        return self.compute_s + self.exposed_transfer_s + self.latency_s + self.launch_s
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -151,37 +214,63 @@ class CostModel:
     def local_heads(self, tp: int) -> tuple[int, int]:
         """(query heads, KV heads) one TP rank holds; KV heads are replicated when fewer than TP."""
         m = self.model
-        return m.num_attention_heads // tp, max(1, m.num_key_value_heads // tp)
+        return m.num_attention_heads // tp, kv_heads_of_tp_rank(m.num_key_value_heads, tp, 0)[1]
 
     # ---- links --------------------------------------------------------------------------------------------
 
     def _crosses_nodes(self, group_size: int, stride: int) -> bool:
         return group_size > 1 and group_size * stride > self.hw.devices_per_node
 
-    def p2p_time(self, nbytes: float, *, inter: bool) -> float:
-        hw, share = self.hw, self.hw.collective_utilization
-        return (nbytes / (hw.inter_node_bw * share) + hw.inter_node_latency_s if inter
-                else nbytes / (hw.intra_node_bw * share) + hw.intra_node_latency_s)
+    def _hop_latency(self, inter: bool) -> float:
+        return self.hw.inter_node_latency_s if inter else self.hw.intra_node_latency_s
 
-    def all_reduce_time(self, nbytes: float, ranks: int) -> float:
-        """Ring all-reduce over consecutive devices: inside each node, then across nodes on 1/g of the data."""
+    def _wire_time(self, nbytes: float, inter: bool) -> float:
+        hw = self.hw
+        return nbytes / ((hw.inter_node_bw if inter else hw.intra_node_bw) * hw.collective_utilization)
+
+    def p2p_link(self, nbytes: float, *, inter: bool) -> LinkTime:
+        """One message to a neighbour: its bytes at the link's rate; one call and one hop of latency."""
+        return LinkTime(transfer_s=self._wire_time(nbytes, inter),
+                        latency_s=self.hw.collective_base_latency_s + self._hop_latency(inter))
+
+    def p2p_time(self, nbytes: float, *, inter: bool) -> float:
+        return self.p2p_link(nbytes, inter=inter).total_s
+
+    def ring_step(self, compute_s: float, nbytes: float, *, inter: bool) -> RingStep:
+        """One ring step: the block in hand is computed while the next block travels, so the step takes
+        max(compute, transfer) + latency (the message's fixed cost starts the transfer and is never hidden)."""
+        link = self.p2p_link(nbytes, inter=inter)
+        return RingStep(compute_s=compute_s, exposed_s=max(0.0, link.transfer_s - compute_s),
+                        latency_s=link.latency_s)
+
+    def all_reduce_link(self, nbytes: float, ranks: int) -> LinkTime:
+        """Ring all-reduce over consecutive devices: inside each node, then across nodes on 1/g of the data; one
+        call, 2 (g - 1) NVLink hops and 2 (nodes - 1) network hops of latency (NCCL's ring model)."""
         if ranks <= 1:
-            return 0.0
-        hw, share = self.hw, self.hw.collective_utilization
+            return LinkTime(transfer_s=0.0, latency_s=0.0)
+        hw = self.hw
         g = min(ranks, hw.devices_per_node)
         nodes = math.ceil(ranks / g)
-        t = 2 * (g - 1) / g * nbytes / (hw.intra_node_bw * share) + 2 * (g - 1) * hw.intra_node_latency_s
+        transfer = 2 * (g - 1) / g * self._wire_time(nbytes, False)
+        latency = hw.collective_base_latency_s + 2 * (g - 1) * hw.intra_node_latency_s
         if nodes > 1:
-            t += (2 * (nodes - 1) / nodes * (nbytes / g) / (hw.inter_node_bw * share)
-                  + 2 * (nodes - 1) * hw.inter_node_latency_s)
-        return t
+            transfer += 2 * (nodes - 1) / nodes * self._wire_time(nbytes / g, True)
+            latency += 2 * (nodes - 1) * hw.inter_node_latency_s
+        return LinkTime(transfer_s=transfer, latency_s=latency)
+
+    def all_reduce_time(self, nbytes: float, ranks: int) -> float:
+        return self.all_reduce_link(nbytes, ranks).total_s
+
+    def exchange_link(self, nbytes_per_peer: float, peers: int, *, inter: bool) -> LinkTime:
+        """An all-gather or all-to-all where each rank sends `nbytes_per_peer` to each of `peers` others: it
+        blocks, so it costs its bytes plus one call and one hop per peer of latency."""
+        if peers <= 0:
+            return LinkTime(transfer_s=0.0, latency_s=0.0)
+        return LinkTime(transfer_s=self._wire_time(nbytes_per_peer * peers, inter),
+                        latency_s=self.hw.collective_base_latency_s + peers * self._hop_latency(inter))
 
     def exchange_time(self, nbytes_per_peer: float, peers: int, *, inter: bool) -> float:
-        """An all-gather or all-to-all where each rank sends `nbytes_per_peer` to each of `peers` others."""
-        if peers <= 0:
-            return 0.0
-        return self.p2p_time(nbytes_per_peer * peers, inter=inter) + (peers - 1) * (
-            self.hw.inter_node_latency_s if inter else self.hw.intra_node_latency_s)
+        return self.exchange_link(nbytes_per_peer, peers, inter=inter).total_s
 
     # ---- prefill ------------------------------------------------------------------------------------------
 
@@ -203,17 +292,28 @@ class CostModel:
         if hw.elementwise_bw is not None:
             elementwise_s = layers * new / ranks * self.elementwise_bytes_per_token(tp) / (hw.elementwise_bw * busy)
         rows = new / n  # tokens per PCP rank
-        tp_comm_s = 2 * layers * self.all_reduce_time(rows * m.hidden_size * prec.activation_bytes, tp)
-        exposed, blocking = 0.0, 0.0
+        tp_link = self.all_reduce_link(rows * m.hidden_size * prec.activation_bytes, tp)
+        comm = LayerComm()
         if n > 1:
-            exposed, blocking = self._cp_per_layer(layout, new, cached, strategy, attention_s / layers)
+            comm = self._cp_per_layer(layout, new, cached, strategy, attention_s / layers)
+        kernels = layers * (LAYER_KERNELS + comm.extra_kernels) + STEP_KERNELS
         return PrefillCost(strategy=strategy, linear_s=linear_s, attention_s=attention_s, elementwise_s=elementwise_s,
-                           tp_comm_s=tp_comm_s,
-                           cp_exposed_s=exposed * layers, cp_blocking_s=blocking * layers)
+                           tp_comm_s=2 * layers * tp_link.transfer_s,
+                           cp_exposed_s=comm.exposed_s * layers, cp_blocking_s=comm.blocking_s * layers,
+                           latency_s=layers * (2 * tp_link.latency_s + comm.latency_s),
+                           launch_s=kernels * hw.kernel_launch_s)
+
+    def _ring(self, steps: int, compute_s: float, nbytes: float, inter: bool,
+              blocking: LinkTime | None = None) -> LayerComm:
+        """`steps` ring steps of `nbytes` each behind `compute_s` of compute each, then a blocking collective."""
+        step = self.ring_step(compute_s, nbytes, inter=inter)
+        after = blocking if blocking is not None else LinkTime(transfer_s=0.0, latency_s=0.0)
+        return LayerComm(exposed_s=steps * step.exposed_s, blocking_s=after.transfer_s,
+                         latency_s=steps * step.latency_s + after.latency_s, extra_kernels=steps * RING_STEP_KERNELS)
 
     def _cp_per_layer(self, layout: ParallelDims, new: int, cached: int, strategy: str,
-                      attention_layer_s: float) -> tuple[float, float]:
-        """(exposed ring time, blocking collective time) of one layer."""
+                      attention_layer_s: float) -> LayerComm:
+        """One layer's PCP communication under `strategy`."""
         m, prec = self.model, self.precision
         n, tp = layout.pcp, layout.tp
         cp = layout.cp_size
@@ -226,28 +326,26 @@ class CostModel:
         partial = rows * hq * (d + 1) * PARTIAL_BYTES
         new_share = self.attention_flops(new, 0) / max(self.attention_flops(new, cached), 1.0)
         if strategy == "allgather":
-            blocking = self.exchange_time(kv_block, n - 1, inter=inter)
-            blocking += self._context_gather(cached, cp, q_block, partial, inter)
-            return 0.0, blocking
+            gather = self.exchange_link(kv_block, n - 1, inter=inter)
+            gather += self._context_gather(cached, cp, q_block, partial, inter)
+            return LayerComm(blocking_s=gather.transfer_s, latency_s=gather.latency_s)
         if strategy == "ring":
             step_attention = attention_layer_s * new_share / n  # the new-token part of one block
-            exposed = (n - 1) * max(0.0, self.p2p_time(kv_block, inter=inter) - step_attention)
-            return exposed, self._context_gather(cached, cp, q_block, partial, inter)
+            return self._ring(n - 1, step_attention, kv_block, inter,
+                              self._context_gather(cached, cp, q_block, partial, inter))
         if strategy == "pass-kv":
             block = (new + cached) / n * 2 * hkv * d * e
-            exposed = (n - 1) * max(0.0, self.p2p_time(block, inter=inter) - attention_layer_s / n)
-            return exposed, 0.0
+            return self._ring(n - 1, attention_layer_s / n, block, inter)
         ring = cp if cached > 0 else n
-        exposed = (ring - 1) * max(0.0, self.p2p_time(q_block, inter=inter) - attention_layer_s / ring)
         kv_to_owners = kv_block / cp * PARTIAL_BYTES / e  # per peer: the 1/C of my rows it owns, sent as float32
-        blocking = self.exchange_time(partial + kv_to_owners, ring - 1, inter=inter)
-        return exposed, blocking
+        return self._ring(ring - 1, attention_layer_s / ring, q_block, inter,
+                          self.exchange_link(partial + kv_to_owners, ring - 1, inter=inter))
 
-    def _context_gather(self, cached: int, cp: int, q_block: float, partial: float, inter: bool) -> float:
+    def _context_gather(self, cached: int, cp: int, q_block: float, partial: float, inter: bool) -> LinkTime:
         """cpllm's cached-context path of allgather and ring: gather queries over CP, return partials."""
         if cached <= 0 or cp <= 1:
-            return 0.0
-        return self.exchange_time(q_block, cp - 1, inter=inter) + self.exchange_time(partial, cp - 1, inter=inter)
+            return LinkTime(transfer_s=0.0, latency_s=0.0)
+        return self.exchange_link(q_block, cp - 1, inter=inter) + self.exchange_link(partial, cp - 1, inter=inter)
 
     # ---- decode -------------------------------------------------------------------------------------------
 

@@ -17,14 +17,10 @@ tensor read):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from cpllm.context_parallel.kv_layout import KVLayout
-
-if TYPE_CHECKING:
-    from cpllm.layers.window.modifier import ScoreMods
 
 
 QUERY_BLOCK = 1024
@@ -128,7 +124,7 @@ def _banded_run(key_row: int, q_start: int, q_len: int, window: int) -> list[Pie
     return pieces
 
 
-def new_key_pieces(source_rows, q_start: int, q_len: int, mods: ScoreMods) -> list[Piece]:
+def new_key_pieces(source_rows, q_start: int, q_len: int, mods) -> list[Piece]:
     """The attend calls of a query run (new-token indices [q_start, q_start + q_len)) against one source's key
     runs [(row in the block, first new-token index, length)]: the run itself (causal, banded or in blocks), runs
     wholly before it (keys trimmed to the window, queries to those that see them, unmasked where all of those see
@@ -159,14 +155,14 @@ def local_positions(layout: KVLayout, start: int, end: int) -> torch.Tensor:
         + layout.shard_rank * layout.interleave + local % layout.interleave
 
 
-def context_range(layout: KVLayout, context_len: int, q_first: int, mods: ScoreMods) -> tuple[int, int]:
+def context_range(layout: KVLayout, context_len: int, q_first: int, mods) -> tuple[int, int]:
     """Local indices [lo, hi) of this rank's cached context (positions < context_len) that queries at or after
     position `q_first` can see: a suffix of its shard."""
     return layout.num_local_tokens(mods.first_visible(q_first)), layout.num_local_tokens(context_len)
 
 
 def context_piece(layout: KVLayout, context_len: int, lo_base: int, q_first: int, q_len: int,
-                  mods: ScoreMods) -> Piece | None:
+                  mods) -> Piece | None:
     """The attend call of queries at positions [q_first, q_first + q_len) against this rank's cached context, read
     from local index `lo_base` on (rows of the key buffer count from there); None when the window leaves none
     of its keys. Every cached position lies before every query of the run, so only the window masks (and trims
