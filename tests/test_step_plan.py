@@ -5,8 +5,10 @@ metadata's layout follows the plan."""
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
+import torch
 
 from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.context_parallel.metadata import build_step_batch, shared_key_view
@@ -177,6 +179,46 @@ def test_plan_step_from_capabilities_and_step(caps, step, want):
     field not named is the record's default (nothing beyond the path)."""
     strategy = "ring" if step is _PROMPT else None
     assert plan_step(_chunks(step), caps, strategy) == StepPlan(**want)
+
+
+@torch.no_grad()
+def test_the_dense_mlp_splits_exactly_when_the_plan_says(tmp_path):
+    """A dense MLP with a decode split (cpllm/model/mlp_split.py; here a stand-in) runs it on a step planned
+    `mlp_split` and its whole shard on any other step, the same metadata otherwise: the plan decides, the layer
+    follows; the rank's capabilities read whether any MLP has a split."""
+    from tiny_models import save_tiny_hf_model
+
+    from cpllm.context_parallel.attention import CPComm
+    from cpllm.model.layers import TPShard
+    from cpllm.model.llama import LlamaForCausalLM
+    from cpllm.model.loader import open_weights
+    from cpllm.worker.rank_capabilities import rank_capabilities
+
+    source = open_weights(save_tiny_hf_model(str(tmp_path / "tiny"), seed=4))
+    model = LlamaForCausalLM(source.config, TPShard(rank=0, size=1), CPComm(), torch.float32, 128)
+    model.load_weights(source)
+    groups = types.SimpleNamespace(pcp_size=1, pcp_rank=0, dims=types.SimpleNamespace(kv_shard_size=1,
+                                                                                      kv_replicated=False))
+    assert not rank_capabilities(groups, model, kv_groups=1, compiled=False, decode_graphs=None).mlp_split
+    split_rows = []
+
+    class StandIn(torch.nn.Module):
+        def forward(self, x):
+            split_rows.append(x.shape[0])
+            return torch.full_like(x, 7.0)
+
+    mlp = model.layers[0].mlp
+    mlp.decode_split = StandIn()
+    assert rank_capabilities(groups, model, kv_groups=1, compiled=False, decode_graphs=None).mlp_split
+    chunks = _chunks([(5, 1), (7, 1)])
+    x = torch.randn(2, source.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    whole = mlp(x)  # no metadata: the whole shard
+    outs = {}
+    for mlp_split in (False, True):
+        plan = StepPlan(path=StepPath.ONE_SHARD, mlp_split=mlp_split)
+        outs[mlp_split] = mlp(x, build_step_batch(chunks, _layout(), 1, 0, lambda c: [], plan=plan).attention)
+    assert torch.equal(outs[False], whole) and torch.equal(outs[True], torch.full_like(x, 7.0))
+    assert split_rows == [2]
 
 
 def test_capabilities_refuse_a_rank_outside_its_group():
