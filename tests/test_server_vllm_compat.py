@@ -444,3 +444,10 @@ def test_a_dropped_stream_is_logged_499(server, http):
     line = f"request cmpl-{body['request_id']} status="
     assert _poll(lambda: line in server.log())
     assert f"{line}499" in server.log(), [entry for entry in server.log().splitlines() if line in entry]
+
+
+def test_prompt_messages(http):
+    empty = http.post("/v1/completions", json={"prompt": [], "max_tokens": 1})
+    assert error_param(empty) == "prompt" and "prompt or prompt_embeds" in empty.json()["error"]["message"]
+    oov = http.post("/v1/completions", json={"prompt": [5, 999999], "max_tokens": 1})
+    assert error_param(oov) == "prompt" and "999999 out of vocabulary" in oov.json()["error"]["message"]

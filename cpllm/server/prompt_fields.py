@@ -55,10 +55,15 @@ def truncated(token_ids: list[int], req: SamplingFields, max_model_len: int) -> 
 def check_allowed_token_ids(req: SamplingFields, vocab_size: int) -> None:
     """allowed_token_ids, logprob_token_ids and stop_token_ids inside the vocabulary (every bad id named)."""
     for name in ("allowed_token_ids", "logprob_token_ids", "stop_token_ids"):
-        bad = [t for t in getattr(req, name) or () if t >= vocab_size]
-        if bad:
-            ids = ", ".join(map(str, bad))
-            raise bad_request(f"{name}: token id(s) {ids} outside the vocabulary [0, {vocab_size})", name)
+        check_token_ids(getattr(req, name) or (), vocab_size, name)
+
+
+def check_token_ids(token_ids, vocab_size: int, name: str) -> None:
+    """400 naming every id of `token_ids` out of the vocabulary [0, vocab_size), and the field."""
+    bad = [t for t in token_ids if t >= vocab_size]
+    if bad:
+        raise bad_request(f"{name}: token id(s) {', '.join(map(str, bad))} out of vocabulary (the ids are 0 to "
+                          f"{vocab_size - 1})", name)
 
 
 def logprobs_limit(max_logprobs: int, vocab_size: int) -> int:

@@ -174,7 +174,8 @@ class CompletionRequest(SamplingFields):
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             return [prompt]
         if not prompt:
-            raise ValueError("prompt is empty")
+            raise ValueError("prompt is empty: give prompt (text or token ids, non-empty); this server takes no "
+                             "prompt_embeds, so prompt or prompt_embeds means prompt here")
         return list(prompt)
 
 

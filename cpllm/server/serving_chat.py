@@ -14,8 +14,8 @@ from cpllm.server.async_engine import RequestStream
 from cpllm.server.chat_stream import chat_events, choice_message
 from cpllm.server.errors import bad_request
 from cpllm.server.formatting import sampling_params, usage
-from cpllm.server.prompt_fields import (bad_words_token_ids, check_allowed_token_ids, prompt_logprobs_json,
-                                        resolved_counts, token_texts, truncated)
+from cpllm.server.prompt_fields import (bad_words_token_ids, check_allowed_token_ids, check_token_ids,
+                                        prompt_logprobs_json, resolved_counts, token_texts, truncated)
 from cpllm.server.protocol import ChatCompletionRequest
 from cpllm.server.requests import Prompt, ServerContext
 from cpllm.server.reasoning import Reasoning, thinks_from_start
@@ -47,10 +47,7 @@ def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPlan) 
 def _check_prompt_ids(token_ids: list[int], vocab_size: int) -> None:
     if not token_ids:
         raise bad_request("prompt_token_ids is empty; send at least one token id", "prompt_token_ids")
-    bad = [t for t in token_ids if t >= vocab_size]
-    if bad:
-        raise bad_request(f"prompt_token_ids: token id(s) {', '.join(map(str, bad))} outside the vocabulary "
-                          f"[0, {vocab_size})", "prompt_token_ids")
+    check_token_ids(token_ids, vocab_size, "prompt_token_ids")
 
 
 async def _check_tool_schemas(ctx: ServerContext, req: ChatCompletionRequest) -> None:

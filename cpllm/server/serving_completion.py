@@ -13,8 +13,8 @@ from cpllm.server import requests
 from cpllm.server.beam_search import beam_search, beam_settings, check_beam_request
 from cpllm.server.errors import bad_request
 from cpllm.server.formatting import ChoiceCursor, completion_logprobs, sampling_params, sse, usage
-from cpllm.server.prompt_fields import (bad_words_token_ids, check_allowed_token_ids, prompt_logprobs_json,
-                                        resolved_counts, token_texts, truncated)
+from cpllm.server.prompt_fields import (bad_words_token_ids, check_allowed_token_ids, check_token_ids,
+                                        prompt_logprobs_json, resolved_counts, token_texts, truncated)
 from cpllm.server.protocol import CompletionRequest
 from cpllm.server.requests import Prompt, ServerContext
 from cpllm.server.stream_usage import StreamUsage
@@ -27,6 +27,9 @@ def _prompts(ctx: ServerContext, req: CompletionRequest) -> list[Prompt]:
     except ValueError as exc:
         raise bad_request(str(exc), "prompt") from exc
     tokenizer = ctx.engine.tokenizer
+    for item in items:
+        if not isinstance(item, str):
+            check_token_ids(item, tokenizer.vocab_size, "prompt")
     prompts = [Prompt(token_ids=tokenizer.encode(p, add_special_tokens=req.add_special_tokens), text=p)
                if isinstance(p, str) else Prompt(token_ids=list(p), text=None) for p in items]
     if req.truncate_prompt_tokens is None:
