@@ -102,7 +102,7 @@ def test_plan_without_flags_prints_the_papers_1m_run(capsys):
     assert main(["plan", "--model", "llama3-405b", "--gpu", "h100", "--nodes", "16", "--context", "1m",
                  "--weights", "fp8"]) == 0
     out = capsys.readouterr().out
-    assert "fitted on arXiv 2411.01783" in out and "GEMMs 0.302, attention 0.571" in out
+    assert "fitted on arXiv 2411.01783" in out and "GEMMs 0.302, attention 0.572" in out
     row = next(line.split() for line in out.splitlines() if line.startswith("8x16x1 "))
     assert float(row[2]) == pytest.approx(77.0, rel=0.01)
     assert "recommended: 8x16x1 (TTFT 77 s" in out

@@ -38,9 +38,17 @@ class HardwareSpec:
     devices_per_node: int
     """Devices sharing the fast intra-node links."""
     intra_node_latency_s: float = 5e-6
-    """Fixed cost of one intra-node message."""
+    """Latency of one hop of a message between two devices of a node (on the built-in GPUs NCCL's own figure for a
+    ring hop over NVLink; on CPUs the measured latency of a whole message)."""
     inter_node_latency_s: float = 15e-6
-    """Fixed cost of one inter-node message."""
+    """Latency of one hop of a message to another node (on the built-in GPUs NCCL's figure for a network hop)."""
+    collective_base_latency_s: float = 0.0
+    """Fixed cost of one collective call or ring step's send and receive, on top of its hops (NCCL's base latency
+    on the built-in GPUs; 0 on CPU specs, whose measured message latency holds all of it)."""
+    kernel_launch_s: float = 0.0
+    """Host cost of launching one kernel, paid once per kernel of a prefill step (a layer's kernels, a ring step's
+    attention call and merge, the step's embedding, head and sampling); 0: not modelled (CPU specs measure the
+    layers' whole cost instead)."""
     efficiency: float = 1.0
     """A further factor on both compute rates (`--efficiency` sets it and resets the two utilisations to 1, so the
     kernels run at efficiency x peak; 1 = the utilisations below alone)."""
@@ -77,6 +85,9 @@ class HardwareSpec:
         if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
             raise ValueError(f"hardware {self.name!r}: devices_per_node must be an integer >= 1, "
                              f"got {self.devices_per_node!r}")
+        for name in ("intra_node_latency_s", "inter_node_latency_s", "collective_base_latency_s", "kernel_launch_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"hardware {self.name!r}: {name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("efficiency", "gemm_utilization", "attention_utilization", "collective_utilization"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"hardware {self.name!r}: {name} must be in (0, 1], got {getattr(self, name)!r}")
@@ -114,13 +125,23 @@ class HardwareSpec:
 
 GB = 1e9
 FITTED_GEMM_UTILIZATION = 0.302
-FITTED_ATTENTION_UTILIZATION = 0.571
+FITTED_ATTENTION_UTILIZATION = 0.572
 FITTED_ON = ("fitted on arXiv 2411.01783: Table 7 CP1 (128K tokens, 1 node, 42.0 s) and the abstract's 1M tokens "
              "on 16 nodes (77 s); Llama 3 405B, FP8 weights, H100")
 """The H100's compute utilisations, fitted by fit.py on the two points FITTED_ON names (tests/test_planner.py
 checks these constants are what the fit gives)."""
+NCCL_LATENCY = dict(collective_base_latency_s=8.4e-6, intra_node_latency_s=3.4e-6, inter_node_latency_s=14e-6)
+"""NCCL's latency figures for the protocol large messages take (Simple, ring): 8.4 us per call, 3.4 us per NVLink
+hop, 14 us per network hop (InfiniBand / RoCE). Source: NCCL's own cost model, src/graph/tuning.cc (`baseLat`,
+`hwLat`, ring / Simple), which NCCL measured on its hardware to choose between algorithms (NVIDIA/nccl, 2.18 to
+2.2x). The same for H100, H200 and A100 nodes (NCCL keeps one table for all three)."""
+CUDA_KERNEL_LAUNCH_S = 4e-6
+"""Host cost of one CUDA kernel launch, a few microseconds: NVIDIA, "Getting Started with CUDA Graphs" (Technical
+Blog, 2019, developer.nvidia.com/blog/cuda-graphs/), where a stream of short kernels launched one by one costs
+about 3.8 us per kernel against 2.9 us of its own run, and the CUDA C++ Best Practices Guide on launch overhead."""
+_GPU_FIXED = dict(NCCL_LATENCY, kernel_launch_s=CUDA_KERNEL_LAUNCH_S)
 _H100_FITTED = dict(gemm_utilization=FITTED_GEMM_UTILIZATION, attention_utilization=FITTED_ATTENTION_UTILIZATION,
-                    attention_row_traffic=True, utilization_source=FITTED_ON)
+                    attention_row_traffic=True, utilization_source=FITTED_ON, **_GPU_FIXED)
 _CARRIED = dict(_H100_FITTED, utilization_source="the H100's, carried over (not fitted on this device): " + FITTED_ON)
 BUILTIN: dict[str, HardwareSpec] = {
     "h100": HardwareSpec(
