@@ -10,7 +10,7 @@ import sys
 from cpllm.planner.cost_model import CostModel, Precision
 from cpllm.planner.hardware import BUILTIN, builtin_hardware, load_hardware, save_hardware
 from cpllm.planner.models import BUILTIN_MODELS, load_model_shape
-from cpllm.planner.plan import PlanRequest, plan
+from cpllm.planner.plan import LayoutPrediction, PlanRequest, plan
 
 _TOKENS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
 _SECONDS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m)?\s*$")
@@ -56,6 +56,9 @@ def add_plan_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads-per-rank", type=int, default=1, help="with --calibrate: threads of each rank")
     parser.add_argument("--save-hardware", default=None, help="with --calibrate: write the measured spec here")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--explain", action="store_true",
+                        help="split the recommended layout's predicted TTFT into compute, exposed transfer, latency "
+                        "and kernel launches")
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -86,10 +89,12 @@ def run_plan(args: argparse.Namespace) -> int:
     devices = args.nodes * hw.devices_per_node
     predictions, best = plan(cost, devices, request)
     if args.json:
-        json.dump({"hardware": dataclasses.asdict(hw), "model": args.model, "devices": devices,
-                   "request": dataclasses.asdict(request), "precision": dataclasses.asdict(precision),
-                   "layouts": [p.row() for p in predictions], "recommended": best.row() if best else None},
-                  sys.stdout, indent=2)
+        report = {"hardware": dataclasses.asdict(hw), "model": args.model, "devices": devices,
+                  "request": dataclasses.asdict(request), "precision": dataclasses.asdict(precision),
+                  "layouts": [p.row() for p in predictions], "recommended": best.row() if best else None}
+        if args.explain and best is not None:
+            report["explain"] = ttft_parts(cost, best, request)
+        json.dump(report, sys.stdout, indent=2)
         print()
         return 0
     print(f"{args.model} on {args.nodes} x {hw.devices_per_node} {hw.name} ({devices} devices), context "
@@ -102,7 +107,26 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         print(f"recommended: {best.layout.label()} (TTFT {best.ttft_s:.3g} s, "
               f"{best.decode_s_per_token * 1e3:.3g} ms per output token)")
+        if args.explain:
+            print(explain_line(ttft_parts(cost, best, request)))
     return 0
+
+
+def ttft_parts(cost: CostModel, chosen: LayoutPrediction, request: PlanRequest) -> dict:
+    """The chosen layout's predicted TTFT split into what the cost model adds up (seconds)."""
+    strategy = "ring" if chosen.strategy == "-" else chosen.strategy
+    parts = cost.prefill(chosen.layout, request.new, request.cached, strategy)
+    return {"layout": chosen.layout.label(), "strategy": chosen.strategy, "compute_s": parts.compute_s,
+            "exposed_transfer_s": parts.exposed_transfer_s, "latency_s": parts.latency_s,
+            "launch_s": parts.launch_s, "total_s": parts.total_s}
+
+
+def explain_line(parts: dict) -> str:
+    total = parts["total_s"]
+    shares = ", ".join(f"{label} {parts[key]:.4g} s ({parts[key] / total:.1%})" for label, key in (
+        ("compute", "compute_s"), ("exposed transfer", "exposed_transfer_s"), ("latency", "latency_s"),
+        ("kernel launches", "launch_s")))
+    return f"TTFT of {parts['layout']} ({parts['strategy']}): {total:.4g} s = {shares}"
 
 
 def utilization_line(hw) -> str:

@@ -15,8 +15,8 @@ Hkv_l = max(1, Hkv / TP), head width D, element size e):
 - elementwise   (T / (TP * N)) * elementwise_bytes_per_token at the spec's elementwise_bw (when it has one)
 - TP            two all-reduces of (T / N) * hidden * e bytes: inside a node over NVLink, across nodes on 1/g of
                 the data per NIC (reduce-scatter, all-reduce across nodes, all-gather)
-- PCP, by strategy (a ring step hides behind the attention of the block in hand; what does not fit is exposed,
-                and collectives outside a ring block the layer):
+- PCP, by strategy (a ring step's transfer hides behind the attention of the block in hand; what does not fit
+                is exposed, and collectives outside a ring block the layer):
     allgather   all-gather of the new K/V, (N - 1) * (T / N) * 2 Hkv_l D e, blocking
     ring        N - 1 ring steps of the new K/V block (T / N) * 2 Hkv_l D e over the new-token attention;
                 with P > 0 also cpllm's query gather and partial all-to-all for the cached part, blocking
@@ -25,10 +25,16 @@ Hkv_l = max(1, Hkv / TP), head width D, element size e):
                 the attention, then one blocking all-to-all of the float32 partials (R - 1)(T / N) Hq_l (D + 1) 4
                 plus the new K/V rows their owners store
 
-Every transfer runs at the link bandwidth x collective_utilization plus the link's latency. On layouts of more
-than one device the compute terms also divide by the device's `busy_node_fraction` (measured on CPUs, 1 on GPUs).
-Decode reads every local weight once per step and the local KV shard once per request, at memory
-bandwidth, plus the collectives' latency.
+Every transfer runs at the link bandwidth x collective_utilization; its latency is counted apart and never hidden:
+a ring step costs max(compute, transfer) + latency, a blocking all-gather or all-to-all its bytes plus latency.
+Latency is the spec's base cost per collective call plus one hop per peer (an all-reduce: 2 (g - 1) NVLink hops
+and 2 (nodes - 1) network hops), on the built-in GPUs NCCL's own figures (hardware.py, NCCL_LATENCY). Fixed
+costs: each kernel of a prefill step costs the spec's kernel_launch_s (CUDA's launch cost on the built-in GPUs):
+LAYER_KERNELS per layer, RING_STEP_KERNELS per ring step past the first, STEP_KERNELS for the step itself.
+
+On layouts of more than one device the compute terms also divide by the device's `busy_node_fraction` (measured
+on CPUs, 1 on GPUs). Decode reads every local weight once per step and the local KV shard once per request, at
+memory bandwidth, plus the collectives' latency.
 """
 
 from __future__ import annotations
