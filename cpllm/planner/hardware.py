@@ -136,9 +136,9 @@ hop, 14 us per network hop (InfiniBand / RoCE). Source: NCCL's own cost model, s
 `hwLat`, ring / Simple), which NCCL measured on its hardware to choose between algorithms (NVIDIA/nccl, 2.18 to
 2.2x). The same for H100, H200 and A100 nodes (NCCL keeps one table for all three)."""
 CUDA_KERNEL_LAUNCH_S = 4e-6
-"""Host cost of one CUDA kernel launch, a few microseconds: NVIDIA, "Getting Started with CUDA Graphs" (Technical
-Blog, 2019, developer.nvidia.com/blog/cuda-graphs/), where a stream of short kernels launched one by one costs
-about 3.8 us per kernel against 2.9 us of its own run, and the CUDA C++ Best Practices Guide on launch overhead."""
+"""Host cost of one CUDA kernel launch: a few microseconds per launch, the overhead NVIDIA measures for a stream of
+short kernels launched one by one in "Getting Started with CUDA Graphs" (NVIDIA Technical Blog, 2019,
+developer.nvidia.com/blog/cuda-graphs/); 4 us is taken, the upper end of that range (eager prefill, no graph)."""
 _GPU_FIXED = dict(NCCL_LATENCY, kernel_launch_s=CUDA_KERNEL_LAUNCH_S)
 _H100_FITTED = dict(gemm_utilization=FITTED_GEMM_UTILIZATION, attention_utilization=FITTED_ATTENTION_UTILIZATION,
                     attention_row_traffic=True, utilization_source=FITTED_ON, **_GPU_FIXED)
