@@ -239,9 +239,6 @@ class CostModel:
         return LinkTime(transfer_s=self._wire_time(nbytes, inter),
                         latency_s=self.hw.collective_base_latency_s + self._hop_latency(inter))
 
-    def p2p_time(self, nbytes: float, *, inter: bool) -> float:
-        return self.p2p_link(nbytes, inter=inter).total_s
-
     def ring_step(self, compute_s: float, nbytes: float, *, inter: bool) -> RingStep:
         """One ring step: the block in hand is computed while the next block travels, so the step takes
         max(compute, transfer) + latency (the message's fixed cost starts the transfer and is never hidden)."""
