@@ -402,7 +402,7 @@ def test_long_runs_in_query_blocks_match_direct_attention(monkeypatch):
     reqs = [Req(0, 100), Req(45, 70), Req(60, 1)]
     for mods in (helpers.Mods(8, None, False), helpers.Mods(20, 10.0, True)):
         sinks = torch.rand(helpers.HQ, generator=torch.Generator().manual_seed(2)) * 5 + 6 if mods.sinks else None
-        layer = PagedCPAttention(CPComm(), helpers.SCALE, mods=mods)
+        layer = PagedCPAttention(CPComm(), helpers.SCALE, mods=score_mods(window=mods.window, softcap=mods.softcap))
         data, got, _ = _one_rank_step(reqs, layer, sinks, seed=4)
         refs, _ = helpers.reference_outputs(reqs, data, slice(0, helpers.HQ), mods, sinks)
         worst = max((got[(i, j)].double() - refs[i][j]).abs().max().item()

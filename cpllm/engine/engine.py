@@ -27,7 +27,7 @@ from cpllm.model.tokenizer import Tokenizer
 from cpllm.structured.manager import StructuredOutputManager
 from cpllm.step import SchedulerOutput, output_positions
 
-if TYPE_CHECKING:  # the engine is handed its executor; only cpllm.launch imports both sides
+if TYPE_CHECKING:  # the engine is handed its executor; only cpllm.launch_ranks imports both sides
     from cpllm.worker.executor import Executor
 
 logger = logging.getLogger(__name__)

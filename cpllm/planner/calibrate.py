@@ -32,6 +32,7 @@ import torch
 from cpllm.bench.ceiling import matmul_gflops, matvec_gbps
 from cpllm.config import ModelConfig
 from cpllm.context_parallel.sdpa import attention_with_lse
+from cpllm.planner.calibrate_pair import pair_figures
 from cpllm.planner.hardware import HardwareSpec
 
 REPEATS = 5
@@ -156,10 +157,8 @@ def _shape_model(sh: Shapes) -> ModelConfig:
 
 
 def calibrate(threads_per_rank: int = 1, model: ModelConfig | None = None) -> HardwareSpec:
-    from cpllm.planner.calibrate_pair import pair_figures
-
     shapes = Shapes.of(model)
-    bandwidth, latency, busy = pair_figures(threads_per_rank, shapes)
+    bandwidth, latency, busy = pair_figures(threads_per_rank, shapes, linear_gflops)
     alone = linear_gflops(threads_per_rank, shapes)
     attention, overhead = attention_figures(threads_per_rank, shapes)
     cores = os.cpu_count() or 1

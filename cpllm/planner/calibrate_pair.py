@@ -29,10 +29,8 @@ def _p2p(rank: int) -> dict[str, float]:
     return out
 
 
-def _pair_rank(rank: int, port: int, threads: int, shapes, results) -> None:
+def _pair_rank(rank: int, port: int, threads: int, shapes, linear_gflops, results) -> None:
     import torch.distributed as dist
-
-    from cpllm.planner.calibrate import linear_gflops
 
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -45,15 +43,17 @@ def _pair_rank(rank: int, port: int, threads: int, shapes, results) -> None:
         dist.destroy_process_group()
 
 
-def pair_figures(threads: int, shapes) -> tuple[float, float, float]:
-    """(point-to-point bytes/s, latency s, projections' GFLOP/s per process with both busy)."""
+def pair_figures(threads: int, shapes, linear_gflops) -> tuple[float, float, float]:
+    """(point-to-point bytes/s, latency s, projections' GFLOP/s per process with both busy); `linear_gflops`
+    (threads, shapes) -> GFLOP/s is the caller's measurement of the projections (a module-level function: it
+    travels to the spawned pair by reference)."""
     import torch.multiprocessing as mp
 
     from cpllm.distributed.launch import find_free_port
 
     ctx = mp.get_context("spawn")
     results, port = ctx.Queue(), find_free_port()
-    procs = [ctx.Process(target=_pair_rank, args=(rank, port, threads, shapes, results), daemon=True)
+    procs = [ctx.Process(target=_pair_rank, args=(rank, port, threads, shapes, linear_gflops, results), daemon=True)
              for rank in range(2)]
     for proc in procs:
         proc.start()
