@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 from cpllm.engine.outputs import CompletionOutput
 from cpllm.engine.sampling_params import SamplingParams
 from cpllm.server import requests
+from cpllm.server.chat_run import ChatRun
 from cpllm.server.formatting import ChoiceCursor, chat_logprobs, sse
 from cpllm.server.prompt_fields import echo_prefix, token_texts
 from cpllm.server.protocol import ChatCompletionRequest
@@ -17,9 +17,6 @@ from cpllm.server.requests import ServerContext
 from cpllm.server.stream_usage import StreamUsage
 from cpllm.server.reasoning import Reasoning, output_parts
 from cpllm.server.tool_calls import ToolPlan, finish_reason, new_call_id, tool_call_dicts
-
-if TYPE_CHECKING:
-    from cpllm.server.serving_chat import ChatRun
 
 
 def choice_message(ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPlan, c: CompletionOutput,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 
@@ -11,6 +10,7 @@ from cpllm.engine.sampling_params import SamplingParams
 from cpllm.server import requests
 from cpllm.server.beam_search import beam_search, beam_settings, check_beam_request
 from cpllm.server.async_engine import RequestStream
+from cpllm.server.chat_run import ChatRun
 from cpllm.server.chat_stream import chat_events, choice_message
 from cpllm.server.errors import bad_request
 from cpllm.server.formatting import sampling_params, usage
@@ -65,24 +65,6 @@ def _constraint(req: ChatCompletionRequest, plan: ToolPlan) -> Constraint | None
         raise bad_request(f"{asked.param} cannot be combined with tool_choice {plan.mode!r}, which fixes the "
                           "output to a tool call", asked.param)
     return Constraint(params=plan.constraint, param="tools")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ChatRun:
-    """A chat request started in the engine: what /v1/chat/completions and /v1/responses format from."""
-
-    plan: ToolPlan
-    """How the request uses its tools."""
-    params: SamplingParams
-    """Its sampling params."""
-    streams: list[RequestStream]
-    """Its one engine request's stream."""
-    request: ChatCompletionRequest
-    """The request as run (its logprobs counts resolved: -1 became the vocabulary size)."""
-    prompt: Prompt
-    """The prompt the engine got."""
-    reasoning: Reasoning | None = None
-    """How its output's thinking is split off (--reasoning-parser); None: not at all."""
 
 
 async def start_chat(ctx: ServerContext, req: ChatCompletionRequest, request_id: str, arrival_time: float,
