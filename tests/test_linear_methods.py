@@ -15,6 +15,7 @@ from cpllm.kernels import int4_matmul
 from cpllm.model.formats import packed_weights
 from cpllm.model.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, RowRange, TPShard,
                                 VocabParallelEmbedding)
+from cpllm.model.formats.experts import FloatExperts, OneDNNExperts
 from cpllm.model.formats.methods import (ConcatenatedWeights, FloatHead, FloatWeight, GroupedWeight, OneDNNWeight,
                                         RefinedInt8Rows, StoredInt8Rows)
 from cpllm.model.llama import LlamaForCausalLM
@@ -183,3 +184,27 @@ def test_a_biased_4bit_projection_stays_out_of_the_fused_layer(tmp_path):
     qkv = model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv.method, GroupedWeight) and qkv.bias is not None and qkv.fused_spec() is None
     assert model.fused_decode is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_without_onednn_support_weights_stay_plain_with_the_plain_product(monkeypatch, dtype):
+    """A CPU oneDNN cannot pack this dtype for (bf16 on an AVX2-only CPU: its reorder raises) keeps the plain
+    weights, whose products are the unpacked ones bit for bit; where this CPU packs, they match the packed ones."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 48, generator=gen).to(dtype)  # [in, out]
+    experts = FloatExperts(2, 64, 24, dtype)
+    experts.gate_up.copy_(torch.randn(2, 64, 48, generator=gen))
+    experts.down.copy_(torch.randn(2, 24, 64, generator=gen))
+    x = torch.randn(5, 64, generator=gen).to(dtype)
+    packed_linear, packed_experts = FloatWeight(weight.clone()).prepacked(), experts.prepacked()
+    if packed_weights.packs(dtype, torch.device("cpu")):
+        assert isinstance(packed_linear, OneDNNWeight) and isinstance(packed_experts, OneDNNExperts)
+
+    monkeypatch.setattr(packed_weights, "_cpu_packs", lambda dtype: False)
+    plain_linear = FloatWeight(weight.clone())
+    assert plain_linear.prepacked() is plain_linear and experts.prepacked() is experts
+    assert torch.equal(plain_linear.matmul(x), x @ weight)
+    assert torch.equal(experts.matmul(1, x, 0), x @ experts.gate_up[1])
+    tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}
+    torch.testing.assert_close(plain_linear.matmul(x), packed_linear.matmul(x), **tolerance)
+    torch.testing.assert_close(experts.matmul(1, x, 0), packed_experts.matmul(1, x, 0), **tolerance)

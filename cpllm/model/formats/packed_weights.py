@@ -4,36 +4,48 @@ On this project's CPUs oneDNN's AVX-512 kernels, given a weight reordered once i
 float32 prefill-sized products 10-15% faster than the MKL `torch.matmul` calls (and small batches of decode rows
 up to 1.6x faster; docs/benchmarks.md, `benchmarks/moe_bench.py`). The packed tensor replaces the plain one, so
 no weight is held twice; `unpack` gives the plain weight back, bit for bit. Where PyTorch lacks the ops, oneDNN is
-off, the device is not the CPU or the dtype is one oneDNN does not pack here, `packs` is False and callers keep
-their plain weights and `torch.matmul`.
+off, the device is not the CPU, the dtype is one oneDNN does not pack here or this CPU lacks what oneDNN needs
+for it (bf16 on an AVX2-only CPU), `packs` is False and callers keep their plain weights and `torch.matmul`.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = (torch.float32, torch.bfloat16)
 """Dtypes packed (float16 needs AVX-NE-CONVERT or AVX512-FP16, which oneDNN checks for itself)."""
 
 
 @functools.cache
-def _ops_present() -> bool:
-    """PyTorch was built with oneDNN and its linear ops answer on a tiny product."""
+def _cpu_packs(dtype: torch.dtype) -> bool:
+    """PyTorch was built with oneDNN and this CPU packs and multiplies `dtype` on a tiny product. A trial, not a
+    flag check: oneDNN's bf16 reorder needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT and raises on AVX2-only CPUs
+    (docs/platform.md, "The CPUs"), and oneDNN knows its own requirements best. Asked and logged once per dtype."""
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        logger.info("oneDNN prepacking: off (PyTorch has no oneDNN linear ops); plain weights and torch.matmul")
         return False
+    eye = torch.eye(4, dtype=dtype)
     try:
-        weight = torch.ops.mkldnn._reorder_linear_weight(torch.eye(4), None)
-        return torch.equal(torch.ops.mkldnn._linear_pointwise(torch.eye(4), weight, None, "none", [], ""),
-                           torch.eye(4))
-    except RuntimeError:
-        return False
+        weight = torch.ops.mkldnn._reorder_linear_weight(eye, None)
+        works = torch.equal(torch.ops.mkldnn._linear_pointwise(eye, weight, None, "none", [], ""), eye)
+        reason = "" if works else " (its product is wrong)"
+    except RuntimeError as error:
+        works, reason = False, f" ({str(error).splitlines()[0]})"
+    dtype_name = str(dtype).removeprefix("torch.")
+    logger.info("oneDNN prepacking of %s weights: %s%s", dtype_name,
+                "on" if works else "off, plain weights and torch.matmul", reason)
+    return works
 
 
 def packs(dtype: torch.dtype, device: torch.device) -> bool:
-    """Weights of this dtype on this device are packed."""
-    return device.type == "cpu" and dtype in _DTYPES and _ops_present()
+    """Weights of this dtype on this device are packed (else callers keep the plain weight, same numbers as
+    unpacked)."""
+    return device.type == "cpu" and dtype in _DTYPES and _cpu_packs(dtype)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
