@@ -160,7 +160,7 @@ class PagedCPAttention(torch.nn.Module):
     def _scored(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata, sinks):
         """forward's paths for a layer with a window, a soft-cap or sinks -> (out, lse) of the last merge: the same
         collectives, each piece restricted to its keys in the window, the decode rows read through their
-        in-window view (no mask), soft-capped pieces on the backend's scored path."""
+        in-window view (no mask), masked or soft-capped pieces attended by the modifier itself."""
         plan = meta.plan.path
         if plan.fused or plan is _COMPILED:
             raise ValueError(f"plan {plan.value!r} runs kernels that know no window, soft-cap or sink: plan the "

@@ -5,7 +5,7 @@
   package's __init__ imports nothing.
 - plan.py: the rule applied to one tensor: a WeightPlan (format name and why) per linear, embedding, head and
   stack of routed experts.
-- registry.py: FORMATS, every format by name (float, int8, int4). Each entry (base.py, WeightFormat) builds a tensor
+- registry.py: FORMATS, every format by name (float, int8, int4). Each entry (entry.py, WeightFormat) builds a tensor
   planned in it: a linear's method, an embedding's rows, a head, a rank's experts. What it builds multiplies
   (`matmul`), describes itself (`describe`) and tells the fused decode layer what it reads in place
   (`fused_spec`, or None). One module per format: float_format.py, int8_format.py, int4_format.py.

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from cpllm.model.formats.base import Ranges, WeightFormat
+from cpllm.model.formats.base import Ranges
+from cpllm.model.formats.entry import WeightFormat
 from cpllm.model.formats.embedding import EmbeddingRows, FloatRows
 from cpllm.model.formats.experts import ExpertMethod, ExpertReader, FloatExperts
 from cpllm.model.formats.float_weight import FloatWeight

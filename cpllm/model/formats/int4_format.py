@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from cpllm.model.formats.base import Ranges, WeightFormat
+from cpllm.model.formats.base import Ranges
+from cpllm.model.formats.entry import WeightFormat
 from cpllm.model.formats.experts import ExpertReader, FloatExperts, GroupedExperts, MXFP4Weight
 from cpllm.model.formats.float_weight import FloatWeight
 from cpllm.model.formats.group_kernels import Int4Linear
