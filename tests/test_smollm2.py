@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cpllm import LLM, SamplingParams
+from cpllm.kernels import int4_matmul
 from cpllm.model.default_model import default_model_path
 
 try:
@@ -82,7 +83,9 @@ def test_prefill_context_parallel_2_quantized_matches_single_rank():
     teacher-forced through both layouts as a prompt, gets every logprob within 0.15 (0.084 measured over its 61
     positions): the layouts differ only in float32 rounding (attention pieces merged, prefill rows batched
     differently), which the int4 kernel's bfloat16 activations turn into steps of 1/256 relative, about 0.06 on
-    the largest logits."""
+    the largest logits. Where the CPU has no AVX-512 VNNI the layers run aten's int4 kernel, whose rounding moves
+    the worst position to 0.174 (an AVX2-only AMD EPYC; the same before and after the layer-kind change), so the
+    bound there is 0.25."""
     options = {**OPTIONS, "quantization": "auto"}
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     greedy, forced = {}, {}
@@ -100,7 +103,8 @@ def test_prefill_context_parallel_2_quantized_matches_single_rank():
     worst = max(abs(two[token].logprob - one[token].logprob)
                 for position, (one, two) in enumerate(zip(forced[1], forced[2]))
                 if one is not None for token in [sequence[position]])
-    assert worst < 0.15
+    # without AVX-512 VNNI the layers run aten's int4 kernel, which rounds differently: 0.174 measured there
+    assert worst < (0.15 if int4_matmul.available() else 0.25), worst
 
 
 def _top_two_gap(step) -> float:
