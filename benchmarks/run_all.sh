@@ -11,7 +11,7 @@ IMG=docs/img
 mkdir -p "$R" "$IMG"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(ceiling prefill comm memory decode tp compare quality attention int4 profile serve chunk decode_layouts dcp transport plan
-                                 breakdown moe structure startup window mla spec faults report)
+                                 breakdown moe structure layer-kinds startup window mla spec faults report)
 bench() { python -m cpllm --log-level WARNING bench "$@"; }
 
 for step in "${steps[@]}"; do
@@ -57,6 +57,9 @@ for step in "${steps[@]}"; do
     structure) python benchmarks/structure_before_after.py --before 45527f0 --rounds 4 --out "$R/structure.json"
         python benchmarks/structure_before_after.py --before 45527f0 --rounds 4 --cases 5 \
           --out "$R/structure_tp_team.json" ;;
+    # issue 36: the layer-kind change against the commit before it
+    layer-kinds) python benchmarks/structure_before_after.py --before 0ddc6ad --rounds 2 --cases 1,2,3 \
+          --out "$R/structure_layer_kinds.json" ;;
     # issue 11: random Qwen3-MoE-shaped model (16 layers, hidden 1024, 64 experts of 256, top-8), saved once
     moe) python benchmarks/moe_bench.py --threads 1 --prefill-tokens 1024,4096 --pcp-tokens 4096 --repeats 3 \
            --pcp-repeats 2 --out "$R/moe.json"
