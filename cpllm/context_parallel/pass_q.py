@@ -171,7 +171,7 @@ class _PieceAttention:
 def _return_partials(ring: _Ring, backend, o_part, lse_part, k, v, k_pool, v_pool, plan):
     """One all-to-all: slot s of the partials (and the new K/V rows ring member s owns) go to member s."""
     size_r, n, heads, dim = o_part.shape
-    parts = len(backend.rows_to_move(k[:0], v[:0]))  # K and V, or one latent row that is both
+    parts = len(backend.rows_to_move(k, v))  # K and V, or one latent row that is both (views: no copy)
     kv_width = parts * k.shape[1] * k.shape[2]
     partial = torch.cat((o_part.float(), lse_part.unsqueeze(-1)), dim=-1).view(size_r, -1)  # [R, N * Hq * (D+1)]
     send_counts, recv_counts = ring.members(plan.send_counts), ring.members(plan.recv_counts)

@@ -141,6 +141,16 @@ class GroupedExperts(ExpertMethod):
         self.kernels = torch.nn.ModuleList(torch.nn.ModuleList(pair) for pair in kernels)
         self.weight_format = weight_format
 
+    @classmethod
+    def from_mxfp4(cls, reader: ExpertReader, num_experts: int, kernel, weight_format: str) -> "GroupedExperts":
+        """Every expert's MXFP4 (gate|up, down) blocks, one expert at a time, each made a kernel by `kernel`
+        (MXFP4Weight -> Int4Linear)."""
+        kernels = []
+        for i in range(num_experts):
+            gate_up, down = reader.mxfp4(i)
+            kernels.append((kernel(gate_up), kernel(down)))
+        return cls(kernels, weight_format)
+
     def matmul(self, expert: int, x: torch.Tensor, which: int) -> torch.Tensor:
         return self.kernels[expert][which](x.contiguous())
 

@@ -44,11 +44,7 @@ def _mxfp4_kernel(weight: MXFP4Weight) -> Int4Linear:
 
 
 def load_experts(reader: ExpertReader, empty: FloatExperts) -> GroupedExperts:
-    kernels = []
-    for i in range(empty.gate_up.shape[0]):  # one expert's blocks at a time
-        gate_up, down = reader.mxfp4(i)
-        kernels.append((_mxfp4_kernel(gate_up), _mxfp4_kernel(down)))
-    return GroupedExperts(kernels, "int8")
+    return GroupedExperts.from_mxfp4(reader, empty.gate_up.shape[0], _mxfp4_kernel, "int8")
 
 
 INT8_FORMAT = WeightFormat(name="int8", load_linear=load_linear, load_rows=load_rows, load_head=load_head,
