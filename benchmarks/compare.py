@@ -23,7 +23,7 @@ from cpllm.bench.ceiling import measure_ceilings, prefill_flops  # noqa: E402
 from cpllm.bench.common import machine_info, parse_int_list, random_prompt  # noqa: E402
 from cpllm.bench.engines import model_config_of  # noqa: E402
 from cpllm.bench.report import print_table, write_json  # noqa: E402
-from cpllm.model.default_model import default_model_path  # noqa: E402
+from cpllm.model.loaders.default_model import default_model_path  # noqa: E402
 
 
 def _log(message: str) -> None:

@@ -75,7 +75,7 @@ def build_layer(folder: str, context: int):
     from cpllm.context_parallel.attention import CPComm
     from cpllm.layers.mla.backend import latent_pool
     from cpllm.model.layers import TPShard
-    from cpllm.model.loader import open_weights
+    from cpllm.model.loaders.loader import open_weights
     from cpllm.layers.mla.attention import MLAAttention
     from cpllm.model.rope import RotaryEmbedding
 

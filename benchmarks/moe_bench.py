@@ -31,11 +31,11 @@ from cpllm.bench.ceiling import prefill_flops  # noqa: E402
 from cpllm.bench.common import BenchLayout, machine_info, random_prompt  # noqa: E402
 from cpllm.bench.engines import build_llm  # noqa: E402
 from cpllm.bench.prefill import time_prefill  # noqa: E402
-from cpllm.model.loader import open_weights  # noqa: E402
-from cpllm.model.moe_experts import LocalExperts  # noqa: E402
-from cpllm.model.moe_placement import MoEShard, expert_slice  # noqa: E402
+from cpllm.model.loaders.loader import open_weights  # noqa: E402
+from cpllm.model.moe.experts import LocalExperts  # noqa: E402
+from cpllm.model.moe.placement import MoEShard, expert_slice  # noqa: E402
 from cpllm.model.layers import TPShard  # noqa: E402
-from cpllm.model.moe_router import Router  # noqa: E402
+from cpllm.model.moe.router import Router  # noqa: E402
 
 
 def model_config(args):

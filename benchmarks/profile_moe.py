@@ -28,7 +28,7 @@ from moe_bench import build_folder  # noqa: E402
 from cpllm.bench.common import BenchLayout, machine_info, random_prompt  # noqa: E402
 from cpllm.bench.engines import build_llm  # noqa: E402
 from cpllm.bench.prefill import time_prefill  # noqa: E402
-from cpllm.model.loader import open_weights  # noqa: E402
+from cpllm.model.loaders.loader import open_weights  # noqa: E402
 
 MARK = "region::"
 REGIONS = {  # module class -> region; both systems' names

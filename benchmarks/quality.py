@@ -23,7 +23,7 @@ from cpllm.bench.common import machine_info  # noqa: E402
 from cpllm.bench.report import print_table, write_json  # noqa: E402
 from cpllm.engine.llm import LLM  # noqa: E402
 from cpllm.engine.sampling_params import SamplingParams  # noqa: E402
-from cpllm.model.default_model import default_model_path  # noqa: E402
+from cpllm.model.loaders.default_model import default_model_path  # noqa: E402
 
 PROMPTS = [
     "What is the capital of France?",

@@ -42,7 +42,7 @@ def single_rank_targets_section(results: Results, images: str, rel: str) -> list
              "Ratios from `compare.json` (every system measured in one run, interleaved, same threads). `cpllm` is "
              "`--quantization none` (fp32, the weights transformers runs), `cpllm (auto)` the GGUF's Q4_1 blocks as "
              "stored (the weights llama.cpp runs; on this CPU in cpllm's VNNI int4 kernel). Both run their batch-1 "
-             "decode steps as one fused C call per layer (cpllm/model/fused_decode.py), `auto` its 16-request steps "
+             "decode steps as one fused C call per layer (cpllm/model/execution/fused_decode.py), `auto` its 16-request steps "
              "too (float32 weights run fused up to 4 rows; bigger batches take the eager layers' MKL GEMM). "
              "`compiled` rows run decode with `--compile-decode` (warmed up on each graph variant before timing); "
              "the fused layers take precedence where they apply, so the compiled graphs run only the 16-request "

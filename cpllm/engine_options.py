@@ -18,7 +18,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from cpllm.config import (
+from cpllm.config.engine import (
     COLLECTIVE_TRANSPORTS,
     KV_CACHE_DTYPES,
     KV_CACHE_LAYOUTS,

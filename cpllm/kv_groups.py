@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cpllm.config_attention import layer_window
+from cpllm.config.attention import layer_window
 from cpllm.layers.cache_spec import CacheSpec
 from cpllm.layers.registry import kind_of, layer_kind
 from cpllm.step import FREED_BLOCK

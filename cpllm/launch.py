@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import logging
 
-from cpllm.config import EngineConfig
+from cpllm.config.engine import EngineConfig
 from cpllm.distributed.launch import is_torchrun
 from cpllm.engine.replica_front import ReplicaFront
 from cpllm.launch_ranks import create_rank_engine
-from cpllm.model.tokenizer import Tokenizer
+from cpllm.model.tokenization.tokenizer import Tokenizer
 from cpllm.replica_process import replica_config, replica_main
 
 DEFAULT_REPLICA_RESTARTS = 3

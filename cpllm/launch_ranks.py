@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from cpllm.config import EngineConfig
+from cpllm.config.engine import EngineConfig
 from cpllm.distributed.groups import ParallelGroups
 from cpllm.distributed.launch import find_free_port, init_distributed, is_torchrun, shutdown_distributed, torchrun_env
 from cpllm.distributed.rank_processes import WorkerHandles, spawn_workers
 from cpllm.engine.data_parallel import DataParallelFront, serve_replica
 from cpllm.engine.engine import LLMEngine
-from cpllm.model.tokenizer import Tokenizer, load_tokenizer
+from cpllm.model.tokenization.tokenizer import Tokenizer, load_tokenizer
 from cpllm.worker.executor import Executor
 from cpllm.worker.worker import run_worker
 

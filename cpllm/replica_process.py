@@ -14,10 +14,10 @@ import logging
 import os
 import time
 
-from cpllm.config import EngineConfig
+from cpllm.config.engine import EngineConfig
 from cpllm.engine.replica_link import ReplicaInfo, ReplicaLink, ReplicaState
 from cpllm.launch_ranks import create_rank_engine
-from cpllm.model.tokenizer import load_tokenizer
+from cpllm.model.tokenization.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cpllm.config import ParallelConfig
+from cpllm.config.engine import ParallelConfig
 from cpllm.context_parallel import attention as attention_module
 from cpllm.context_parallel.attention import CPComm, PagedCPAttention
 from cpllm.context_parallel.kv_layout import KVLayout

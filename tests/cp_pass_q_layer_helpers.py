@@ -13,7 +13,7 @@ import traceback
 import torch
 
 import cp_layer_helpers as helpers
-from cpllm.config import ParallelConfig
+from cpllm.config.engine import ParallelConfig
 from cpllm.context_parallel import pass_q as pass_q_module
 from cpllm.distributed.groups import ParallelGroups
 from cpllm.distributed.launch import init_distributed, shutdown_distributed

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 import cp_layer_helpers as base
-from cpllm.config import ParallelConfig
+from cpllm.config.engine import ParallelConfig
 from cpllm.context_parallel.attention import CPComm, PagedCPAttention
 from cpllm.layers.gqa.backend import GQAPagedBackend
 from cpllm.context_parallel.kv_layout import KVLayout

@@ -21,13 +21,13 @@ from types import SimpleNamespace
 
 import torch
 
-from cpllm.config import EngineConfig
+from cpllm.config.engine import EngineConfig
 from cpllm.distributed.comm import broadcast_object
 from cpllm.distributed.groups import ParallelGroups
 from cpllm.distributed.launch import find_free_port, init_distributed, shutdown_distributed
 from cpllm.distributed.rank_processes import spawn_workers
 from cpllm.engine.engine import LLMEngine
-from cpllm.model.tokenizer import load_tokenizer
+from cpllm.model.tokenization.tokenizer import load_tokenizer
 from cpllm.step import SchedulerOutput
 from cpllm.worker.executor import Executor
 from cpllm.worker.worker import run_worker

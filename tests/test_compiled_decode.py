@@ -19,7 +19,7 @@ from cpllm import LLM, SamplingParams
 from cpllm.layers.gqa.local_attention import reduction_attention
 from cpllm.context_parallel.sdpa import reference_attention
 from cpllm.engine.llm import build_engine_config
-from cpllm.model import fused_decode
+from cpllm.model.execution import fused_decode
 
 
 def test_reduction_attention_matches_reference():

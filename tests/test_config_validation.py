@@ -17,7 +17,7 @@ from collections import Counter
 import pytest
 
 from cpllm.cli import build_parser
-from cpllm.config import ModelConfig, ParallelConfig
+from cpllm.config.engine import ModelConfig, ParallelConfig
 from cpllm.distributed.parallel_dims import kv_heads_of_tp_rank, valid_dcp_sizes
 from cpllm.engine.llm import build_engine_config
 from cpllm.engine_args import engine_kwargs
@@ -264,7 +264,7 @@ S, F = "sliding_attention", "full_attention"
     ("Qwen3MoeForCausalLM", dict(sliding_window=64), (None, ())),
 ])
 def test_windowed_layers_of_mixtral_and_qwen3(arch, fields, expected):
-    from cpllm.config_attention import hf_layer_types
+    from cpllm.config.attention import hf_layer_types
 
     cfg = dict(architectures=[arch], num_hidden_layers=3, max_position_embeddings=256, **fields)
     assert hf_layer_types(arch, cfg) == expected

@@ -23,7 +23,7 @@ from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.context_parallel.metadata import build_step_batch
 from cpllm.engine.llm import LLM, build_engine_config
 from cpllm.launch import create_engine
-from cpllm.model.tokenizer import load_tokenizer
+from cpllm.model.tokenization.tokenizer import load_tokenizer
 from cpllm.step import ScheduledChunk, output_positions
 from parallel_helpers import (
     LaunchCache,
@@ -87,7 +87,7 @@ class Run:
     decode_calls: dict | None = None
     """PCP=2 only: collective calls by (module, op) during the decode-only steps."""
     team: bool = False
-    """The PCP ranks formed a decode team (cpllm/model/decode_team.py: fused layers, a core per rank)."""
+    """The PCP ranks formed a decode team (cpllm/model/execution/decode_team.py: fused layers, a core per rank)."""
 
 
 def kv_bytes(model: str, layout: Layout) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""The device-independent part of the CUDA-graph decode (cpllm/worker/cuda_graphs.py): buckets, the choice of a
+"""The device-independent part of the CUDA-graph decode (cpllm/model/execution/cuda_graphs.py): buckets, the choice of a
 bucket, every reason to run eager (logged once), and the static buffers: a step written into them (padded to its
 bucket) and attended through the metadata the graphs are captured with gives the step's own outputs and K/V
 writes. Capture and replay themselves run on CUDA only (scripts/gpu_check.sh)."""
@@ -17,7 +17,7 @@ from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.context_parallel.metadata import build_step_batch
 from cpllm.context_parallel.plan import GraphBuckets, RankCapabilities, StepPath, plan_step
 from cpllm.step import ScheduledChunk
-from cpllm.worker.cuda_graphs import (FallbackLog, StaticDecodeInputs, bucket_for, capture_sizes, model_reason,
+from cpllm.model.execution.cuda_graphs import (FallbackLog, StaticDecodeInputs, bucket_for, capture_sizes, model_reason,
                                       sizes_within_memory, step_reason)
 from step_plans import eager_plan
 
@@ -78,7 +78,7 @@ def test_step_reasons():
 
 def test_fallback_reasons_are_logged_once_and_counted(caplog):
     log = FallbackLog()
-    with caplog.at_level(logging.INFO, logger="cpllm.worker.cuda_graphs"):
+    with caplog.at_level(logging.INFO, logger="cpllm.model.execution.cuda_graphs"):
         for reason in ("plan prefill", "plan prefill", "batch of 9 rows", "plan prefill"):
             log.note(reason)
     assert log.counts == {"plan prefill": 3, "batch of 9 rows": 1}
@@ -134,9 +134,9 @@ def test_decode_steps_through_the_buckets_give_the_eager_model_s_hidden_states(t
 
     from cpllm.context_parallel.attention import CPComm as Comm
     from cpllm.model.layers import TPShard
-    from cpllm.model.llama import LlamaForCausalLM
-    from cpllm.model.loader import open_weights
-    from cpllm.worker.cuda_graphs import DecodeGraphs
+    from cpllm.model.families.llama import LlamaForCausalLM
+    from cpllm.model.loaders.loader import open_weights
+    from cpllm.model.execution.cuda_graphs import DecodeGraphs
 
     folder = save_tiny_hf_model(str(tmp_path / "tiny"), seed=4)
     source = open_weights(folder)

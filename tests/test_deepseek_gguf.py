@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from cpllm import LLM
-from cpllm.model.gguf_source import GGUFSource
-from cpllm.model.safetensors_source import read_hf_config
+from cpllm.model.loaders.gguf_source import GGUFSource
+from cpllm.model.loaders.safetensors_source import read_hf_config
 from parallel_helpers import assert_same_greedy, generate_counted, greedy_params, workload_prompts
 from tiny_deepseek import save_tiny_deepseek, save_tiny_deepseek_gguf
 

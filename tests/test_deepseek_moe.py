@@ -1,4 +1,4 @@
-"""The DeepSeek MoE block (cpllm/model/deepseek_moe.py) against transformers' own DeepseekV2Moe, DeepseekV3MoE and
+"""The DeepSeek MoE block (cpllm/model/moe/deepseek_block.py) against transformers' own DeepseekV2Moe, DeepseekV3MoE and
 Glm4MoeLiteMoE modules on the same random weights, then under the MoE placement over 2 ranks against one rank.
 
 Each case builds the transformers block from a tiny config (hidden 64, 16 routed experts of width 32 in 4 groups,
@@ -23,14 +23,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cpllm.config_deepseek import deepseek_moe_config
-from cpllm.config_routing import DeepseekRouting
-from cpllm.config_moe import MoEConfig, check_moe_placement
+from cpllm.config.deepseek import deepseek_moe_config
+from cpllm.config.routing import DeepseekRouting
+from cpllm.config.moe import MoEConfig, check_moe_placement
 from cpllm.distributed.launch import find_free_port
-from cpllm.model.deepseek_moe import DeepseekMoEBlock
+from cpllm.model.moe.deepseek_block import DeepseekMoEBlock
 from cpllm.model.layers import TPShard
-from cpllm.model.moe import moe_blocks
-from cpllm.model.moe_placement import MoEShard
+from cpllm.model.moe.sparse_block import moe_blocks
+from cpllm.model.moe.placement import MoEShard
 
 PREFIX = "model.layers.1.mlp"
 ARCH = {"v2": "DeepseekV2ForCausalLM", "v3": "DeepseekV3ForCausalLM", "glm": "Glm4MoeLiteForCausalLM"}

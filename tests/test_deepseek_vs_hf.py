@@ -15,8 +15,8 @@ import random
 import pytest
 
 from cpllm import LLM, SamplingParams
-from cpllm.config import ModelConfig
-from cpllm.model.safetensors_source import read_hf_config
+from cpllm.config.engine import ModelConfig
+from cpllm.model.loaders.safetensors_source import read_hf_config
 from reference import check_against_hf, hf_greedy
 from tiny_deepseek import CASES, make_tiny_deepseek, save_tiny_deepseek
 
@@ -76,7 +76,7 @@ def test_chunked_prefill_and_prefix_hits(tiny):
 def test_mla_dcp_may_be_any_divisor_of_tp(tiny, tp):
     """One latent head, replicated on every TP rank: every DCP dividing TP is accepted (a GQA model with 2 KV
     heads accepts only DCP <= TP / 2), and any other DCP is refused naming the MLA rule."""
-    from cpllm.config import ParallelConfig
+    from cpllm.config.engine import ParallelConfig
     from cpllm.distributed.parallel_dims import valid_dcp_sizes
 
     name, folder, _, _ = tiny

@@ -218,7 +218,7 @@ def test_dp_control_group_is_gloo_under_nccl(monkeypatch):
     import re
     import types
 
-    from cpllm.config import ParallelConfig
+    from cpllm.config.engine import ParallelConfig
     from cpllm.distributed import groups as groups_module
     from cpllm.engine import data_parallel
 

@@ -1,4 +1,4 @@
-"""Decode steps one C call per layer (cpllm/model/fused_decode.py) against the eager layers they replace.
+"""Decode steps one C call per layer (cpllm/model/execution/fused_decode.py) against the eager layers they replace.
 
 The fused layer runs the eager path's own C kernels back to back, so on a tiny Llama whose every linear is 4-bit
 (run on the VNNI int4 kernel) the engine's outputs must equal, bit for bit, a run with fusing turned off: greedy
@@ -6,7 +6,7 @@ tokens, their logprobs and the prompt logprobs, for float32 and float16 K/V, wit
 different lengths and a shared prefix (decode-only steps read each request's own slots, fused or eager). With
 float32 weights (quantization none) the fused matrix-vector loop sums in another order than MKL: greedy tokens
 equal, logprobs within 1e-5 (measured 0 here; 2.2e-5 on SmolLM2 over 120 tokens). Under PCP the ranks run the
-fused steps as one decode team (cpllm/model/decode_team.py), for both KV layouts, and under TP (with and without
+fused steps as one decode team (cpllm/model/execution/decode_team.py), for both KV layouts, and under TP (with and without
 DCP) the TP ranks do, each on its weight shards; those runs must match the single-rank engine as the other layout
 tests do, and a team barrier whose peer never comes must give up. A model the fused layer cannot run (a Q8_0 projection: q|k|v in two kernels),
 or kernels turned off, keeps the eager layers.
@@ -29,7 +29,8 @@ from gguf import GGMLQuantizationType as QType
 import tiny_models as tm  # tests/ is on sys.path under pytest
 from cpllm import LLM, SamplingParams
 from cpllm.kernels import int4_matmul, structs
-from cpllm.model import decode_team, fused_decode
+from cpllm.model.execution import decode_team
+from cpllm.model.execution import fused_decode
 from parallel_helpers import prompt_logprob_values, sampled_logprobs  # tests/ too
 
 pytestmark = pytest.mark.skipif(not int4_matmul.available(), reason="no AVX-512 VNNI int4 kernel on this machine")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from cpllm import LLM, SamplingParams
-from cpllm.model.safetensors_source import read_hf_config
+from cpllm.model.loaders.safetensors_source import read_hf_config
 from reference import check_against_hf, hf_greedy
 from test_engine_vs_hf import random_prompts
 from tiny_window_models import WINDOW, make_tiny_window_model, save_tiny_window_model, write_tiny_gemma_gguf
@@ -113,7 +113,7 @@ def test_gguf_file_as_llama_cpp_writes_it(family, tmp_path):
     path = str(tmp_path / f"tiny-{family}.gguf")
     write_tiny_gemma_gguf(path, hf)
     folder = save_tiny_window_model(str(tmp_path / "hf"), family, seed=5, **GGUF_MODELS[family])
-    from cpllm.model.gguf_source import GGUFSource
+    from cpllm.model.loaders.gguf_source import GGUFSource
 
     gguf_config, hf_config = GGUFSource(path).config, read_hf_config(folder)
     for field in ("architecture", "sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",

@@ -1,4 +1,4 @@
-"""GPT-OSS from a llama.cpp `gpt-oss` GGUF file (cpllm/model/gguf_gpt_oss.py) against transformers.
+"""GPT-OSS from a llama.cpp `gpt-oss` GGUF file (cpllm/model/loaders/gguf_gpt_oss.py) against transformers.
 
 The tiny model (tests/tiny_gpt_oss.py, windows of 8 on the sliding layer) is written as llama.cpp's converter
 writes a released checkpoint: the MXFP4 expert blocks repacked (gate and up split out of gate_up's interleaved rows,
@@ -18,10 +18,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cpllm import LLM
-from cpllm.model.gguf_gpt_oss import hf_mxfp4_blocks
-from cpllm.model.gguf_source import GGUFSource
+from cpllm.model.loaders.gguf_gpt_oss import hf_mxfp4_blocks
+from cpllm.model.loaders.gguf_source import GGUFSource
 from cpllm.model.formats.mxfp4 import dequantize_mxfp4
-from cpllm.model.safetensors_source import read_hf_config
+from cpllm.model.loaders.safetensors_source import read_hf_config
 from parallel_helpers import (
     MODEL_SEED,
     assert_same_greedy,
@@ -210,7 +210,7 @@ def test_gguf_mxfp4_experts_under_auto_run_as_the_folder_does(files, caplog):
     """quantization=auto runs the file's MXFP4 experts as their exact 8-bit form, as for the HF folder: the same
     blocks, so the same numbers as the folder's run."""
     folder, path, _ = files
-    with caplog.at_level(logging.INFO, logger="cpllm.model.llama"):
+    with caplog.at_level(logging.INFO, logger="cpllm.model.families.llama"):
         got = _run(path, "auto")
     assert "mlp.experts.gate_up_proj: int8 (stored MXFP4, run as its exact 8-bit form) x2" in caplog.text
     want = _run(folder, "auto")

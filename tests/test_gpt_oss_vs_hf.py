@@ -20,7 +20,7 @@ import torch
 
 from cpllm import LLM
 from cpllm.model.formats.experts import GroupedExperts
-from cpllm.model.loader import open_weights
+from cpllm.model.loaders.loader import open_weights
 from parallel_helpers import (
     BLOCK_SIZE,
     MAX_MODEL_LEN,
@@ -135,7 +135,7 @@ def test_mxfp4_experts_under_auto_run_their_exact_int8_form(mxfp4_folder, caplog
     the kernel's (activations rounded to int8 per 32): prompt logprobs within 0.02 of the dequantized float model
     (measured 0.0064 at most, 0.001 on average; the re-quantized int4 form moved them by up to 0.21)."""
     folder, _ = mxfp4_folder
-    with caplog.at_level(logging.INFO, logger="cpllm.model.llama"):
+    with caplog.at_level(logging.INFO, logger="cpllm.model.families.llama"):
         auto = run_mxfp4(folder, "auto")
     assert "mlp.experts.gate_up_proj: int8 (stored MXFP4, run as its exact 8-bit form) x2" in caplog.text
     exact = run_mxfp4(folder, "none")
@@ -167,9 +167,9 @@ def _rank_blocks(folder: str, tp: int, pcp: int, ep: bool, quantization: str = "
     """Layer 0's MoE block on every rank of a TP x PCP layout, built and loaded in this process (no group)."""
     from cpllm.context_parallel.attention import CPComm
     from cpllm.distributed.groups import PCPSplit
-    from cpllm.model.gpt_oss import GptOssForCausalLM
+    from cpllm.model.families.gpt_oss import GptOssForCausalLM
     from cpllm.model.layers import TPShard
-    from cpllm.model.moe_placement import MoEShard
+    from cpllm.model.moe.placement import MoEShard
 
     source = open_weights(folder)
     config = dataclasses.replace(source.config, quantization=quantization)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cpllm.config import ParallelConfig
+from cpllm.config.engine import ParallelConfig
 from cpllm.distributed import comm
 from cpllm.distributed.groups import ParallelGroups
 from cpllm.distributed.parallel_dims import GROUP_KINDS, ParallelDims

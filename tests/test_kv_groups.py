@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from cpllm.config import ModelConfig, SchedulerConfig
+from cpllm.config.engine import ModelConfig, SchedulerConfig
 from cpllm.engine.kv_blocks import BlockPool
 from cpllm.engine.request import Request, RequestStatus
 from cpllm.engine.sampling_params import SamplingParams

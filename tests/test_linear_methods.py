@@ -18,8 +18,8 @@ from cpllm.model.layers import (ColumnParallelLinear, ParallelLMHead, RowParalle
 from cpllm.model.formats.experts import FloatExperts, OneDNNExperts
 from cpllm.model.formats.methods import (ConcatenatedWeights, FloatHead, FloatWeight, GroupedWeight, OneDNNWeight,
                                         RefinedInt8Rows, StoredInt8Rows)
-from cpllm.model.llama import LlamaForCausalLM
-from cpllm.model.loader import open_weights
+from cpllm.model.families.llama import LlamaForCausalLM
+from cpllm.model.loaders.loader import open_weights
 from cpllm.model.formats.groups import quantize_int4, quantize_int8
 from cpllm.model.formats.group_kernels import Int4Linear
 from cpllm.model.formats.report import weight_bytes

@@ -10,9 +10,9 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import dequantize
 
-import cpllm.model.default_model as default_model
-from cpllm.model import gguf_source
-from cpllm.model.loader import WeightSource, open_weights
+import cpllm.model.loaders.default_model as default_model
+from cpllm.model.loaders import gguf_source
+from cpllm.model.loaders.loader import WeightSource, open_weights
 
 import tiny_models as tm  # tests/ is on sys.path under pytest
 

@@ -17,8 +17,8 @@ import math
 import pytest
 import torch
 
-from cpllm.config_deepseek import MLAConfig
-from cpllm.config_rope import resolve_rope_scaling
+from cpllm.config.deepseek import MLAConfig
+from cpllm.config.rope import resolve_rope_scaling
 from cpllm.context_parallel.attention import CPComm
 from cpllm.context_parallel.backend import AttentionBackend
 from cpllm.context_parallel.kv_layout import KVLayout

@@ -20,14 +20,14 @@ from gguf import GGMLQuantizationType as QType
 from gguf.quants import dequantize, quantize
 
 from cpllm import LLM
-from cpllm.config import ParallelConfig
+from cpllm.config.engine import ParallelConfig
 from cpllm.context_parallel.attention import CPComm
 from cpllm.distributed.groups import PCPSplit
 from cpllm.model.layers import TPShard
-from cpllm.model.llama import LlamaForCausalLM
-from cpllm.model.loader import open_weights
-from cpllm.model.moe import expert_bytes, moe_blocks
-from cpllm.model.moe_placement import MoEShard
+from cpllm.model.families.llama import LlamaForCausalLM
+from cpllm.model.loaders.loader import open_weights
+from cpllm.model.moe.sparse_block import expert_bytes, moe_blocks
+from cpllm.model.moe.placement import MoEShard
 from parallel_helpers import (
     BLOCK_SIZE,
     MAX_MODEL_LEN,
@@ -211,7 +211,7 @@ def test_expert_bytes_per_rank_and_placement(launches, ep, caplog):
     every expert weight exactly once (rows under expert-TP, whole experts under EP); the start-up log says so."""
     folder = launches.folder("qwen3_moe")
     (single,) = _rank_models(folder, 1, 1, ep)
-    with caplog.at_level(logging.INFO, logger="cpllm.model.llama"):
+    with caplog.at_level(logging.INFO, logger="cpllm.model.families.llama"):
         ranks = _rank_models(folder, 2, 2, ep)
     assert [expert_bytes(m) for m in ranks] == [expert_bytes(single) // 4] * 4
     placed = ("expert parallel over TP x PCP = 4 ranks, 2 of 8 whole experts per rank" if ep else
@@ -244,7 +244,7 @@ def test_unplaceable_experts_refused_at_config_time(launches, options, message):
 
 
 def test_unsupported_features_refused():
-    from cpllm.config import ModelConfig
+    from cpllm.config.engine import ModelConfig
 
     base = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16)

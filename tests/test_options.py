@@ -10,7 +10,7 @@ import inspect
 import pytest
 
 from cpllm.cli import build_parser
-from cpllm.config_speculative import speculative_config
+from cpllm.config.speculative import speculative_config
 from cpllm.engine.llm import LLM, build_engine_config
 from cpllm.engine_args import engine_flags, engine_kwargs
 from cpllm.engine_options import CONFIG_OPTIONS, ENGINE_OPTIONS, OPTIONS, config_field_default, resolve_options

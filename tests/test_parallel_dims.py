@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from cpllm.bench.common import BenchLayout, parse_layout
-from cpllm.config import ModelConfig, ParallelConfig
+from cpllm.config.engine import ModelConfig, ParallelConfig
 from cpllm.distributed.groups import ParallelGroups
 from cpllm.distributed.parallel_dims import ParallelDims
 from cpllm.planner.plan import valid_layouts

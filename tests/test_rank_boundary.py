@@ -14,13 +14,13 @@ import pytest
 
 import tiny_models as tm  # tests/ is on sys.path under pytest
 from cpllm import LLM, SamplingParams
-from cpllm.config import PREFILL_STRATEGIES
+from cpllm.config.engine import PREFILL_STRATEGIES
 from cpllm.engine.data_parallel import DataParallelFront
 from cpllm.worker.rank_stats import RankInfo, RankStats
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-RANK_SIDE_MODULES = ("cpllm.worker.runner", "cpllm.model.llama", "cpllm.model.fused_decode",
-                     "cpllm.model.decode_graph")
+RANK_SIDE_MODULES = ("cpllm.worker.runner", "cpllm.model.families.llama", "cpllm.model.execution.fused_decode",
+                     "cpllm.model.execution.decode_graph")
 """Modules that hold a rank's runner or model: within cpllm only the rank side imports them."""
 
 

@@ -13,11 +13,11 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from cpllm import LLM, SamplingParams
-from cpllm.config import ModelConfig
+from cpllm.config.engine import ModelConfig
 from cpllm.engine.llm import build_engine_config
 from cpllm.model.rope import RotaryEmbedding, rope_parameters, yarn_mscale
-from cpllm.model.loader import open_weights
-from cpllm.model.safetensors_source import read_hf_config
+from cpllm.model.loaders.loader import open_weights
+from cpllm.model.loaders.safetensors_source import read_hf_config
 from reference import check_against_hf, hf_greedy
 from tiny_models import make_tiny_hf_model, save_tiny_gguf, save_tiny_hf_model
 

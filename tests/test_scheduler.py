@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from cpllm.config import SchedulerConfig
+from cpllm.config.engine import SchedulerConfig
 from cpllm.engine.kv_blocks import BlockPool
 from cpllm.engine.request import Request, RequestStatus
 from cpllm.engine.sampling_params import SamplingParams

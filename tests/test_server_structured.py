@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from cpllm.model.default_model import default_model_path
+from cpllm.model.loaders.default_model import default_model_path
 from cpllm.server.process import ServerProcess
 
 try:

@@ -14,7 +14,7 @@ import logging
 import pytest
 
 from cpllm import LLM, SamplingParams
-from cpllm.model.safetensors_source import read_hf_config
+from cpllm.model.loaders.safetensors_source import read_hf_config
 from reference import check_against_hf, hf_greedy
 from test_engine_vs_hf import random_prompts
 from tiny_window_models import WINDOW, make_tiny_window_model, save_tiny_window_model
@@ -69,7 +69,7 @@ def test_the_window_changes_the_reference(tiny):
 
 def test_batch_of_mixed_lengths(tiny, caplog):
     family, folder, prompts, refs = tiny
-    with caplog.at_level(logging.INFO, logger="cpllm.model.llama"):
+    with caplog.at_level(logging.INFO, logger="cpllm.model.families.llama"):
         outputs, _ = generate(folder, prompts, GREEDY)
     for output, ref in zip(outputs, refs):
         assert len(output.outputs[0].token_ids) == MAX_TOKENS

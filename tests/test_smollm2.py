@@ -9,7 +9,7 @@ import torch
 
 from cpllm import LLM, SamplingParams
 from cpllm.kernels import int4_matmul
-from cpllm.model.default_model import default_model_path
+from cpllm.model.loaders.default_model import default_model_path
 
 try:
     MODEL = default_model_path()

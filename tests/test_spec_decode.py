@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from cpllm.config_speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig, speculative_config
+from cpllm.config.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig, speculative_config
 from cpllm.engine.draft_length import next_draft_limit
 from cpllm.engine.ngram_drafter import NgramDrafter, longest_match
 from cpllm.engine.rejection_sampler import rejection_sample

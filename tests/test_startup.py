@@ -7,11 +7,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import cpllm.model.gguf_source as gguf_source
-import cpllm.model.tokenizer as tokenizer_module
+import cpllm.model.loaders.gguf_source as gguf_source
+import cpllm.model.tokenization.tokenizer as tokenizer_module
 from cpllm.engine.llm import LLM
-from cpllm.model import loader, tokenizer_cache
-from cpllm.model.tokenizer import load_tokenizer
+from cpllm.model.loaders import loader
+from cpllm.model.tokenization import cache as tokenizer_cache
+from cpllm.model.tokenization.tokenizer import load_tokenizer
 from cpllm.worker.kv_cache import usable_blocks, zeroed_pool
 
 import tiny_models as tm  # tests/ is on sys.path under pytest

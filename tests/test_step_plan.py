@@ -14,7 +14,7 @@ from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.context_parallel.metadata import build_step_batch, shared_key_view
 from cpllm.context_parallel.plan import (FusedLayers, GraphBuckets, RankCapabilities, StepPath, StepPlan,
                                          eager_decode_path, plan_step, single_token_rows)
-from cpllm.model.fused_decode import FusedDecode
+from cpllm.model.execution.fused_decode import FusedDecode
 from cpllm.step import ScheduledChunk
 from step_plans import eager_plan
 
@@ -190,8 +190,8 @@ def test_the_dense_mlp_splits_exactly_when_the_plan_says(tmp_path):
 
     from cpllm.context_parallel.attention import CPComm
     from cpllm.model.layers import TPShard
-    from cpllm.model.llama import LlamaForCausalLM
-    from cpllm.model.loader import open_weights
+    from cpllm.model.families.llama import LlamaForCausalLM
+    from cpllm.model.loaders.loader import open_weights
     from cpllm.worker.rank_capabilities import rank_capabilities
 
     source = open_weights(save_tiny_hf_model(str(tmp_path / "tiny"), seed=4))

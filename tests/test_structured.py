@@ -18,7 +18,7 @@ from tiny_models import save_tiny_hf_model
 
 from cpllm import LLM, SamplingParams
 from cpllm.engine.sampler import Sampler, SamplingRow, make_generator
-from cpllm.model.default_model import default_model_path
+from cpllm.model.loaders.default_model import default_model_path
 from cpllm.structured import GuidedDecodingParams, StructuredOutputsParams
 from cpllm.structured.bitmask import allocate_bitmask, allowed, apply_bitmask_
 from cpllm.structured.grammar import closed_objects

@@ -6,8 +6,8 @@ import importlib.util
 
 import pytest
 
-from cpllm.model.default_model import default_model_path
-from cpllm.model.tokenizer import Tokenizer, load_tokenizer
+from cpllm.model.loaders.default_model import default_model_path
+from cpllm.model.tokenization.tokenizer import Tokenizer, load_tokenizer
 
 import tiny_models as tm  # tests/ is on sys.path under pytest
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cpllm.cli import build_parser
-from cpllm.config import QUANTIZATION_CHOICES
+from cpllm.config.engine import QUANTIZATION_CHOICES
 from cpllm.engine_options import OPTIONS
 from cpllm.kernels import int4_matmul
 from cpllm.model.formats.experts import FloatExperts, GroupedExperts, MXFP4Weight, OneDNNExperts

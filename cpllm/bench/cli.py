@@ -10,7 +10,7 @@ from typing import Any
 from cpllm.bench.common import BenchLayout, machine_info, parse_int_list, parse_layout, parse_str_list, threads_for
 from cpllm.bench.report import print_table, write_json
 
-from cpllm.config import PREFILL_STRATEGIES as STRATEGIES
+from cpllm.config.engine import PREFILL_STRATEGIES as STRATEGIES
 
 
 def _add_output_options(parser: argparse.ArgumentParser, *, plot: bool = True) -> None:

@@ -7,8 +7,8 @@ from typing import Any
 from cpllm.bench.common import BenchLayout, kv_budget_for, threads_for
 from cpllm.engine.llm import LLM
 from cpllm.engine_options import resolve_options
-from cpllm.model.default_model import default_model_path
-from cpllm.model.loader import open_weights
+from cpllm.model.loaders.default_model import default_model_path
+from cpllm.model.loaders.loader import open_weights
 
 BENCH_SETS = ("tensor_parallel_size", "prefill_context_parallel_size", "decode_context_parallel_size",
               "cp_prefill_strategy", "enable_prefix_caching")

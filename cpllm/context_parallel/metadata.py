@@ -116,7 +116,7 @@ class AttentionMetadata:
     """Where the new K/V are stored under pass-Q (only in pass-Q steps with a split prompt chunk)."""
     rows_same_over_pcp: bool = False
     """Every PCP rank holds the same rows in the same order (one PCP rank, or a step of single tokens that are
-    not split over PCP): MoE layers then skip gathering tokens over PCP (cpllm/model/moe.py)."""
+    not split over PCP): MoE layers then skip gathering tokens over PCP (cpllm/model/moe/sparse_block.py)."""
     plan: StepPlan
     """The step's plan (cpllm/context_parallel/plan.py), made once by the runner: its path, prefill strategy, graph
     bucket, MLP and LM-head splits and replica sync; every layer reads it and none re-decides it. A decode team's

@@ -26,14 +26,14 @@ class StepPath(str, enum.Enum):
     request's last token and its drafts, cpllm/step.py): eager layers, the new tokens moved over PCP by the step's
     strategy (`StepPlan.strategy`), single tokens of the step attended to the context beside them."""
     FUSED = "fused"
-    """Single tokens only, one C call per decoder layer on this rank alone (cpllm/model/fused_decode.py)."""
+    """Single tokens only, one C call per decoder layer on this rank alone (cpllm/model/execution/fused_decode.py)."""
     PCP_TEAM = "pcp-team"
-    """Single tokens only, fused layers run by the PCP ranks of one host as a team (cpllm/model/decode_team.py):
+    """Single tokens only, fused layers run by the PCP ranks of one host as a team (cpllm/model/execution/decode_team.py):
     every row on every member, each request's own context slots."""
     TP_TEAM = "tp-team"
     """As PCP_TEAM, the team being the TP ranks (PCP = 1), each running its weight shards."""
     COMPILED = "compiled"
-    """Single tokens only, each layer one torch.compile graph (cpllm/model/decode_graph.py); a rank holding its
+    """Single tokens only, each layer one torch.compile graph (cpllm/model/execution/decode_graph.py); a rank holding its
     replica alone."""
     ONE_SHARD = "one-shard"
     """Single tokens only, eager layers, each request's whole context in this rank's pools: store, then one
@@ -76,7 +76,7 @@ class StepPlan:
     """After the forward, the K/V of the decode rows reach the other PCP copies (cpllm/context_parallel/
     replica_sync.py): a step of split single tokens, each computed and stored by one copy only."""
     graph_bucket: int | None = None
-    """The captured CUDA graph (its batch size) the step replays (cpllm/worker/cuda_graphs.py); None: eager."""
+    """The captured CUDA graph (its batch size) the step replays (cpllm/model/execution/cuda_graphs.py); None: eager."""
     mlp_split: bool = False
     """The dense MLPs compute 1/PCP of their columns each and gather them (cpllm/model/mlp_split.py): every PCP
     rank holds the same rows of single tokens on the eager layers."""
@@ -102,14 +102,14 @@ class StepPlan:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class FusedLayers:
-    """What this rank's fused decode layers take (cpllm/model/fused_decode.py `FusedDecode.capability`)."""
+    """What this rank's fused decode layers take (cpllm/model/execution/fused_decode.py `FusedDecode.capability`)."""
 
     max_rows: int | None = None
     """Most rows a step runs fused (None: any number)."""
     needs_team: bool = False
     """Steps run fused only as a team: the KV cache is sharded over its ranks, or the weights are."""
     team: StepPath | None = None
-    """PCP_TEAM or TP_TEAM where the ranks formed a decode team (cpllm/model/decode_team.py); None: alone."""
+    """PCP_TEAM or TP_TEAM where the ranks formed a decode team (cpllm/model/execution/decode_team.py); None: alone."""
     team_rows: int = 0
     """Most rows the team's shared buffers hold (0 without a team)."""
 
@@ -120,7 +120,7 @@ class FusedLayers:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class GraphBuckets:
-    """The decode steps captured as CUDA graphs on this rank (cpllm/worker/cuda_graphs.py)."""
+    """The decode steps captured as CUDA graphs on this rank (cpllm/model/execution/cuda_graphs.py)."""
 
     sizes: tuple[int, ...]
     """Batch sizes captured, ascending."""
@@ -148,7 +148,7 @@ class RankCapabilities:
     fused: FusedLayers | None = None
     """The fused decode layers (None: the model has none, or they do not fit this rank's pools or layout)."""
     compiled: bool = False
-    """Decode steps run compiled (--compile-decode, cpllm/model/decode_graph.py)."""
+    """Decode steps run compiled (--compile-decode, cpllm/model/execution/decode_graph.py)."""
     graphs: GraphBuckets | None = None
     """The captured CUDA graphs (None: decode steps run eager; the reason was logged at start)."""
     mlp_split: bool = False

@@ -18,7 +18,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from cpllm.config import ParallelConfig
+from cpllm.config.engine import ParallelConfig
 from cpllm.distributed.comm import Group
 from cpllm.distributed.parallel_dims import GROUP_KINDS, ParallelDims
 from cpllm.distributed.shm_group import available, host_key, open_shm_group

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cpllm.config import ParallelConfig
+from cpllm.config.engine import ParallelConfig
 from cpllm.distributed.groups import ParallelGroups
 from cpllm.distributed.rank_processes import WorkerHandles, joined_key
 

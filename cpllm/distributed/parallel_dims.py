@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from cpllm.config_moe import check_moe_placement
+from cpllm.config.moe import check_moe_placement
 
 SHARDED, REPLICATED = "sharded", "replicated"
 KV_CACHE_LAYOUTS = (SHARDED, REPLICATED)
@@ -158,7 +158,7 @@ class ParallelDims:
     # ---- the rules that need the model -----------------------------------------------------------------------
 
     def validate(self, model: Any) -> None:
-        """Every rule the model's shapes put on the layout (`model`: a cpllm.config ModelConfig, which imports this
+        """Every rule the model's shapes put on the layout (`model`: a cpllm.config.engine ModelConfig, which imports this
         module), checked before any weight is cut."""
         tp, kv_heads = self.tp, model.num_key_value_heads
         if model.mla is not None and kv_heads != 1:

@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cpllm.config import CacheConfig, EngineConfig, ParallelConfig
+from cpllm.config.engine import CacheConfig, EngineConfig, ParallelConfig
 from cpllm.engine.kv_blocks import BlockPool
 from cpllm.engine.request import Request, RequestStatus
 from cpllm.engine.sampler import make_generator, restricted_probs
-from cpllm.model.loader import open_weights
+from cpllm.model.loaders.loader import open_weights
 from cpllm.step import ScheduledChunk, SchedulerOutput
 
 if TYPE_CHECKING:  # the engine is handed its executor (cpllm/engine/engine.py)

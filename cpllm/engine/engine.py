@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cpllm.config import EngineConfig
-from cpllm.config_deepseek import latent_cache_line
+from cpllm.config.engine import EngineConfig
+from cpllm.config.deepseek import latent_cache_line
 from cpllm.engine.detokenizer import IncrementalDetokenizer
 from cpllm.engine.draft_model import DraftModel
 from cpllm.engine.kv_blocks import BlockPool
@@ -23,7 +23,7 @@ from cpllm.engine.scheduler import Scheduler
 from cpllm.engine.sequence import RequestState, Sequence, finish_status
 from cpllm.engine.spec_decode import SpecDecodeTotals, SpeculativeDecoding
 from cpllm.kv_groups import kv_groups, length_capacity, window_blocks
-from cpllm.model.tokenizer import Tokenizer
+from cpllm.model.tokenization.tokenizer import Tokenizer
 from cpllm.structured.manager import StructuredOutputManager
 from cpllm.step import SchedulerOutput, output_positions
 

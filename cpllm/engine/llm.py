@@ -8,16 +8,16 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from cpllm.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
-from cpllm.config_rope import rope_context_length
-from cpllm.config_speculative import speculative_config
+from cpllm.config.engine import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from cpllm.config.rope import rope_context_length
+from cpllm.config.speculative import speculative_config
 from cpllm.engine.outputs import RequestOutput
 from cpllm.engine.sampling_params import SamplingParams
 from cpllm.engine_options import CONFIG_OPTIONS, config_fields, keyword_signature, resolve_options
 from cpllm.launch import create_engine
-from cpllm.model.default_model import default_model_path
-from cpllm.model.loader import open_weights
-from cpllm.model.tokenizer import Tokenizer, load_tokenizer
+from cpllm.model.loaders.default_model import default_model_path
+from cpllm.model.loaders.loader import open_weights
+from cpllm.model.tokenization.tokenizer import Tokenizer, load_tokenizer
 
 
 def build_engine_config(model: str | None = None, **options: Any) -> EngineConfig:

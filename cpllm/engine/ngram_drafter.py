@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cpllm.config_speculative import SpeculativeConfig
+from cpllm.config.speculative import SpeculativeConfig
 
 
 class NgramDrafter:

@@ -17,13 +17,13 @@ import logging
 import time
 from collections.abc import Callable
 
-from cpllm.config import EngineConfig
+from cpllm.config.engine import EngineConfig
 from cpllm.engine.engine import LLMEngine, SchedulerTotals
 from cpllm.engine.outputs import RequestOutput
 from cpllm.engine.replica_handle import ReplicaHandle, restart_delay
 from cpllm.engine.replica_link import FrontLink, ReplicaHealth
 from cpllm.engine.sampling_params import SamplingParams
-from cpllm.model.tokenizer import Tokenizer
+from cpllm.model.tokenization.tokenizer import Tokenizer
 from cpllm.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)

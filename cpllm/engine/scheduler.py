@@ -16,7 +16,7 @@ import bisect
 from collections import deque
 from collections.abc import Sequence
 
-from cpllm.config import SchedulerConfig
+from cpllm.config.engine import SchedulerConfig
 from cpllm.engine.kv_blocks import BlockPool, extend_hashes
 from cpllm.engine.request import Request, RequestStatus
 from cpllm.kv_groups import FREED_BLOCK, KVGroupSpec, first_kept_block, max_chunk

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cpllm.config_speculative import SpeculativeConfig
+from cpllm.config.speculative import SpeculativeConfig
 from cpllm.engine.draft_length import next_draft_limit
 from cpllm.engine.ngram_drafter import NgramDrafter
 from cpllm.engine.request import Request

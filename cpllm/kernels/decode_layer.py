@@ -1,6 +1,6 @@
 """The fused decode layer's arguments (cpllm/kernels/decode_layer.c), checked before C follows them.
 
-cpllm/model/fused_decode.py packs each layer's weights once (`layer_spec`: every weight's shape checked against the
+cpllm/model/execution/fused_decode.py packs each layer's weights once (`layer_spec`: every weight's shape checked against the
 layer's sizes, at load) and calls the layer function per layer; `step_spec` builds the one StepSpec a step's layers
 share, after the O(1) checks of what the C code trusts about the tensors it points into (dtype, contiguity, batch
 sizes that agree). The indices' values are checked in C as the kernels read them (kernel_status.h), and
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from cpllm.config import QUANT_GROUP
+from cpllm.config.engine import QUANT_GROUP
 from cpllm.kernels.decode_attention import POOL_DTYPES, positions_per_unit
 from cpllm.kernels.int4_matmul import BLOCK_ROWS
 from cpllm.kernels.structs import LINEAR_F32, LINEAR_INT4, LayerSpec, LinearSpec, StepSpec

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from cpllm.config import QUANT_GROUP
+from cpllm.config.engine import QUANT_GROUP
 from cpllm.kernels.library import load, load_bound
 
 BLOCK_ROWS = 16

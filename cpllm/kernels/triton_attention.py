@@ -10,7 +10,7 @@ what the CP layer merges with other ranks' partials. A request with no context g
 
 The grid is fixed by (B, Hkv, splits) and the slot table's width, never by the lengths, which the kernels read
 from device memory: a CUDA graph captured for a batch size replays for any lengths up to that width
-(cpllm/worker/cuda_graphs.py). Runs on CUDA, and on the CPU under Triton's interpreter (TRITON_INTERPRET=1, set
+(cpllm/model/execution/cuda_graphs.py). Runs on CUDA, and on the CPU under Triton's interpreter (TRITON_INTERPRET=1, set
 before triton is imported), which is how tests/test_triton_attention.py checks it against float64 attention.
 
 Before a launch the wrapper checks the shapes, dtypes and devices, then the values the kernels follow into memory:

@@ -5,7 +5,7 @@ A C kernel checks each index in the pass that reads it and returns a status; a T
 its wrapper checks the values first, in one fused pass of tensor ops. On CUDA reading that verdict is a device
 sync, so a table already checked is not checked again while it is unchanged (`CheckedTables`: the layers of a step
 share their tables, and pay one check per step), and nothing is checked while a CUDA graph is being captured (no
-value can be read then; a replay reads the tables the runner fills in place, cpllm/worker/cuda_graphs.py).
+value can be read then; a replay reads the tables the runner fills in place, cpllm/model/execution/cuda_graphs.py).
 """
 
 from __future__ import annotations

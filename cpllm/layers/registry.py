@@ -20,7 +20,7 @@ BACKENDS.update(gqa_triton.BACKENDS)
 """Backend name -> "module:Class" (imported on first use), or a factory (a test's stand-in kind)."""
 
 GRAPH_CAPTURABLE: frozenset[str] = frozenset(gqa_triton.GRAPH_CAPTURABLE)
-"""Backends whose decode steps CUDA graphs can capture (cpllm/worker/cuda_graphs.py)."""
+"""Backends whose decode steps CUDA graphs can capture (cpllm/model/execution/cuda_graphs.py)."""
 
 
 def kind_of(config) -> LayerKind:

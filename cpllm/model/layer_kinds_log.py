@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from cpllm.config_attention import SLIDING, layer_kind
+from cpllm.config.attention import SLIDING, layer_kind
 from cpllm.kv_groups import group_cache_spec, kv_groups
 from cpllm.layers.cache_spec import LATENT
 

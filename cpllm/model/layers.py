@@ -21,7 +21,7 @@ from cpllm.kernels.rms_norm import rms_norm
 from cpllm.model.formats.methods import (EmbeddingRows, FloatHead, FloatRows, FloatWeight, FusedWeight, HeadMethod,
                                          LinearMethod, load_embedding, load_head, load_linear)
 from cpllm.model.formats.plan import WeightPlan
-from cpllm.model.loader import WeightSource
+from cpllm.model.loaders.loader import WeightSource
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from cpllm.distributed.comm import all_gather
 from cpllm.distributed.groups import PCPSplit
 from cpllm.model.layers import ColumnParallelLinear, RowParallelLinear, RowRange, TPShard
-from cpllm.model.loader import WeightSource
+from cpllm.model.loaders.loader import WeightSource
 
 
 def can_split(shard_rows: int, hidden: int, pcp_size: int) -> bool:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from cpllm.model.deepseek import DeepseekForCausalLM
-from cpllm.model.gemma import GemmaForCausalLM
-from cpllm.model.gpt_oss import GptOssForCausalLM
-from cpllm.model.llama import LlamaForCausalLM
+from cpllm.model.families.deepseek import DeepseekForCausalLM
+from cpllm.model.families.gemma import GemmaForCausalLM
+from cpllm.model.families.gpt_oss import GptOssForCausalLM
+from cpllm.model.families.llama import LlamaForCausalLM
 
 MODEL_CLASSES: dict[str, type[torch.nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

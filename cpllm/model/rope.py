@@ -1,7 +1,7 @@
 """Rotary position embedding (rotate-half layout, as in Hugging Face Llama), with its scaling types.
 
 Every family builds its tables here, from config.json's `rope_scaling` as ModelConfig resolved it
-(cpllm/config_rope.py: the types, their checks and defaults):
+(cpllm/config/rope.py: the types, their checks and defaults):
 
 - default: inv_freq[i] = theta ** (-2i / d);
 - linear: every frequency divided by `factor` (positions interpolated);
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from cpllm.config_rope import rope_attention_factor, rope_type, yarn_mscale
+from cpllm.config.rope import rope_attention_factor, rope_type, yarn_mscale
 
 __all__ = ["RotaryEmbedding", "apply_rope", "rope_attention_factor", "rope_inv_freq", "rope_parameters",
            "yarn_mscale"]
@@ -37,7 +37,7 @@ def _plain_inv_freq(dim: int, base: float) -> torch.Tensor:
 def _original_length(scaling: dict[str, Any]) -> float:
     if "original_max_position_embeddings" not in scaling:
         raise ValueError(f"rope_scaling {scaling!r} has no original_max_position_embeddings; build it through "
-                         "ModelConfig (cpllm.config_rope.resolve_rope_scaling fills it in)")
+                         "ModelConfig (cpllm.config.rope.resolve_rope_scaling fills it in)")
     return scaling["original_max_position_embeddings"]
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from cpllm.bench.ceiling import matmul_gflops, matvec_gbps
-from cpllm.config import ModelConfig
+from cpllm.config.engine import ModelConfig
 from cpllm.context_parallel.sdpa import attention_with_lse
 from cpllm.planner.calibrate_pair import pair_figures
 from cpllm.planner.hardware import HardwareSpec

@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from cpllm.config import ModelConfig
+from cpllm.config.engine import ModelConfig
 from cpllm.distributed.parallel_dims import ParallelDims, kv_heads_of_tp_rank
 from cpllm.kv_groups import full_cache_spec
 from cpllm.planner.hardware import HardwareSpec

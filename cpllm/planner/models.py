@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from cpllm.config import ModelConfig
+from cpllm.config.engine import ModelConfig
 
 BUILTIN_MODELS: dict[str, dict] = {
     # Llama 3.1 405B (the paper's model): 126 layers, 128 query / 8 KV heads of 128.
@@ -35,7 +35,7 @@ def load_model_shape(spec: str) -> ModelConfig:
         with open(spec) as handle:
             return ModelConfig.from_hf_config(json.load(handle))
     if spec.endswith(".gguf"):
-        from cpllm.model.loader import open_weights
+        from cpllm.model.loaders.loader import open_weights
 
         return open_weights(spec).config
     raise ValueError(f"model {spec!r} is neither a built-in name ({', '.join(BUILTIN_MODELS)}), a config.json, "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from cpllm.config import ModelConfig
+from cpllm.config.engine import ModelConfig
 from cpllm.distributed.parallel_dims import ParallelDims, valid_dcp_sizes
 from cpllm.planner.cost_model import CostModel
 from cpllm.planner.strategy import StepSizes, choose

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cpllm.config import ModelConfig, ParallelConfig
+from cpllm.config.engine import ModelConfig, ParallelConfig
 from cpllm.distributed.parallel_dims import ParallelDims
 from cpllm.planner.cost_model import CostModel, Precision
 from cpllm.planner.hardware import HardwareSpec, builtin_hardware

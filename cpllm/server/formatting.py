@@ -9,7 +9,7 @@ import math
 
 from cpllm.engine.outputs import PositionLogprobs, RequestOutput
 from cpllm.engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from cpllm.model.tokenizer import Tokenizer
+from cpllm.model.tokenization.tokenizer import Tokenizer
 from cpllm.server.errors import bad_request, param_of
 from cpllm.server.protocol import SamplingFields
 from cpllm.structured.params import StructuredOutputsParams

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, TypeVar
 
 from cpllm.engine.outputs import PositionLogprobs, RequestOutput
-from cpllm.model.tokenizer import Tokenizer
+from cpllm.model.tokenization.tokenizer import Tokenizer
 from cpllm.server.errors import bad_request
 from cpllm.server.formatting import TokenTexts, clamp
 from cpllm.server.protocol import ChatCompletionRequest, SamplingFields

@@ -9,7 +9,7 @@ import threading
 import llguidance
 import llguidance.hf
 
-from cpllm.model.tokenizer import Tokenizer
+from cpllm.model.tokenization.tokenizer import Tokenizer
 from cpllm.structured.grammar import grammar_text
 from cpllm.structured.params import StructuredOutputsParams
 

@@ -7,7 +7,7 @@ import logging
 import llguidance
 import torch
 
-from cpllm.model.tokenizer import Tokenizer
+from cpllm.model.tokenization.tokenizer import Tokenizer
 from cpllm.structured.bitmask import allocate_bitmask
 from cpllm.structured.compiler import GrammarCompiler
 from cpllm.structured.params import StructuredOutputsParams

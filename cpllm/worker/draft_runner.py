@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from cpllm.config import EngineConfig
+from cpllm.config.engine import EngineConfig
 from cpllm.distributed.groups import ParallelGroups
 from cpllm.kv_groups import kv_groups
 from cpllm.step import SchedulerOutput

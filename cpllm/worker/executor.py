@@ -10,7 +10,7 @@ import contextlib
 
 import torch
 
-from cpllm.config import EngineConfig
+from cpllm.config.engine import EngineConfig
 from cpllm.distributed.comm import broadcast_object
 from cpllm.distributed.groups import ParallelGroups
 from cpllm.distributed.launch import shutdown_distributed

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from cpllm.config import EngineConfig
+from cpllm.config.engine import EngineConfig
 from cpllm.kv_groups import KVGroupSpec, group_block_needs, group_cache_spec, split_blocks
 from cpllm.layers.cache_spec import CacheSpec
 

@@ -12,7 +12,7 @@ def rank_capabilities(groups: ParallelGroups, model, *, kv_groups: int, compiled
     """What this rank can run, once its model is loaded, its pools allocated, its decode team formed (or not) and
     its CUDA graphs captured (or not): `model` the loaded family model (its `fused_decode`, dense MLPs' decode
     splits and LM head), `kv_groups` the model's KV groups, `compiled` whether decode steps run compiled,
-    `decode_graphs` the captured graphs (cpllm/worker/cuda_graphs.py `DecodeGraphs`, or None)."""
+    `decode_graphs` the captured graphs (cpllm/model/execution/cuda_graphs.py `DecodeGraphs`, or None)."""
     fused = model.fused_decode
     graphs = None
     if decode_graphs is not None:

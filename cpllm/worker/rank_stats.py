@@ -32,7 +32,7 @@ class DecodeLayers:
     """Which implementation runs a rank's decode steps (fixed once the rank has started)."""
 
     fused: bool
-    """Fused decode layers were built (one C call per decoder layer, cpllm/model/fused_decode.py)."""
+    """Fused decode layers were built (one C call per decoder layer, cpllm/model/execution/fused_decode.py)."""
     fused_max_rows: int | None
     """Most rows the fused layers take in one step; None: as many as the batch (or the team's buffers) holds."""
     fused_tensor_parallel: bool
@@ -70,4 +70,4 @@ class RankStats:
     compiled_steps: int
     """Steps the compiled decode graph ran."""
     graph_replays: int = 0
-    """Decode steps replayed as a CUDA graph (cpllm/worker/cuda_graphs.py)."""
+    """Decode steps replayed as a CUDA graph (cpllm/model/execution/cuda_graphs.py)."""

@@ -9,7 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from cpllm.config import EngineConfig
+from cpllm.config.engine import EngineConfig
 from cpllm.context_parallel.attention import CPComm
 from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.context_parallel.metadata import StepBatch, build_step_batch
@@ -17,17 +17,17 @@ from cpllm.context_parallel.plan import RankCapabilities, StepPath, StepPlan, pl
 from cpllm.context_parallel.replica_sync import sync_replicas
 from cpllm.distributed.comm import all_reduce
 from cpllm.distributed.groups import ParallelGroups
-from cpllm.model.decode_graph import CompiledDecode
-from cpllm.model.decode_team import DecodeTeam
+from cpllm.model.execution.decode_graph import CompiledDecode
+from cpllm.model.execution.decode_team import DecodeTeam
 from cpllm.model.layers import TPShard
-from cpllm.model.llama import local_kv_heads
-from cpllm.model.loader import open_weights
-from cpllm.model.moe_placement import MoEShard
+from cpllm.model.families.llama import local_kv_heads
+from cpllm.model.loaders.loader import open_weights
+from cpllm.model.moe.placement import MoEShard
 from cpllm.model.registry import model_class
 from cpllm.kv_groups import kv_groups, layer_groups
 from cpllm.planner.runtime import StepStrategy, device_hardware, engine_cost
 from cpllm.step import SchedulerOutput, output_positions
-from cpllm.worker.cuda_graphs import decode_graphs_for
+from cpllm.model.execution.cuda_graphs import decode_graphs_for
 from cpllm.worker.kv_cache import allocate_kv_cache, group_block_counts, layer_bytes_per_block, layer_cache_spec
 from cpllm.worker.rank_capabilities import rank_capabilities
 from cpllm.worker.rank_stats import DecodeLayers, KVCapacity, RankInfo, RankStats
@@ -94,7 +94,7 @@ class ModelRunner:
 
     def _form_decode_team(self) -> None:
         """The PCP ranks (or, with TP and PCP = 1, the TP ranks) of one host run fused decode steps as one team
-        (cpllm/model/decode_team.py); every rank of the group calls this alike. Without a team, a sharded layout's
+        (cpllm/model/execution/decode_team.py); every rank of the group calls this alike. Without a team, a sharded layout's
         decode steps and tensor-parallel ones run eager."""
         fused = self.model.fused_decode
         if fused is None or fused.team_size < 2:
@@ -173,7 +173,7 @@ class ModelRunner:
         return logits if self.is_driver else None
 
     def _replay(self, batch: StepBatch, plan: StepPlan) -> torch.Tensor | None:
-        """Hidden states of every row by one replay of the CUDA graph the plan chose (worker/cuda_graphs.py), or
+        """Hidden states of every row by one replay of the CUDA graph the plan chose (model/execution/cuda_graphs.py), or
         None: the step runs eager."""
         if plan.graph_bucket is not None:
             return self.decode_graphs.run(batch)

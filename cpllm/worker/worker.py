@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cpllm.config import EngineConfig
+from cpllm.config.engine import EngineConfig
 from cpllm.distributed.comm import broadcast_object
 from cpllm.distributed.groups import ParallelGroups
 from cpllm.worker.runner import ModelRunner

@@ -103,7 +103,7 @@ def attend_gathered_decode(q, k_ctx, v_ctx, decode, scale: float, score_mod=None
 def attend_pooled_single_tokens(q, k_pool, v_pool, decode, scale: float) -> torch.Tensor:
     """Single-token queries against their whole context in these pools: each query sees at least itself, so no
     partial is merged and only out [B, Hq, D] returns."""
-    if torch.compiler.is_compiling():  # the compiled decode step (cpllm/model/decode_graph.py)
+    if torch.compiler.is_compiling():  # the compiled decode step (cpllm/model/execution/decode_graph.py)
         if _kernel_applies(q, k_pool, decode):  # the C kernel, as one opaque op of the graph
             return pooled_decode_attention(q, k_pool, v_pool, decode.slots, decode.lengths, decode.key_mask,
                                            decode.shared_keys, scale)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cpllm.config_deepseek import MLAConfig
+from cpllm.config.deepseek import MLAConfig
 from cpllm.context_parallel.attention import CPComm, PagedCPAttention
 from cpllm.context_parallel.backend import AttentionBackend
 from cpllm.context_parallel.merge import merge_two
@@ -39,7 +39,7 @@ from cpllm.context_parallel.metadata import AttentionMetadata
 from cpllm.layers.mla.backend import MLAPagedBackend
 from cpllm.context_parallel.plan import StepPath
 from cpllm.model.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, RowRange, TPShard
-from cpllm.model.loader import WeightSource
+from cpllm.model.loaders.loader import WeightSource
 from cpllm.model.rope import apply_rope
 
 LATENT_NORM_EPS = 1e-6
@@ -105,7 +105,7 @@ class MLAAttention(torch.nn.Module):
 
     def _joined_kv_b(self, source: WeightSource) -> torch.Tensor:
         """kv_b_proj's rows of this rank's heads [H_local, nope + v, r] from llama.cpp's split form (a GGUF file:
-        k_b [H, r, nope], the key rows transposed, and v_b [H, v, r]; cpllm/model/gguf_deepseek.py)."""
+        k_b [H, r, nope], the key rows transposed, and v_b [H, v, r]; cpllm/model/loaders/gguf_deepseek.py)."""
         first = self.kv_b_rows[0] // self.kv_b.shape[1]
         dtype = self.kv_b.dtype
         k_b = source.get(self.kv_b_name.replace("kv_b_proj", "k_b_proj"), dtype=dtype)[first:first + self.heads]

@@ -1,7 +1,7 @@
 """Weight formats: how each weight is held and multiplied, and the one registry that picks a format.
 
 - modes.py: the quantization modes (`--quantization`; QUANTIZATION_CHOICES is its table's keys), each a rule for
-  which format a tensor runs in given how it is stored. Torch-free (cpllm.config reads it), which is why this
+  which format a tensor runs in given how it is stored. Torch-free (cpllm.config.engine reads it), which is why this
   package's __init__ imports nothing.
 - plan.py: the rule applied to one tensor: a WeightPlan (format name and why) per linear, embedding, head and
   stack of routed experts.

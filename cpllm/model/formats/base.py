@@ -13,7 +13,7 @@ Ranges = list[tuple[str, int, int]]
 
 @dataclass(frozen=True, slots=True)
 class FusedWeight:
-    """How the fused decode layer (cpllm/model/fused_decode.py) reads one linear: a single kernel over one tensor."""
+    """How the fused decode layer (cpllm/model/execution/fused_decode.py) reads one linear: a single kernel over one tensor."""
 
     kind: str
     """"int4" (the VNNI kernel's packed 4-bit groups) or "float32" (a plain [in, out] float32 weight)."""

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from cpllm.model.formats.experts import ExpertMethod, ExpertReader, FloatExperts
     from cpllm.model.formats.float_weight import FloatWeight
     from cpllm.model.formats.lm_head import FloatHead, HeadMethod
-    from cpllm.model.loader import WeightSource
+    from cpllm.model.loaders.loader import WeightSource
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """Expert methods: the routed experts one rank holds, as one object per expert stack that knows its format.
 
-An expert block (cpllm/model/moe_experts.py, cpllm/model/gpt_oss_moe.py) keeps the routing, the activation and
+An expert block (cpllm/model/moe/experts.py, cpllm/model/moe/gpt_oss_block.py) keeps the routing, the activation and
 the biases; its weights are one ExpertMethod, built at load by the format its plan chose (registry.py), and asked,
 never probed:
 

@@ -13,7 +13,7 @@ from cpllm.model.formats.experts import ExpertMethod, ExpertReader, FloatExperts
 from cpllm.model.formats.float_weight import FloatWeight
 from cpllm.model.formats.lm_head import FloatHead
 from cpllm.model.formats.modes import FLOAT
-from cpllm.model.loader import WeightSource
+from cpllm.model.loaders.loader import WeightSource
 
 
 def load_linear(source: WeightSource, ranges: Ranges, dim: int, empty: FloatWeight | None, dtype: torch.dtype

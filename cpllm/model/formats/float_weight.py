@@ -7,7 +7,7 @@ import torch
 from cpllm.model.formats import packed_weights
 from cpllm.model.formats.base import FusedWeight, LinearMethod, Ranges
 from cpllm.model.formats.onednn import OneDNNWeight
-from cpllm.model.loader import WeightSource
+from cpllm.model.loaders.loader import WeightSource
 
 
 class FloatWeight(LinearMethod):

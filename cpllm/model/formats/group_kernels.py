@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cpllm.config import QUANT_GROUP
+from cpllm.config.engine import QUANT_GROUP
 from cpllm.kernels import int4_matmul
 from cpllm.model.formats.groups import Int4Groups, Int8Groups
 

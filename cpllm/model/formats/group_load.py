@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cpllm.model.loader import WeightSource
+from cpllm.model.loaders.loader import WeightSource
 from cpllm.model.formats.groups import Int4Groups, Int8Groups, quantize_int4, quantize_int8
 from cpllm.model.formats.group_kernels import Int4Linear
 from cpllm.model.formats.plan import INT4_STORAGE, INT8_STORAGE

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cpllm.config import QUANT_GROUP
+from cpllm.config.engine import QUANT_GROUP
 
 
 @dataclass(frozen=True, slots=True)

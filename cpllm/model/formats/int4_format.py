@@ -15,7 +15,7 @@ from cpllm.model.formats.group_kernels import Int4Linear
 from cpllm.model.formats.group_load import int4_kernel
 from cpllm.model.formats.grouped import GroupedWeight
 from cpllm.model.formats.mxfp4 import int4_groups
-from cpllm.model.loader import WeightSource
+from cpllm.model.loaders.loader import WeightSource
 
 
 def load_linear(source: WeightSource, ranges: Ranges, dim: int, empty: FloatWeight | None, dtype: torch.dtype

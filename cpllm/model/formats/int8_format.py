@@ -18,7 +18,7 @@ from cpllm.model.formats.grouped import GroupedWeight
 from cpllm.model.formats.lm_head import FloatHead, RefinedInt8Rows
 from cpllm.model.formats.mxfp4 import int8_groups
 from cpllm.model.formats.refined_head import RefinedInt8Head
-from cpllm.model.loader import WeightSource
+from cpllm.model.loaders.loader import WeightSource
 
 
 def load_linear(source: WeightSource, ranges: Ranges, dim: int, empty: FloatWeight | None, dtype: torch.dtype

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from cpllm.model.loader import WeightSource
+from cpllm.model.loaders.loader import WeightSource
 from cpllm.model.formats.group_kernels import Int4Linear
 from cpllm.model.formats.refined_head import REFINED, RefinedInt8Head
 

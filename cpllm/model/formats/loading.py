@@ -14,7 +14,7 @@ from cpllm.model.formats.lm_head import FloatHead, HeadMethod
 from cpllm.model.formats.modes import quantization_mode
 from cpllm.model.formats.plan import NOT_QUANTIZED, WeightPlan, embedding_plan, lm_head_plan, plan_packed
 from cpllm.model.formats.registry import weight_format
-from cpllm.model.loader import WeightSource
+from cpllm.model.loaders.loader import WeightSource
 
 
 Loader = TypeVar("Loader", bound=Callable)

@@ -2,7 +2,7 @@
 
 A mode is a rule, not a format: it says which registered format (cpllm/model/formats/registry.py) a tensor runs
 in given how it is stored; cpllm/model/formats/plan.py applies the rule to each tensor. The CLI's choices and
-`QUANTIZATION_CHOICES` are this table's keys, in its order. Torch-free: cpllm.config reads it.
+`QUANTIZATION_CHOICES` are this table's keys, in its order. Torch-free: cpllm.config.engine reads it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class QuantizationMode:
     """False: every weight runs in FLOAT and no tensor's storage type is looked at (the exact path)."""
     float_weights: str
     """The format a linear weight stored in a float type runs in: FLOAT, or the format it is quantized to at load
-    (an explicit request, whose shapes cpllm.config checks before anything starts)."""
+    (an explicit request, whose shapes cpllm.config.engine checks before anything starts)."""
     refined_int8_head: bool
     """A Q8_0 LM head runs in the int4 kernel with each row's best logits recomputed in float32 (plan.py); other
     modes keep the head in the model dtype."""
@@ -45,7 +45,7 @@ MODES: dict[str, QuantizationMode] = {mode.name: mode for mode in (
     QuantizationMode(name="int4", quantizes=True, float_weights="int4", refined_int8_head=False,
                      mxfp4_experts="int4"),
 )}
-"""Every quantization mode, by name, in the order the CLI lists them (the default: cpllm.config's
+"""Every quantization mode, by name, in the order the CLI lists them (the default: cpllm.config.engine's
 DEFAULT_QUANTIZATION)."""
 
 QUANTIZATION_CHOICES = tuple(MODES)

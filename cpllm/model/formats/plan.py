@@ -14,7 +14,7 @@ int4 = 4-bit codes with a scale and zero per 32 inputs; int8 = 8-bit codes with 
 scheme). GGUF blocks of both run as stored, nothing requantized (cpllm/model/formats/groups.py); float weights are
 quantized at load only when int8 / int4 is asked for. A weight whose input width on this rank is not a multiple
 of QUANT_GROUP (a TP split off the group boundaries) runs in float instead, and says why; explicit int8 / int4
-requests are checked against the model's shapes in cpllm.config, before anything starts.
+requests are checked against the model's shapes in cpllm.config.engine, before anything starts.
 
 The token embedding is a lookup, not a matmul: a Q8_0 one keeps its int8 rows unless the mode is none (exact,
 3.6x smaller than float32), any other is float. The LM head always runs in the model's dtype: the kernel returns
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cpllm.config import QUANT_GROUP
+from cpllm.config.engine import QUANT_GROUP
 from cpllm.model.formats.modes import FLOAT, quantization_mode
 
 INT4_STORAGE = ("Q4_0", "Q4_1", "Q4_K")

@@ -1,0 +1,316 @@
+"""The Llama family (Llama 2/3, Mistral and Qwen2 with or without sliding windows, SmolLM2, Qwen3) in one module,
+also the decoder of the MoE families (Qwen3-MoE, Qwen2-MoE, Mixtral), whose sparse MLPs are cpllm/model/moe/sparse_block.py.
+
+Every rank builds only its TP shard; attention goes through PagedCPAttention,
+which hides context parallelism from the model.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from cpllm.config.engine import ModelConfig
+from cpllm.config.attention import layer_window
+from cpllm.context_parallel.attention import CPComm, PagedCPAttention
+from cpllm.context_parallel.backend import AttentionBackend
+from cpllm.context_parallel.metadata import AttentionMetadata
+from cpllm.distributed.comm import low_latency
+from cpllm.distributed.groups import PCPSplit
+from cpllm.distributed.parallel_dims import kv_heads_of_tp_rank
+from cpllm.kernels.decode_rows import rope_qk_, silu_mul
+from cpllm.layers.gqa_triton.choice import kind_for
+from cpllm.layers.registry import attention_backend
+from cpllm.layers.window.modifier import score_mods
+from cpllm.model.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RMSNorm,
+    RowParallelLinear,
+    RowRange,
+    TPShard,
+    VocabParallelEmbedding,
+)
+from cpllm.model.execution.fused_decode import FusedDecode
+from cpllm.model.loaders.loader import WeightSource
+from cpllm.model.mlp_split import DecodeSplitMLP, can_split
+from cpllm.model.moe.sparse_block import SparseMoEBlock
+from cpllm.model.moe.log import moe_summary_lines
+from cpllm.model.layer_kinds_log import layer_kinds_lines
+from cpllm.model.moe.placement import MoEShard
+from cpllm.model.formats.report import summary_lines
+from cpllm.model.rope import RotaryEmbedding, apply_rope
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_KIND = "gqa"
+"""The family's attention: grouped-query heads over the paged K/V pools (`BACKENDS` in backend.py)."""
+
+
+def local_kv_heads(config: ModelConfig, tp: TPShard) -> tuple[int, int]:
+    """(first KV head, count) held by this rank: split when there are >= TP of them, else replicated."""
+    return kv_heads_of_tp_rank(config.num_key_value_heads, tp.size, tp.rank)
+
+
+class LlamaAttention(torch.nn.Module):
+    def __init__(self, config: ModelConfig, prefix: str, tp: TPShard, comm: CPComm, dtype: torch.dtype,
+                 backend: AttentionBackend | None = None, window: int | None = None):
+        """`window`: this layer's sliding window (Mistral, Qwen2; None: full attention)."""
+        super().__init__()
+        d = config.head_dim
+        self.num_heads = config.num_attention_heads // tp.size
+        first_kv, self.num_kv_heads = local_kv_heads(config, tp)
+        q0 = tp.rank * self.num_heads * d
+        kv0 = first_kv * d
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size,
+            [
+                RowRange(name=f"{prefix}.q_proj", start=q0, end=q0 + self.num_heads * d),
+                RowRange(name=f"{prefix}.k_proj", start=kv0, end=kv0 + self.num_kv_heads * d),
+                RowRange(name=f"{prefix}.v_proj", start=kv0, end=kv0 + self.num_kv_heads * d),
+            ],
+            bias=config.attention_bias,
+            dtype=dtype,
+            quantization=config.quantization,
+        )
+        self.o_proj = RowParallelLinear(
+            f"{prefix}.o_proj", config.num_attention_heads * d, config.hidden_size, tp, dtype, config.quantization
+        )
+        # only a windowed layer names a window: full layers keep every fast path of PagedCPAttention
+        self.attn = PagedCPAttention(comm, scale=d**-0.5, backend=backend, mods=score_mods(window=window))
+        self.window = window
+        self.head_dim = d
+        self.q_norm = self.k_norm = None  # Qwen3: RMSNorm over each head's width before rotary
+        if config.qk_norm:
+            self.q_norm = RMSNorm(f"{prefix}.q_norm.weight", d, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(f"{prefix}.k_norm.weight", d, config.rms_norm_eps, dtype)
+
+    def forward(self, hidden, rope_tables, kv_cache, meta: AttentionMetadata, keep: torch.Tensor | None = None):
+        """`keep`: the rows whose output is needed (every row's K/V is still stored and attended); None: all."""
+        n, d = hidden.shape[0], self.head_dim
+        qkv = self.qkv_proj(hidden)  # [N, (Hq + 2 Hkv) * D]
+        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q, k = q.view(n, self.num_heads, d), k.view(n, self.num_kv_heads, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if not rope_qk_(rope_tables, q, k):  # in place, one C call (eager CPU float32), or torch's ops
+            q = apply_rope(rope_tables, q)  # [N, Hq, D]
+            k = apply_rope(rope_tables, k)  # [N, Hkv, D]
+        v = v.reshape(n, self.num_kv_heads, d)
+        out = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta).reshape(n, self.num_heads * d)  # [N, Hq * D]
+        if keep is not None:
+            if keep.numel() == 0:
+                return out[:0]  # no row wanted: no projection (nor its all-reduce) on any rank
+            out = out.index_select(0, keep)
+        return self.o_proj(out)
+
+
+class LlamaMLP(torch.nn.Module):
+    def __init__(self, config: ModelConfig, prefix: str, tp: TPShard, dtype: torch.dtype,
+                 decode_split: PCPSplit | None = None):
+        """`decode_split`: this rank's place in its PCP group, to split decode-only steps over the PCP ranks (sharded KV
+        layout, PCP > 1, cheap collectives; cpllm/model/mlp_split.py); None: always the whole shard."""
+        super().__init__()
+        shard = config.intermediate_size // tp.size
+        start = tp.rank * shard
+        self.shard = shard
+        self.gate_up_proj = ColumnParallelLinear(
+            config.hidden_size,
+            [
+                RowRange(name=f"{prefix}.gate_proj", start=start, end=start + shard),
+                RowRange(name=f"{prefix}.up_proj", start=start, end=start + shard),
+            ],
+            bias=False,
+            dtype=dtype,
+            quantization=config.quantization,
+        )
+        self.down_proj = RowParallelLinear(f"{prefix}.down_proj", config.intermediate_size, config.hidden_size, tp,
+                                           dtype, config.quantization)
+        self.decode_split = None
+        if decode_split is not None and can_split(shard, config.hidden_size, decode_split.size):
+            self.decode_split = DecodeSplitMLP(prefix, config.hidden_size, start, shard, tp, decode_split, dtype,
+                                               config.quantization)
+
+    def after_load(self, source: WeightSource) -> None:
+        """Once the projections are loaded (their format known): the decode split's slices, or no split where they
+        cannot be sliced (the rank's capabilities then read that no MLP splits: cpllm/worker/rank_capabilities.py)."""
+        if self.decode_split is not None:
+            self.decode_split.load_from(source, self.gate_up_proj, self.down_proj)
+            if not self.decode_split.usable:
+                self.decode_split = None
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
+        # the step's plan says whether the MLPs split (plan.py `StepPlan.mlp_split`: same rows on every PCP rank)
+        if meta is not None and meta.plan.mlp_split and self.decode_split is not None:
+            return self.decode_split(x)
+        gate_up = self.gate_up_proj(x)
+        act = silu_mul(gate_up, self.shard)  # one C call on eager CPU float32 steps (as the fused decode layer)
+        if act is None:
+            gate, up = gate_up.split(self.shard, dim=-1)
+            act = F.silu(gate) * up
+        return self.down_proj(act)
+
+
+class LlamaDecoderLayer(torch.nn.Module):
+    def __init__(self, config: ModelConfig, index: int, tp: TPShard, comm: CPComm, dtype: torch.dtype,
+                 moe: MoEShard | None = None, backend: AttentionBackend | None = None, pcp: PCPSplit | None = None,
+                 max_positions: int | None = None):
+        """`max_positions`: the longest request, against which a layer's window is compared (a window no shorter
+        is no window)."""
+        super().__init__()
+        prefix = f"model.layers.{index}"
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(f"{prefix}.input_layernorm.weight", config.hidden_size, eps, dtype)
+        self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", tp, comm, dtype, backend,
+                                        layer_window(config, index, max_positions))
+        self.post_attention_layernorm = RMSNorm(
+            f"{prefix}.post_attention_layernorm.weight", config.hidden_size, eps, dtype
+        )
+        if config.moe is not None and config.moe.is_sparse(index):
+            shard = moe or MoEShard(tp=tp)
+            self.mlp = SparseMoEBlock(config, f"{prefix}.{config.moe.expert_prefix}", shard, dtype)
+        else:
+            # Replicated layout: PCP ranks hold different tokens. Over gloo's TCP the extra collectives cost more
+            # than the halved weight streaming saves.
+            split = None
+            if not comm.dims.kv_replicated and pcp is not None and low_latency(pcp.group):
+                split = pcp
+            self.mlp = LlamaMLP(config, f"{prefix}.mlp", tp, dtype, split)
+
+    def forward(self, hidden, rope_tables, kv_cache, meta, keep: torch.Tensor | None = None):
+        """`keep`: the rows to compute past attention (the last layer of a step that samples from a few rows)."""
+        attn = self.self_attn(self.input_layernorm(hidden), rope_tables, kv_cache, meta, keep)
+        if keep is not None and keep.numel() == 0:  # no row wanted: the K/V store was all there was to do
+            return hidden[:0]
+        hidden = attn + (hidden if keep is None else hidden.index_select(0, keep))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden), meta)
+
+
+def call_layer(layer: LlamaDecoderLayer, hidden, rope_tables, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    # hidden [N, hidden_size] -> [N, hidden_size]
+    return layer(hidden, rope_tables, kv_cache, meta)
+
+
+class LlamaForCausalLM(torch.nn.Module):
+    """Decoder stack; `forward` returns final hidden states, `logits` applies the LM head to chosen rows."""
+
+    def __init__(self, config: ModelConfig, tp: TPShard, comm: CPComm, dtype: torch.dtype, max_positions: int,
+                 moe: MoEShard | None = None, pcp: PCPSplit | None = None):
+        """`moe`: this rank's place in the MoE group (MoE models; None = this TP group alone). `pcp`: this rank's
+        place in its PCP group, which decode-only steps may split the dense MLPs and the LM head over (None: no
+        split)."""
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.attention_backend = attention_backend(self.attention_kind())
+        """Every layer's attention on this rank (cpllm/context_parallel/backend.py)."""
+        self.embed_tokens = self.embedding(config, tp, dtype)
+        self.layers = torch.nn.ModuleList(
+            self.decoder_layer(config, i, tp, comm, dtype, moe, pcp, max_positions)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = self.final_norm(config, dtype)
+        tied = self.embed_tokens if config.tie_word_embeddings else None
+        # the head split adds one collective per step: only where collectives are cheap
+        head_pcp = pcp if pcp is not None and low_latency(pcp.group) else None
+        self.lm_head = ParallelLMHead(tied, "lm_head.weight", config.vocab_size, h, tp, dtype, config.quantization,
+                                      pcp=head_pcp)
+        self.rope = self.rotary(config, max_positions)
+        self.fused_decode: FusedDecode | None = None
+        """Decode steps one C call per layer, where the loaded layers allow it (set by load_weights)."""
+        self.max_positions = max_positions
+        """The longest request (max_model_len), for the start-up log of the layers' K/V."""
+
+    # ---- what a family built on this stack replaces (Gemma, GPT-OSS, DeepSeek) ----------------------------------
+
+    def attention_kind(self) -> str:
+        """The `BACKENDS` key of every layer's attention (here: GQA, on the Triton kernels on CUDA)."""
+        return kind_for(ATTENTION_KIND)
+
+    def embedding(self, config: ModelConfig, tp: TPShard, dtype: torch.dtype) -> torch.nn.Module:
+        return VocabParallelEmbedding("model.embed_tokens.weight", config.vocab_size, config.hidden_size, tp, dtype,
+                                      config.quantization)
+
+    def decoder_layer(self, config: ModelConfig, index: int, tp: TPShard, comm: CPComm, dtype: torch.dtype,
+                      moe: MoEShard | None, pcp: PCPSplit | None, max_positions: int) -> torch.nn.Module:
+        return LlamaDecoderLayer(config, index, tp, comm, dtype, moe, self.attention_backend, pcp, max_positions)
+
+    def final_norm(self, config: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
+        return RMSNorm("model.norm.weight", config.hidden_size, config.rms_norm_eps, dtype)
+
+    def rotary(self, config: ModelConfig, max_positions: int) -> torch.nn.Module:
+        return RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, max_positions)
+
+    def load_weights(self, source: WeightSource) -> None:
+        for module in list(self.modules()):  # loading swaps in quantized submodules
+            if hasattr(module, "load") and module is not self and module is not self.lm_head:
+                module.load(source)
+        self.lm_head.load(source)  # last: a tied head copies the loaded embedding
+        for module in list(self.modules()):  # after_load adds modules (the decode splits' slices)
+            if hasattr(module, "after_load"):
+                module.after_load(source)
+        for line in summary_lines(self, self.config.quantization) + moe_summary_lines(self) + layer_kinds_lines(self):
+            logger.info("%s", line)
+        reason = self.eager_decode_reason()
+        if reason is not None:
+            logger.info("decode steps: eager layers (%s)", reason)
+            self.fused_decode = None
+        else:
+            self.fused_decode = FusedDecode.build(self)
+
+    def eager_decode_reason(self) -> str | None:
+        """Why this model's decode steps never run the fused C layers (FusedDecode), which compute a Llama layer
+        over the whole context; None: FusedDecode.build decides from the loaded layers."""
+        if any(getattr(layer.self_attn, "window", None) is not None for layer in self.layers):
+            return "sliding-window attention"  # PagedCPAttention applies the window; the C layers do not
+        return None
+
+    def pack_weights(self) -> None:
+        """Attention projections and shared experts in oneDNN's layout (the routed experts pack at load): for models
+        whose float weights no fused decode layer reads in place, and outside compiled graphs (formats/packed_weights.py)."""
+        for layer in self.layers:
+            linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+            shared = getattr(layer.mlp, "shared_expert", None)
+            if shared is not None:
+                linears += [shared.gate_up_proj, shared.down_proj]
+            for linear in linears:
+                linear.prepack()
+
+    @torch.inference_mode()
+    def forward(self, token_ids, positions, kv_caches, meta: AttentionMetadata,
+                keep: torch.Tensor | None = None, layer_meta=None) -> torch.Tensor:
+        """token_ids, positions [N] -> hidden [N, hidden_size] (before the final norm), or [len(keep), hidden_size]:
+        the rows `keep` names, in its order, with the last layer's projections and MLP run on those rows only
+        (each row's result is independent of the others', so the kept rows come out as in the full forward).
+        `layer_meta`: each layer's own metadata (its KV group's block tables), see decoder_stack."""
+        return self.decoder_stack(token_ids, positions, kv_caches, meta, call_layer, self.fused_decode, keep,
+                                  layer_meta)
+
+    def decoder_stack(self, token_ids, positions, kv_caches, meta: AttentionMetadata, run_layer,
+                      fused: FusedDecode | None = None, keep: torch.Tensor | None = None,
+                      layer_meta: tuple[AttentionMetadata, ...] | None = None) -> torch.Tensor:
+        """The forward with each layer run by `run_layer` (`call_layer`, or its compiled form:
+        cpllm/model/execution/decode_graph.py), or by `fused` (one C call per layer) for the steps planned fused.
+        `layer_meta[i]`: layer i's metadata, laid out with its KV group's block tables (cpllm/kv_groups.py: a model
+        with sliding-window and full layers has one table per group); None: `meta` for every layer."""
+        hidden = self.embed_tokens(token_ids)
+        rope_tables = self.rope.tables(positions, hidden.dtype)  # once per step, for every layer
+        if meta.plan.fused:
+            if fused is None:
+                raise RuntimeError(f"step planned {meta.plan.value!r} but these layers run without fused decode")
+            hidden = fused.run(hidden, fused.step_spec(hidden, rope_tables, kv_caches, meta), kv_caches)
+            return hidden if keep is None else hidden.index_select(0, keep)
+        last = len(self.layers) - 1
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            layer_step = meta if layer_meta is None else layer_meta[index]
+            if index == last and keep is not None:
+                return layer(hidden, rope_tables, kv_cache, layer_step, keep)
+            hidden = run_layer(layer, hidden, rope_tables, kv_cache, layer_step)
+        return hidden
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden [M, hidden_size] -> logits [M, vocab] float32
+        return self.lm_head(self.norm(hidden))

@@ -1,0 +1,1 @@
+"""Weights by Hugging Face name from safetensors or GGUF files, and the default model's file."""

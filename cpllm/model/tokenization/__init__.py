@@ -1,0 +1,1 @@
+"""Tokenizers and chat templates, and their on-disk cache."""
