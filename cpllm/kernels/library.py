@@ -6,7 +6,7 @@ built, and the wrapper's caller runs its torch fallback. A library is opened onc
 it first where needed); its functions are typed from `SIGNATURES` and its structs checked against the compiled C
 (structs.py) when it opens.
 
-Data laid out once for a kernel (int4 weights packed for the VNNI kernel, the fused decode layers' specs) has no
+Data laid out once for a kernel (int4 weights packed for the VNNI or AVX2 kernel, the fused decode layers' specs) has no
 fallback left to switch to: its users took their decision at load, when the switch was read, and call
 `load_bound`, which ignores the switch from then on.
 """
@@ -31,6 +31,9 @@ SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
     "rms_norm": {"cpllm_rms_norm": ([_p, _p, _f, _i64, _i64, _i64, _i64, _p, _i], None)},
     "int4_matmul": {"cpllm_int4_matmul": ([_p, _i64, _i, _p, _i, _p, _i], _i),
                     "cpllm_int4_available": ([], _i)},
+    "int4_avx2": {"cpllm_int4_avx2_matmul": ([_p, _i64, _i, _p, _i, _p, _i], _i),
+                  "cpllm_int4_avx2_dequantize": ([_p, _i, _i, _i64, _i64, _p, _i], _i),
+                  "cpllm_int4_avx2_available": ([], _i)},
     "prefill_attention": {"cpllm_prefill_attention": (
         [_p, _i64, _p, _p, _i64, _i, _i, _i, _i, _i, _f, _i, _i, _p, _p], _i)},
     "decode_layer": {"cpllm_decode_layer": _layer_call, "cpllm_decode_layer_tp": _layer_call,

@@ -1,10 +1,13 @@
 """Kernels over 4-bit and 8-bit groups (a linear's int4 / int8 formats); int8 rows for a token embedding.
 
-Two kernels run the 4-bit groups:
+Three kernels run the 4-bit groups:
 - where this CPU has AVX-512 VNNI, cpllm's own (cpllm/kernels/int4_matmul.c): activations quantized to int8 per
   group of 32 (llama.cpp's scheme for its 4-bit matmuls), integer dot products, float32 results; each group's
   step and offset kept in float16. Measured on SmolLM2's 30 layers: 1.5x aten's kernel at batch 1 and 3.7x at
   512 rows (benchmarks/int4_kernel.py).
+- else, where it has AVX2 + FMA + F16C, cpllm's AVX2 kernel (cpllm/kernels/int4_avx2.c) on the same packed
+  layout and arithmetic: integer dot products for few rows (decode), and from a row count measured at start-up
+  (prefill) float32 GEMMs on tiles of the weight dequantized in a transient scratch (cpllm/kernels/int4_choice.py).
 - elsewhere aten's (`_weight_int4pack_mm_for_cpu`), fast only with bfloat16 activations (float32 ones take a
   scalar path, ~10x slower; docs/platform.md, "PyTorch on the CPU"), so the input is cast to bfloat16 and the result back; it keeps
   each group's scale and zero in bfloat16 and returns bfloat16. Its packing wants output rows in multiples of
@@ -18,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from cpllm.config.engine import QUANT_GROUP
-from cpllm.kernels import int4_matmul
+from cpllm.kernels import int4_avx2, int4_choice, int4_matmul
 from cpllm.model.formats.groups import Int4Groups, Int8Groups
 
 KERNEL_DTYPE = torch.bfloat16
@@ -34,22 +37,27 @@ class Int4Linear(torch.nn.Module):
     """
 
     def __init__(self, groups: Int4Groups, repeat_input: int = 1, backend: str | None = None):
-        """`backend`: "vnni" or "aten"; None picks vnni where the kernel is available (see the module)."""
+        """`backend`: "vnni", "avx2" or "aten"; None takes what int4_choice.choose picks for this CPU."""
         super().__init__()
         rows, cols = groups.shape
         if cols % (QUANT_GROUP * repeat_input) != 0:
             raise ValueError(f"a weight of {cols // repeat_input} input columns: the kernel needs a multiple of "
                              f"{QUANT_GROUP}")
         self.in_features, self.out_features, self.repeat_input = cols // repeat_input, rows, repeat_input
-        if backend not in (None, "vnni", "aten"):
-            raise ValueError(f"backend={backend!r}; choose 'vnni', 'aten' or None")
+        if backend not in (None, "vnni", "avx2", "aten"):
+            raise ValueError(f"backend={backend!r}; choose 'vnni', 'avx2', 'aten' or None")
         if backend == "vnni" and not int4_matmul.available():
             raise ValueError("backend='vnni': the VNNI int4 kernel is not built on this machine")
-        self.backend = backend or ("vnni" if int4_matmul.available() else "aten")
+        if backend == "avx2" and not int4_avx2.available():
+            raise ValueError("backend='avx2': the AVX2 int4 kernel is not built on this machine")
+        choice = {None: int4_choice.choose, "avx2": int4_choice.avx2_choice}.get(backend, lambda: None)()
+        self.backend = backend or choice.backend
         """Which kernel runs this layer (see the module)."""
+        self.gemm_from_rows = choice.gemm_from_rows if choice is not None and choice.backend == "avx2" else 0
+        """avx2: rows from which a call runs float32 GEMMs on the dequantized weight (measured at start-up)."""
         self.weight_format = "int8" if repeat_input == 2 else "int4"
         """What the groups hold, for the start-up log's weight bytes (cpllm/model/formats/report.py)."""
-        if self.backend == "vnni":
+        if self.backend in ("vnni", "avx2"):  # one packed layout for both kernels
             self.register_buffer("packed", int4_matmul.pack(groups.codes, groups.d, groups.m))
             return
         pad = -rows % ROW_MULTIPLE
@@ -71,6 +79,9 @@ class Int4Linear(torch.nn.Module):
         if self.backend == "vnni":
             xk = x.repeat(1, self.repeat_input) if self.repeat_input > 1 else x
             return int4_matmul.matmul(xk, self.packed, self.out_features).to(x.dtype)
+        if self.backend == "avx2":
+            xk = x.repeat(1, self.repeat_input) if self.repeat_input > 1 else x
+            return int4_avx2.linear(xk, self.packed, self.out_features, self.gemm_from_rows).to(x.dtype)
         xk = x.to(KERNEL_DTYPE)
         xk = xk.repeat(1, self.repeat_input) if self.repeat_input > 1 else xk.contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xk, self.packed, QUANT_GROUP, self.scales_and_zeros)
