@@ -178,7 +178,7 @@ SERVE_CHANGED: dict[str, tuple[list[str], object]] = {
     "disable_frontend_multiprocessing": (["--disable-frontend-multiprocessing"], True),
     "enable_log_requests": (["--enable-log-requests"], True),
     "reasoning_parser": (["--reasoning-parser", "no_such_parser"], ValueError),
-    "api_server_count": (["--api-server-count", "2"], ValueError),
+    "api_server_count": (["--api-server-count", "2"], 2),
 }
 """server option -> (flags that change it, the value its ServeOptions field gets, or ValueError for a vLLM flag
 refused naming itself)."""

@@ -297,7 +297,7 @@ def test_server_chat_template_and_request_logs(server, http):
 
 @pytest.mark.parametrize("flags, named", [
     (["--reasoning-parser", "granite"], "--reasoning-parser"),
-    (["--api-server-count", "2"], "--api-server-count"),
+    (["--api-server-count", "0"], "--api-server-count"),
     (["--load-format", "dummy"], "--load-format"),
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
     (["--chat-template", "no-such-file"], "--chat-template"),

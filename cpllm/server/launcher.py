@@ -122,6 +122,10 @@ def run_server(args: argparse.Namespace) -> int:
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
+    if options.api_server_count > 1:
+        from cpllm.server.api_servers import run_api_servers  # noqa: PLC0415 - it imports this module
+
+        run_api_servers(args, options, kwargs)  # never returns: ends the process
     llm = LLM(args.model_path or args.model, **kwargs)  # other ranks never return from here
     name = served_model_name(args, llm.engine.config.model_path)
     engine = AsyncEngine(llm.engine, ServerMetrics(name))

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from cpllm.engine.engine import SchedulerTotals
 from cpllm.engine.outputs import RequestOutput
-from cpllm.server.metrics_vllm import VllmMetrics
+from cpllm.server.metrics_vllm import ENGINE_GAUGE_MODE, VllmMetrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _TOKEN_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -15,7 +16,12 @@ _TOKEN_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 class ServerMetrics:
     """Counters, histograms and gauges the routes and the engine thread update."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, *, engine_figures: bool = True, multiprocess_dir: str | None = None):
+        """`engine_figures` False: this process leaves the engine's gauges and counters to another API server (with
+        --api-server-count N, API server 0 exports them); `multiprocess_dir`: render every API server's series
+        from prometheus_client's multiprocess files there (PROMETHEUS_MULTIPROC_DIR, set before the import)."""
+        self.engine_figures = engine_figures
+        self.multiprocess_dir = multiprocess_dir
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
         self._labels = labels
@@ -35,17 +41,17 @@ class ServerMetrics:
         self.e2e = Histogram("cpllm_e2e_request_latency_seconds", "Arrival to last token",
                              ["model_name"], buckets=_LATENCY_BUCKETS, registry=r).labels(**labels)
         self.running = Gauge("cpllm_num_requests_running", "Sequences the scheduler is running",
-                             ["model_name"], registry=r).labels(**labels)
+                             ["model_name"], registry=r, multiprocess_mode=ENGINE_GAUGE_MODE).labels(**labels)
         self.waiting = Gauge("cpllm_num_requests_waiting", "Sequences waiting to be scheduled",
-                             ["model_name"], registry=r).labels(**labels)
+                             ["model_name"], registry=r, multiprocess_mode=ENGINE_GAUGE_MODE).labels(**labels)
         self.kv_usage = Gauge("cpllm_kv_cache_usage_perc", "Fraction of KV cache blocks in use, per rank",
-                              ["model_name", "rank"], registry=r)
+                              ["model_name", "rank"], registry=r, multiprocess_mode=ENGINE_GAUGE_MODE)
         self.prefill_strategy = Counter(
             "cpllm_cp_prefill_strategy_steps", "Prompt steps of the driver's replica by the context-parallel prefill "
             "strategy they ran (with -pcp > 1; --cp-prefill-strategy auto picks per step)",
             ["model_name", "strategy"], registry=r)
         self.replica_healthy = Gauge("cpllm_replica_healthy", "1 while the DP replica serves (in rotation), else 0",
-                                     ["model_name", "replica"], registry=r)
+                                     ["model_name", "replica"], registry=r, multiprocess_mode=ENGINE_GAUGE_MODE)
         self.replica_restarts = Counter("cpllm_replica_restarts", "Restarts of each DP replica after a failure",
                                         ["model_name", "replica"], registry=r)
         self.requeued = Counter("cpllm_requests_requeued", "Requests moved to another replica before their first "
@@ -64,6 +70,8 @@ class ServerMetrics:
                          totals: SchedulerTotals | None = None) -> None:
         """Called by the engine thread after every step: sequences scheduled and queued (every replica), the KV
         usage overall and per global rank (a replica's ranks share block ids, so they read alike)."""
+        if not self.engine_figures:
+            return
         self.vllm.set_engine_state(running, waiting, kv_usage, totals or SchedulerTotals())
         self.running.set(running)
         self.waiting.set(waiting)
@@ -72,6 +80,8 @@ class ServerMetrics:
 
     def set_replicas(self, replicas, requeued: int = 0, ended: int = 0) -> None:
         """Each replica's health and restarts (ReplicaHealth values), and the front's failover totals."""
+        if not self.engine_figures:
+            return
         name = self._labels["model_name"]
         seen = self._seen
         for replica in replicas:
@@ -91,6 +101,8 @@ class ServerMetrics:
 
     def set_strategy_counts(self, counts: dict[str, int]) -> None:
         """The runner's prompt steps per strategy since start (every strategy appears, at 0 until it runs)."""
+        if not self.engine_figures:
+            return
         for strategy, total in counts.items():
             child = self.prefill_strategy.labels(model_name=self._labels["model_name"], strategy=strategy)
             seen = self._strategy_seen.get(strategy, 0)
@@ -117,4 +129,9 @@ class ServerMetrics:
                 self.tpot.observe((m.finished_time - m.first_token_time) / (longest - 1))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The exposition text: this registry's, or every API server's summed (gauges: the latest value)."""
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, path=self.multiprocess_dir)
+        return generate_latest(merged)

@@ -11,6 +11,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from cpllm.engine.engine import SchedulerTotals
 from cpllm.engine.outputs import RequestOutput
 
+ENGINE_GAUGE_MODE = "mostrecent"
+"""How prometheus_client's multiprocess mode (--api-server-count > 1) merges a gauge: the engine's figures are
+the same in every API server and only API server 0 sets them, so the latest value is the engine's."""
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 960.0)
 _TOKEN_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -26,7 +29,8 @@ class VllmMetrics:
             return Counter(name, doc, names, registry=r).labels(model_name=model_name)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, names, registry=r).labels(model_name=model_name)
+            return Gauge(name, doc, names, registry=r, multiprocess_mode=ENGINE_GAUGE_MODE).labels(
+                model_name=model_name)
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(name, doc, names, buckets=buckets, registry=r).labels(model_name=model_name)

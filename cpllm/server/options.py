@@ -19,6 +19,9 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 """Names accepted by --tool-call-parser (vLLM's names for the same formats)."""
 
+MAX_API_SERVERS = 64
+"""Most --api-server-count processes (each is a Python interpreter with the tokenizer loaded)."""
+
 MIN_BODY_BYTES = 1 * 2**20
 """The automatic body limit never goes below this."""
 BODY_BYTES_PER_TOKEN = 32
@@ -66,13 +69,14 @@ class ServeOptions:
     trust_remote_code: bool = False
     """Accepted: cpllm runs the architectures it implements itself and never executes a model's own code."""
     disable_frontend_multiprocessing: bool = False
-    """Accepted: the HTTP front always runs in the engine's driver process (there is no separate front process)."""
+    """Accepted: with one API server the HTTP front runs in the engine's driver process already."""
     enable_log_requests: bool = False
     """Log each generation request as it arrives: its id, prompt sizes and sampling parameters."""
     reasoning_parser: str | None = None
     """Split the model's thinking into message.reasoning / reasoning_content: one of REASONING_PARSERS."""
     api_server_count: int = 1
-    """API server processes; only 1 (this process) is built, more are refused at start."""
+    """HTTP server processes on the one port: 1 serves HTTP in the engine's own process; N > 1 runs the engine in
+    this process and N API-server processes in front of it (cpllm/server/api_servers.py)."""
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes is not None and self.max_request_body_bytes < 1024:
@@ -106,9 +110,8 @@ class ServeOptions:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"--reasoning-parser {self.reasoning_parser!r} is not supported; the parsers built are "
                              f"{', '.join(REASONING_PARSERS)}")
-        if self.api_server_count != 1:
-            raise ValueError(f"--api-server-count {self.api_server_count} is not supported: this one process serves "
-                             "HTTP beside the engine (scale the engine with -dp instead)")
+        if not 1 <= self.api_server_count <= MAX_API_SERVERS:
+            raise ValueError(f"--api-server-count must be in [1, {MAX_API_SERVERS}], got {self.api_server_count}")
         if self.chat_template is not None:
             object.__setattr__(self, "chat_template", _template_text(self.chat_template))
 
@@ -171,8 +174,9 @@ SERVE_OPTIONS: tuple[EngineOption, ...] = (
     _serve_option("reasoning_parser", str, "reasoning_parser", metavar="NAME",
                   help="split the thinking (<think>...</think>) into message.reasoning / reasoning_content: "
                        f"{' or '.join(REASONING_PARSERS)} (default: none, the thinking stays in the content)"),
-    _serve_option("api_server_count", int, "api_server_count",
-                  help="API server processes; only 1 is built (default: %(default)s)"),
+    _serve_option("api_server_count", int, "api_server_count", metavar="N",
+                  help="HTTP server processes sharing the port in front of one engine; /metrics sums them "
+                       "(default: %(default)s: HTTP in the engine's own process)"),
 )
 """The server's flags, one row per ServeOptions field (vLLM's names where vLLM has the option); a flag's default
 is its field's."""
