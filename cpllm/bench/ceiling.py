@@ -1,6 +1,8 @@
 """The machine's ceilings and the work a prefill does.
 
-- `matmul_gflops`: the measured float32 rate of a large `torch.matmul` (the compute ceiling).
+- `matmul_gflops`: the measured float32 rate of a large `torch.matmul` (the compute ceiling); with `dtype`, the
+  bfloat16 matmul's or the int8 one's (`torch._int_mm`, int32 sums), the rates a bf16 or int8 tile path could
+  reach on this CPU (on one without AVX-512 BF16 / VNNI / AMX both run far below float32).
 - `matvec_gbps`: the measured rate at which a matrix-vector product streams fp32 weights
   (the memory ceiling that bounds batch-1 decode).
 - `prefill_flops`: 2 * (linear weights) * tokens, plus causal attention, plus the LM head
@@ -83,15 +85,24 @@ def _with_threads(threads: int | None):
     return _Threads()
 
 
-def matmul_gflops(threads: int | None = None, *, size: int = 2048, repeats: int = 5) -> float:
-    """Best-of-`repeats` GFLOP/s of a [size, size] @ [size, size] float32 matmul."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def matmul_gflops(threads: int | None = None, *, size: int = 2048, repeats: int = 5,
+                  dtype: torch.dtype = torch.float32) -> float:
+    """Best-of-`repeats` GFLOP/s (int8: GOP/s) of a [size, size] @ [size, size] matmul in `dtype` (float32,
+    bfloat16, or int8 through torch._int_mm)."""
+    if dtype not in (torch.float32, torch.bfloat16, torch.int8):
+        raise ValueError(f"matmul_gflops: dtype {dtype}; measured are float32, bfloat16 and int8")
+    if dtype == torch.int8:
+        a, b = (torch.randint(-127, 128, (size, size), dtype=torch.int8) for _ in range(2))
+        multiply = torch._int_mm
+    else:
+        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+        multiply = torch.matmul
     best = float("inf")
     with _with_threads(threads):
-        torch.matmul(a, b)  # warm-up: thread pool, page faults
+        multiply(a, b)  # warm-up: thread pool, page faults
         for _ in range(repeats):
             start = time.perf_counter()
-            torch.matmul(a, b)
+            multiply(a, b)
             best = min(best, time.perf_counter() - start)
     return 2.0 * size**3 / best / 1e9
 
@@ -111,9 +122,22 @@ def matvec_gbps(threads: int | None = None, *, megabytes: int = 256, repeats: in
     return w.numel() * 4 / best / 1e9
 
 
-def measure_ceilings(thread_counts: list[int], *, size: int = 2048) -> dict[int, dict[str, float]]:
-    """{threads: {"matmul_gflops": ..., "matvec_gbps": ...}} for each thread count."""
-    return {
+LOW_PRECISION_SIZE = 1024
+"""Matmul side for the bf16 and int8 rates: where the CPU has no tiles for them they run ~50x below float32, and
+2048 would take minutes."""
+
+
+def measure_ceilings(thread_counts: list[int], *, size: int = 2048,
+                     low_precision: bool = False) -> dict[int, dict[str, float]]:
+    """{threads: {"matmul_gflops": ..., "matvec_gbps": ...}} for each thread count; with `low_precision`, also
+    "bf16_matmul_gflops" and "int8_matmul_gops" (at a side of at most LOW_PRECISION_SIZE, best of 2)."""
+    ceilings = {
         t: {"matmul_gflops": round(matmul_gflops(t, size=size), 2), "matvec_gbps": round(matvec_gbps(t), 2)}
         for t in thread_counts
     }
+    if low_precision:
+        side = min(size, LOW_PRECISION_SIZE)
+        for t in thread_counts:
+            ceilings[t]["bf16_matmul_gflops"] = round(matmul_gflops(t, size=side, repeats=2, dtype=torch.bfloat16), 2)
+            ceilings[t]["int8_matmul_gops"] = round(matmul_gflops(t, size=side, repeats=2, dtype=torch.int8), 2)
+    return ceilings

@@ -88,7 +88,7 @@ def add_bench_parser(parser: argparse.ArgumentParser, add_engine_arguments: Call
     comm.add_argument("--strategies", default="allgather,ring")
     _add_output_options(comm, plot=False)
 
-    ceiling = commands.add_parser("ceiling", help="this machine's fp32 matmul and weight-streaming rates")
+    ceiling = commands.add_parser("ceiling", help="this machine's fp32, bf16 and int8 matmul and weight-streaming rates")
     ceiling.add_argument("--threads", default="1,2", help="thread counts, comma-separated")
     ceiling.add_argument("--size", type=int, default=2048, help="matmul side")
     _add_output_options(ceiling, plot=False)
@@ -309,7 +309,7 @@ def _comm(args: argparse.Namespace) -> dict[str, Any]:
 def _ceiling(args: argparse.Namespace) -> dict[str, Any]:
     from cpllm.bench.ceiling import measure_ceilings
 
-    ceilings = measure_ceilings(parse_int_list(args.threads, "--threads"), size=args.size)
+    ceilings = measure_ceilings(parse_int_list(args.threads, "--threads"), size=args.size, low_precision=True)
     rows = [{"threads": t, **c} for t, c in ceilings.items()]
-    print_table("machine ceilings (fp32)", rows)
+    print_table("machine ceilings (fp32; bf16 and int8 matmuls)", rows)
     return {"results": rows}
