@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 PROBE_SHAPE = (1536, 576)
 """(out, in) of the layer the start-up measurement multiplies (SmolLM2's widest input count to its MLP)."""
-PROBE_ROWS = (16, 32, 64, 128, 256)
+PROBE_ROWS = (32, 64, 128, 256, 512)
 """Row counts at which both AVX2 ways are timed."""
 NEVER = 1 << 62
 """`gemm_from_rows` when the GEMMs won at no measured row count."""
