@@ -20,7 +20,8 @@ from typing import Any
 from cpllm.config.moe import MoEConfig
 from cpllm.config.routing import DeepseekRouting
 
-DEEPSEEK_MOE_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
+DEEPSEEK_MOE_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM",
+                              "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 """Hugging Face architectures whose sparse layers are DeepSeek MoE blocks and whose attention is MLA (MLAConfig;
 cpllm/model/families/deepseek.py builds them)."""
 HF_DEFAULTS = {
@@ -30,6 +31,11 @@ HF_DEFAULTS = {
                                   first_k_dense_replace=3, norm_topk_prob=True),
     "Glm4MoeLiteForCausalLM": dict(n_group=1, topk_group=1, routed_scaling_factor=1.8, n_shared_experts=1,
                                    norm_topk_prob=True),
+    # the sparse-MLA families (cpllm/config/sparse_mla.py): V3's router and shared experts
+    "DeepseekV32ForCausalLM": dict(n_group=8, topk_group=4, routed_scaling_factor=2.5, n_shared_experts=1,
+                                   first_k_dense_replace=3, norm_topk_prob=True),
+    "GlmMoeDsaForCausalLM": dict(n_group=1, topk_group=1, routed_scaling_factor=2.5, n_shared_experts=1,
+                                 first_k_dense_replace=3, norm_topk_prob=True),
 }
 """transformers 5.24's config defaults of each family, for a field config.json leaves out."""
 
@@ -41,7 +47,11 @@ def dense_layers(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int, 
     transformers 5.24 reads no moe_layer_freq and makes every layer from first_k_dense_replace on sparse, the same
     layers for moe_layer_freq = 1, which every published checkpoint uses). GLM-4.7-Flash: `mlp_layer_types`,
     by default the first layer dense (transformers' default; it reads no first_k_dense_replace)."""
-    if arch == "Glm4MoeLiteForCausalLM":
+    if arch in ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"):  # mlp_layer_types, else first_k_dense_replace
+        first = min(cfg.get("first_k_dense_replace", 3), num_layers)
+        default = ["dense"] * first + ["sparse"] * (num_layers - first)
+        cfg = {**cfg, "mlp_layer_types": cfg.get("mlp_layer_types") or default}
+    if arch in ("Glm4MoeLiteForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"):
         types = cfg.get("mlp_layer_types") or ["dense"] + ["sparse"] * (num_layers - 1)
         if len(types) != num_layers or set(types) - {"dense", "sparse"}:
             raise ValueError(f"mlp_layer_types={types} must name 'dense' or 'sparse' for each of {num_layers} layers")
@@ -79,6 +89,10 @@ def deepseek_moe_config(cfg: dict[str, Any]) -> MoEConfig:
         mlp_only_layers=dense_layers(cfg, arch, cfg["num_hidden_layers"]),
         deepseek_router=routing,
     )
+
+
+ALWAYS_INTERLEAVED = ("DeepseekV2ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+"""Families whose MLA rotary pairs are interleaved whatever config.json's rope_interleave says."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -135,8 +149,8 @@ class MLAConfig:
         return cls(kv_lora_rank=cfg["kv_lora_rank"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
                    qk_nope_head_dim=cfg["qk_nope_head_dim"], v_head_dim=cfg["v_head_dim"],
                    q_lora_rank=cfg.get("q_lora_rank"),
-                   # transformers' V2 always rotates interleaved pairs (its complex form); V3 / GLM as configured
-                   rope_interleave=True if arch == "DeepseekV2ForCausalLM" else cfg.get("rope_interleave", True))
+                   # transformers' V2, V3.2 and GLM-5 always rotate interleaved pairs; V3 / GLM-4.7 as configured
+                   rope_interleave=True if arch in ALWAYS_INTERLEAVED else cfg.get("rope_interleave", True))
 
 
 def latent_cache_line(mla: MLAConfig, num_layers: int, rank_bytes: int, rank_slots: int, shard_ranks: int,

@@ -14,6 +14,7 @@ from cpllm.config.attention import (GEMMA_ARCHITECTURES, check_attention_fields,
                                     hf_gemma_fields, hf_layer_types)
 from cpllm.config.deepseek import DEEPSEEK_MOE_ARCHITECTURES, MLAConfig, deepseek_moe_config
 from cpllm.config.moe import MOE_ARCHITECTURES, MoEConfig
+from cpllm.config.sparse_mla import SPARSE_MLA_ARCHITECTURES, IndexerConfig, check_sparse_layout
 from cpllm.config.speculative import SpeculativeConfig
 from cpllm.config.rope import resolve_rope_scaling, rope_context_length
 from cpllm.distributed.parallel_dims import KV_CACHE_LAYOUTS, REPLICATED, SHARDED, ParallelDims
@@ -108,6 +109,9 @@ class ModelConfig:
     """Multi-head latent attention's shapes (DeepSeek-V2/V3, GLM-4.7-Flash; None: grouped-query attention). With it
     the cache holds one latent row per token and layer, one latent "head" every query head reads:
     num_key_value_heads is 1 and head_dim is the query/key width qk_nope_head_dim + qk_rope_head_dim."""
+    indexer: IndexerConfig | None = None
+    """DeepSeek sparse attention's indexer (DeepSeek-V3.2, GLM-5; cpllm/config/sparse_mla.py): each query attends
+    only the index_topk cached tokens it scores highest. None: every MLA query attends its whole context."""
     quantization: str = DEFAULT_QUANTIZATION
     """How the weights run, one of QUANTIZATION_CHOICES. Kept here, as vLLM does, because every rank builds its
     model from this config alone; checks that need the parallel layout are in EngineConfig."""
@@ -161,6 +165,8 @@ class ModelConfig:
             qk_norm=archs[0] in QK_NORM_ARCHITECTURES,
             moe=deepseek_moe_config(cfg) if mla else MoEConfig.from_hf_config(cfg),
             mla=mla,
+            indexer=IndexerConfig.from_hf_config(cfg, mla.qk_rope_head_dim)
+            if archs[0] in SPARSE_MLA_ARCHITECTURES else None,
             sliding_window=sliding,
             layer_types=layer_types,
             **hf_gemma_fields(archs[0], cfg),
@@ -320,6 +326,8 @@ class EngineConfig:
                 f"cp_kv_cache_interleave_size={interleave} must divide block_size={self.cache.block_size}"
             )
         check_quantized_widths(self.model, self.parallel.tensor_parallel_size)
+        if self.model.indexer is not None:
+            check_sparse_layout(self.parallel, self.speculative_config)
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             raise ValueError("speculative_config must be a SpeculativeConfig here (build_engine_config validates "
                              f"the dict), got {type(self.speculative_config).__name__}")

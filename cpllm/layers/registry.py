@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import importlib
 
-from cpllm.layers import gqa, gqa_triton, mla
+from cpllm.layers import gqa, gqa_triton, mla, sparse_mla
 from cpllm.layers.kind import LayerKind
 
 LAYER_KINDS: tuple[LayerKind, ...] = (
+    sparse_mla.KIND,  # before MLA, which would serve these models too
     mla.KIND,
     gqa.KIND,  # last: serves every model no kind before it claims
 )

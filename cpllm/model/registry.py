@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from cpllm.model.families.deepseek import DeepseekForCausalLM
+from cpllm.model.families.deepseek_sparse import DeepseekSparseForCausalLM
 from cpllm.model.families.gemma import GemmaForCausalLM
 from cpllm.model.families.gpt_oss import GptOssForCausalLM
 from cpllm.model.families.llama import LlamaForCausalLM
@@ -23,6 +24,8 @@ MODEL_CLASSES: dict[str, type[torch.nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     "Glm4MoeLiteForCausalLM": DeepseekForCausalLM,
+    "DeepseekV32ForCausalLM": DeepseekSparseForCausalLM,
+    "GlmMoeDsaForCausalLM": DeepseekSparseForCausalLM,
 }
 """Architecture name -> the class whose constructor takes (config, tp, comm, dtype, max_positions, moe, pcp)."""
 

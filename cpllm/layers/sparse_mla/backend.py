@@ -1,0 +1,94 @@
+"""The sparse-MLA backend: MLA's latent pool (as cpllm/layers/mla/ lays it out) plus the index pool, and
+the absorbed attention of queries over only their selected latent rows, read in place from the paged pool.
+
+The cache of a layer is (latent pool [slots, 1, r + rope], index pool [slots, 1, index_head_dim]). Attention is
+the absorbed MLA form (the layer folds W_UK into the queries and applies W_UV after), in float32:
+- `attend_selected`: each row's own selected slots [L, K] gathered from the pool (K <= index_topk rows, never the
+  whole context): decode steps;
+- `attend_masked`: rows against one key set [T] with a [L, T] mask of what each row selected: a prompt chunk's
+  rows, which share their keys.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cpllm.kernels.decode_rows import store_rows_
+from cpllm.layers.gqa import local_attention
+
+
+def _store_latents(k_pool, v_pool, slots, k, v, rows) -> None:
+    # k / v [N, 1, r + rope]: the latent rows, one pool read as both: each row written once
+    if not store_rows_(k_pool, slots, k, rows):
+        k_pool.index_copy_(0, slots, k.index_select(0, rows).to(k_pool.dtype))
+
+
+def _rows_to_move(k, v):
+    return (k,)  # one latent row is both: it travels once
+
+
+def _rows_moved(parts):
+    return parts[0], parts[0]
+
+
+def _context_keys(k_pool, v_pool, slots, dtype):
+    k = k_pool.index_select(0, slots).to(dtype)  # [S, 1, r + rope]
+    return k, k
+
+
+def _absorbed(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scale: float, width: int) -> torch.Tensor:
+    # q [L, H, W], keys [L, K, W] or [K, W], visible [L, K] bool -> [L, H, width] float32 (no key: zeros)
+    q = q.float()
+    keys = keys.float()
+    if keys.dim() == 2:
+        scores = torch.einsum("lhw,kw->lhk", q, keys) * scale
+        values = keys[:, :width]
+        scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        return torch.einsum("lhk,kr->lhr", probs, values)
+    scores = torch.einsum("lhw,lkw->lhk", q, keys) * scale
+    scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return torch.einsum("lhk,lkr->lhr", probs, keys[..., :width])
+
+
+class SparseMLABackend:
+    """MLA's latent pool and the index pool beside it (see the module). The protocol's methods
+    (`AttentionBackend`, cpllm/context_parallel/backend.py) are MLA's absorbed form on one latent head: the GQA
+    implementations over the latent pool read as keys and values, each row stored and moved once."""
+
+    name = "sparse_mla"
+    store_kv = staticmethod(_store_latents)
+    attend = staticmethod(local_attention.attend)
+    context_keys = staticmethod(_context_keys)
+    rows_to_move = staticmethod(_rows_to_move)
+    rows_moved = staticmethod(_rows_moved)
+    attend_decode = staticmethod(local_attention.attend_decode)
+    attend_decode_whole = staticmethod(local_attention.attend_pooled_single_tokens)
+    decode_context = staticmethod(local_attention.gather_decode_context)
+    attend_gathered_decode = staticmethod(local_attention.attend_gathered_decode)
+    decode_form = staticmethod(local_attention.decode_form)
+
+    @staticmethod
+    def store_index(index_pool: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor) -> None:
+        """index_pool[slots[i]] = keys[rows[i]] (keys [N, 1, D])."""
+        index_pool.index_copy_(0, slots, keys.index_select(0, rows).to(index_pool.dtype))
+
+    @staticmethod
+    def index_keys(index_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The index keys of `slots` [T] -> [T, D] float32 (every key is scored)."""
+        return index_pool.index_select(0, slots)[:, 0].float()
+
+    @staticmethod
+    def attend_selected(q: torch.Tensor, latent_pool: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
+                        scale: float, width: int) -> torch.Tensor:
+        """q [L, H, W] against each row's own selected slots [L, K] (visible [L, K]: which are real) read from the
+        pool -> [L, H, width] float32, the value columns."""
+        rows = latent_pool[slots.reshape(-1), 0].view(*slots.shape, latent_pool.shape[-1])  # [L, K, W]
+        return _absorbed(q, rows, visible, scale, width)
+
+    @staticmethod
+    def attend_masked(q: torch.Tensor, latent_pool: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
+                      scale: float, width: int) -> torch.Tensor:
+        """q [L, H, W] against the keys at `slots` [T], row l seeing those where visible[l] -> [L, H, width]."""
+        return _absorbed(q, latent_pool.index_select(0, slots)[:, 0], visible, scale, width)

@@ -1,0 +1,38 @@
+"""The top-k of the indexer's scores, with one tie rule wherever it is taken (torch only, no layer state).
+
+Tie rule: a higher score first; between equal scores, the lower position first. Keys may come in any order
+(a rank's own positions, or candidates gathered from several ranks): the rule reads positions, not columns, so
+the top-k of a union of candidate lists, each already cut to its own top-k by the same rule, equals the top-k of
+the whole set (a key beaten by k others in its own list is beaten by the same k in the union)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def top_k(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores [L, T] float32 (-inf: a key the row may not see), positions [T] or [L, T] long -> the best
+    min(k, T) of each row by the tie rule: (scores [L, k'], positions [L, k']), best first; an entry whose score
+    is -inf selects nothing (the row saw fewer than k' keys)."""
+    if k < 1:
+        raise ValueError(f"top-k of k={k}: k must be >= 1")
+    rows, width = scores.shape
+    if positions.dim() == 1:
+        positions = positions.unsqueeze(0).expand(rows, width)
+    if positions.shape != scores.shape:
+        raise ValueError(f"top-k: positions {tuple(positions.shape)} do not match scores {tuple(scores.shape)}")
+    # order by position first, then a stable sort by score keeps that order among equal scores
+    by_position = positions.argsort(dim=-1, stable=True)  # [L, T]
+    pos = positions.gather(-1, by_position)
+    ranked = scores.gather(-1, by_position)
+    order = ranked.sort(dim=-1, descending=True, stable=True).indices[:, :min(k, width)]  # [L, k']
+    return ranked.gather(-1, order), pos.gather(-1, order)
+
+
+def selected_mask(top_positions: torch.Tensor, top_scores: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """[L, k'] positions (with their scores; -inf: none) -> [L, num_keys] bool, True at the selected positions
+    0..num_keys-1 (a one-rank context, whose keys are positions 0.. in order)."""
+    mask = torch.zeros(top_positions.shape[0], num_keys + 1, dtype=torch.bool, device=top_positions.device)
+    target = torch.where(top_scores > float("-inf"), top_positions, torch.full_like(top_positions, num_keys))
+    mask.scatter_(1, target, True)
+    return mask[:, :num_keys]
