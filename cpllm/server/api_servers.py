@@ -20,6 +20,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 
 from cpllm.distributed.rank_processes import RankProcess, describe_exit, start_process
@@ -32,6 +33,8 @@ from cpllm.server.options import ServeOptions
 
 logger = logging.getLogger(__name__)
 
+SUPERVISE_S = 0.05
+"""How often the main thread looks at the API servers and at a signal it got."""
 KILL_GRACE_S = 5.0
 """After SIGTERM, API servers get --shutdown-timeout plus this long to exit before they are killed."""
 
@@ -94,6 +97,30 @@ class ApiServers:
             process.close()
 
 
+def _supervise(hub: EngineHub, servers: ApiServers) -> int:
+    """The engine's step loop on its own thread (as AsyncEngine runs it with one API server: a step on the main
+    thread was an order of magnitude slower here, its OpenMP team fighting the other processes for the cores),
+    while this thread takes signals and watches the API servers; returns the exit status."""
+    stop = threading.Event()
+    failed: list[BaseException] = []
+
+    def step_loop() -> None:
+        try:
+            hub.serve(stop.is_set)
+        except BaseException as exc:  # noqa: BLE001 - the hub told the API servers; they exit on their own
+            failed.append(exc)
+
+    thread = threading.Thread(target=step_loop, name="cpllm-engine", daemon=True)
+    thread.start()
+    while not servers.done():
+        if failed:
+            servers.ask_stop(f"the engine failed ({failed[0]})", ENGINE_FAILED_EXIT)
+        time.sleep(SUPERVISE_S)
+    stop.set()
+    thread.join(60.0)
+    return ENGINE_FAILED_EXIT if failed else servers.exit_code
+
+
 def run_api_servers(args: argparse.Namespace, options: ServeOptions, kwargs: dict) -> None:
     """Serves until SIGTERM / SIGINT, an API server's exit or the engine's failure; then ends the process."""
     holder = reuseport_socket(args.host, args.port)  # the port is ours (and known, for --port 0) before loading
@@ -118,14 +145,7 @@ def run_api_servers(args: argparse.Namespace, options: ServeOptions, kwargs: dic
             signal.signal(sig, lambda number, _frame: setattr(servers, "signalled", signal.Signals(number).name))
         logger.info("serving %r (max_model_len=%d) on http://%s:%d/v1 through %d API server processes", name,
                     engine.max_model_len, args.host, port, options.api_server_count)
-        try:
-            hub.serve(servers.done)
-            code = servers.exit_code
-        except Exception as exc:  # noqa: BLE001 - the hub told the API servers; they exit on their own
-            servers.ask_stop(f"the engine failed ({exc})", ENGINE_FAILED_EXIT)
-            code = ENGINE_FAILED_EXIT
-            while not servers.done():
-                time.sleep(0.05)
+        code = _supervise(hub, servers)
     finally:
         if servers is not None:
             servers.reap()
