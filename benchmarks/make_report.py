@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from report_cp import CP_SECTIONS  # noqa: E402
 from report_faults import FAULT_SECTIONS  # noqa: E402
+from report_int4 import INT4_SECTIONS  # noqa: E402
 from report_mla import MLA_SECTIONS  # noqa: E402
 from report_sections import SECTIONS  # noqa: E402
 from report_single_rank import SINGLE_RANK_SECTIONS  # noqa: E402
@@ -45,7 +46,7 @@ def build_page(results: dict[str, dict[str, Any]], images: str, out_dir: str) ->
              "Numbers are not edited by hand.", ""]
     rel_images = os.path.relpath(images, out_dir)
     # the list of commands stays last
-    for section in [*SECTIONS[:-1], *SINGLE_RANK_SECTIONS, *CP_SECTIONS, *STRUCTURE_SECTIONS, *STARTUP_SECTIONS, *SPEC_SECTIONS, *WINDOW_SECTIONS,
+    for section in [*SECTIONS[:-1], *SINGLE_RANK_SECTIONS, *CP_SECTIONS, *STRUCTURE_SECTIONS, *STARTUP_SECTIONS, *SPEC_SECTIONS, *WINDOW_SECTIONS, *INT4_SECTIONS,
                     *MLA_SECTIONS, *FAULT_SECTIONS, SECTIONS[-1]]:
         parts += section(results, images, rel_images)
         parts.append("")
