@@ -28,7 +28,7 @@ PROMPT = [5 + i % 200 for i in range(6 * BLOCK)]  # token ids: whole blocks the 
 RECEIVED = re.compile(r"api server (\d): \S+: received request (\S+):")
 
 
-def _wait_for_both(server: ServerProcess, timeout_s: float = 120.0) -> ServerProcess:
+def _wait_for_both(server: ServerProcess, timeout_s: float = 300.0) -> ServerProcess:
     """Healthy, and both API servers accept connections (the first healthy one may be alone for a moment)."""
     server.wait_ready(timeout_s)
     deadline = time.monotonic() + timeout_s

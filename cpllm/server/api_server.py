@@ -22,7 +22,7 @@ from cpllm.server.app import build_app
 from cpllm.server.async_engine import AsyncEngine
 from cpllm.server.engine_client import EngineClient, EngineLimits
 from cpllm.server.engine_hub import HubAddresses
-from cpllm.server.launcher import _exit_now, _Server
+from cpllm.server.http_server import DrainingServer, exit_now
 from cpllm.server.metrics import ServerMetrics
 from cpllm.server.options import ServeOptions
 
@@ -73,7 +73,7 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-class _ApiServer(_Server):
+class _ApiServer(DrainingServer):
     """The single-process server's drain on SIGTERM, for SIGINT too: a terminal's Ctrl-C reaches every process
     of the group, and each API server must finish its own requests while the engine process keeps stepping."""
 
@@ -110,5 +110,5 @@ def api_server_main(index: int, spec: ApiServerSpec) -> None:
         sock.close()
     code = server.exit_code if server.started else 1
     logger.info("api server %d exits with status %d", index, code)
-    _exit_now(code)
+    exit_now(code)
 

@@ -28,7 +28,8 @@ from cpllm.engine.llm import LLM
 from cpllm.server.api_server import ApiServerSpec, api_server_main, reuseport_socket
 from cpllm.server.engine_client import EngineLimits
 from cpllm.server.engine_hub import EngineHub
-from cpllm.server.launcher import ENGINE_FAILED_EXIT, _exit_now, served_model_name
+from cpllm.server.http_server import ENGINE_FAILED_EXIT, exit_now
+from cpllm.server.launcher import served_model_name
 from cpllm.server.options import ServeOptions
 
 logger = logging.getLogger(__name__)
@@ -123,9 +124,9 @@ def _supervise(hub: EngineHub, servers: ApiServers) -> int:
 
 def run_api_servers(args: argparse.Namespace, options: ServeOptions, kwargs: dict) -> None:
     """Serves until SIGTERM / SIGINT, an API server's exit or the engine's failure; then ends the process."""
-    holder = reuseport_socket(args.host, args.port)  # the port is ours (and known, for --port 0) before loading
-    port = holder.getsockname()[1]
     llm = LLM(args.model_path or args.model, **kwargs)  # other ranks never return from here
+    holder = reuseport_socket(args.host, args.port)  # bound, never listening: the port stays ours (and known, for
+    port = holder.getsockname()[1]  # --port 0) while the API servers start and until they have all exited
     engine = llm.engine
     name = served_model_name(args, engine.config.model_path)
     hub = EngineHub(engine, options.api_server_count)
@@ -154,4 +155,4 @@ def run_api_servers(args: argparse.Namespace, options: ServeOptions, kwargs: dic
         holder.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
     logger.info("exiting with status %d", code)
-    _exit_now(code)
+    exit_now(code)
