@@ -72,9 +72,8 @@ def summary(wall: dict[str, list[float]], cpu: dict[str, list[float]], base: str
 def build_layer(folder: str, context: int):
     """Layer 0's MLAAttention on one rank with its checkpoint weights, its rotary tables, and a latent pool of
     random rows holding `context` tokens plus the new one."""
-    from cpllm.context_parallel.attention import CPComm
+    from cpllm.distributed.parallel_context import ParallelContext
     from cpllm.layers.mla.backend import latent_pool
-    from cpllm.model.layers import TPShard
     from cpllm.model.loaders.loader import open_weights
     from cpllm.layers.mla.attention import MLAAttention
     from cpllm.model.rope import RotaryEmbedding
@@ -83,7 +82,7 @@ def build_layer(folder: str, context: int):
     config = source.config
     mla = config.mla
     layer = MLAAttention(mla, config.hidden_size, config.num_attention_heads, mla.softmax_scale(config.rope_scaling),
-                         "model.layers.0.self_attn", TPShard(), CPComm(), torch.float32)
+                         "model.layers.0.self_attn", ParallelContext(), torch.float32)
     for module in layer.modules():
         if hasattr(module, "load"):
             module.load(source)

@@ -33,8 +33,8 @@ from cpllm.bench.engines import build_llm  # noqa: E402
 from cpllm.bench.prefill import time_prefill  # noqa: E402
 from cpllm.model.loaders.loader import open_weights  # noqa: E402
 from cpllm.model.moe.experts import LocalExperts  # noqa: E402
-from cpllm.model.moe.placement import MoEShard, expert_slice  # noqa: E402
-from cpllm.model.layers import TPShard  # noqa: E402
+from cpllm.model.moe.placement import expert_slice  # noqa: E402
+from cpllm.distributed.parallel_context import ParallelContext  # noqa: E402
 from cpllm.model.moe.router import Router  # noqa: E402
 
 
@@ -161,7 +161,7 @@ def grouped_vs_dense(folder: str, args) -> dict:
     moe, hidden = source.config.moe, source.config.hidden_size
     prefix = "model.layers.0.mlp"
     experts = LocalExperts(prefix, moe.expert_weight_names, hidden,
-                           expert_slice(moe.num_experts, moe.intermediate_size, MoEShard(tp=TPShard())),
+                           expert_slice(moe.num_experts, moe.intermediate_size, ParallelContext()),
                            torch.float32)
     experts.load(source)
     router = Router(f"{prefix}.gate.weight", hidden, moe.num_experts, moe.top_k, moe.norm_topk_prob)

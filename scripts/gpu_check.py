@@ -67,7 +67,8 @@ for path in (REPO, os.path.join(REPO, "tests")):
 import torch  # noqa: E402
 
 from cpllm.context_parallel import attention as attention_module  # noqa: E402
-from cpllm.context_parallel.attention import CPComm, PagedCPAttention  # noqa: E402
+from cpllm.context_parallel.attention import PagedCPAttention  # noqa: E402
+from cpllm.distributed.parallel_context import ParallelContext  # noqa: E402
 from cpllm.layers.registry import attention_backend  # noqa: E402
 from cpllm.context_parallel.kv_layout import KVLayout  # noqa: E402
 from cpllm.context_parallel.metadata import build_step_batch, iter_tensors  # noqa: E402
@@ -319,8 +320,9 @@ def run_cp_layer(requests, *, pcp: int, dcp: int, strategy: str, interleave: int
                 rows, toks = slice(run.row, run.row + run.length), slice(run.new_start, run.new_start + run.length)
                 q[rows] = new_q[i][toks, d * hq : (d + 1) * hq]
                 k[rows], v[rows] = new_k[i][toks], new_v[i][toks]
-        comm = CPComm(dims=ParallelDims(tp=dcp, pcp=pcp, dcp=dcp), pcp_group=pcp_groups[d], pcp_rank=p,
-                      cp_group=cp_group, cp_rank=c, strategy=strategy)
+        comm = ParallelContext.at(ParallelDims(tp=dcp, pcp=pcp, dcp=dcp), pcp_rank=p, tp_rank=d,
+                                  groups={"pcp": pcp_groups[d], "cp": cp_group, "kv_shard": cp_group},
+                                  prefill_strategy=strategy)
         ranks.append(dict(layout=layout, meta=meta, comm=comm, d=d, q=q.to(device), k=k.to(device),
                           v=v.to(device), k_pool=k_pool.to(device), v_pool=v_pool.to(device)))
 

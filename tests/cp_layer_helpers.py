@@ -23,7 +23,7 @@ import torch
 
 from cpllm.config.engine import ParallelConfig
 from cpllm.context_parallel import attention as attention_module
-from cpllm.context_parallel.attention import CPComm, PagedCPAttention
+from cpllm.context_parallel.attention import PagedCPAttention
 from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.layers.gqa.backend import GQAPagedBackend
 from cpllm.context_parallel.metadata import build_step_batch, shared_key_view
@@ -151,8 +151,7 @@ def run_case(groups: ParallelGroups, strategy: str, interleave: int, name: str, 
     """One step of the layer on this rank; returns plain data for the pytest process to judge."""
     pcp, cp = groups.pcp_size, groups.cp_size
     layout = KVLayout(num_shards=cp, shard_rank=groups.cp_rank, interleave=interleave, block_size=BLOCK)
-    comm = CPComm(dims=groups.dims, pcp_group=groups.pcp_group, pcp_rank=groups.pcp_rank,
-                  cp_group=groups.cp_group, cp_rank=groups.cp_rank, strategy=strategy)
+    comm = groups.context(prefill_strategy=strategy)
     reqs = scenario(name, pcp, cp)
     tables, num_blocks = block_tables(reqs, cp)
     data = make_data(reqs, groups.tp_size * HQ, seed)

@@ -16,7 +16,7 @@ import torch
 
 import cp_layer_helpers as base
 from cpllm.config.engine import ParallelConfig
-from cpllm.context_parallel.attention import CPComm, PagedCPAttention
+from cpllm.context_parallel.attention import PagedCPAttention
 from cpllm.layers.gqa.backend import GQAPagedBackend
 from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.context_parallel.metadata import build_step_batch
@@ -155,8 +155,7 @@ def run_case(groups: ParallelGroups, strategy: str, interleave: int, name: str, 
     replicated = groups.dims.kv_replicated
     pcp, cp = groups.pcp_size, groups.dims.kv_shard_size
     layout = KVLayout(num_shards=cp, shard_rank=groups.kv_shard_rank, interleave=interleave, block_size=BLOCK)
-    comm = CPComm(dims=groups.dims, pcp_group=groups.pcp_group, pcp_rank=groups.pcp_rank, cp_group=groups.cp_group,
-                  cp_rank=groups.cp_rank, strategy=strategy, dcp_group=groups.dcp_group)
+    comm = groups.context(prefill_strategy=strategy)
     reqs = scenario(name, case_window(mods))
     tables, num_blocks = base.block_tables(reqs, cp)
     if mods.window is not None:

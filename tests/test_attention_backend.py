@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpllm.context_parallel.attention import CPComm, PagedCPAttention
+from cpllm.context_parallel.attention import PagedCPAttention
+from cpllm.distributed.parallel_context import ParallelContext
 from cpllm.context_parallel.backend import AttentionBackend
 from cpllm.layers import registry as backend_module
 from cpllm.layers.registry import BACKENDS, attention_backend
@@ -71,10 +72,10 @@ def _step(requests, plan=None):
 ])
 def test_the_cp_layer_attends_only_through_its_backend(monkeypatch, requests, plan, used):
     (q, k, v), pools, meta = _step(requests, plan)
-    want = PagedCPAttention(CPComm(), scale=D**-0.5)(q, k, v, *[p.clone() for p in pools], meta)
+    want = PagedCPAttention(ParallelContext(), scale=D**-0.5)(q, k, v, *[p.clone() for p in pools], meta)
     counting = _Counting()
     monkeypatch.setitem(BACKENDS, "counting", lambda: counting)
-    layer = PagedCPAttention(CPComm(), scale=D**-0.5, backend=backend_module.attention_backend("counting"))
+    layer = PagedCPAttention(ParallelContext(), scale=D**-0.5, backend=backend_module.attention_backend("counting"))
     got = layer(q, k, v, *pools, meta)
     assert set(counting.calls) == used and torch.equal(got, want)
 
@@ -131,7 +132,7 @@ def test_the_sdpa_path_builds_the_union_once_and_matches_the_kernel(monkeypatch,
     original = metadata_module._shared_key_batch
     monkeypatch.setattr(metadata_module, "_shared_key_batch", lambda *a: built.append(len(a[1])) or original(*a))
     chunks, layout, pools, (q, k, v) = _shared_prefix_step(SHARED_STEPS[name])
-    layer = PagedCPAttention(CPComm(), scale=D**-0.5)
+    layer = PagedCPAttention(ParallelContext(), scale=D**-0.5)
 
     def run_step(layers: int = 3):
         meta = build_step_batch(chunks, layout, 1, 0, lambda c: [], plan=eager_plan(chunks, layout)).attention

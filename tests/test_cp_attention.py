@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpllm.context_parallel.attention import CPComm, PagedCPAttention
+from cpllm.context_parallel.attention import PagedCPAttention
+from cpllm.distributed.parallel_context import ParallelContext
 from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.context_parallel.metadata import build_step_batch, shared_key_view
 from cpllm.context_parallel.sdpa import reference_attention
@@ -29,7 +30,7 @@ def run_case(requests, seed=0):
     # Snapshot each request's cached context before the layer writes the new tokens.
     contexts = [(k_pool[[layout.slot(p, bt) for p in range(ctx)]].clone(),
                  v_pool[[layout.slot(p, bt) for p in range(ctx)]].clone()) for ctx, _, bt in requests]
-    out = PagedCPAttention(CPComm(), scale=D**-0.5)(q, k, v, k_pool, v_pool, batch.attention)
+    out = PagedCPAttention(ParallelContext(), scale=D**-0.5)(q, k, v, k_pool, v_pool, batch.attention)
     error, row = 0.0, 0
     for (ctx, new, _), (k_ctx, v_ctx) in zip(requests, contexts):
         keys = torch.cat((k_ctx, k[row : row + new])).transpose(0, 1)[None]

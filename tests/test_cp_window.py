@@ -311,14 +311,15 @@ def test_one_rank_matches_transformers_attention(family, steps):
     from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_attention
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_attention
 
-    from cpllm.context_parallel.attention import CPComm, PagedCPAttention
+    from cpllm.context_parallel.attention import PagedCPAttention
+    from cpllm.distributed.parallel_context import ParallelContext
     window, softcap = 8, (10.0 if family == "gemma2" else None)
     sinks = torch.rand(helpers.HQ, generator=torch.Generator().manual_seed(5)) * 5 + 20 if family == "gpt_oss" \
         else None  # about the rows' lse (scores are large here: no cap)
     Req = helpers.Req
     reqs = ([Req(3 * window + 5, 2 * window + 1), Req(0, 5 * window), Req(6 * window, 1), Req(5, 1)]
             if steps == "mixed" else [Req(6 * window + 3, 1), Req(4 * window, 1), Req(2, 1)])
-    layer = PagedCPAttention(CPComm(), helpers.SCALE, mods=score_mods(window=window, softcap=softcap))
+    layer = PagedCPAttention(ParallelContext(), helpers.SCALE, mods=score_mods(window=window, softcap=softcap))
     data, got, plan = _one_rank_step(reqs, layer, sinks, seed=11)
     assert plan == ("prefill" if steps == "mixed" else "one-shard")
     mask_fn = sliding_window_causal_mask_function(window)
@@ -396,13 +397,14 @@ def test_long_runs_in_query_blocks_match_direct_attention(monkeypatch):
     import torch
 
     from cpllm.layers.window import pieces as window_module
-    from cpllm.context_parallel.attention import CPComm, PagedCPAttention
+    from cpllm.context_parallel.attention import PagedCPAttention
+    from cpllm.distributed.parallel_context import ParallelContext
     monkeypatch.setattr(window_module, "QUERY_BLOCK", 16)
     Req = helpers.Req
     reqs = [Req(0, 100), Req(45, 70), Req(60, 1)]
     for mods in (helpers.Mods(8, None, False), helpers.Mods(20, 10.0, True)):
         sinks = torch.rand(helpers.HQ, generator=torch.Generator().manual_seed(2)) * 5 + 6 if mods.sinks else None
-        layer = PagedCPAttention(CPComm(), helpers.SCALE, mods=score_mods(window=mods.window, softcap=mods.softcap))
+        layer = PagedCPAttention(ParallelContext(), helpers.SCALE, mods=score_mods(window=mods.window, softcap=mods.softcap))
         data, got, _ = _one_rank_step(reqs, layer, sinks, seed=4)
         refs, _ = helpers.reference_outputs(reqs, data, slice(0, helpers.HQ), mods, sinks)
         worst = max((got[(i, j)].double() - refs[i][j]).abs().max().item()
@@ -432,12 +434,13 @@ def test_the_window_view_is_built_once_per_step_and_only_where_the_window_hides_
 def test_bad_score_modifiers_are_refused():
     import torch
 
-    from cpllm.context_parallel.attention import CPComm, PagedCPAttention
+    from cpllm.context_parallel.attention import PagedCPAttention
+    from cpllm.distributed.parallel_context import ParallelContext
     with pytest.raises(ValueError, match="window must be an integer >= 1"):
         score_mods(window=0)
     with pytest.raises(ValueError, match="softcap must be > 0"):
         score_mods(softcap=0.0)
-    layer = PagedCPAttention(CPComm(), helpers.SCALE)
+    layer = PagedCPAttention(ParallelContext(), helpers.SCALE)
     with pytest.raises(ValueError, match=r"sinks \(3,\): want one logit per local query head, \[4\]"):
         _one_rank_step([helpers.Req(4, 1)], layer, torch.zeros(3), seed=1)
 
@@ -448,9 +451,10 @@ def test_scored_layers_refuse_the_fused_and_compiled_plans(monkeypatch):
     import dataclasses
 
     from cpllm.context_parallel import metadata as metadata_module
-    from cpllm.context_parallel.attention import CPComm, PagedCPAttention
+    from cpllm.context_parallel.attention import PagedCPAttention
+    from cpllm.distributed.parallel_context import ParallelContext
     from cpllm.context_parallel.plan import StepPath, StepPlan
-    layer = PagedCPAttention(CPComm(), helpers.SCALE, mods=ScoreMods(window=8))
+    layer = PagedCPAttention(ParallelContext(), helpers.SCALE, mods=ScoreMods(window=8))
     real = metadata_module.build_step_batch
     for path in (StepPath.FUSED, StepPath.COMPILED, StepPath.TP_TEAM):
         plan = StepPlan(path=path)

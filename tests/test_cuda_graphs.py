@@ -11,7 +11,8 @@ import logging
 import pytest
 import torch
 
-from cpllm.context_parallel.attention import CPComm, PagedCPAttention
+from cpllm.context_parallel.attention import PagedCPAttention
+from cpllm.distributed.parallel_context import ParallelContext
 from cpllm.layers.gqa.backend import GQAPagedBackend
 from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.context_parallel.metadata import build_step_batch
@@ -96,7 +97,7 @@ def test_a_step_in_the_static_buffers_attends_as_the_step_itself(requests, size)
     pools = [torch.randn(16 * len(requests) * BLOCK + BLOCK, HKV, D, generator=g) for _ in range(2)]
     rows = len(requests)
     q, k, v = (torch.randn(rows, h, D, generator=g) for h in (HQ, HKV, HKV))
-    layer = PagedCPAttention(CPComm(), scale=D**-0.5, backend=GQAPagedBackend())
+    layer = PagedCPAttention(ParallelContext(), scale=D**-0.5, backend=GQAPagedBackend())
     want_pools = [p.clone() for p in pools]
     want = layer(q, k, v, *want_pools, meta)
 
@@ -132,15 +133,13 @@ def test_decode_steps_through_the_buckets_give_the_eager_model_s_hidden_states(t
     the steps' own metadata; a step the buckets cannot take returns None (eager) with its reason counted."""
     from tiny_models import save_tiny_hf_model
 
-    from cpllm.context_parallel.attention import CPComm as Comm
-    from cpllm.model.layers import TPShard
     from cpllm.model.families.llama import LlamaForCausalLM
     from cpllm.model.loaders.loader import open_weights
     from cpllm.model.execution.cuda_graphs import DecodeGraphs
 
     folder = save_tiny_hf_model(str(tmp_path / "tiny"), seed=4)
     source = open_weights(folder)
-    model = LlamaForCausalLM(source.config, TPShard(rank=0, size=1), Comm(), torch.float32, 128)
+    model = LlamaForCausalLM(source.config, ParallelContext(), torch.float32, 128)
     model.load_weights(source)
     layers, hkv, d = source.config.num_hidden_layers, source.config.num_key_value_heads, source.config.head_dim
     pools = [(torch.zeros(64 * BLOCK, hkv, d), torch.zeros(64 * BLOCK, hkv, d)) for _ in range(layers)]

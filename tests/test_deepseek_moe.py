@@ -28,9 +28,9 @@ from cpllm.config.routing import DeepseekRouting
 from cpllm.config.moe import MoEConfig, check_moe_placement
 from cpllm.distributed.launch import find_free_port
 from cpllm.model.moe.deepseek_block import DeepseekMoEBlock
-from cpllm.model.layers import TPShard
+from cpllm.distributed.parallel_context import ParallelContext
+from cpllm.distributed.parallel_dims import ParallelDims
 from cpllm.model.moe.sparse_block import moe_blocks
-from cpllm.model.moe.placement import MoEShard
 
 PREFIX = "model.layers.1.mlp"
 ARCH = {"v2": "DeepseekV2ForCausalLM", "v3": "DeepseekV3ForCausalLM", "glm": "Glm4MoeLiteForCausalLM"}
@@ -132,8 +132,8 @@ class DictSource:
         return t.to(dtype).contiguous()
 
 
-def build_block(moe: MoEConfig, tensors: dict[str, torch.Tensor], shard: MoEShard) -> DeepseekMoEBlock:
-    block = DeepseekMoEBlock(64, moe, PREFIX, shard, torch.float32)
+def build_block(moe: MoEConfig, tensors: dict[str, torch.Tensor], parallel: ParallelContext) -> DeepseekMoEBlock:
+    block = DeepseekMoEBlock(64, moe, PREFIX, parallel, torch.float32)
     source = DictSource(tensors)
     for module in block.modules():
         if module is not block and hasattr(module, "load"):
@@ -163,7 +163,7 @@ def test_block_matches_transformers(name):
     """Expert ids identical (same order), weights equal, block output within 1e-5 of transformers'."""
     seed = list(CASES).index(name)
     hf, moe, tensors = case(name, seed)
-    ours = build_block(moe, tensors, MoEShard(tp=TPShard()))
+    ours = build_block(moe, tensors, ParallelContext())
     x = tokens(seed)
     with torch.no_grad():
         _, hf_weights, hf_ids = hf.gate(x)
@@ -189,7 +189,7 @@ def _choices_without(name: str, what: str) -> torch.Tensor:
                                      else "noaux_tc"})
     moe = MoEConfig(**{**{f: getattr(moe, f) for f in moe.__slots__}, "deepseek_router": routing})
     with torch.no_grad():
-        return build_block(moe, tensors, MoEShard(tp=TPShard())).gate(tokens(seed))[1]
+        return build_block(moe, tensors, ParallelContext()).gate(tokens(seed))[1]
 
 
 @pytest.mark.parametrize("name, what", [("v2-group-limited", "groups"), ("v3-noaux-norm", "groups"),
@@ -207,7 +207,7 @@ def test_cases_exercise_groups_and_bias(name, what):
 def test_bias_selects_but_does_not_weigh():
     """V3: weights are the chosen experts' sigmoid scores (renormalised, scaled), not score + bias."""
     hf, moe, tensors = case("v3-noaux-norm", 3)
-    ours = build_block(moe, tensors, MoEShard(tp=TPShard()))
+    ours = build_block(moe, tensors, ParallelContext())
     x = tokens(3)
     with torch.no_grad():
         weights, ids = ours.gate(x)
@@ -276,10 +276,12 @@ TIMEOUT_S = 60.0
 HANG_GUARD_S = 240.0
 
 
-def _shard(kind: str, rank: int, ep: bool, group) -> MoEShard:
+def _shard(kind: str, rank: int, ep: bool, group) -> ParallelContext:
     if kind == "tp":
-        return MoEShard(tp=TPShard(rank=rank, size=2, group=group), group=group, expert_parallel=ep)
-    return MoEShard(tp=TPShard(), pcp_rank=rank, pcp_size=2, pcp_group=group, group=group, expert_parallel=ep)
+        return ParallelContext.at(ParallelDims(tp=2, expert_parallel=ep), tp_rank=rank,
+                                  groups={"tp": group, "moe": group})
+    return ParallelContext.at(ParallelDims(pcp=2, expert_parallel=ep), pcp_rank=rank,
+                              groups={"pcp": group, "moe": group})
 
 
 def _rank_outputs(rank: int, group) -> dict:
@@ -355,7 +357,7 @@ def test_two_ranks_match_single_rank(two_ranks, name, kind, ep):
     of the single rank's routed-expert bytes."""
     seed = list(CASES).index(name)
     _, moe, tensors = case(name, seed)
-    single = build_block(moe, tensors, MoEShard(tp=TPShard()))
+    single = build_block(moe, tensors, ParallelContext())
     x = tokens(seed)
     with torch.no_grad():
         want = single(x, same_rows(True))

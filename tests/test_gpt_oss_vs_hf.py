@@ -165,20 +165,18 @@ def test_layer_types_checked(launches):
 
 def _rank_blocks(folder: str, tp: int, pcp: int, ep: bool, quantization: str = "none") -> list:
     """Layer 0's MoE block on every rank of a TP x PCP layout, built and loaded in this process (no group)."""
-    from cpllm.context_parallel.attention import CPComm
-    from cpllm.distributed.groups import PCPSplit
+    from cpllm.distributed.parallel_context import ParallelContext
+    from cpllm.distributed.parallel_dims import ParallelDims
     from cpllm.model.families.gpt_oss import GptOssForCausalLM
-    from cpllm.model.layers import TPShard
-    from cpllm.model.moe.placement import MoEShard
 
     source = open_weights(folder)
     config = dataclasses.replace(source.config, quantization=quantization)
     blocks = []
     for pcp_rank in range(pcp):
         for tp_rank in range(tp):
-            shard = MoEShard(tp=TPShard(rank=tp_rank, size=tp), pcp_rank=pcp_rank, pcp_size=pcp, expert_parallel=ep)
-            model = GptOssForCausalLM(config, shard.tp, CPComm(), torch.float32, 64, shard,
-                                      PCPSplit(rank=pcp_rank, size=pcp))
+            parallel = ParallelContext.at(ParallelDims(tp=tp, pcp=pcp, expert_parallel=ep), pcp_rank=pcp_rank,
+                                          tp_rank=tp_rank)
+            model = GptOssForCausalLM(config, parallel, torch.float32, 64)
             model.load_weights(source)
             blocks.append(model.layers[0].mlp)
     return blocks

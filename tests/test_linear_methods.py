@@ -10,11 +10,11 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 import tiny_models as tm  # tests/ is on sys.path under pytest
-from cpllm.context_parallel.attention import CPComm
+from cpllm.distributed.parallel_context import ParallelContext
+from cpllm.distributed.parallel_dims import ParallelDims
 from cpllm.kernels import int4_matmul
 from cpllm.model.formats import packed_weights
-from cpllm.model.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, RowRange, TPShard,
-                                VocabParallelEmbedding)
+from cpllm.model.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, RowRange, VocabParallelEmbedding
 from cpllm.model.formats.experts import FloatExperts, OneDNNExperts
 from cpllm.model.formats.methods import (ConcatenatedWeights, FloatHead, FloatWeight, GroupedWeight, OneDNNWeight,
                                         RefinedInt8Rows, StoredInt8Rows)
@@ -112,11 +112,11 @@ def test_grouped_fused_spec_is_the_vnni_4bit_layout_only():
 def test_row_shard_and_bias():
     source = GroupedSource({"o.weight": torch.randn(48, 128), "q.weight": torch.randn(32, 64),
                             "q.bias": torch.randn(32)}, {"o.weight": "Q4_0"})
-    row = RowParallelLinear("o", 128, 48, TPShard(rank=1, size=2), torch.float32, "auto")
+    row = RowParallelLinear("o", 128, 48, ParallelContext.at(ParallelDims(tp=2), tp_rank=1), torch.float32, "auto")
     row.load(source)
     x = torch.randn(2, 64)
     assert torch.equal(row(x), Int4Linear(quantize_int4(source.tensors["o.weight"][:, 64:]))(x))
-    plain = RowParallelLinear("o", 128, 48, TPShard(rank=1, size=2), torch.float32, "none")
+    plain = RowParallelLinear("o", 128, 48, ParallelContext.at(ParallelDims(tp=2), tp_rank=1), torch.float32, "none")
     plain.load(source)
     assert torch.equal(plain.method.weight, source.get("o.weight", dim=1, start=64, end=128).t())
     biased = column(source, ["q"], "none", bias=True)
@@ -143,12 +143,12 @@ def test_columns_are_views_and_prepacking_keeps_the_product():
 def test_head_split_gives_the_columns_of_the_whole(stored):
     """A PCP rank's columns of the head equal those columns of the whole shard's logits; int8 refines as whole."""
     source = GroupedSource({"lm_head.weight": torch.randn(80, 64)}, {"lm_head.weight": stored})
-    whole = ParallelLMHead(None, "lm_head.weight", 80, 64, TPShard(), torch.float32, "auto")
+    whole = ParallelLMHead(None, "lm_head.weight", 80, 64, ParallelContext(), torch.float32, "auto")
     whole.load(source)
     assert isinstance(whole.method, RefinedInt8Rows if stored == "Q8_0" else FloatHead)
     hidden = torch.randn(3, 64)
     logits = whole.method.logits(hidden)
-    split = ParallelLMHead(None, "lm_head.weight", 80, 64, TPShard(), torch.float32, "auto")
+    split = ParallelLMHead(None, "lm_head.weight", 80, 64, ParallelContext(), torch.float32, "auto")
     split.load(source)
     split.method.split(source, "lm_head.weight", 0, 32, 72)
     part = split.method.part_logits(hidden).float()
@@ -159,12 +159,12 @@ def test_head_split_gives_the_columns_of_the_whole(stored):
 
 def test_tied_int8_head_shares_the_embedding_rows_and_bytes_count_once():
     source = GroupedSource({"embed.weight": torch.randn(80, 64)}, {"embed.weight": "Q8_0"})
-    embedding = VocabParallelEmbedding("embed.weight", 80, 64, TPShard(), torch.float32, "auto")
+    embedding = VocabParallelEmbedding("embed.weight", 80, 64, ParallelContext(), torch.float32, "auto")
     embedding.load(source)
     assert isinstance(embedding.rows, StoredInt8Rows)
     ids = torch.tensor([3, 79])
     torch.testing.assert_close(embedding(ids), source.get("embed.weight")[ids])
-    head = ParallelLMHead(embedding, "lm_head.weight", 80, 64, TPShard(), torch.float32, "auto")
+    head = ParallelLMHead(embedding, "lm_head.weight", 80, 64, ParallelContext(), torch.float32, "auto")
     head.load(source)
     assert head.method.head.rows is embedding.rows.int8_rows()
     held = [*embedding.rows.rows.buffers(), *head.method.head.kernel.buffers()]  # one copy of the rows
@@ -178,7 +178,7 @@ def test_a_biased_4bit_projection_stays_out_of_the_fused_layer(tmp_path):
     tm.save_tiny_gguf(path, "qwen2", seed=8, tie_word_embeddings=True,
                       tensor_types=lambda n: QType.Q4_0 if "proj.weight" in n else QType.F32)
     source = open_weights(path)
-    model = LlamaForCausalLM(dataclasses.replace(source.config, quantization="auto"), TPShard(), CPComm(),
+    model = LlamaForCausalLM(dataclasses.replace(source.config, quantization="auto"), ParallelContext(),
                              torch.float32, 64)
     model.load_weights(source)
     qkv = model.layers[0].self_attn.qkv_proj

@@ -19,14 +19,14 @@ import torch
 
 from cpllm.config.deepseek import MLAConfig
 from cpllm.config.rope import resolve_rope_scaling
-from cpllm.context_parallel.attention import CPComm
 from cpllm.context_parallel.backend import AttentionBackend
 from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.context_parallel.metadata import build_step_batch
 from cpllm.layers.mla.backend import MLAPagedBackend, latent_pool
 from cpllm.context_parallel.plan import StepPath
 from cpllm.context_parallel.sdpa import reference_attention
-from cpllm.model.layers import TPShard
+from cpllm.distributed.parallel_context import ParallelContext
+from cpllm.distributed.parallel_dims import ParallelDims
 from cpllm.layers.mla.attention import MLAAttention
 from cpllm.model.rope import RotaryEmbedding
 from cpllm.step import ScheduledChunk
@@ -103,13 +103,14 @@ def hf_outputs(family: str, attention, rotary, x: torch.Tensor) -> torch.Tensor:
     return out[0]
 
 
-def ours(family: str, config, attention, tp: TPShard = TPShard()) -> tuple[MLAAttention, RotaryEmbedding]:
+def ours(family: str, config, attention, parallel: ParallelContext = ParallelContext()
+         ) -> tuple[MLAAttention, RotaryEmbedding]:
     cfg = {**config.to_dict(), "architectures": [ARCH[family]]}
     mla = MLAConfig.from_hf_config(cfg)
     params = dict(config.rope_parameters)
     theta = params.pop("rope_theta")
     scaling = resolve_rope_scaling(params, MAX_POS) if params.get("rope_type", "default") != "default" else None
-    layer = MLAAttention(mla, HIDDEN, HEADS, mla.softmax_scale(scaling), PREFIX, tp, CPComm(), torch.float32)
+    layer = MLAAttention(mla, HIDDEN, HEADS, mla.softmax_scale(scaling), PREFIX, parallel, torch.float32)
     source = DictSource({f"{PREFIX}.{name}": t.detach().clone() for name, t in attention.state_dict().items()})
     for module in layer.modules():
         if hasattr(module, "load"):
@@ -222,7 +223,7 @@ def test_tp_ranks_heads_sum_to_single_rank(name):
     want, want_pool = run_steps(single, rope, inputs(seed), None)
     parts = []
     for rank in range(2):
-        layer, _ = ours(family, config, attention, TPShard(rank=rank, size=2))
+        layer, _ = ours(family, config, attention, ParallelContext.at(ParallelDims(tp=2), tp_rank=rank))
         assert layer.heads == 2 and layer.kv_b.shape[0] == 2
         got, pool = run_steps(layer, rope, inputs(seed), None)
         torch.testing.assert_close(pool, want_pool, rtol=0, atol=0, equal_nan=True)  # the latent is replicated

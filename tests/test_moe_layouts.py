@@ -21,13 +21,11 @@ from gguf.quants import dequantize, quantize
 
 from cpllm import LLM
 from cpllm.config.engine import ParallelConfig
-from cpllm.context_parallel.attention import CPComm
-from cpllm.distributed.groups import PCPSplit
-from cpllm.model.layers import TPShard
+from cpllm.distributed.parallel_context import ParallelContext
+from cpllm.distributed.parallel_dims import ParallelDims
 from cpllm.model.families.llama import LlamaForCausalLM
 from cpllm.model.loaders.loader import open_weights
 from cpllm.model.moe.sparse_block import expert_bytes, moe_blocks
-from cpllm.model.moe.placement import MoEShard
 from parallel_helpers import (
     BLOCK_SIZE,
     MAX_MODEL_LEN,
@@ -196,9 +194,9 @@ def _rank_models(folder: str, tp: int, pcp: int, ep: bool) -> list[LlamaForCausa
     models = []
     for pcp_rank in range(pcp):
         for tp_rank in range(tp):
-            shard = MoEShard(tp=TPShard(rank=tp_rank, size=tp), pcp_rank=pcp_rank, pcp_size=pcp, expert_parallel=ep)
-            model = LlamaForCausalLM(config, shard.tp, CPComm(), torch.float32, 64, shard,
-                                     PCPSplit(rank=pcp_rank, size=pcp))
+            parallel = ParallelContext.at(ParallelDims(tp=tp, pcp=pcp, expert_parallel=ep), pcp_rank=pcp_rank,
+                                          tp_rank=tp_rank)
+            model = LlamaForCausalLM(config, parallel, torch.float32, 64)
             model.load_weights(source)
             models.append(model)
     return models

@@ -51,6 +51,6 @@ def test_single_groups_keep_the_dims():
     dims = ParallelDims(kv_replicated=True)
     groups = ParallelGroups.single(dims)
     assert groups.dims is dims and groups.kv_shard_group is None and groups.kv_shard_rank == 0
-    assert groups.pcp_split.size == 1 and groups.replica_ranks == [0]
+    assert groups.context().size("pcp") == 1 and groups.replica_ranks == [0]
     with pytest.raises(ValueError, match="one rank"):
         ParallelGroups.single(ParallelDims(tp=2))

@@ -29,12 +29,12 @@ import tiny_models as tm  # tests/ is on sys.path under pytest
 from cpllm import LLM, SamplingParams
 from cpllm.cli import build_parser
 from cpllm.config.engine import QUANT_GROUP
-from cpllm.context_parallel.attention import CPComm
+from cpllm.distributed.parallel_context import ParallelContext
+from cpllm.distributed.parallel_dims import ParallelDims
 from cpllm.kernels import int4_avx2, int4_matmul
 from cpllm.engine.llm import build_engine_config
 from cpllm.engine_args import engine_kwargs
 from cpllm.model.loaders.default_model import default_model_path
-from cpllm.model.layers import TPShard
 from cpllm.model.formats.methods import FloatWeight, GroupedWeight
 from cpllm.model.families.llama import LlamaForCausalLM
 from cpllm.model.loaders.loader import open_weights
@@ -322,7 +322,7 @@ def test_auto_falls_back_per_tensor_and_logs(quantized_gguf, caplog):
     """auto is never refused: rank 1 of TP=4 has 16 o_proj inputs, so o_proj runs dequantized, said in the log;
     the other tensors of that rank still run as stored."""
     config = dataclasses.replace(open_weights(quantized_gguf).config, quantization="auto")
-    model = LlamaForCausalLM(config, TPShard(rank=1, size=4), CPComm(), torch.float32, 64)
+    model = LlamaForCausalLM(config, ParallelContext.at(ParallelDims(tp=4), tp_rank=1), torch.float32, 64)
     with caplog.at_level(logging.INFO, logger="cpllm.model.families.llama"):
         model.load_weights(open_weights(quantized_gguf))  # loading a shard talks to no other rank
     assert ("self_attn.o_proj: float (stored Q4_1, run as stored; but its input width 16 on this rank is not a "

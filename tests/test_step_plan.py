@@ -188,14 +188,13 @@ def test_the_dense_mlp_splits_exactly_when_the_plan_says(tmp_path):
     follows; the rank's capabilities read whether any MLP has a split."""
     from tiny_models import save_tiny_hf_model
 
-    from cpllm.context_parallel.attention import CPComm
-    from cpllm.model.layers import TPShard
+    from cpllm.distributed.parallel_context import ParallelContext
     from cpllm.model.families.llama import LlamaForCausalLM
     from cpllm.model.loaders.loader import open_weights
     from cpllm.worker.rank_capabilities import rank_capabilities
 
     source = open_weights(save_tiny_hf_model(str(tmp_path / "tiny"), seed=4))
-    model = LlamaForCausalLM(source.config, TPShard(rank=0, size=1), CPComm(), torch.float32, 128)
+    model = LlamaForCausalLM(source.config, ParallelContext(), torch.float32, 128)
     model.load_weights(source)
     groups = types.SimpleNamespace(pcp_size=1, pcp_rank=0, dims=types.SimpleNamespace(kv_shard_size=1,
                                                                                       kv_replicated=False))

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from cpllm.layers.gqa_triton import backend as triton_backend
-from cpllm.context_parallel.attention import CPComm, PagedCPAttention
+from cpllm.context_parallel.attention import PagedCPAttention
+from cpllm.distributed.parallel_context import ParallelContext
 from cpllm.layers.gqa.backend import GQAPagedBackend
 from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.context_parallel.metadata import build_step_batch
@@ -47,7 +48,7 @@ def layer_case(requests, plan=None, window=None, pool_dtype=torch.float32, seed=
                "paged_decode_attention")):
     (q, k, v), pools, meta = _step(requests, plan, seed, pool_dtype)
     scale = D**-0.5
-    want = PagedCPAttention(CPComm(), scale=scale, backend=GQAPagedBackend(), mods=score_mods(window=window))(
+    want = PagedCPAttention(ParallelContext(), scale=scale, backend=GQAPagedBackend(), mods=score_mods(window=window))(
         q, k, v, *[p.clone() for p in pools], meta)
     calls: dict = {}
     saved = {name: getattr(triton_backend, name) for name in kernels}
@@ -55,7 +56,7 @@ def layer_case(requests, plan=None, window=None, pool_dtype=torch.float32, seed=
         setattr(triton_backend, name, _counted(calls, name))
     try:
         k_pool, v_pool = (p.clone() for p in pools)
-        got = PagedCPAttention(CPComm(), scale=scale, backend=triton_backend.TritonPagedBackend(),
+        got = PagedCPAttention(ParallelContext(), scale=scale, backend=triton_backend.TritonPagedBackend(),
                                mods=score_mods(window=window))(
             q, k, v, k_pool, v_pool, meta)
     finally:

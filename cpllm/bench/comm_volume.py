@@ -26,14 +26,14 @@ import torch
 
 from cpllm.context_parallel.partition import rank_num_tokens
 from cpllm.distributed import comm
-from cpllm.distributed.parallel_dims import kv_heads_of_tp_rank
+from cpllm.distributed.parallel_dims import kv_heads_per_rank as _kv_heads_per_rank
 
 WRAPPED = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "ring_exchange")
 
 
 def kv_heads_per_rank(config: Any, tp: int) -> int:
-    """KV heads one TP rank holds (the engine's placement rule, parallel_dims.kv_heads_of_tp_rank)."""
-    return kv_heads_of_tp_rank(config.num_key_value_heads, tp, 0)[1]
+    """KV heads one TP rank holds (the engine's placement rule: parallel_dims.kv_heads_per_rank)."""
+    return _kv_heads_per_rank(config.num_key_value_heads, tp)
 
 
 def formula_bytes_per_layer(config: Any, tokens: int, pcp: int, tp: int = 1, dtype_bytes: int = 4) -> int:

@@ -28,10 +28,8 @@ the layer's result is converted to it once, at the end.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from cpllm.context_parallel.backend import AttentionBackend
 from cpllm.context_parallel.merge import accumulate as _accumulate
@@ -41,53 +39,7 @@ from cpllm.context_parallel.partition import key_runs
 from cpllm.context_parallel.pass_q import pass_q_attention
 from cpllm.context_parallel.plan import StepPath
 from cpllm.distributed.comm import all_gather, all_to_all, ring_exchange
-from cpllm.distributed.parallel_dims import ParallelDims
-
-
-@dataclass(kw_only=True, frozen=True, slots=True)
-class CPComm:
-    """The groups context-parallel attention talks over."""
-
-    dims: ParallelDims = ParallelDims()
-    """The parallel sizes and the KV layout ("sharded": the cached context is spread over the cp group;
-    replicated: every PCP rank holds all of it, spread over the DCP group only, so context attention talks over
-    the DCP group alone)."""
-    pcp_group: dist.ProcessGroup | None = None
-    """Prefill CP group: holds the other parts of each prompt chunk."""
-    pcp_rank: int = 0
-    cp_group: dist.ProcessGroup | None = None
-    """PCP x DCP ranks sharing this rank's KV heads, group rank = cp_rank."""
-    cp_rank: int = 0
-    strategy: str = "allgather"
-    """How prefill moves data over PCP when a step's metadata does not say: "allgather" or "ring" (new K/V
-    travel), "pass-q" (queries travel, pass_q.py)."""
-    dcp_group: dist.ProcessGroup | None = None
-    """Decode CP group (the TP ranks of this PCP rank sharing its KV heads), group rank = dcp rank."""
-    pcp_size: int = field(init=False)
-    """dims.pcp, kept as a field: read by every layer of every step."""
-    cp_size: int = field(init=False)
-    """dims.cp_size, as pcp_size."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "pcp_size", self.dims.pcp)
-        object.__setattr__(self, "cp_size", self.dims.cp_size)
-
-    @property
-    def dcp_size(self) -> int:
-        return self.dims.dcp
-
-    @property
-    def kv_group(self) -> dist.ProcessGroup | None:
-        """The ranks one request's cached context is divided over (the dims' KV-shard group)."""
-        return self.dcp_group if self.dims.kv_replicated else self.cp_group
-
-    @property
-    def kv_size(self) -> int:
-        return self.dims.kv_shard_size
-
-    def piece_pcp_rank(self, piece: int) -> int:
-        """PCP rank whose rows piece `piece` of a query gather over `kv_group` holds."""
-        return self.pcp_rank if self.dims.kv_replicated else piece // self.dims.dcp
+from cpllm.distributed.parallel_context import ParallelContext
 
 
 _ONE_SHARD, _COMPILED, _PCP_DECODE = StepPath.ONE_SHARD, StepPath.COMPILED, StepPath.PCP_DECODE
@@ -107,9 +59,20 @@ class PagedCPAttention(torch.nn.Module):
     denominator once, after the last merge (merge.py `apply_sinks`). Without any of them the layer runs exactly
     its plain paths."""
 
-    def __init__(self, comm: CPComm, scale: float, backend: AttentionBackend | None = None, *, mods=None):
+    def __init__(self, parallel: ParallelContext, scale: float, backend: AttentionBackend | None = None, *,
+                 mods=None):
         super().__init__()
-        self.comm, self.scale = comm, scale
+        self.parallel, self.scale = parallel, scale
+        """The rank's parallel context (cpllm/distributed/parallel_context.py): the groups this layer talks over."""
+        self.pcp, self.cp, self.kv = parallel.comm("pcp"), parallel.comm("cp"), parallel.comm("kv_shard")
+        """The PCP group (the other parts of each prompt chunk), the cp group (PCP x DCP ranks sharing this rank's
+        KV heads) and the KV-shard group (the ranks one request's cached context is divided over: the cp group, or
+        the DCP group under the replicated layout), read in every step."""
+        pieces = [parallel.member_coords("kv_shard", piece) for piece in range(self.kv.size)]
+        self.piece_pcp_rank = tuple(pcp_rank for pcp_rank, _ in pieces)
+        """The PCP rank whose rows piece `piece` of a query gather over the KV-shard group holds."""
+        self.piece_dcp_rank = tuple(dcp_rank for _, dcp_rank in pieces)
+        """The DCP rank of piece `piece`'s sender (which query heads it holds)."""
         self.backend = backend if backend is not None else _default_backend()
         self.mods = mods
         """The layer's score modifier (cpllm/layers/window/modifier.py `ScoreMods`: a window, a soft-cap), asked
@@ -140,15 +103,15 @@ class PagedCPAttention(torch.nn.Module):
             # A narrower --kv-cache-dtype: new tokens attend to the rounded K/V too, exactly what they read back from
             # the pool in later steps, so outputs do not depend on which tokens shared a chunk (nor on the layout).
             k, v = k.to(k_pool.dtype).to(k.dtype), v.to(v_pool.dtype).to(v.dtype)
-        strategy = meta.strategy if meta.strategy is not None else self.comm.strategy
-        if strategy == "pass-q" and self.comm.pcp_size > 1 and meta.has_new:
+        strategy = meta.strategy if meta.strategy is not None else self.parallel.prefill_strategy
+        if strategy == "pass-q" and self.pcp.size > 1 and meta.has_new:
             if meta.pass_q is None:
                 raise ValueError("strategy 'pass-q' needs the step's K/V store plan: build the metadata with "
                                  "a plan of strategy 'pass-q' (plan.py `plan_step`)")
-            return pass_q_attention(self.comm, self.backend, self.scale, q, k, v, k_pool, v_pool, meta, self.mods)
+            return pass_q_attention(self.parallel, self.backend, self.scale, q, k, v, k_pool, v_pool, meta, self.mods)
         out = torch.zeros(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
-        if strategy == "ring" and self.comm.pcp_size > 1 and meta.has_new:
+        if strategy == "ring" and self.pcp.size > 1 and meta.has_new:
             self._ring_new_tokens(q, k, v, k_pool, v_pool, meta, out, lse)
         else:
             self._gathered_new_tokens(q, k, v, k_pool, v_pool, meta, out, lse)
@@ -183,7 +146,7 @@ class PagedCPAttention(torch.nn.Module):
         lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         if decode is None:  # replicated layout: the other PCP copies compute this step's few tokens
             return torch.zeros_like(q), lse
-        rows = decode.rows[self.comm.pcp_rank]  # [B]
+        rows = decode.rows[self.pcp.rank]  # [B]
         q_rows = q if rows.numel() == meta.num_rows else q.index_select(0, rows)
         if whole and not self._decode_kwargs:  # no lse wanted and nothing the whole-context call cannot apply
             o, lse_rows = self.backend.attend_decode_whole(q_rows, k_pool, v_pool, decode, self.scale), None
@@ -205,7 +168,7 @@ class PagedCPAttention(torch.nn.Module):
         self.backend.store_kv(k_pool, v_pool, meta.write_slots, k, v, meta.write_rows)
         if decode is None:  # replicated layout: the other PCP copies compute this step's few tokens
             return torch.zeros_like(q)
-        rows = decode.rows[self.comm.pcp_rank]  # [B]
+        rows = decode.rows[self.pcp.rank]  # [B]
         whole = rows.numel() == meta.num_rows  # rows run 0..N-1 in order: every row is a decode row here
         o = self.backend.attend_decode_whole(q if whole else q.index_select(0, rows), k_pool, v_pool, decode,
                                              self.scale)
@@ -225,7 +188,7 @@ class PagedCPAttention(torch.nn.Module):
 
     def _gathered_new_tokens(self, q, k, v, k_pool, v_pool, meta, out, lse) -> None:
         if meta.has_new:
-            moved = tuple(all_gather(part, self.comm.pcp_group) for part in self.backend.rows_to_move(k, v))
+            moved = tuple(all_gather(part, self.pcp.group) for part in self.backend.rows_to_move(k, v))
             k_all, v_all = self.backend.rows_moved(moved)
             rows = meta.write_rows
         else:  # only single tokens: every PCP rank holds them at the same rows, so PCP rank 0's rows are local
@@ -262,11 +225,11 @@ class PagedCPAttention(torch.nn.Module):
 
     def _ring_new_tokens(self, q, k, v, k_pool, v_pool, meta, out, lse) -> None:
         """Pass-KV ring: the block of PCP rank (me - i) arrives at step i while step i-1's attention runs."""
-        comm, n = self.comm, meta.num_rows
+        pcp, n = self.pcp, meta.num_rows
         block = torch.stack(self.backend.rows_to_move(k, v))  # [parts, N, ...]: K and V, or one latent row
-        for step in range(comm.pcp_size):
-            source = (comm.pcp_rank - step) % comm.pcp_size
-            transfer = ring_exchange(block, comm.pcp_group) if step < comm.pcp_size - 1 else None
+        for step in range(pcp.size):
+            source = (pcp.rank - step) % pcp.size
+            transfer = ring_exchange(block, pcp.group) if step < pcp.size - 1 else None
             mine = (meta.write_rows >= source * n) & (meta.write_rows < (source + 1) * n)
             rows = meta.write_rows[mine] - source * n
             k_block, v_block = self.backend.rows_moved(tuple(block))
@@ -292,7 +255,7 @@ class PagedCPAttention(torch.nn.Module):
                 _accumulate(out, lse, rows,
                             *self.backend.attend(q[rows], k_block[keys], v_block[keys], self.scale, causal))
 
-    def _decode_context(self, q_all, k_pool, v_pool, meta: AttentionMetadata, o_part, lse_part, dcp_size,
+    def _decode_context(self, q_all, k_pool, v_pool, meta: AttentionMetadata, o_part, lse_part,
                         num_pieces: int) -> None:
         """All single-token queries of every piece against this rank's shard, one padded call per piece."""
         decode, n = meta.decode, meta.num_rows
@@ -300,12 +263,13 @@ class PagedCPAttention(torch.nn.Module):
             return  # this rank's shard is empty for every one of them: their partials stay (0, -inf)
         by_dcp_rank = {}
         for piece in range(num_pieces):
-            rows = decode.rows[self.comm.piece_pcp_rank(piece)] + piece * n  # [B]
-            if piece % dcp_size not in by_dcp_rank:
+            rows = decode.rows[self.piece_pcp_rank[piece]] + piece * n  # [B]
+            dcp_rank = self.piece_dcp_rank[piece]
+            if dcp_rank not in by_dcp_rank:
                 # Every PCP rank holds the same single-token queries: attend once per DCP rank, copy for the rest.
-                by_dcp_rank[piece % dcp_size] = self.backend.attend_decode(q_all[rows], k_pool, v_pool, decode,
-                                                                           self.scale, **self._decode_kwargs)
-            o_piece, lse_piece = by_dcp_rank[piece % dcp_size]
+                by_dcp_rank[dcp_rank] = self.backend.attend_decode(q_all[rows], k_pool, v_pool, decode,
+                                                                   self.scale, **self._decode_kwargs)
+            o_piece, lse_piece = by_dcp_rank[dcp_rank]
             o_part[rows], lse_part[rows] = o_piece.to(o_part.dtype), lse_piece  # index_put wants equal dtypes
 
     def context_partial(self, q, k_pool, v_pool, meta: AttentionMetadata):
@@ -328,26 +292,25 @@ class PagedCPAttention(torch.nn.Module):
 
     def _context(self, q, k_pool, v_pool, meta: AttentionMetadata):
         """Queries of the whole KV shard group against this rank's shard, merged back on their owners."""
-        comm, n = self.comm, meta.num_rows
-        dcp_size, pieces = comm.dcp_size, comm.kv_size
+        n, pieces = meta.num_rows, self.kv.size
         # [pieces * N, Hq, D]: piece c from group rank c (no call at all when this rank holds the whole context)
-        q_all = all_gather(q, comm.kv_group) if pieces > 1 else q
+        q_all = all_gather(q, self.kv.group) if pieces > 1 else q
         o_part = torch.zeros(q_all.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
         lse_part = torch.full(q_all.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         if meta.decode is not None:
-            self._decode_context(q_all, k_pool, v_pool, meta, o_part, lse_part, dcp_size, pieces)
+            self._decode_context(q_all, k_pool, v_pool, meta, o_part, lse_part, pieces)
         batched = set(meta.decode.requests) if meta.decode is not None else set()
         for index, request in enumerate(meta.requests):
             if index in batched or request.context_len == 0 or request.context_slots.numel() == 0:
                 continue
-            if comm.dims.kv_replicated and not request.local_chunks:
+            if self.parallel.dims.kv_replicated and not request.local_chunks:
                 continue  # every piece holds this PCP rank's rows, and it holds none of this request
             if self.mods is not None:
                 self._context_pieces(q_all, k_pool, v_pool, request, meta, o_part, lse_part)
                 continue
             k_ctx, v_ctx = self.backend.context_keys(k_pool, v_pool, request.context_slots, q.dtype)
             for piece in range(pieces):
-                start, end = request.pcp_rows[comm.piece_pcp_rank(piece)]
+                start, end = request.pcp_rows[self.piece_pcp_rank[piece]]
                 if end > start:
                     rows = slice(piece * n + start, piece * n + end)
                     o_part[rows], lse_part[rows] = self.backend.attend(q_all[rows], k_ctx, v_ctx, self.scale,
@@ -356,7 +319,7 @@ class PagedCPAttention(torch.nn.Module):
             return o_part, lse_part
         # Send piece c's partial back to group rank c; receive every rank's partial of this rank's queries.
         # Output and lse travel together in one float32 message: [pieces * N, Hq, D + 1].
-        packed = all_to_all(torch.cat((o_part.float(), lse_part.unsqueeze(-1)), dim=-1), comm.kv_group)
+        packed = all_to_all(torch.cat((o_part.float(), lse_part.unsqueeze(-1)), dim=-1), self.kv.group)
         packed = packed.view(pieces, n, q.shape[1], q.shape[2] + 1)
         return merge_attention_partials(packed[..., :-1], packed[..., -1])  # float32
 
@@ -370,8 +333,8 @@ class PagedCPAttention(torch.nn.Module):
         if lo >= hi:
             return  # the whole shard lies before every query's window
         k_ctx, v_ctx = self.backend.context_keys(k_pool, v_pool, request.context_slots[lo:hi], q_all.dtype)
-        for piece_index in range(self.comm.kv_size):
-            for row, new_start, length in request.source_rank_rows[self.comm.piece_pcp_rank(piece_index)]:
+        for piece_index in range(self.kv.size):
+            for row, new_start, length in request.source_rank_rows[self.piece_pcp_rank[piece_index]]:
                 piece = mods.context_piece(layout, request.context_len, lo, request.start_pos + new_start, length)
                 if piece is None:
                     continue
@@ -384,14 +347,14 @@ class PagedCPAttention(torch.nn.Module):
         rows, so each attends them to its own shard and the partials are all-gathered and merged (one collective,
         not two)."""
         decode = meta.decode
-        rows = decode.rows[self.comm.pcp_rank]  # [B]
+        rows = decode.rows[self.pcp.rank]  # [B]
         if decode.max_local_context > 0 and rows.numel() == meta.num_rows:  # rows 0..N-1: every row a query
             o_part, lse_part = self.backend.attend_decode(q, k_pool, v_pool, decode, self.scale,
                                                           **self._decode_kwargs)
         else:
             o_part = torch.zeros(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
             lse_part = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
-            self._decode_context(q, k_pool, v_pool, meta, o_part, lse_part, dcp_size=1, num_pieces=1)
-        packed = all_gather(torch.cat((o_part.float(), lse_part.unsqueeze(-1)), dim=-1), self.comm.cp_group)
-        packed = packed.view(self.comm.cp_size, *q.shape[:2], q.shape[2] + 1)  # [C, N, Hq, D + 1]
+            self._decode_context(q, k_pool, v_pool, meta, o_part, lse_part, num_pieces=1)
+        packed = all_gather(torch.cat((o_part.float(), lse_part.unsqueeze(-1)), dim=-1), self.cp.group)
+        packed = packed.view(self.cp.size, *q.shape[:2], q.shape[2] + 1)  # [C, N, Hq, D + 1]
         return merge_attention_partials(packed[..., :-1], packed[..., -1])  # float32

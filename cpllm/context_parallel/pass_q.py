@@ -38,17 +38,17 @@ from cpllm.context_parallel.partition import key_runs
 from cpllm.distributed.comm import all_to_all, ring_exchange
 
 
-def pass_q_attention(comm, backend, scale: float, q, k, v, k_pool, v_pool, meta: AttentionMetadata, mods=None):
+def pass_q_attention(parallel, backend, scale: float, q, k, v, k_pool, v_pool, meta: AttentionMetadata, mods=None):
     """Attention of this rank's query rows over new tokens and cached context; (out, lse) in float32. `backend`
-    (an `AttentionBackend`) stores and attends on this rank. `mods` (a window, a soft-cap) apply to every piece
+    (an `AttentionBackend`) stores and attends on this rank; `parallel` is the layer's `ParallelContext`. `mods` (a window, a soft-cap) apply to every piece
     on its own keys (cpllm/layers/window/modifier.py); the layer passes decode rows' in-window view in
     `meta.decode`.
 
     q [N, Hq, D]; k, v [N, Hkv, D]; k_pool, v_pool [num_slots, Hkv, D]; `meta.pass_q` is set."""
     plan = meta.pass_q
-    ring = _Ring(comm, meta.has_context)
+    ring = _Ring(parallel, meta.has_context)
     backend.store_kv(k_pool, v_pool, plan.local_slots, k, v, plan.local_rows)
-    piece = _PieceAttention(comm, backend, scale, k, v, k_pool, v_pool, meta, mods)
+    piece = _PieceAttention(parallel, backend, scale, k, v, k_pool, v_pool, meta, mods)
     o_part = torch.zeros((ring.size, *q.shape), dtype=accumulator_dtype(q.dtype), device=q.device)  # [R, N, Hq, D]
     lse_part = torch.full((ring.size, *q.shape[:2]), float("-inf"), dtype=torch.float32, device=q.device)
     block = q
@@ -65,34 +65,30 @@ class _Ring:
     """The ranks the queries visit: the CP group when some request reads cached context (it is sharded over
     all PCP x DCP ranks), else only the PCP group (the DCP ranks of a PCP rank hold the same new tokens)."""
 
-    def __init__(self, comm, has_context: bool):
-        self.dcp = comm.cp_size // comm.pcp_size
-        self.my_dcp = comm.cp_rank % self.dcp
-        self.whole_cp = has_context or self.dcp == 1
-        if self.whole_cp:
-            self.group, self.size, self.rank = comm.cp_group, comm.cp_size, comm.cp_rank
-        else:
-            self.group, self.size, self.rank = comm.pcp_group, comm.pcp_size, comm.pcp_rank
+    def __init__(self, parallel, has_context: bool):
+        self.whole_cp = has_context or parallel.dims.dcp == 1
+        kind = "cp" if self.whole_cp else "pcp"
+        ring = parallel.comm(kind)
+        self.group, self.size, self.rank = ring.group, ring.size, ring.rank
+        self._coords = tuple(parallel.member_coords(kind, index) for index in range(ring.size))
+        self._cp_ranks = parallel.member_cp_ranks(kind)
 
     def coords(self, index: int) -> tuple[int, int]:
         """(PCP rank, DCP rank) of the ring member at group rank `index`."""
-        return (index // self.dcp, index % self.dcp) if self.whole_cp else (index, self.my_dcp)
+        return self._coords[index]
 
     def members(self, per_cp_rank: tuple[int, ...]) -> list[int]:
         """A per-CP-rank list restricted to the ring's members, in group-rank order."""
-        if self.whole_cp:
-            return list(per_cp_rank)
-        return [per_cp_rank[p * self.dcp + self.my_dcp] for p in range(self.size)]
+        return [per_cp_rank[cp_rank] for cp_rank in self._cp_ranks]
 
 
 class _PieceAttention:
     """Attends one visiting query block (the rows of PCP rank `src_pcp`, heads of DCP rank `src_dcp`) to the
     keys this rank holds; the cached context is read from the pools once per layer, not once per block."""
 
-    def __init__(self, comm, backend, scale, k, v, k_pool, v_pool, meta: AttentionMetadata, mods=None):
+    def __init__(self, parallel, backend, scale, k, v, k_pool, v_pool, meta: AttentionMetadata, mods=None):
         self.backend, self.scale, self.k, self.v, self.meta, self.mods = backend, scale, k, v, meta, mods
-        self.my_pcp = comm.pcp_rank
-        self.my_dcp = comm.cp_rank % (comm.cp_size // comm.pcp_size)
+        self.my_pcp, self.my_dcp = parallel.rank("pcp"), parallel.rank("dcp")
         batched = set(meta.decode.requests) if meta.decode is not None else set()
         readers = [request for index, request in enumerate(meta.requests)
                    if index not in batched and request.context_len > 0 and request.context_slots.numel() > 0]

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from cpllm.context_parallel.kv_layout import KVLayout, owned_slots
+from cpllm.distributed.parallel_dims import cp_coords, cp_rank_of
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -48,8 +49,8 @@ def build_pass_q_plan(chunks, new_kv_rows: list[torch.Tensor | None], local_sing
     """The plan of one step; `new_kv_rows[i]` is chunk i's [num_new] gathered row (pcp rank * num_rows + row)
     of each new token (None for a single token), `local_single_rows[i]` this rank's row of a single token."""
     cp, me = layout.num_shards, layout.shard_rank
-    dcp = cp // pcp_size
-    my_dcp = me % dcp
+    dcp = cp // pcp_size  # the sharded layout's shards are the cp group: PCP x DCP
+    _, my_dcp = cp_coords(me, dcp)
     local_rows, local_slots = [], []
     send = [[] for _ in range(cp)]
     recv = [[] for _ in range(cp)]
@@ -64,7 +65,7 @@ def build_pass_q_plan(chunks, new_kv_rows: list[torch.Tensor | None], local_sing
         home = torch.div(gathered, num_rows, rounding_mode="floor")  # [T] PCP rank that computed each token
         row = gathered % num_rows
         owner = torch.div(positions, layout.interleave, rounding_mode="floor") % cp  # [T] CP rank storing it
-        owner_dcp = owner % dcp
+        _, owner_dcp = cp_coords(owner, dcp)
         mine = owner == me
         computed_here = home == pcp_rank
         keep = computed_here & mine
@@ -77,7 +78,7 @@ def build_pass_q_plan(chunks, new_kv_rows: list[torch.Tensor | None], local_sing
         incoming = mine & ~computed_here
         for source_pcp in torch.unique(home[incoming]).tolist():
             take = incoming & (home == source_pcp)
-            recv[source_pcp * dcp + my_dcp].append(owned_slots(positions[take], table, layout))
+            recv[cp_rank_of(source_pcp, my_dcp, dcp)].append(owned_slots(positions[take], table, layout))
     return PassQPlan(
         local_rows=_cat(local_rows), local_slots=_cat(local_slots),
         send_rows=_cat([r for rows in send for r in rows]),

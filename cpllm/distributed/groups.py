@@ -2,7 +2,8 @@
 
 Which ranks form each group is `ParallelDims` arithmetic (cpllm/distributed/parallel_dims.py: no
 torch.distributed, tested exhaustively). `ParallelGroups` is the per-process runtime object: the dims, this
-rank's coordinates and one process group per group kind.
+rank's coordinates and one process group per group kind; its `context()` is what the model's layers receive
+(cpllm/distributed/parallel_context.py).
 
 Size-1 groups: a group of one rank is stored as `None` and no process group is
 created for it. The helpers in `cpllm.distributed.comm` treat `None` as "this rank
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from cpllm.config.engine import ParallelConfig
 from cpllm.distributed.comm import Group
+from cpllm.distributed.parallel_context import ParallelContext
 from cpllm.distributed.parallel_dims import GROUP_KINDS, ParallelDims
 from cpllm.distributed.shm_group import available, host_key, open_shm_group
 
@@ -31,19 +33,6 @@ socket, or the shared-memory liveness check); the collectives inside a step keep
 
 def _timeout(timeout_s: float) -> timedelta:
     return timedelta(seconds=timeout_s)
-
-
-@dataclass(kw_only=True, frozen=True, slots=True)
-class PCPSplit:
-    """This rank's place in its PCP group, for the work a decode-only step splits over the PCP ranks (each holds
-    the same rows then): the dense MLP's columns (cpllm/model/mlp_split.py) and the LM head's rows."""
-
-    rank: int = 0
-    """Rank inside the PCP group: which 1/size share this rank computes."""
-    size: int = 1
-    """PCP ranks the work is split over."""
-    group: Group = None
-    """The PCP group the shares are gathered over (None when alone)."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -134,9 +123,12 @@ class ParallelGroups:
     def replica_size(self) -> int:
         return self.dims.replica_size
 
-    @property
-    def pcp_split(self) -> PCPSplit:
-        return PCPSplit(rank=self.pcp_rank, size=self.pcp_size, group=self.pcp_group)
+    def context(self, *, prefill_strategy: str = "allgather") -> ParallelContext:
+        """The parallel context the model's layers receive: the dims, this rank and its tensor groups by kind
+        (`prefill_strategy`: the engine's cp_prefill_strategy, for steps whose metadata names none)."""
+        groups = {kind: getattr(self, f"{kind}_group") for kind in GROUP_KINDS}
+        return ParallelContext(dims=self.dims, global_rank=self.rank, groups=groups,
+                               prefill_strategy=prefill_strategy)
 
     @property
     def replica_ranks(self) -> list[int]:

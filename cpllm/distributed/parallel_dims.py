@@ -111,7 +111,7 @@ class ParallelDims:
     def cp_rank(self, rank: int) -> int:
         """Position in the cp group: pcp_rank * DCP + dcp_rank."""
         _, pcp_rank, tp_rank = self.coords(rank)
-        return pcp_rank * self.dcp + tp_rank % self.dcp
+        return cp_rank_of(pcp_rank, tp_rank % self.dcp, self.dcp)
 
     def kv_shard_rank(self, rank: int) -> int:
         """Position in the KV-shard group: the KV layout's owner index of this rank's tokens."""
@@ -120,6 +120,14 @@ class ParallelDims:
     def moe_rank(self, rank: int) -> int:
         """Position in the MoE group: pcp_rank * TP + tp_rank."""
         return rank % self.replica_size
+
+    def group_rank(self, kind: str, rank: int) -> int:
+        """Position of `rank` in its group of this kind (its group rank)."""
+        return self.members(kind, rank).index(rank)
+
+    def kv_heads(self, num_kv_heads: int, rank: int) -> tuple[int, int]:
+        """(first KV head, count) that global rank `rank` holds (`kv_heads_of_tp_rank` at its TP coordinate)."""
+        return kv_heads_of_tp_rank(num_kv_heads, self.tp, self.coords(rank)[2])
 
     # ---- group members -------------------------------------------------------------------------------------
 
@@ -195,6 +203,23 @@ def kv_heads_of_tp_rank(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[
         per_rank = num_kv_heads // tp_size
         return tp_rank * per_rank, per_rank
     return tp_rank // (tp_size // num_kv_heads), 1
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads every TP rank holds (the same count on each: `kv_heads_of_tp_rank`); what the K/V pools, the
+    planner and the bench's volume formulas size per rank."""
+    return kv_heads_of_tp_rank(num_kv_heads, tp_size, 0)[1]
+
+
+def cp_coords(cp_rank, dcp_size: int):
+    """(pcp_rank, dcp_rank) of the cp group's member at group rank `cp_rank` (an int, or an integer tensor of
+    them): the cp group is ordered pcp_rank * DCP + dcp_rank."""
+    return cp_rank // dcp_size, cp_rank % dcp_size
+
+
+def cp_rank_of(pcp_rank, dcp_rank, dcp_size: int):
+    """The cp group rank of the member at (pcp_rank, dcp_rank) (ints, or integer tensors): `cp_coords` inverted."""
+    return pcp_rank * dcp_size + dcp_rank
 
 
 def valid_dcp_sizes(tp_size: int, num_kv_heads: int) -> list[int]:

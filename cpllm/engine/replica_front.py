@@ -65,6 +65,8 @@ class ReplicaFront:
         self.config, self.tokenizer = config, tokenizer
         self.num_replicas = config.parallel.data_parallel_size
         self.replica_size = config.parallel.dims.replica_size
+        self.dims = config.parallel.dims
+        """The parallel dims: which global ranks each replica holds."""
         self.max_restarts = max_restarts
         self.link = FrontLink()
         self.replicas = [ReplicaHandle(i, self.link, lambda i, address, inc: start(i, address, self.link.inbox_address,
@@ -301,8 +303,9 @@ class ReplicaFront:
 
     def rank_kv_usage(self) -> dict[int, float]:
         """Global rank -> fraction of its KV blocks in use (a replica's ranks share block ids)."""
-        return {r.index * self.replica_size + i: r.report.kv_usage
-                for r in self.replicas for i in range(self.replica_size)}
+        firsts = {r.index: self.dims.rank_of(r.index, 0, 0) for r in self.replicas}
+        return {rank: r.report.kv_usage for r in self.replicas
+                for rank in self.dims.members("replica", firsts[r.index])}
 
     @property
     def scheduler_totals(self) -> SchedulerTotals:

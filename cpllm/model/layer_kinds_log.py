@@ -38,7 +38,7 @@ def layer_kinds_lines(model) -> list[str]:
             what += f" (window {config.sliding_window} >= max_model_len {max_len}: no position leaves it)"
         spec = group_cache_spec(group, config, kv_heads, dtype.itemsize)
         kept = spec.tokens_kept(max_len)  # this rank's share of the positions a request keeps
-        per_layer = math.ceil(kept / attn.attn.comm.kv_size) * spec.bytes_per_token
+        per_layer = math.ceil(kept / attn.attn.kv.size) * spec.bytes_per_token
         cached = "latents" if spec.kind == LATENT else "K/V"
         held = "" if group.window is None else f" (its last {kept} positions, plus at most one block)"
         size = (f"; {cached} of one {max_len}-token request: {per_layer / 2**10:.1f} KiB per layer on this "

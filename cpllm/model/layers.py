@@ -1,4 +1,4 @@
-"""Tensor-parallel building blocks: each layer receives its TP group and loads only its own shard.
+"""Tensor-parallel building blocks: each layer receives the rank's parallel context and loads only its own shard.
 
 These layers hold the tensor-parallel logic (which rows or columns of which stored tensors a rank holds, the
 bias, the collectives). The weight is a method of its weight format (cpllm/model/formats/), built at load by the
@@ -12,34 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from cpllm.distributed.comm import all_gather, all_reduce
-from cpllm.distributed.groups import PCPSplit
+from cpllm.distributed.parallel_context import GroupComm, ParallelContext
 from cpllm.kernels.rms_norm import rms_norm
 from cpllm.model.formats.methods import (EmbeddingRows, FloatHead, FloatRows, FloatWeight, FusedWeight, HeadMethod,
                                          LinearMethod, load_embedding, load_head, load_linear)
 from cpllm.model.formats.plan import WeightPlan
 from cpllm.model.loaders.loader import WeightSource
-
-
-@dataclass(kw_only=True, frozen=True, slots=True)
-class TPShard:
-    """This rank's place in its tensor-parallel group."""
-
-    rank: int = 0
-    """Rank inside the TP group."""
-    size: int = 1
-    """Number of ranks in the TP group."""
-    group: dist.ProcessGroup | None = None
-    """The TP process group (None when size is 1)."""
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce(x, self.group)
-
-    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
-        return all_gather(x, self.group, dim=-1)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -102,11 +82,13 @@ class ColumnParallelLinear(torch.nn.Module):
 class RowParallelLinear(torch.nn.Module):
     """y = all_reduce(x_shard W_shard^T): input columns split over TP, partial sums reduced."""
 
-    def __init__(self, name: str, in_features: int, out_features: int, tp: TPShard, dtype: torch.dtype,
-                 quantization: str = "none"):
+    def __init__(self, name: str, in_features: int, out_features: int, parallel: ParallelContext,
+                 dtype: torch.dtype, quantization: str = "none", *, reduce: bool = True):
+        """`reduce`: sum the TP ranks' partials here (False: the caller sums this rank's partial with others', as
+        the MoE blocks' shared experts ride in the experts' sum)."""
         super().__init__()
-        self.name, self.tp, self.quantization = name, tp, quantization
-        self.shard = in_features // tp.size
+        self.name, self.tp, self.quantization, self.reduce = name, parallel.comm("tp"), quantization, reduce
+        self.shard = in_features // self.tp.size
         self.method: LinearMethod = FloatWeight.empty(self.shard, out_features, dtype)
         """This rank's input shard of the weight in its format (unloaded float until `load`)."""
         self.plans: list[tuple[str, WeightPlan]] = []
@@ -119,8 +101,9 @@ class RowParallelLinear(torch.nn.Module):
         self.plans = [(name, plans[0])]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x [N, in / TP] -> [N, out], summed over TP
-        return self.tp.all_reduce(self.method.matmul(x))
+        # x [N, in / TP] -> [N, out], summed over TP (or this rank's partial, without `reduce`)
+        partial = self.method.matmul(x)
+        return self.tp.all_reduce(partial) if self.reduce else partial
 
     def fused_spec(self) -> FusedWeight | None:
         """The shard as the fused decode layer reads it, or None."""
@@ -134,21 +117,21 @@ class RowParallelLinear(torch.nn.Module):
         self.method = self.method.prepacked()
 
 
-def vocab_shard(vocab_size: int, tp: TPShard | PCPSplit) -> tuple[int, int]:
-    """Vocabulary rows [start, end) of this rank (the last rank may hold fewer)."""
-    per_rank = -(-vocab_size // tp.size)
-    start = min(tp.rank * per_rank, vocab_size)
+def vocab_shard(vocab_size: int, shard: GroupComm) -> tuple[int, int]:
+    """Vocabulary rows [start, end) of this rank of the group `shard` (the last rank may hold fewer)."""
+    per_rank = -(-vocab_size // shard.size)
+    start = min(shard.rank * per_rank, vocab_size)
     return start, min(start + per_rank, vocab_size)
 
 
 class VocabParallelEmbedding(torch.nn.Module):
     """Token embedding with rows split over TP; each rank embeds its ids, the sum is all-reduced."""
 
-    def __init__(self, name: str, vocab_size: int, hidden: int, tp: TPShard, dtype: torch.dtype,
+    def __init__(self, name: str, vocab_size: int, hidden: int, parallel: ParallelContext, dtype: torch.dtype,
                  quantization: str = "none"):
         super().__init__()
-        self.name, self.tp, self.dtype, self.quantization = name, tp, dtype, quantization
-        self.start, self.end = vocab_shard(vocab_size, tp)
+        self.name, self.tp, self.dtype, self.quantization = name, parallel.comm("tp"), dtype, quantization
+        self.start, self.end = vocab_shard(vocab_size, self.tp)
         self.rows: EmbeddingRows = FloatRows(self.end - self.start, hidden, dtype)
         """This shard's rows in their format (unloaded float until `load`)."""
         self.plans: list[tuple[str, WeightPlan]] = []
@@ -173,15 +156,17 @@ class ParallelLMHead(torch.nn.Module):
     int8 rows with each row's best logits refined in float32: cpllm/model/formats/plan.py)."""
 
     def __init__(self, embedding: VocabParallelEmbedding | None, name: str, vocab_size: int, hidden: int,
-                 tp: TPShard, dtype: torch.dtype, quantization: str = "none", pcp: PCPSplit | None = None):
-        """`pcp`: this rank's place in its PCP group when the PCP ranks split the head (each computes 1/PCP of
-        this TP shard's rows, for rows every PCP rank holds; cpllm/worker/runner.py); None: one rank computes."""
+                 parallel: ParallelContext, dtype: torch.dtype, quantization: str = "none", *,
+                 split_over_pcp: bool = False):
+        """`split_over_pcp`: the PCP ranks split the head (each computes 1/PCP of this TP shard's rows, for rows
+        every PCP rank holds; cpllm/worker/runner.py); False, or one PCP rank: one rank computes."""
         super().__init__()
-        self.name, self.tp, self.vocab_size, self.quantization = name, tp, vocab_size, quantization
-        self.pcp = pcp if pcp is not None and pcp.size > 1 else None
+        self.name, self.tp, self.vocab_size, self.quantization = name, parallel.comm("tp"), vocab_size, quantization
+        pcp = parallel.comm("pcp")
+        self.pcp = pcp if split_over_pcp and pcp.size > 1 else None
         self.tied = embedding
-        self.start, self.end = vocab_shard(vocab_size, tp)
-        self.padded_rows = -(-vocab_size // tp.size)
+        self.start, self.end = vocab_shard(vocab_size, self.tp)
+        self.padded_rows = -(-vocab_size // self.tp.size)
         self.method: HeadMethod = FloatHead(hidden, self.end - self.start, dtype)
         """This shard's weight in its format (unloaded float until `load`)."""
         self.plans: list[tuple[str, WeightPlan]] = []
@@ -214,7 +199,7 @@ class ParallelLMHead(torch.nn.Module):
         pad = -(-(self.end - self.start) // self.pcp.size) - part.shape[-1]
         if pad:
             part = F.pad(part, (0, pad), value=float("-inf"))
-        logits = all_gather(part, self.pcp.group, dim=-1)[:, : self.end - self.start]
+        logits = self.pcp.all_gather(part, dim=-1)[:, : self.end - self.start]
         return self.method.refine(hidden, logits)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -225,7 +210,7 @@ class ParallelLMHead(torch.nn.Module):
         pad = self.padded_rows - logits.shape[-1]
         if pad:
             logits = F.pad(logits, (0, pad), value=float("-inf"))
-        return self.tp.all_gather_last_dim(logits)[:, : self.vocab_size]
+        return self.tp.all_gather(logits, dim=-1)[:, : self.vocab_size]
 
 
 class RMSNorm(torch.nn.Module):

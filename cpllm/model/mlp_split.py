@@ -27,9 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cpllm.distributed.comm import all_gather
-from cpllm.distributed.groups import PCPSplit
-from cpllm.model.layers import ColumnParallelLinear, RowParallelLinear, RowRange, TPShard
+from cpllm.distributed.parallel_context import ParallelContext
+from cpllm.model.layers import ColumnParallelLinear, RowParallelLinear, RowRange
 from cpllm.model.loaders.loader import WeightSource
 
 
@@ -41,16 +40,16 @@ def can_split(shard_rows: int, hidden: int, pcp_size: int) -> bool:
 class DecodeSplitMLP(torch.nn.Module):
     """This PCP rank's columns of one TP shard's gate, up and down projections, for decode-only steps."""
 
-    def __init__(self, prefix: str, hidden: int, shard_start: int, shard_rows: int, tp: TPShard, pcp: PCPSplit,
+    def __init__(self, prefix: str, hidden: int, shard_start: int, shard_rows: int, parallel: ParallelContext,
                  dtype: torch.dtype, quantization: str):
         super().__init__()
         self.prefix, self.hidden, self.dtype, self.quantization = prefix, hidden, dtype, quantization
-        self.shard_start, self.shard_rows, self.tp = shard_start, shard_rows, tp
-        self.rows = shard_rows // pcp.size
-        self.offset = pcp.rank * self.rows  # first intermediate column of this rank, within the TP shard
-        self.out_cols = hidden // pcp.size
-        self.out_offset = pcp.rank * self.out_cols
-        self.group = pcp.group
+        self.shard_start, self.shard_rows = shard_start, shard_rows
+        self.tp, self.pcp = parallel.comm("tp"), parallel.comm("pcp")
+        self.rows = shard_rows // self.pcp.size
+        self.offset = self.pcp.rank * self.rows  # first intermediate column of this rank, within the TP shard
+        self.out_cols = hidden // self.pcp.size
+        self.out_offset = self.pcp.rank * self.out_cols
         self.usable = True
         """False when a quantized projection cannot be sliced here (TP > 1): decode then runs the whole shard."""
         self.gate_cols: torch.Tensor | None = None
@@ -94,6 +93,6 @@ class DecodeSplitMLP(torch.nn.Module):
             gate, up = x @ self.gate_cols, x @ self.up_cols
         else:
             gate, up = self.gate_up(x).split(self.rows, dim=-1)
-        h = all_gather(F.silu(gate) * up, self.group, dim=-1)  # [N, shard_rows]
+        h = self.pcp.all_gather(F.silu(gate) * up, dim=-1)  # [N, shard_rows]
         y = h @ self.down_cols if self.down is None else self.down(h)
-        return self.tp.all_reduce(all_gather(y, self.group, dim=-1))  # [N, hidden]
+        return self.tp.all_reduce(self.pcp.all_gather(y, dim=-1))  # [N, hidden]

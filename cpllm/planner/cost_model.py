@@ -43,7 +43,7 @@ import math
 from dataclasses import dataclass, field
 
 from cpllm.config.engine import ModelConfig
-from cpllm.distributed.parallel_dims import ParallelDims, kv_heads_of_tp_rank
+from cpllm.distributed.parallel_dims import ParallelDims, kv_heads_per_rank
 from cpllm.kv_groups import full_cache_spec
 from cpllm.planner.hardware import HardwareSpec
 
@@ -220,7 +220,7 @@ class CostModel:
     def local_heads(self, tp: int) -> tuple[int, int]:
         """(query heads, KV heads) one TP rank holds; KV heads are replicated when fewer than TP."""
         m = self.model
-        return m.num_attention_heads // tp, kv_heads_of_tp_rank(m.num_key_value_heads, tp, 0)[1]
+        return m.num_attention_heads // tp, kv_heads_per_rank(m.num_key_value_heads, tp)
 
     # ---- links --------------------------------------------------------------------------------------------
 

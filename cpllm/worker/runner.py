@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 
 from cpllm.config.engine import EngineConfig
-from cpllm.context_parallel.attention import CPComm
 from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.context_parallel.metadata import StepBatch, build_step_batch
 from cpllm.context_parallel.plan import RankCapabilities, StepPath, StepPlan, plan_step
@@ -19,10 +18,7 @@ from cpllm.distributed.comm import all_reduce
 from cpllm.distributed.groups import ParallelGroups
 from cpllm.model.execution.decode_graph import CompiledDecode
 from cpllm.model.execution.decode_team import DecodeTeam
-from cpllm.model.layers import TPShard
-from cpllm.model.families.llama import local_kv_heads
 from cpllm.model.loaders.loader import open_weights
-from cpllm.model.moe.placement import MoEShard
 from cpllm.model.registry import model_class
 from cpllm.kv_groups import kv_groups, layer_groups
 from cpllm.planner.runtime import StepStrategy, device_hardware, engine_cost
@@ -44,23 +40,18 @@ class ModelRunner:
         self.config, self.groups, self.device = config, groups, device
         self.dtype = DTYPES[config.dtype]
         self.kv_dtype = self.dtype if config.cache.kv_cache_dtype == "auto" else DTYPES[config.cache.kv_cache_dtype]
-        tp = TPShard(rank=groups.tp_rank, size=groups.tp_size, group=groups.tp_group)
+        self.parallel = groups.context(prefill_strategy=config.parallel.cp_prefill_strategy)
+        """What the model's layers receive: the dims, this rank and its groups (distributed/parallel_context.py)."""
         self.replicated = groups.dims.kv_replicated
-        comm = CPComm(
-            dims=groups.dims, pcp_group=groups.pcp_group, pcp_rank=groups.pcp_rank, cp_group=groups.cp_group,
-            cp_rank=groups.cp_rank, strategy=config.parallel.cp_prefill_strategy, dcp_group=groups.dcp_group,
-        )
         # Replicated: every PCP rank keeps a whole copy, divided over the DCP group only.
         self.layout = KVLayout(num_shards=groups.dims.kv_shard_size, shard_rank=groups.kv_shard_rank,
                                interleave=config.parallel.cp_kv_cache_interleave_size,
                                block_size=config.cache.block_size)
-        moe = MoEShard(tp=tp, pcp_rank=groups.pcp_rank, pcp_size=groups.pcp_size, pcp_group=groups.pcp_group,
-                       group=groups.moe_group, expert_parallel=groups.dims.expert_parallel)
         with torch.device(device):
-            self.model = model_class(config.model.architecture)(config.model, tp, comm, self.dtype,
-                                                                config.scheduler.max_model_len, moe, groups.pcp_split)
+            self.model = model_class(config.model.architecture)(config.model, self.parallel, self.dtype,
+                                                                config.scheduler.max_model_len)
         self.model.load_weights(open_weights(config.model_path))
-        _, self.num_kv_heads = local_kv_heads(config.model, tp)
+        _, self.num_kv_heads = self.parallel.kv_heads(config.model.num_key_value_heads)
         element_bytes = torch.empty((), dtype=self.dtype).element_size()
         self.step_strategy = StepStrategy(config.parallel, engine_cost(
             config.parallel, config.model, element_bytes, device_hardware(device, torch.get_num_threads())))

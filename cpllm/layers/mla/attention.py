@@ -32,13 +32,14 @@ import torch
 import torch.nn.functional as F
 
 from cpllm.config.deepseek import MLAConfig
-from cpllm.context_parallel.attention import CPComm, PagedCPAttention
+from cpllm.context_parallel.attention import PagedCPAttention
 from cpllm.context_parallel.backend import AttentionBackend
 from cpllm.context_parallel.merge import merge_two
 from cpllm.context_parallel.metadata import AttentionMetadata
 from cpllm.layers.mla.backend import MLAPagedBackend
 from cpllm.context_parallel.plan import StepPath
-from cpllm.model.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, RowRange, TPShard
+from cpllm.distributed.parallel_context import ParallelContext
+from cpllm.model.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, RowRange
 from cpllm.model.loaders.loader import WeightSource
 from cpllm.model.rope import apply_rope
 
@@ -54,12 +55,13 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 class MLAAttention(torch.nn.Module):
     """One decoder layer's MLA on this TP rank's heads (see the module)."""
 
-    def __init__(self, mla: MLAConfig, hidden: int, num_heads: int, scale: float, prefix: str, tp: TPShard,
-                 comm: CPComm, dtype: torch.dtype, quantization: str = "none",
+    def __init__(self, mla: MLAConfig, hidden: int, num_heads: int, scale: float, prefix: str,
+                 parallel: ParallelContext, dtype: torch.dtype, quantization: str = "none",
                  backend: AttentionBackend | None = None):
         """`scale`: the softmax scale (MLAConfig.softmax_scale); `prefix`: the checkpoint's
         `model.layers.{i}.self_attn`."""
         super().__init__()
+        tp = parallel.comm("tp")
         if num_heads % tp.size:
             raise ValueError(f"num_attention_heads={num_heads} is not divisible by tensor_parallel_size={tp.size}")
         self.mla, self.scale, self.tp = mla, scale, tp
@@ -86,9 +88,9 @@ class MLAAttention(torch.nn.Module):
         self.kv_b_rows = (first * per_head, (first + heads) * per_head)
         # [H_local, nope + v, r] as stored: the expanded form's projection, and W_UK | W_UV of the absorbed form
         self.kv_b = torch.nn.Parameter(torch.empty(heads, per_head, r, dtype=dtype), requires_grad=False)
-        self.o_proj = RowParallelLinear(f"{prefix}.o_proj", num_heads * mla.v_head_dim, hidden, tp, dtype,
+        self.o_proj = RowParallelLinear(f"{prefix}.o_proj", num_heads * mla.v_head_dim, hidden, parallel, dtype,
                                         quantization)
-        self.attn = PagedCPAttention(comm, scale=scale, backend=backend or MLAPagedBackend())
+        self.attn = PagedCPAttention(parallel, scale=scale, backend=backend or MLAPagedBackend())
         self.expanded_prefill = True
         """Prefill steps on one PCP rank take the expanded form for their new tokens (False: the absorbed form, as
         every other step; both exact). Under PCP the absorbed form runs, so the latents travel, not the heads."""
@@ -140,7 +142,7 @@ class MLAAttention(torch.nn.Module):
         q_lat = torch.cat((q_c, q_pe), dim=-1)  # [N, H, r + rope]
         latent = torch.cat((c.unsqueeze(1), k_pe), dim=-1)  # [N, 1, r + rope]
         pool = kv_cache[0]
-        if self.expanded_prefill and meta.plan.path is StepPath.PREFILL and self.attn.comm.pcp_size == 1:
+        if self.expanded_prefill and meta.plan.path is StepPath.PREFILL and self.attn.pcp.size == 1:
             heads_out = self._expanded_prefill(q_nope, q_pe, q_lat, latent, pool, meta)  # [N, H, v]
             if keep is not None:
                 if keep.numel() == 0:

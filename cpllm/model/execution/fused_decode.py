@@ -69,8 +69,7 @@ def _why_not(layer) -> str | None:
         return "not a dense MLP"  # (a decode split of the MLP is left to the eager steps: the team splits its own)
     if attn.q_norm is not None:
         return "q/k norms"
-    comm = attn.attn.comm
-    if attn.o_proj.tp.size != 1 and comm.pcp_size != 1:
+    if attn.o_proj.tp.size != 1 and attn.attn.pcp.size != 1:
         return "tensor parallelism with PCP"  # (DCP needs TP, so a PCP team never meets a DCP shard)
     for name, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate|up", mlp.gate_up_proj),
                          ("down", mlp.down_proj)):
@@ -140,11 +139,11 @@ class FusedDecode:
                         for spec in specs for linear in (spec.qkv, spec.o, spec.gate_up, spec.down)})
         logger.info("decode steps: one fused C call per decoder layer (%s weights; cpllm/model/execution/fused_decode.py)",
                     "/".join(kinds))
-        comm = model.layers[0].self_attn.attn.comm
+        parallel = model.layers[0].self_attn.attn.parallel
         tp = model.layers[0].self_attn.o_proj.tp.size
         if tp > 1:  # the layers hold shards: they run only as a TP team
-            return cls(lib, specs, keep, tp, True, tensor_parallel=True, dcp=comm.dcp_size)
-        return cls(lib, specs, keep, comm.pcp_size, comm.kv_size > 1)
+            return cls(lib, specs, keep, tp, True, tensor_parallel=True, dcp=parallel.size("dcp"))
+        return cls(lib, specs, keep, parallel.size("pcp"), parallel.size("kv_shard") > 1)
 
     def capability(self) -> FusedLayers:
         """What these layers take, for the step plans (read once at start-up, after the team is formed or not):

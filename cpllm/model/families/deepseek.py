@@ -16,15 +16,13 @@ from __future__ import annotations
 import torch
 
 from cpllm.config.engine import ModelConfig
-from cpllm.context_parallel.attention import CPComm
 from cpllm.context_parallel.backend import AttentionBackend
 from cpllm.distributed.comm import low_latency
-from cpllm.distributed.groups import PCPSplit
+from cpllm.distributed.parallel_context import ParallelContext
 from cpllm.layers.mla.attention import MLAAttention
 from cpllm.model.moe.deepseek_block import DeepseekMoEBlock
-from cpllm.model.layers import RMSNorm, TPShard
+from cpllm.model.layers import RMSNorm
 from cpllm.model.families.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
-from cpllm.model.moe.placement import MoEShard
 from cpllm.model.rope import RotaryEmbedding
 
 ATTENTION_KIND = "mla"
@@ -34,38 +32,36 @@ ATTENTION_KIND = "mla"
 class DeepseekDecoderLayer(LlamaDecoderLayer):
     """LlamaDecoderLayer's forward over MLA and the DeepSeek MLP of layer `index`."""
 
-    def __init__(self, config: ModelConfig, index: int, tp: TPShard, comm: CPComm, dtype: torch.dtype,
-                 moe: MoEShard | None, backend: AttentionBackend, pcp: PCPSplit | None):
+    def __init__(self, config: ModelConfig, index: int, parallel: ParallelContext, dtype: torch.dtype,
+                 backend: AttentionBackend):
         torch.nn.Module.__init__(self)  # LlamaDecoderLayer's constructor would build GQA attention
         prefix, eps, h = f"model.layers.{index}", config.rms_norm_eps, config.hidden_size
         self.input_layernorm = RMSNorm(f"{prefix}.input_layernorm.weight", h, eps, dtype)
         scale = config.mla.softmax_scale(config.rope_scaling)
-        self.self_attn = MLAAttention(config.mla, h, config.num_attention_heads, scale, f"{prefix}.self_attn", tp,
-                                      comm, dtype, config.quantization, backend)
+        self.self_attn = MLAAttention(config.mla, h, config.num_attention_heads, scale, f"{prefix}.self_attn",
+                                      parallel, dtype, config.quantization, backend)
         self.post_attention_layernorm = RMSNorm(f"{prefix}.post_attention_layernorm.weight", h, eps, dtype)
         if config.moe.is_sparse(index):
-            self.mlp = DeepseekMoEBlock(h, config.moe, f"{prefix}.mlp", moe or MoEShard(tp=tp), dtype,
-                                        config.quantization)
+            self.mlp = DeepseekMoEBlock(h, config.moe, f"{prefix}.mlp", parallel, dtype, config.quantization)
         else:
-            split = pcp if pcp is not None and not comm.dims.kv_replicated and low_latency(pcp.group) else None
-            self.mlp = LlamaMLP(config, f"{prefix}.mlp", tp, dtype, split)
+            split = not parallel.dims.kv_replicated and low_latency(parallel.group("pcp"))
+            self.mlp = LlamaMLP(config, f"{prefix}.mlp", parallel, dtype, split)
 
 
 class DeepseekForCausalLM(LlamaForCausalLM):
     """LlamaForCausalLM's stack, loading, step paths and LM head over DeepSeek decoder layers."""
 
-    def __init__(self, config: ModelConfig, tp: TPShard, comm: CPComm, dtype: torch.dtype, max_positions: int,
-                 moe: MoEShard | None = None, pcp: PCPSplit | None = None):
+    def __init__(self, config: ModelConfig, parallel: ParallelContext, dtype: torch.dtype, max_positions: int):
         if config.mla is None or config.moe is None:
             raise ValueError(f"{config.architecture} needs ModelConfig.mla and ModelConfig.moe")
-        super().__init__(config, tp, comm, dtype, max_positions, moe, pcp)
+        super().__init__(config, parallel, dtype, max_positions)
 
     def attention_kind(self) -> str:
         return ATTENTION_KIND
 
-    def decoder_layer(self, config: ModelConfig, index: int, tp: TPShard, comm: CPComm, dtype: torch.dtype,
-                      moe: MoEShard | None, pcp: PCPSplit | None, max_positions: int) -> torch.nn.Module:
-        return DeepseekDecoderLayer(config, index, tp, comm, dtype, moe, self.attention_backend, pcp)
+    def decoder_layer(self, config: ModelConfig, index: int, parallel: ParallelContext, dtype: torch.dtype,
+                      max_positions: int) -> torch.nn.Module:
+        return DeepseekDecoderLayer(config, index, parallel, dtype, self.attention_backend)
 
     def rotary(self, config: ModelConfig, max_positions: int) -> torch.nn.Module:
         # only the decoupled rope part of queries and keys rotates

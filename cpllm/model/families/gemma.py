@@ -21,15 +21,14 @@ import torch.nn.functional as F
 
 from cpllm.config.engine import ModelConfig
 from cpllm.config.attention import FULL, SLIDING, layer_kind, layer_window
-from cpllm.context_parallel.attention import CPComm, PagedCPAttention
+from cpllm.context_parallel.attention import PagedCPAttention
 from cpllm.context_parallel.backend import AttentionBackend
 from cpllm.context_parallel.metadata import AttentionMetadata
-from cpllm.distributed.groups import PCPSplit
+from cpllm.distributed.parallel_context import ParallelContext
 from cpllm.layers.window.modifier import score_mods
-from cpllm.model.layers import RMSNorm, TPShard, VocabParallelEmbedding
+from cpllm.model.layers import RMSNorm, VocabParallelEmbedding
 from cpllm.model.families.llama import ATTENTION_KIND, LlamaAttention, LlamaForCausalLM, LlamaMLP
 from cpllm.model.loaders.loader import WeightSource
-from cpllm.model.moe.placement import MoEShard
 from cpllm.model.rope import RotaryEmbedding
 
 
@@ -55,8 +54,8 @@ class GemmaEmbedding(VocabParallelEmbedding):
     """The TP token embedding times sqrt(hidden_size) rounded to the model dtype (the rows a tied LM head reads
     are the unscaled ones)."""
 
-    def __init__(self, name: str, vocab_size: int, hidden: int, tp: TPShard, dtype: torch.dtype, quantization: str):
-        super().__init__(name, vocab_size, hidden, tp, dtype, quantization)
+    def __init__(self, name: str, vocab_size: int, hidden: int, parallel: ParallelContext, dtype: torch.dtype, quantization: str):
+        super().__init__(name, vocab_size, hidden, parallel, dtype, quantization)
         self.register_buffer("normalizer", torch.tensor(hidden**0.5).to(dtype), persistent=False)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -83,11 +82,11 @@ class GemmaRopes(torch.nn.Module):
 class GemmaAttention(LlamaAttention):
     """LlamaAttention's projections and forward, with Gemma's scale, soft-cap, window and (1 + w) q/k norms."""
 
-    def __init__(self, config: ModelConfig, prefix: str, tp: TPShard, comm: CPComm, dtype: torch.dtype,
+    def __init__(self, config: ModelConfig, prefix: str, parallel: ParallelContext, dtype: torch.dtype,
                  backend: AttentionBackend | None, window: int | None):
-        super().__init__(config, prefix, tp, comm, dtype, backend, window)
+        super().__init__(config, prefix, parallel, dtype, backend, window)
         scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
-        self.attn = PagedCPAttention(comm, scale, backend,
+        self.attn = PagedCPAttention(parallel, scale, backend,
                                      mods=score_mods(window=window, softcap=config.attn_logit_softcapping))
         if config.qk_norm:  # Gemma3
             d, eps = config.head_dim, config.rms_norm_eps
@@ -98,8 +97,8 @@ class GemmaAttention(LlamaAttention):
 class GemmaMLP(LlamaMLP):
     """gate|up and down as LlamaMLP (no PCP decode split), with GeGLU: gelu_tanh(gate) * up."""
 
-    def __init__(self, config: ModelConfig, prefix: str, tp: TPShard, dtype: torch.dtype):
-        super().__init__(config, prefix, tp, dtype, None)
+    def __init__(self, config: ModelConfig, prefix: str, parallel: ParallelContext, dtype: torch.dtype):
+        super().__init__(config, prefix, parallel, dtype, False)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.shard, dim=-1)  # [N, I / TP] each
@@ -107,7 +106,7 @@ class GemmaMLP(LlamaMLP):
 
 
 class GemmaDecoderLayer(torch.nn.Module):
-    def __init__(self, config: ModelConfig, index: int, tp: TPShard, comm: CPComm, dtype: torch.dtype,
+    def __init__(self, config: ModelConfig, index: int, parallel: ParallelContext, dtype: torch.dtype,
                  backend: AttentionBackend | None, max_positions: int):
         super().__init__()
         prefix, h, eps = f"model.layers.{index}", config.hidden_size, config.rms_norm_eps
@@ -117,9 +116,9 @@ class GemmaDecoderLayer(torch.nn.Module):
         self.post_feedforward_layernorm = norm("post_feedforward_layernorm")
         self.kind = layer_kind(config, index)
         """Which rotary table the layer reads (a sliding layer keeps its base even where its window is dropped)."""
-        self.self_attn = GemmaAttention(config, f"{prefix}.self_attn", tp, comm, dtype, backend,
+        self.self_attn = GemmaAttention(config, f"{prefix}.self_attn", parallel, dtype, backend,
                                         layer_window(config, index, max_positions))
-        self.mlp = GemmaMLP(config, f"{prefix}.mlp", tp, dtype)
+        self.mlp = GemmaMLP(config, f"{prefix}.mlp", parallel, dtype)
 
     def forward(self, hidden, rope_tables, kv_cache, meta, keep: torch.Tensor | None = None):
         """As LlamaDecoderLayer.forward; `rope_tables` holds one table per layer kind (GemmaRopes.tables)."""
@@ -137,13 +136,13 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def attention_kind(self) -> str:
         return ATTENTION_KIND  # plain GQA everywhere: soft-capped scores run on its math path
 
-    def embedding(self, config: ModelConfig, tp: TPShard, dtype: torch.dtype) -> torch.nn.Module:
-        return GemmaEmbedding("model.embed_tokens.weight", config.vocab_size, config.hidden_size, tp, dtype,
+    def embedding(self, config: ModelConfig, parallel: ParallelContext, dtype: torch.dtype) -> torch.nn.Module:
+        return GemmaEmbedding("model.embed_tokens.weight", config.vocab_size, config.hidden_size, parallel, dtype,
                               config.quantization)
 
-    def decoder_layer(self, config: ModelConfig, index: int, tp: TPShard, comm: CPComm, dtype: torch.dtype,
-                      moe: MoEShard | None, pcp: PCPSplit | None, max_positions: int) -> torch.nn.Module:
-        return GemmaDecoderLayer(config, index, tp, comm, dtype, self.attention_backend, max_positions)  # dense MLPs
+    def decoder_layer(self, config: ModelConfig, index: int, parallel: ParallelContext, dtype: torch.dtype,
+                      max_positions: int) -> torch.nn.Module:
+        return GemmaDecoderLayer(config, index, parallel, dtype, self.attention_backend, max_positions)  # dense MLPs
 
     def final_norm(self, config: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
         return GemmaRMSNorm("model.norm.weight", config.hidden_size, config.rms_norm_eps, dtype)

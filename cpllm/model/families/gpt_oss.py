@@ -16,29 +16,29 @@ import torch
 
 from cpllm.config.engine import ModelConfig
 from cpllm.config.attention import layer_window
-from cpllm.context_parallel.attention import CPComm, PagedCPAttention
+from cpllm.context_parallel.attention import PagedCPAttention
 from cpllm.context_parallel.backend import AttentionBackend
 from cpllm.context_parallel.metadata import AttentionMetadata
-from cpllm.distributed.groups import PCPSplit
+from cpllm.distributed.parallel_context import ParallelContext
 from cpllm.kernels.decode_rows import rope_qk_
 from cpllm.layers.window.modifier import score_mods
 from cpllm.model.moe.gpt_oss_block import GptOssMoEBlock
-from cpllm.model.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, RowRange, TPShard
-from cpllm.model.families.llama import ATTENTION_KIND, LlamaForCausalLM, local_kv_heads
+from cpllm.model.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, RowRange
+from cpllm.model.families.llama import ATTENTION_KIND, LlamaForCausalLM
 from cpllm.model.loaders.loader import WeightSource
-from cpllm.model.moe.placement import MoEShard
 from cpllm.model.rope import apply_rope
 
 
 class GptOssAttention(torch.nn.Module):
-    def __init__(self, config: ModelConfig, index: int, tp: TPShard, comm: CPComm, dtype: torch.dtype,
+    def __init__(self, config: ModelConfig, index: int, parallel: ParallelContext, dtype: torch.dtype,
                  backend: AttentionBackend | None = None, max_positions: int | None = None):
         """`max_positions`: the longest request; a window no shorter hides nothing and is dropped."""
         super().__init__()
         prefix, d = f"model.layers.{index}.self_attn", config.head_dim
-        self.num_heads = config.num_attention_heads // tp.size
-        first_kv, self.num_kv_heads = local_kv_heads(config, tp)
-        q0, kv0 = tp.rank * self.num_heads * d, first_kv * d
+        tp_rank = parallel.rank("tp")
+        self.num_heads = config.num_attention_heads // parallel.size("tp")
+        first_kv, self.num_kv_heads = parallel.kv_heads(config.num_key_value_heads)
+        q0, kv0 = tp_rank * self.num_heads * d, first_kv * d
         self.qkv_proj = ColumnParallelLinear(
             config.hidden_size,
             [RowRange(name=f"{prefix}.q_proj", start=q0, end=q0 + self.num_heads * d),
@@ -46,15 +46,15 @@ class GptOssAttention(torch.nn.Module):
              RowRange(name=f"{prefix}.v_proj", start=kv0, end=kv0 + self.num_kv_heads * d)],
             bias=config.attention_bias, dtype=dtype, quantization=config.quantization,
         )
-        self.o_proj = RowParallelLinear(f"{prefix}.o_proj", config.num_attention_heads * d, config.hidden_size, tp,
-                                        dtype, config.quantization)
+        self.o_proj = RowParallelLinear(f"{prefix}.o_proj", config.num_attention_heads * d, config.hidden_size,
+                                        parallel, dtype, config.quantization)
         self.o_bias_name = f"{prefix}.o_proj.bias" if config.attention_bias else None
         self.o_bias = torch.nn.Parameter(torch.zeros(config.hidden_size, dtype=dtype), requires_grad=False)
-        self.sinks_name, self.first_head = f"{prefix}.sinks", tp.rank * self.num_heads
+        self.sinks_name, self.first_head = f"{prefix}.sinks", tp_rank * self.num_heads
         # [Hq_local] float32: this rank's heads' sink logits, in the float32 softmax whatever the model dtype
         self.sinks = torch.nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
         self.window = layer_window(config, index, max_positions)
-        self.attn = PagedCPAttention(comm, d**-0.5, backend, mods=score_mods(window=self.window))  # full: None
+        self.attn = PagedCPAttention(parallel, d**-0.5, backend, mods=score_mods(window=self.window))  # full: None
         self.head_dim = d
         self.q_norm = self.k_norm = None  # read by shared code that asks every layer (fused_decode.py)
 
@@ -83,15 +83,15 @@ class GptOssAttention(torch.nn.Module):
 
 
 class GptOssDecoderLayer(torch.nn.Module):
-    def __init__(self, config: ModelConfig, index: int, tp: TPShard, comm: CPComm, dtype: torch.dtype,
-                 moe: MoEShard | None, backend: AttentionBackend | None, max_positions: int | None):
+    def __init__(self, config: ModelConfig, index: int, parallel: ParallelContext, dtype: torch.dtype,
+                 backend: AttentionBackend | None, max_positions: int | None):
         super().__init__()
         prefix, eps = f"model.layers.{index}", config.rms_norm_eps
         self.input_layernorm = RMSNorm(f"{prefix}.input_layernorm.weight", config.hidden_size, eps, dtype)
-        self.self_attn = GptOssAttention(config, index, tp, comm, dtype, backend, max_positions)
+        self.self_attn = GptOssAttention(config, index, parallel, dtype, backend, max_positions)
         self.post_attention_layernorm = RMSNorm(f"{prefix}.post_attention_layernorm.weight", config.hidden_size,
                                                 eps, dtype)
-        self.mlp = GptOssMoEBlock(config, f"{prefix}.mlp", moe or MoEShard(tp=tp), dtype)
+        self.mlp = GptOssMoEBlock(config, f"{prefix}.mlp", parallel, dtype)
 
     def forward(self, hidden, rope_tables, kv_cache, meta, keep: torch.Tensor | None = None):
         """As LlamaDecoderLayer.forward."""
@@ -108,6 +108,6 @@ class GptOssForCausalLM(LlamaForCausalLM):
     def attention_kind(self) -> str:
         return ATTENTION_KIND  # plain GQA everywhere: the sinks run on its paths (not the Triton kernels')
 
-    def decoder_layer(self, config: ModelConfig, index: int, tp: TPShard, comm: CPComm, dtype: torch.dtype,
-                      moe: MoEShard | None, pcp: PCPSplit | None, max_positions: int) -> torch.nn.Module:
-        return GptOssDecoderLayer(config, index, tp, comm, dtype, moe, self.attention_backend, max_positions)
+    def decoder_layer(self, config: ModelConfig, index: int, parallel: ParallelContext, dtype: torch.dtype,
+                      max_positions: int) -> torch.nn.Module:
+        return GptOssDecoderLayer(config, index, parallel, dtype, self.attention_backend, max_positions)

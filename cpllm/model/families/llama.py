@@ -14,12 +14,11 @@ import torch.nn.functional as F
 
 from cpllm.config.engine import ModelConfig
 from cpllm.config.attention import layer_window
-from cpllm.context_parallel.attention import CPComm, PagedCPAttention
+from cpllm.context_parallel.attention import PagedCPAttention
 from cpllm.context_parallel.backend import AttentionBackend
 from cpllm.context_parallel.metadata import AttentionMetadata
 from cpllm.distributed.comm import low_latency
-from cpllm.distributed.groups import PCPSplit
-from cpllm.distributed.parallel_dims import kv_heads_of_tp_rank
+from cpllm.distributed.parallel_context import ParallelContext
 from cpllm.kernels.decode_rows import rope_qk_, silu_mul
 from cpllm.layers.gqa_triton.choice import kind_for
 from cpllm.layers.registry import attention_backend
@@ -30,7 +29,6 @@ from cpllm.model.layers import (
     RMSNorm,
     RowParallelLinear,
     RowRange,
-    TPShard,
     VocabParallelEmbedding,
 )
 from cpllm.model.execution.fused_decode import FusedDecode
@@ -39,7 +37,6 @@ from cpllm.model.mlp_split import DecodeSplitMLP, can_split
 from cpllm.model.moe.sparse_block import SparseMoEBlock
 from cpllm.model.moe.log import moe_summary_lines
 from cpllm.model.layer_kinds_log import layer_kinds_lines
-from cpllm.model.moe.placement import MoEShard
 from cpllm.model.formats.report import summary_lines
 from cpllm.model.rope import RotaryEmbedding, apply_rope
 
@@ -49,20 +46,15 @@ ATTENTION_KIND = "gqa"
 """The family's attention: grouped-query heads over the paged K/V pools (`BACKENDS` in backend.py)."""
 
 
-def local_kv_heads(config: ModelConfig, tp: TPShard) -> tuple[int, int]:
-    """(first KV head, count) held by this rank: split when there are >= TP of them, else replicated."""
-    return kv_heads_of_tp_rank(config.num_key_value_heads, tp.size, tp.rank)
-
-
 class LlamaAttention(torch.nn.Module):
-    def __init__(self, config: ModelConfig, prefix: str, tp: TPShard, comm: CPComm, dtype: torch.dtype,
+    def __init__(self, config: ModelConfig, prefix: str, parallel: ParallelContext, dtype: torch.dtype,
                  backend: AttentionBackend | None = None, window: int | None = None):
         """`window`: this layer's sliding window (Mistral, Qwen2; None: full attention)."""
         super().__init__()
         d = config.head_dim
-        self.num_heads = config.num_attention_heads // tp.size
-        first_kv, self.num_kv_heads = local_kv_heads(config, tp)
-        q0 = tp.rank * self.num_heads * d
+        self.num_heads = config.num_attention_heads // parallel.size("tp")
+        first_kv, self.num_kv_heads = parallel.kv_heads(config.num_key_value_heads)
+        q0 = parallel.rank("tp") * self.num_heads * d
         kv0 = first_kv * d
         self.qkv_proj = ColumnParallelLinear(
             config.hidden_size,
@@ -76,10 +68,11 @@ class LlamaAttention(torch.nn.Module):
             quantization=config.quantization,
         )
         self.o_proj = RowParallelLinear(
-            f"{prefix}.o_proj", config.num_attention_heads * d, config.hidden_size, tp, dtype, config.quantization
+            f"{prefix}.o_proj", config.num_attention_heads * d, config.hidden_size, parallel, dtype,
+            config.quantization
         )
         # only a windowed layer names a window: full layers keep every fast path of PagedCPAttention
-        self.attn = PagedCPAttention(comm, scale=d**-0.5, backend=backend, mods=score_mods(window=window))
+        self.attn = PagedCPAttention(parallel, scale=d**-0.5, backend=backend, mods=score_mods(window=window))
         self.window = window
         self.head_dim = d
         self.q_norm = self.k_norm = None  # Qwen3: RMSNorm over each head's width before rotary
@@ -108,13 +101,13 @@ class LlamaAttention(torch.nn.Module):
 
 
 class LlamaMLP(torch.nn.Module):
-    def __init__(self, config: ModelConfig, prefix: str, tp: TPShard, dtype: torch.dtype,
-                 decode_split: PCPSplit | None = None):
-        """`decode_split`: this rank's place in its PCP group, to split decode-only steps over the PCP ranks (sharded KV
-        layout, PCP > 1, cheap collectives; cpllm/model/mlp_split.py); None: always the whole shard."""
+    def __init__(self, config: ModelConfig, prefix: str, parallel: ParallelContext, dtype: torch.dtype,
+                 decode_split: bool = False):
+        """`decode_split`: split decode-only steps over the PCP ranks where they divide the shard (sharded KV layout,
+        PCP > 1, cheap collectives; cpllm/model/mlp_split.py); False: always the whole shard."""
         super().__init__()
-        shard = config.intermediate_size // tp.size
-        start = tp.rank * shard
+        shard = config.intermediate_size // parallel.size("tp")
+        start = parallel.rank("tp") * shard
         self.shard = shard
         self.gate_up_proj = ColumnParallelLinear(
             config.hidden_size,
@@ -126,11 +119,11 @@ class LlamaMLP(torch.nn.Module):
             dtype=dtype,
             quantization=config.quantization,
         )
-        self.down_proj = RowParallelLinear(f"{prefix}.down_proj", config.intermediate_size, config.hidden_size, tp,
-                                           dtype, config.quantization)
+        self.down_proj = RowParallelLinear(f"{prefix}.down_proj", config.intermediate_size, config.hidden_size,
+                                           parallel, dtype, config.quantization)
         self.decode_split = None
-        if decode_split is not None and can_split(shard, config.hidden_size, decode_split.size):
-            self.decode_split = DecodeSplitMLP(prefix, config.hidden_size, start, shard, tp, decode_split, dtype,
+        if decode_split and can_split(shard, config.hidden_size, parallel.size("pcp")):
+            self.decode_split = DecodeSplitMLP(prefix, config.hidden_size, start, shard, parallel, dtype,
                                                config.quantization)
 
     def after_load(self, source: WeightSource) -> None:
@@ -154,30 +147,26 @@ class LlamaMLP(torch.nn.Module):
 
 
 class LlamaDecoderLayer(torch.nn.Module):
-    def __init__(self, config: ModelConfig, index: int, tp: TPShard, comm: CPComm, dtype: torch.dtype,
-                 moe: MoEShard | None = None, backend: AttentionBackend | None = None, pcp: PCPSplit | None = None,
-                 max_positions: int | None = None):
+    def __init__(self, config: ModelConfig, index: int, parallel: ParallelContext, dtype: torch.dtype,
+                 backend: AttentionBackend | None = None, max_positions: int | None = None):
         """`max_positions`: the longest request, against which a layer's window is compared (a window no shorter
         is no window)."""
         super().__init__()
         prefix = f"model.layers.{index}"
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(f"{prefix}.input_layernorm.weight", config.hidden_size, eps, dtype)
-        self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", tp, comm, dtype, backend,
+        self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", parallel, dtype, backend,
                                         layer_window(config, index, max_positions))
         self.post_attention_layernorm = RMSNorm(
             f"{prefix}.post_attention_layernorm.weight", config.hidden_size, eps, dtype
         )
         if config.moe is not None and config.moe.is_sparse(index):
-            shard = moe or MoEShard(tp=tp)
-            self.mlp = SparseMoEBlock(config, f"{prefix}.{config.moe.expert_prefix}", shard, dtype)
+            self.mlp = SparseMoEBlock(config, f"{prefix}.{config.moe.expert_prefix}", parallel, dtype)
         else:
             # Replicated layout: PCP ranks hold different tokens. Over gloo's TCP the extra collectives cost more
             # than the halved weight streaming saves.
-            split = None
-            if not comm.dims.kv_replicated and pcp is not None and low_latency(pcp.group):
-                split = pcp
-            self.mlp = LlamaMLP(config, f"{prefix}.mlp", tp, dtype, split)
+            split = not parallel.dims.kv_replicated and low_latency(parallel.group("pcp"))
+            self.mlp = LlamaMLP(config, f"{prefix}.mlp", parallel, dtype, split)
 
     def forward(self, hidden, rope_tables, kv_cache, meta, keep: torch.Tensor | None = None):
         """`keep`: the rows to compute past attention (the last layer of a step that samples from a few rows)."""
@@ -196,27 +185,25 @@ def call_layer(layer: LlamaDecoderLayer, hidden, rope_tables, kv_cache, meta: At
 class LlamaForCausalLM(torch.nn.Module):
     """Decoder stack; `forward` returns final hidden states, `logits` applies the LM head to chosen rows."""
 
-    def __init__(self, config: ModelConfig, tp: TPShard, comm: CPComm, dtype: torch.dtype, max_positions: int,
-                 moe: MoEShard | None = None, pcp: PCPSplit | None = None):
-        """`moe`: this rank's place in the MoE group (MoE models; None = this TP group alone). `pcp`: this rank's
-        place in its PCP group, which decode-only steps may split the dense MLPs and the LM head over (None: no
-        split)."""
+    def __init__(self, config: ModelConfig, parallel: ParallelContext, dtype: torch.dtype, max_positions: int):
+        """`parallel`: this rank's parallel context (cpllm/distributed/parallel_context.py): its TP shard, the PCP
+        group decode-only steps may split the dense MLPs and the LM head over, the MoE group of a MoE model, the
+        groups the attention talks over."""
         super().__init__()
         self.config = config
         h = config.hidden_size
         self.attention_backend = attention_backend(self.attention_kind())
         """Every layer's attention on this rank (cpllm/context_parallel/backend.py)."""
-        self.embed_tokens = self.embedding(config, tp, dtype)
+        self.embed_tokens = self.embedding(config, parallel, dtype)
         self.layers = torch.nn.ModuleList(
-            self.decoder_layer(config, i, tp, comm, dtype, moe, pcp, max_positions)
+            self.decoder_layer(config, i, parallel, dtype, max_positions)
             for i in range(config.num_hidden_layers)
         )
         self.norm = self.final_norm(config, dtype)
         tied = self.embed_tokens if config.tie_word_embeddings else None
         # the head split adds one collective per step: only where collectives are cheap
-        head_pcp = pcp if pcp is not None and low_latency(pcp.group) else None
-        self.lm_head = ParallelLMHead(tied, "lm_head.weight", config.vocab_size, h, tp, dtype, config.quantization,
-                                      pcp=head_pcp)
+        self.lm_head = ParallelLMHead(tied, "lm_head.weight", config.vocab_size, h, parallel, dtype,
+                                      config.quantization, split_over_pcp=low_latency(parallel.group("pcp")))
         self.rope = self.rotary(config, max_positions)
         self.fused_decode: FusedDecode | None = None
         """Decode steps one C call per layer, where the loaded layers allow it (set by load_weights)."""
@@ -229,13 +216,13 @@ class LlamaForCausalLM(torch.nn.Module):
         """The `BACKENDS` key of every layer's attention (here: GQA, on the Triton kernels on CUDA)."""
         return kind_for(ATTENTION_KIND)
 
-    def embedding(self, config: ModelConfig, tp: TPShard, dtype: torch.dtype) -> torch.nn.Module:
-        return VocabParallelEmbedding("model.embed_tokens.weight", config.vocab_size, config.hidden_size, tp, dtype,
-                                      config.quantization)
+    def embedding(self, config: ModelConfig, parallel: ParallelContext, dtype: torch.dtype) -> torch.nn.Module:
+        return VocabParallelEmbedding("model.embed_tokens.weight", config.vocab_size, config.hidden_size, parallel,
+                                      dtype, config.quantization)
 
-    def decoder_layer(self, config: ModelConfig, index: int, tp: TPShard, comm: CPComm, dtype: torch.dtype,
-                      moe: MoEShard | None, pcp: PCPSplit | None, max_positions: int) -> torch.nn.Module:
-        return LlamaDecoderLayer(config, index, tp, comm, dtype, moe, self.attention_backend, pcp, max_positions)
+    def decoder_layer(self, config: ModelConfig, index: int, parallel: ParallelContext, dtype: torch.dtype,
+                      max_positions: int) -> torch.nn.Module:
+        return LlamaDecoderLayer(config, index, parallel, dtype, self.attention_backend, max_positions)
 
     def final_norm(self, config: ModelConfig, dtype: torch.dtype) -> torch.nn.Module:
         return RMSNorm("model.norm.weight", config.hidden_size, config.rms_norm_eps, dtype)

@@ -18,17 +18,20 @@ import torch.nn.functional as F
 
 from cpllm.config.moe import MoEConfig
 from cpllm.model.moe.deepseek_router import DeepseekRouter
-from cpllm.model.layers import ColumnParallelLinear, RowParallelLinear, RowRange, TPShard
+from cpllm.distributed.parallel_context import ParallelContext
+from cpllm.model.layers import ColumnParallelLinear, RowParallelLinear, RowRange
 from cpllm.model.moe.sparse_block import SparseMoEBlock
 from cpllm.model.moe.experts import LocalExperts
-from cpllm.model.moe.placement import MoEShard, expert_slice
+from cpllm.model.moe.placement import expert_slice
 
 
 class DeepseekSharedExperts(torch.nn.Module):
     """The always-on experts as one TP-split gated MLP (no gate on its output); the sum over TP is the caller's."""
 
-    def __init__(self, hidden: int, width: int, prefix: str, tp: TPShard, dtype: torch.dtype, quantization: str):
+    def __init__(self, hidden: int, width: int, prefix: str, parallel: ParallelContext, dtype: torch.dtype,
+                 quantization: str):
         super().__init__()
+        tp = parallel.comm("tp")
         shard = width // tp.size  # divisibility checked at config time (check_moe_placement)
         start = tp.rank * shard
         self.shard = shard
@@ -38,10 +41,9 @@ class DeepseekSharedExperts(torch.nn.Module):
              RowRange(name=f"{prefix}.shared_experts.up_proj", start=start, end=start + shard)],
             bias=False, dtype=dtype, quantization=quantization,
         )
-        # A TP shard without a group: this rank's columns, and no all-reduce (the MoE block's collective sums)
-        partial = TPShard(rank=tp.rank, size=tp.size, group=None)
-        self.down_proj = RowParallelLinear(f"{prefix}.shared_experts.down_proj", width, hidden, partial, dtype,
-                                           quantization)
+        # This rank's columns, and no all-reduce (the MoE block's collective sums)
+        self.down_proj = RowParallelLinear(f"{prefix}.shared_experts.down_proj", width, hidden, parallel, dtype,
+                                           quantization, reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [N, hidden] -> this TP rank's partial [N, hidden]
@@ -52,7 +54,7 @@ class DeepseekSharedExperts(torch.nn.Module):
 class DeepseekMoEBlock(SparseMoEBlock):
     """DeepseekRouter + this rank's experts + the shared experts, summed over the MoE group (SparseMoEBlock.forward)."""
 
-    def __init__(self, hidden: int, moe: MoEConfig, prefix: str, shard: MoEShard, dtype: torch.dtype,
+    def __init__(self, hidden: int, moe: MoEConfig, prefix: str, parallel: ParallelContext, dtype: torch.dtype,
                  quantization: str = "none"):
         """`hidden`: the model's hidden size; `prefix`: the block's checkpoint prefix (`model.layers.{i}.mlp`);
         `quantization`: the model's mode, for the shared experts (routed experts run in `dtype`, as moe.py's)."""
@@ -61,11 +63,11 @@ class DeepseekMoEBlock(SparseMoEBlock):
         torch.nn.Module.__init__(self)
         if moe.deepseek_router is None:
             raise ValueError("a DeepSeek MoE block needs MoEConfig.deepseek_router (cpllm/config/deepseek.py)")
-        self.shard = shard
+        self.place(parallel)
         self.gate = DeepseekRouter(f"{prefix}.gate", hidden, moe.num_experts, moe.top_k, moe.norm_topk_prob,
                                    moe.deepseek_router)
-        held = expert_slice(moe.num_experts, moe.intermediate_size, shard)
+        held = expert_slice(moe.num_experts, moe.intermediate_size, parallel)
         self.experts = LocalExperts(prefix, moe.expert_weight_names, hidden, held, dtype)
         width = moe.shared_expert_intermediate_size
-        self.shared_expert = (DeepseekSharedExperts(hidden, width, prefix, shard.tp, dtype, quantization)
+        self.shared_expert = (DeepseekSharedExperts(hidden, width, prefix, parallel, dtype, quantization)
                               if width else None)

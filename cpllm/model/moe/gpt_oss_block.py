@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from cpllm.config.engine import QUANT_GROUP, ModelConfig
+from cpllm.distributed.parallel_context import ParallelContext
 from cpllm.model.formats.experts import MXFP4Weight
 from cpllm.model.formats.loading import load_experts
 from cpllm.model.formats.mxfp4 import dequantize_mxfp4
@@ -33,7 +34,7 @@ from cpllm.model.formats.plan import MXFP4_STORAGE, WeightPlan, experts_plan
 from cpllm.model.loaders.loader import WeightSource
 from cpllm.model.moe.sparse_block import SparseMoEBlock
 from cpllm.model.moe.experts import LocalExperts
-from cpllm.model.moe.placement import ExpertSlice, MoEShard, expert_slice
+from cpllm.model.moe.placement import ExpertSlice, expert_slice
 
 
 class TopKSoftmaxRouter(torch.nn.Module):
@@ -172,13 +173,13 @@ class GptOssExperts(LocalExperts):
 class GptOssMoEBlock(SparseMoEBlock):
     """SparseMoEBlock's collectives over the MoE group with GPT-OSS's router and experts (no shared expert)."""
 
-    def __init__(self, config: ModelConfig, prefix: str, shard: MoEShard, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, prefix: str, parallel: ParallelContext, dtype: torch.dtype):
         torch.nn.Module.__init__(self)  # the parent's constructor builds the softmax router and SiLU experts
         moe = config.moe
-        self.shard = shard
+        self.place(parallel)
         self.gate = TopKSoftmaxRouter(f"{prefix}.router", config.hidden_size, moe.num_experts, moe.top_k)
-        held = expert_slice(moe.num_experts, moe.intermediate_size, shard)
+        held = expert_slice(moe.num_experts, moe.intermediate_size, parallel)
         self.experts = GptOssExperts(prefix, config.hidden_size, held, dtype, limit=moe.swiglu_limit,
-                                     alpha=moe.swiglu_alpha, down_bias=shard.expert_parallel or shard.rank == 0,
+                                     alpha=moe.swiglu_alpha, down_bias=parallel.dims.expert_parallel or parallel.rank("moe") == 0,
                                      quantization=config.quantization)
         self.shared_expert = None

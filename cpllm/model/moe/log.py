@@ -14,11 +14,12 @@ def moe_summary_lines(model: torch.nn.Module) -> list[str]:
     blocks = moe_blocks(model)
     if not blocks:
         return []
-    config, shard = model.config, blocks[0].shard
+    config, parallel = model.config, blocks[0].parallel
     dtype = str(blocks[0].experts.dtype).removeprefix("torch.")
-    lines = [describe_placement(config.moe, tp=shard.tp.size, pcp=shard.pcp_size,
-                                expert_parallel=shard.expert_parallel)]
-    lines.append(f"  expert weight bytes on this rank (MoE group rank {shard.rank} of {shard.size}): "
+    lines = [describe_placement(config.moe, tp=parallel.size("tp"), pcp=parallel.size("pcp"),
+                                expert_parallel=parallel.dims.expert_parallel)]
+    moe_rank, moe_size = parallel.rank("moe"), parallel.size("moe")
+    lines.append(f"  expert weight bytes on this rank (MoE group rank {moe_rank} of {moe_size}): "
                  f"{expert_bytes(model) / 2**20:.2f} MiB over {len(blocks)} sparse layers")
     quantized_elsewhere = quantization_mode(config.quantization).quantizes
     if quantized_elsewhere and blocks[0].experts.method.weight_format == FLOAT:  # (GPT-OSS MXFP4 may not be)

@@ -19,20 +19,21 @@ import torch.nn.functional as F
 
 from cpllm.config.engine import ModelConfig
 from cpllm.context_parallel.metadata import AttentionMetadata
-from cpllm.distributed.comm import all_gather, all_reduce, reduce_scatter
-from cpllm.model.layers import ColumnParallelLinear, RowParallelLinear, RowRange, TPShard
+from cpllm.distributed.parallel_context import ParallelContext
+from cpllm.model.layers import ColumnParallelLinear, RowParallelLinear, RowRange
 from cpllm.model.loaders.loader import WeightSource
 from cpllm.model.moe.experts import LocalExperts
-from cpllm.model.moe.placement import MoEShard, expert_slice
+from cpllm.model.moe.placement import expert_slice
 from cpllm.model.moe.router import Router
 
 
 class SharedExpert(torch.nn.Module):
     """Qwen2-MoE's always-on expert: a TP-split gated MLP whose sum over TP is left to the caller."""
 
-    def __init__(self, config: ModelConfig, prefix: str, tp: TPShard, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, prefix: str, parallel: ParallelContext, dtype: torch.dtype):
         super().__init__()
         width = config.moe.shared_expert_intermediate_size
+        tp = parallel.comm("tp")
         shard = width // tp.size
         start = tp.rank * shard
         self.shard = shard
@@ -42,10 +43,9 @@ class SharedExpert(torch.nn.Module):
              RowRange(name=f"{prefix}.shared_expert.up_proj", start=start, end=start + shard)],
             bias=False, dtype=dtype, quantization=config.quantization,
         )
-        # A TP shard without a group: this rank's columns, and no all-reduce (the MoE block's collective sums)
-        partial = TPShard(rank=tp.rank, size=tp.size, group=None)
-        self.down_proj = RowParallelLinear(f"{prefix}.shared_expert.down_proj", width, config.hidden_size, partial,
-                                           dtype, config.quantization)
+        # This rank's columns, and no all-reduce (the MoE block's collective sums)
+        self.down_proj = RowParallelLinear(f"{prefix}.shared_expert.down_proj", width, config.hidden_size, parallel,
+                                           dtype, config.quantization, reduce=False)
         self.gate_name = f"{prefix}.shared_expert_gate.weight"
         self.gate = torch.nn.Parameter(torch.empty(config.hidden_size, 1, dtype=dtype), requires_grad=False)
 
@@ -62,30 +62,38 @@ class SharedExpert(torch.nn.Module):
 class SparseMoEBlock(torch.nn.Module):
     """Router + this rank's experts (+ the shared expert), summed over the MoE group."""
 
-    def __init__(self, config: ModelConfig, prefix: str, shard: MoEShard, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, prefix: str, parallel: ParallelContext, dtype: torch.dtype):
         super().__init__()
         moe = config.moe
-        self.shard = shard
+        self.place(parallel)
         self.gate = Router(f"{prefix}.gate.weight", config.hidden_size, moe.num_experts, moe.top_k,
                            moe.norm_topk_prob)
-        held = expert_slice(moe.num_experts, moe.intermediate_size, shard)
+        held = expert_slice(moe.num_experts, moe.intermediate_size, parallel)
         self.experts = LocalExperts(prefix, moe.expert_weight_names, config.hidden_size, held, dtype)
-        self.shared_expert = (SharedExpert(config, prefix, shard.tp, dtype)
+        self.shared_expert = (SharedExpert(config, prefix, parallel, dtype)
                               if moe.shared_expert_intermediate_size else None)
+
+    def place(self, parallel: ParallelContext) -> None:
+        """The rank's parallel context and the three groups the block's collectives use (every subclass calls
+        this): TP (the partials of the TP ranks holding the same tokens), PCP (tokens gathered over it, partial
+        sums scattered back) and MoE (the flattened TP x PCP group: one all-reduce when every PCP rank holds the
+        same rows)."""
+        self.parallel = parallel
+        self.tp, self.pcp, self.moe = parallel.comm("tp"), parallel.comm("pcp"), parallel.comm("moe")
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # x [N, hidden] (this rank's rows) -> [N, hidden]
-        shard, n = self.shard, x.shape[0]
-        same_rows = shard.pcp_size == 1 or meta.rows_same_over_pcp
-        tokens = x if same_rows else all_gather(x, shard.pcp_group)  # [N or PCP*N, hidden]
+        pcp, n = self.pcp, x.shape[0]
+        same_rows = pcp.size == 1 or meta.rows_same_over_pcp
+        tokens = x if same_rows else pcp.all_gather(x)  # [N or PCP*N, hidden]
         weights, ids = self.gate(tokens)
         partial = self.experts(tokens, weights, ids)
-        if self.shared_expert is not None and (not same_rows or shard.pcp_rank == 0):
-            mine = partial if same_rows else partial[shard.pcp_rank * n : (shard.pcp_rank + 1) * n]
+        if self.shared_expert is not None and (not same_rows or pcp.rank == 0):
+            mine = partial if same_rows else partial[pcp.rank * n : (pcp.rank + 1) * n]
             mine += self.shared_expert(x)  # counted once per row over the group
         if same_rows:
-            return all_reduce(partial, shard.group)
-        return all_reduce(reduce_scatter(partial, shard.pcp_group), shard.tp.group)
+            return self.moe.all_reduce(partial)
+        return self.tp.all_reduce(pcp.reduce_scatter(partial))
 
 
 def moe_blocks(model: torch.nn.Module) -> list[SparseMoEBlock]:
