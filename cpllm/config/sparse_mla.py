@@ -54,17 +54,14 @@ class IndexerConfig:
 
 
 def check_sparse_layout(parallel, speculative) -> None:
-    """Refuse, naming the option, what the sparse-MLA kind does not run exactly: its top-k is taken over one
-    rank's whole context, so every context-parallel layout (DCP, PCP) and speculative decoding are refused."""
+    """Refuse, naming the option, what the sparse-MLA kind does not run exactly. TP and DCP are built (the top-k
+    across DCP shards: cpllm/layers/sparse_mla/attention.py); PCP (each query's top-k over a prefix split across
+    PCP ranks, under every prefill strategy) and speculative decoding are not."""
     dims = parallel.dims
-    if dims.dcp > 1:
-        raise ValueError(f"decode_context_parallel_size={dims.dcp} with a sparse-MLA model (DeepSeek-V3.2, GLM-5): "
-                         "the indexer's top-k over a context sharded across ranks is not built; use "
-                         "decode_context_parallel_size=1")
     if dims.pcp > 1:
         raise ValueError(f"prefill_context_parallel_size={dims.pcp} with a sparse-MLA model (DeepSeek-V3.2, GLM-5): "
-                         "each query's top-k over a prefix split across ranks is not built; use "
-                         "prefill_context_parallel_size=1")
+                         "each query's top-k over a prefix split across PCP ranks is not built; use "
+                         "prefill_context_parallel_size=1 (decode_context_parallel_size shards the cache exactly)")
     if speculative is not None:
         raise ValueError("speculative_config with a sparse-MLA model (DeepSeek-V3.2, GLM-5): verifying drafted "
                          "tokens against the indexer's selection is not built; leave speculative decoding off")

@@ -3,46 +3,80 @@ queries attend only the tokens the indexer (indexer.py) selects, as transformers
 
     q_resid = q_a_layernorm(q_a_proj(x)); MLA's queries, latents and rotary from it, as MLAAttention's
     score[l, t] over every visible token t <= position(l) (the whole prefix: cached context and new tokens)
-    selected(l) = the min(index_topk, T) best scores (topk.py's tie rule); every visible token while the row's
-                  context is no longer than index_topk (dense)
+    selected(l) = the min(index_topk, T) best scores (topk.py's tie rule); every visible token while the
+                  request's prefix is no longer than index_topk (dense)
     out = o_proj(W_UV . softmax over selected(l) of the absorbed scores)
 
-The cache is (latent pool, index pool) (spec.py). Every step stores its rows' latents and index keys first, then
-each request's rows score the index keys of its whole prefix (chunked prefill and prefix hits read the cached part
-from the pool) and attend their selected latent rows in the absorbed form (backend.py): a decode row gathers only
-its <= index_topk selected rows from the pool, a prompt chunk's rows share one key set with a mask.
-
-One rank holds every position of a request (decode_context_parallel_size and prefill_context_parallel_size are 1:
-cpllm/config/sparse_mla.py refuses the others); TP splits the heads as MLA does and every TP rank selects alike.
+The cache is (latent pool, index pool) (spec.py). Every step stores the rows this rank owns first; then, per
+request, over the KV-shard group (DCP: the ranks one request's cache is divided over; a group of one on one rank):
+1. each rank scores the index keys it holds (its share of the whole prefix: chunked prefill and prefix hits read
+   the cached part from the pool) and keeps its own top-k (score, position) per query row;
+2. the candidates are all-gathered and every rank takes the same global top-k of them by the same tie rule (the
+   one-rank path is this with a group of one, so the rule is the same everywhere);
+3. the queries of the group's heads are all-gathered (every rank's heads must meet every rank's latents), each
+   rank attends its selected latent rows (a decode row gathers only its <= index_topk selected rows from the
+   pool; a prompt chunk's rows share one key set with a mask), and an all-to-all brings each rank the partials of
+   its heads, merged by log-sum-exp.
+Every TP rank computes the indexer for all rows (its weights are replicated), so every rank selects alike.
+PCP is refused (cpllm/config/sparse_mla.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from cpllm.config.deepseek import MLAConfig
 from cpllm.config.sparse_mla import IndexerConfig
+from cpllm.context_parallel.merge import merge_attention_partials
 from cpllm.context_parallel.metadata import AttentionMetadata, RequestAttention
+from cpllm.distributed.comm import all_gather, all_to_all
 from cpllm.layers.mla.attention import MLAAttention, deinterleave
 from cpllm.layers.sparse_mla.backend import SparseMLABackend
 from cpllm.layers.sparse_mla.indexer import Indexer, index_scores
+from cpllm.layers.sparse_mla.shard import KeyShard
 from cpllm.layers.sparse_mla.topk import selected_mask, top_k
-from cpllm.distributed.parallel_context import ParallelContext
 from cpllm.model.rope import apply_rope
+
+NEG_INF = float("-inf")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class RequestKeys:
+    """One request's query rows on this rank and the keys of its prefix this rank holds."""
+
+    rows: torch.Tensor
+    """[L] its query rows, token order."""
+    query_pos: torch.Tensor
+    """[L] their positions."""
+    key_slots: torch.Tensor
+    """[T_local] pool slots of this rank's keys among positions < total, local (= position) order."""
+    key_pos: torch.Tensor
+    """[T_local] their positions."""
+    total: int
+    """Positions of the prefix on all ranks together (the last row sees all of them)."""
+
+
+def kv_shard_group(attn) -> tuple[object, int]:
+    """(process group, size) of the ranks one request's cache is divided over, from the layer's CP attention."""
+    kv = getattr(attn, "kv", None)  # the parallel context's KV-shard group, where the layer holds one
+    if kv is not None:
+        return kv.group, kv.size
+    return attn.comm.kv_group, attn.comm.kv_size
 
 
 class SparseMLAAttention(MLAAttention):
-    """One decoder layer's sparse MLA on this TP rank's heads (see the module)."""
+    """One decoder layer's sparse MLA on this TP rank's heads (see the module); `comm` as MLAAttention takes it."""
 
     def __init__(self, mla: MLAConfig, indexer: IndexerConfig, hidden: int, num_heads: int, scale: float,
-                 prefix: str, parallel: ParallelContext, dtype: torch.dtype, quantization: str = "none",
+                 prefix: str, tp, comm, dtype: torch.dtype, quantization: str = "none",
                  backend: SparseMLABackend | None = None):
         if mla.q_lora_rank is None:
             raise ValueError("sparse MLA needs q_lora_rank: the indexer's queries come from the low-rank query")
-        if parallel.dims.pcp > 1 or parallel.dims.dcp > 1:
-            raise ValueError(f"sparse MLA on prefill_context_parallel_size={parallel.dims.pcp}, "
-                             f"decode_context_parallel_size={parallel.dims.dcp}: only 1 and 1 are built")
-        super().__init__(mla, hidden, num_heads, scale, prefix, parallel, dtype, quantization,
+        if comm.dims.pcp > 1:
+            raise ValueError(f"sparse MLA on prefill_context_parallel_size={comm.dims.pcp}: only 1 is built")
+        super().__init__(mla, hidden, num_heads, scale, prefix, tp, comm, dtype, quantization,
                          backend or SparseMLABackend())
         self.index = Indexer(indexer, hidden, mla.q_lora_rank, mla.qk_rope_head_dim, f"{prefix}.indexer", dtype,
                              quantization)
@@ -68,7 +102,6 @@ class SparseMLAAttention(MLAAttention):
         """hidden [N, hidden] -> [N, hidden] (the rows of `keep` only, where given); kv_cache is (latent pool,
         index pool)."""
         latent_pool, index_pool = kv_cache
-        r = self.mla.kv_lora_rank
         q_nope, q_pe, c, k_pe, q_resid = self._project_with_resid(hidden, rope_tables)
         w_uk = self.kv_b[:, :self.mla.qk_nope_head_dim]  # [H, nope, r]
         q_lat = torch.cat((torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1), q_pe), dim=-1)  # [N, H, r+rope]
@@ -78,13 +111,13 @@ class SparseMLAAttention(MLAAttention):
         backend.store_kv(latent_pool, latent_pool, meta.write_slots, latent, latent, meta.write_rows)
         backend.store_index(index_pool, meta.write_slots, ik, meta.write_rows)
         slot_of_row = torch.full((max(meta.num_rows, 1),), -1, dtype=torch.long, device=hidden.device)
-        slot_of_row[meta.write_rows] = meta.write_slots  # one rank: the gathered rows are the batch's rows
-        out = torch.zeros(hidden.shape[0], self.heads, r, dtype=torch.float32, device=hidden.device)
-        for request in meta.requests:
-            rows, key_slots, query_pos = self._request_keys(request, slot_of_row)
-            if rows.numel():
-                out[rows] = self._attend_request(q_lat[rows], iq[rows], iw[rows], query_pos, key_slots,
-                                                 latent_pool, index_pool)
+        slot_of_row[meta.write_rows] = meta.write_slots  # PCP = 1: the gathered rows are the batch's rows
+        shard = KeyShard.of(meta.kv_layout)
+        requests = [keys for keys in (self._request_keys(r, slot_of_row, shard) for r in meta.requests)
+                    if keys.rows.numel()]
+        group, size = kv_shard_group(self.attn)
+        chosen = self._global_top_k(requests, iq, iw, index_pool, group)
+        out = self._attend(all_gather(q_lat, group, dim=1), requests, chosen, shard, latent_pool, group, size)
         if keep is not None:
             if keep.numel() == 0:
                 return hidden[:0]
@@ -92,31 +125,77 @@ class SparseMLAAttention(MLAAttention):
         return self._output(self._up_values(out.to(hidden.dtype)))
 
     @staticmethod
-    def _request_keys(request: RequestAttention, slot_of_row: torch.Tensor):
-        """One request's query rows [L] (token order), the slots of its whole prefix [T] (position order: the
-        cached context, then the new tokens of a prompt chunk) and the rows' positions [L]."""
+    def _request_keys(request: RequestAttention, slot_of_row: torch.Tensor, shard: KeyShard) -> RequestKeys:
+        """The request's rows and this rank's keys of its prefix: the cached context it holds (a decode row's own
+        token included, where this rank owns it), then the new tokens of a prompt chunk it owns."""
         device = slot_of_row.device
-        rows = [torch.arange(ch.row, ch.row + ch.length, device=device) for ch in request.local_chunks]
-        rows = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long, device=device)
-        starts = [torch.arange(ch.new_start, ch.new_start + ch.length, device=device) for ch in request.local_chunks]
+        runs = request.local_chunks
+        rows = torch.cat([torch.arange(ch.row, ch.row + ch.length, device=device) for ch in runs]) if runs else \
+            torch.zeros(0, dtype=torch.long, device=device)
+        starts = [torch.arange(ch.new_start, ch.new_start + ch.length, device=device) for ch in runs]
         query_pos = request.start_pos + (torch.cat(starts) if starts else rows)
         key_slots = request.context_slots.to(device)
-        if request.num_new > 1:  # a prompt chunk: its own tokens follow the cached context
-            key_slots = torch.cat((key_slots, slot_of_row[request.new_kv_rows.to(device)]))
-        return rows, key_slots, query_pos
+        key_pos = shard.positions(torch.arange(key_slots.numel(), device=device))
+        if request.num_new > 1:  # a prompt chunk: the tokens this rank owns follow its cached context
+            slots = slot_of_row[request.new_kv_rows.to(device)]
+            owned = slots >= 0
+            key_slots = torch.cat((key_slots, slots[owned]))
+            key_pos = torch.cat((key_pos, request.start_pos + torch.arange(request.num_new, device=device)[owned]))
+        return RequestKeys(rows=rows, query_pos=query_pos, key_slots=key_slots, key_pos=key_pos,
+                           total=request.start_pos + request.num_new)
 
-    def _attend_request(self, q_lat, iq, iw, query_pos, key_slots, latent_pool, index_pool) -> torch.Tensor:
-        """One request's rows: scores over its prefix, the top-k, attention over it -> [L, H, r] float32."""
-        backend, num_keys = self.attn.backend, key_slots.numel()
-        key_pos = torch.arange(num_keys, device=key_slots.device)
-        visible = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # [L, T] causal
-        if num_keys > self.index_topk:  # else every visible key is selected: dense
-            scores = index_scores(iq, iw, backend.index_keys(index_pool, key_slots), self.index.scale)
-            scores = scores.masked_fill(~visible, float("-inf"))
-            top_scores, top_pos = top_k(scores, key_pos, self.index_topk)  # [L, K]
-            if q_lat.shape[0] == 1:  # a decode row: only its selected rows are read from the pool
-                chosen = top_scores > float("-inf")
-                return backend.attend_selected(q_lat, latent_pool, key_slots[top_pos], chosen, self.scale,
-                                               self.mla.kv_lora_rank)
-            visible = selected_mask(top_pos, top_scores, num_keys)
-        return backend.attend_masked(q_lat, latent_pool, key_slots, visible, self.scale, self.mla.kv_lora_rank)
+    def _global_top_k(self, requests: list[RequestKeys], iq, iw, index_pool, group) -> dict:
+        """Request index (in `requests`) -> (scores [L, K], positions [L, K]) of its rows' global top-k, for the
+        requests whose prefix is longer than index_topk (the others attend densely). Steps 1-2 of the module."""
+        sparse = [i for i, keys in enumerate(requests) if keys.total > self.index_topk]
+        if not sparse:  # the same on every rank: totals are the whole prefix's
+            return {}
+        k, num_rows = self.index_topk, iq.shape[0]
+        cand_scores = torch.full((num_rows, k), NEG_INF, dtype=torch.float32, device=iq.device)
+        cand_pos = torch.full((num_rows, k), -1, dtype=torch.long, device=iq.device)
+        for i in sparse:
+            keys = requests[i]
+            if keys.key_slots.numel() == 0:
+                continue  # this rank holds none of the prefix: no candidate
+            index_keys = self.attn.backend.index_keys(index_pool, keys.key_slots)  # [T_local, D]
+            scores = index_scores(iq[keys.rows], iw[keys.rows], index_keys, self.index.scale)  # [L, T_local]
+            scores = scores.masked_fill(keys.key_pos.unsqueeze(0) > keys.query_pos.unsqueeze(1), NEG_INF)
+            best, at = top_k(scores, keys.key_pos, k)
+            cand_scores[keys.rows, :best.shape[1]] = best
+            cand_pos[keys.rows, :at.shape[1]] = at
+        cand_scores, cand_pos = all_gather(cand_scores, group, dim=1), all_gather(cand_pos, group, dim=1)
+        return {i: top_k(cand_scores[requests[i].rows], cand_pos[requests[i].rows], k) for i in sparse}
+
+    def _attend(self, q_all, requests: list[RequestKeys], chosen: dict, shard: KeyShard, latent_pool, group,
+                size: int) -> torch.Tensor:
+        """Step 3: the group's heads q_all [N, size * H, W] over this rank's selected latents, then each rank's
+        own heads' partials merged -> [N, H, r] float32."""
+        backend, r, scale = self.attn.backend, self.mla.kv_lora_rank, self.scale
+        num_rows, heads = q_all.shape[0], q_all.shape[1]
+        out = torch.zeros(num_rows, heads, r, dtype=torch.float32, device=q_all.device)
+        lse = torch.full((num_rows, heads), NEG_INF, dtype=torch.float32, device=q_all.device)
+        for i, keys in enumerate(requests):
+            num_keys = keys.key_slots.numel()
+            if num_keys == 0:
+                continue  # no key of this request here: its partial stays (0, -inf)
+            q = q_all[keys.rows]
+            if i not in chosen:  # dense: every visible key
+                visible = keys.key_pos.unsqueeze(0) <= keys.query_pos.unsqueeze(1)
+                o, l = backend.attend_masked(q, latent_pool, keys.key_slots, visible, scale, r)
+            else:
+                scores, positions = chosen[i]
+                mine = (scores > NEG_INF) & shard.owned(positions.clamp(min=0))
+                local = shard.local_index(positions.clamp(min=0)).clamp(max=num_keys - 1)  # [L, K]
+                if keys.rows.numel() == 1:  # a decode row: only its selected rows are read from the pool
+                    o, l = backend.attend_selected(q, latent_pool, keys.key_slots[local], mine, scale, r)
+                else:
+                    visible = selected_mask(local, mine, num_keys)
+                    o, l = backend.attend_masked(q, latent_pool, keys.key_slots, visible, scale, r)
+            out[keys.rows], lse[keys.rows] = o, l
+        if size == 1:
+            return out
+        own = heads // size
+        # piece j of each rank's partials is the heads of group rank j: send it there, receive every rank's
+        outs = all_to_all(out.view(num_rows, size, own, r).transpose(0, 1).contiguous(), group)
+        lses = all_to_all(lse.view(num_rows, size, own).transpose(0, 1).contiguous(), group)
+        return merge_attention_partials(outs, lses)[0]  # [N, H, r]

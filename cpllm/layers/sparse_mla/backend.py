@@ -36,20 +36,17 @@ def _context_keys(k_pool, v_pool, slots, dtype):
     return k, k
 
 
-def _absorbed(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scale: float, width: int) -> torch.Tensor:
-    # q [L, H, W], keys [L, K, W] or [K, W], visible [L, K] bool -> [L, H, width] float32 (no key: zeros)
-    q = q.float()
-    keys = keys.float()
-    if keys.dim() == 2:
-        scores = torch.einsum("lhw,kw->lhk", q, keys) * scale
-        values = keys[:, :width]
-        scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-        return torch.einsum("lhk,kr->lhr", probs, values)
-    scores = torch.einsum("lhw,lkw->lhk", q, keys) * scale
+def _absorbed(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scale: float, width: int):
+    # q [L, H, W], keys [L, K, W] (each row its own) or [K, W] (shared), visible [L, K] bool
+    # -> (out [L, H, width] float32, lse [L, H] float32); a row that sees no key gets (0, -inf)
+    q, keys = q.float(), keys.float()
+    shared = keys.dim() == 2
+    scores = torch.einsum("lhw,kw->lhk" if shared else "lhw,lkw->lhk", q, keys) * scale
     scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    return torch.einsum("lhk,lkr->lhr", probs, keys[..., :width])
+    lse = torch.logsumexp(scores, dim=-1)  # [L, H]
+    probs = torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))  # 0 where unseen
+    out = torch.einsum("lhk,kr->lhr" if shared else "lhk,lkr->lhr", probs, keys[..., :width])
+    return out, lse
 
 
 class SparseMLABackend:
@@ -81,14 +78,15 @@ class SparseMLABackend:
 
     @staticmethod
     def attend_selected(q: torch.Tensor, latent_pool: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
-                        scale: float, width: int) -> torch.Tensor:
+                        scale: float, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """q [L, H, W] against each row's own selected slots [L, K] (visible [L, K]: which are real) read from the
-        pool -> [L, H, width] float32, the value columns."""
+        pool -> (out [L, H, width], lse [L, H]) float32: the value columns and the partial's log-sum-exp."""
         rows = latent_pool[slots.reshape(-1), 0].view(*slots.shape, latent_pool.shape[-1])  # [L, K, W]
         return _absorbed(q, rows, visible, scale, width)
 
     @staticmethod
     def attend_masked(q: torch.Tensor, latent_pool: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
-                      scale: float, width: int) -> torch.Tensor:
-        """q [L, H, W] against the keys at `slots` [T], row l seeing those where visible[l] -> [L, H, width]."""
+                      scale: float, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [L, H, W] against the keys at `slots` [T], row l seeing those where visible[l] -> (out, lse) as
+        `attend_selected`."""
         return _absorbed(q, latent_pool.index_select(0, slots)[:, 0], visible, scale, width)

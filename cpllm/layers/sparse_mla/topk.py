@@ -29,10 +29,10 @@ def top_k(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torch.
     return ranked.gather(-1, order), pos.gather(-1, order)
 
 
-def selected_mask(top_positions: torch.Tensor, top_scores: torch.Tensor, num_keys: int) -> torch.Tensor:
-    """[L, k'] positions (with their scores; -inf: none) -> [L, num_keys] bool, True at the selected positions
-    0..num_keys-1 (a one-rank context, whose keys are positions 0.. in order)."""
-    mask = torch.zeros(top_positions.shape[0], num_keys + 1, dtype=torch.bool, device=top_positions.device)
-    target = torch.where(top_scores > float("-inf"), top_positions, torch.full_like(top_positions, num_keys))
+def selected_mask(local_index: torch.Tensor, chosen: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """[L, k'] local indices of selected keys, chosen [L, k'] (False: no key there, or another rank's) ->
+    [L, num_keys] bool, True at the selected keys of this rank."""
+    mask = torch.zeros(local_index.shape[0], num_keys + 1, dtype=torch.bool, device=local_index.device)
+    target = torch.where(chosen, local_index, torch.full_like(local_index, num_keys))
     mask.scatter_(1, target, True)
     return mask[:, :num_keys]

@@ -1,0 +1,106 @@
+"""DeepSeek-V3.2 and GLM-5 (DeepSeek sparse attention, index_topk 8) under TP and TP x DCP against the single-rank
+engine (real gloo processes), and the cache's bytes per rank.
+
+Each layout launches once and runs the shared workload (tests/parallel_helpers.py): prompts of 1, 13 and 37 tokens
+plus one sharing a 24-token prefix (the last three select 8 keys per query), a 9-token step budget (chunked
+prefill whose queries select over cached latents, decodes riding along with chunks), then the same prompts again
+(prefix hits, decode-only steps). Under DCP each rank scores the index keys it holds, the candidates are
+all-gathered and every rank keeps the same global top-k (tests/test_sparse_mla_topk.py checks that rule alone);
+greedy tokens identical and logprobs within 1e-4 of the single rank (which tests/test_sparse_mla_vs_hf.py holds to
+transformers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from cpllm import LLM
+from parallel_helpers import (BLOCK_SIZE, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, MODEL_SEED, LaunchCache,
+                              assert_same_greedy, generate_counted, greedy_params, workload_prompts)
+from tiny_sparse_mla import save_tiny_sparse
+
+MAX_TOKENS = 8
+COMMON = dict(quantization="none", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE,
+              max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, kv_cache_memory_bytes=2**20, threads_per_rank=1,
+              distributed_timeout=60)
+ROW_VALUES, NUM_LAYERS, FLOAT32 = 48 + 32, 3, 4
+"""Values cached per token and layer (latent 48 + index key 32), layers, bytes per value."""
+
+
+@dataclass(frozen=True, slots=True)
+class SparseLayout:
+    case: str
+    tp: int = 1
+    dcp: int = 1
+    interleave: int = 1
+
+    def label(self) -> str:
+        return f"{self.case}-tp{self.tp}-dcp{self.dcp}-i{self.interleave}"
+
+    def engine_options(self) -> dict:
+        return dict(tensor_parallel_size=self.tp, decode_context_parallel_size=self.dcp,
+                    cp_kv_cache_interleave_size=self.interleave)
+
+
+LAYOUTS = [
+    SparseLayout("v32", tp=2),
+    SparseLayout("v32", tp=2, dcp=2, interleave=1),
+    SparseLayout("glm5", tp=2, dcp=2, interleave=4),
+]
+"""TP=2 (every rank holds every latent and index key); TP=2 x DCP=2 with each token on one rank in turn
+(interleave 1) and with whole blocks in turn (interleave = block size)."""
+
+
+@dataclass
+class Run:
+    first: dict
+    second: dict
+    prefix_hits: int
+    kv_bytes: int
+    num_blocks: int
+
+
+class Launches(LaunchCache):
+    def folder(self, case: str) -> str:
+        if case not in self._folders:
+            self._folders[case] = save_tiny_sparse(str(self._tmp.mktemp(case)), case, seed=MODEL_SEED)
+        return self._folders[case]
+
+    def reference(self, case: str) -> dict:
+        if case not in self._references:
+            with LLM(self.folder(case), **COMMON) as llm:
+                self._references[case] = generate_counted(llm, workload_prompts(1),
+                                                          greedy_params(MAX_TOKENS, prompt_logprobs=True), "ref")
+        return self._references[case]
+
+    def _launch(self, layout: SparseLayout) -> Run:
+        prompts = workload_prompts(1)
+        with LLM(self.folder(layout.case), **COMMON, **layout.engine_options()) as llm:
+            scheduler = llm.engine.scheduler
+            first = generate_counted(llm, prompts, greedy_params(MAX_TOKENS, prompt_logprobs=True), "p1")
+            before = scheduler.num_prefix_hit_tokens
+            second = generate_counted(llm, prompts, greedy_params(MAX_TOKENS, prompt_logprobs=False), "p2")
+            kv = llm.engine.executor.rank_info.kv
+            return Run(first=first, second=second, prefix_hits=scheduler.num_prefix_hit_tokens - before,
+                       kv_bytes=kv.bytes, num_blocks=kv.num_blocks)
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory) -> Launches:
+    return Launches(tmp_path_factory)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=SparseLayout.label)
+def test_layout_matches_single_rank(launches, layout):
+    reference = launches.reference(layout.case)
+    run = launches.run(layout)
+    for name, output in run.first.items():
+        assert_same_greedy(output, reference[name], what=f"{layout.label()} pass 1 {name}", prompt_logprobs=True)
+    for name, output in run.second.items():
+        assert_same_greedy(output, reference[name], what=f"{layout.label()} pass 2 {name}", prompt_logprobs=False)
+    assert run.prefix_hits > 0, "pass 2 repeats pass 1's prompts and should hit the prefix cache"
+    # a latent pool and an index pool per layer, [blocks x block_size, 1, 48] and [.., 1, 32] float32
+    assert run.kv_bytes == NUM_LAYERS * run.num_blocks * BLOCK_SIZE * ROW_VALUES * FLOAT32
