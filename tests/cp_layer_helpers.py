@@ -26,7 +26,8 @@ from cpllm.context_parallel import attention as attention_module
 from cpllm.context_parallel.attention import PagedCPAttention
 from cpllm.context_parallel.kv_layout import KVLayout
 from cpllm.layers.gqa.backend import GQAPagedBackend
-from cpllm.context_parallel.metadata import build_step_batch, shared_key_view
+from cpllm.context_parallel.metadata import build_step_batch
+from cpllm.layers.gqa.shared_keys import shared_key_view
 from cpllm.context_parallel.sdpa import reference_attention
 from cpllm.distributed.groups import ParallelGroups
 from cpllm.distributed.launch import init_distributed, shutdown_distributed

@@ -124,13 +124,13 @@ def test_step_metadata_is_the_same_with_and_without_the_kernels(monkeypatch, nam
 def test_the_sdpa_path_builds_the_union_once_and_matches_the_kernel(monkeypatch, name):
     """With the kernel, decode rows sharing a prefix read their own slots (no union built); with CPLLM_KERNELS=0
     the SDPA path reads the shared-key view, built once for every layer of the step; the outputs agree."""
-    from cpllm.context_parallel import metadata as metadata_module
+    from cpllm.layers.gqa import shared_keys as shared_keys_module
     from cpllm.kernels import decode_attention
     if not decode_attention.built():
         pytest.skip("the C decode kernel is not built here")
     built = []
-    original = metadata_module._shared_key_batch
-    monkeypatch.setattr(metadata_module, "_shared_key_batch", lambda *a: built.append(len(a[1])) or original(*a))
+    original = shared_keys_module._shared_key_batch
+    monkeypatch.setattr(shared_keys_module, "_shared_key_batch", lambda *a: built.append(len(a[1])) or original(*a))
     chunks, layout, pools, (q, k, v) = _shared_prefix_step(SHARED_STEPS[name])
     layer = PagedCPAttention(ParallelContext(), scale=D**-0.5)
 

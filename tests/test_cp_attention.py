@@ -8,7 +8,8 @@ import torch
 from cpllm.context_parallel.attention import PagedCPAttention
 from cpllm.distributed.parallel_context import ParallelContext
 from cpllm.context_parallel.kv_layout import KVLayout
-from cpllm.context_parallel.metadata import build_step_batch, shared_key_view
+from cpllm.context_parallel.metadata import build_step_batch
+from cpllm.layers.gqa.shared_keys import shared_key_view
 from cpllm.context_parallel.sdpa import reference_attention
 from cpllm.step import ScheduledChunk
 from step_plans import eager_plan

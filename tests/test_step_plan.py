@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from cpllm.context_parallel.kv_layout import KVLayout
-from cpllm.context_parallel.metadata import build_step_batch, shared_key_view
+from cpllm.context_parallel.metadata import build_step_batch
+from cpllm.layers.gqa.shared_keys import shared_key_view
 from cpllm.context_parallel.plan import (FusedLayers, GraphBuckets, RankCapabilities, StepPath, StepPlan,
                                          eager_decode_path, plan_step, single_token_rows)
 from cpllm.model.execution.fused_decode import FusedDecode

@@ -11,7 +11,7 @@ layer applies to pieces (cpllm/layers/window/modifier.py), not backend methods.
 A backend holds no per-layer state; which kernel runs inside it (a C kernel, SDPA, the CUDA kernels) is its own
 choice, made per call from the tensors it is given. The step's metadata is laid out the same whatever kernels
 exist (decode rows carry each request's own slots); an implementation wanting another form of it (the shared-key
-union) builds that as a per-step cached view (metadata.py `shared_key_view`). Backends live in their kind's
+union) builds that as a per-step cached view of the batch (kept in its `StepViews`). Backends live in their kind's
 package under cpllm/layers/ and are registered there (cpllm/layers/registry.py).
 """
 

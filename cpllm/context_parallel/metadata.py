@@ -74,7 +74,7 @@ class DecodeBatch:
     """Longest local context among them (0: this rank's shard is empty for all)."""
     shared_keys: bool = False
     """slots is [1, U], the union of their slots, and key_mask [1, 1, B, U] says which keys each query sees: only
-    in the shared-key view of a batch (`shared_key_view`), never in a step's metadata, which always carries each
+    in the shared-key view of a batch (cpllm/layers/gqa/shared_keys.py), never in a step's metadata, which always carries each
     request's own slots."""
     window: tuple[int, int] | None = None
     """(first slot, count) when slots is [1, count] and those slots are consecutive in the pool: attention then
@@ -85,7 +85,8 @@ class DecodeBatch:
     shared_prefix: "SharedPrefix | None" = None
     """Set where two or more of the requests start from the same cached block (a shared prefix; found from the
     block tables at build time, no tensor read): a backend that reads keys once per query block may ask for the
-    batch's shared-key view (`shared_key_view`). None: no request shares a key with another."""
+    batch's shared-key view (the GQA kind's `shared_key_view`, cpllm/layers/gqa/shared_keys.py). None: no request
+    shares a key with another."""
     views: "StepViews | None" = None
     """The cache of the views layer kinds build of this batch once per step (cpllm/layers/window/decode_view.py:
     one per window and device), shared by the CPU batch and its device copy; None in a view itself or a batch
@@ -274,7 +275,7 @@ def build_step_batch(chunks, layout: KVLayout, pcp_size: int, pcp_rank: int, out
     team's plan keeps every row on every PCP rank. The decode rows always carry each request's own context slots
     (the form the C kernel and the fused layers read), whatever kernels exist; where requests share a prefix the
     batch says so (`DecodeBatch.shared_prefix`) and a backend that wants the union of their keys builds it once
-    per step (`shared_key_view`). With `device`, every tensor of the result (token ids, positions, all metadata)
+    per step (cpllm/layers/gqa/shared_keys.py). With `device`, every tensor of the result (token ids, positions, all metadata)
     is on it."""
     if not isinstance(plan, StepPlan):
         raise TypeError(f"plan {plan!r}: build_step_batch needs the step's StepPlan record (plan.py `plan_step`)")
@@ -395,58 +396,28 @@ def _decode_batch(requests: list[RequestAttention], chunks) -> DecodeBatch | Non
         key_mask = torch.zeros(len(members), 1, 1, width).masked_fill(~valid[:, None, None, :], float("-inf"))
     # A shared prefix starts at position 0: requests sharing keys share their first block (plain ints, no tensor)
     first_blocks = {chunks[i].block_table[0] for i in members}
-    shared = SharedPrefix(requests, members, lengths) if len(first_blocks) < len(members) else None
-    return DecodeBatch(requests=tuple(members), slots=slots, key_mask=key_mask, rows=_rows(requests, members),
-                       max_local_context=max(lengths), window=_window(slots) if lengths[0] else None,
-                       lengths=torch.tensor(lengths, dtype=torch.long), shared_prefix=shared,
-                       views=StepViews())
+    shared = SharedPrefix() if len(first_blocks) < len(members) else None
+    batch = DecodeBatch(requests=tuple(members), slots=slots, key_mask=key_mask, rows=_rows(requests, members),
+                        max_local_context=max(lengths), window=consecutive_window(slots) if lengths[0] else None,
+                        lengths=torch.tensor(lengths, dtype=torch.long), shared_prefix=shared, views=StepViews())
+    if shared is not None:
+        shared.batch = batch
+    return batch
 
 
 class SharedPrefix:
-    """A decode batch's requests share keys: what building its shared-key view needs (this rank's host-side context
-    slots of each request, never moved to a device) and the view once built, per device. Not a dataclass: the
-    step's moves (`to_device`) pass it along as is, so the CPU batch and its device copy share one cache."""
+    """Marks a decode batch whose requests share keys, and holds the host-side batch (this rank's CPU slots of each
+    request, never moved to a device) its shared-key view is built from (the GQA kind's `shared_key_view`,
+    cpllm/layers/gqa/shared_keys.py). Not a dataclass: the step's moves (`to_device`) pass it along as is."""
 
-    __slots__ = ("requests", "members", "lengths", "_views")
+    __slots__ = ("batch",)
 
-    def __init__(self, requests, members: list[int], lengths: list[int]):
-        self.requests, self.members, self.lengths = requests, members, lengths
-        self._views: dict[torch.device, DecodeBatch | None] = {}
-
-    def view(self, decode: DecodeBatch) -> DecodeBatch | None:
-        device = decode.slots.device
-        if device in self._views:
-            return self._views[device]
-        host = self._views.get(_CPU, False) if device != _CPU else False
-        if host is False:
-            host = self._host_view()
-            self._views[_CPU] = host
-        view = host if host is None or device == _CPU else dataclasses.replace(
-            to_device(host, device, non_blocking=True), rows=decode.rows)
-        self._views[device] = view
-        return view
-
-    def _host_view(self) -> DecodeBatch | None:
-        requests, members, lengths = self.requests, self.members, self.lengths
-        union = torch.unique(torch.cat([requests[i].context_slots for i in members]))
-        if len(members) * union.numel() > 2 * sum(lengths):  # padding the union costs more than it saves
-            return None
-        return _shared_key_batch(requests, members, union, lengths)
+    def __init__(self):
+        self.batch: DecodeBatch | None = None
+        """The host-side batch (set once it is built)."""
 
 
-_CPU = torch.device("cpu")
-
-
-def shared_key_view(decode: DecodeBatch) -> DecodeBatch | None:
-    """The shared-key form of a step's decode batch: its B rows as one query block over the union of their slots
-    [1, U], with key_mask [1, 1, B, U] saying which keys each row sees, so each shared key is read once (what the
-    SDPA implementations read best). Built on the first call of the step and cached for every later layer; None
-    where no request shares keys or padding the union to every row would cost more than it saves
-    (B * U > 2 * sum of lengths)."""
-    return None if decode.shared_prefix is None else decode.shared_prefix.view(decode)
-
-
-def _window(slots: torch.Tensor) -> tuple[int, int] | None:
+def consecutive_window(slots: torch.Tensor) -> tuple[int, int] | None:
     """(first, count) when slots [1, count] are first, first + 1, ... (blocks allocated one after another)."""
     if slots.shape[0] != 1 or slots.shape[1] == 0:
         return None
@@ -459,16 +430,6 @@ def _window(slots: torch.Tensor) -> tuple[int, int] | None:
 def _rows(requests: list[RequestAttention], members: list[int]) -> torch.Tensor:
     return torch.tensor([[requests[i].pcp_rows[p][0] for i in members] for p in range(len(requests[0].pcp_rows))],
                         dtype=torch.long)
-
-
-def _shared_key_batch(requests, members, union: torch.Tensor, lengths: list[int]) -> DecodeBatch:
-    visible = torch.zeros(len(members), union.numel(), dtype=torch.bool)
-    for b, i in enumerate(members):
-        visible[b, torch.searchsorted(union, requests[i].context_slots)] = True
-    key_mask = torch.zeros(1, 1, len(members), union.numel()).masked_fill(~visible[None, None], float("-inf"))
-    slots = union.unsqueeze(0)
-    return DecodeBatch(requests=tuple(members), slots=slots, key_mask=key_mask, rows=_rows(requests, members),
-                       max_local_context=max(lengths), shared_keys=True, window=_window(slots))
 
 
 class StepViews:

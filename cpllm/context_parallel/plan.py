@@ -9,7 +9,7 @@ split over PCP exactly when `plan.mlp_split`, the replicated layout's K/V sync r
 `plan.replica_sync`, and PagedCPAttention branches on `plan.path`. Which implementation a backend runs inside a
 path (a C kernel, SDPA, the CUDA kernels) changes neither the plan nor the metadata's layout: decode rows always
 carry each request's own slots, and a backend whose implementation reads shared keys once builds that view itself,
-once per step (metadata.py, `shared_key_view`).
+once per step (cached in the batch's `StepViews`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from cpllm.context_parallel.metadata import shared_key_view
+from cpllm.layers.gqa.shared_keys import shared_key_view
 from cpllm.context_parallel.sdpa import attention_with_lse
 from cpllm.kernels.decode_attention import applies as kernel_applies
 from cpllm.kernels.decode_attention import paged_decode_attention
@@ -73,7 +73,7 @@ def attend_decode(q, k_pool, v_pool, decode, scale: float, every_row_sees_a_key:
 
 def sdpa_form(decode):
     """The form of a decode batch the SDPA implementations read: its shared-key view where its requests share a
-    prefix and the union pays (metadata.py `shared_key_view`: built on the step's first call, then cached), else
+    prefix and the union pays (shared_keys.py `shared_key_view`: built on the step's first call, then cached), else
     the batch itself (each request's own slots, padded)."""
     if getattr(decode, "shared_prefix", None) is None:  # own slots only, a view already, or a compiled op's keys
         return decode
