@@ -67,6 +67,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-quality", action="store_true")
+    parser.add_argument("--first", choices=("before", "after"), default="before", help="the side of round 0")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "int4_avx2.json"))
     args = parser.parse_args()
     load_at_start = [round(x, 2) for x in os.getloadavg()]
@@ -78,7 +79,8 @@ def main() -> None:
             trees["after"] = os.path.join(tmp, "after")
             extract(args.after, trees["after"])
         for r in range(args.rounds):
-            for side in ("before", "after") if r % 2 == 0 else ("after", "before"):
+            order = ("before", "after") if args.first == "before" else ("after", "before")
+            for side in order if r % 2 == 0 else order[::-1]:
                 figures = run_side(trees[side], args.threads, os.path.join(tmp, "out.json"))
                 for key, value in figures.items():
                     runs.setdefault((key, side), []).append(value)
