@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import threading
 import time
 
 import httpx
@@ -125,6 +126,20 @@ def _server_processes(server: ServerProcess) -> list[psutil.Process]:
     return found
 
 
+def _stream_tokens(url: str, started: threading.Event, max_tokens: int) -> int:
+    """A streamed completion on a connection of its own; sets `started` at its first event; its token count."""
+    count = 0
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                started.set()
+                count += len(json.loads(line.removeprefix("data: "))["choices"][0].get("token_ids") or [])
+    return count
+
+
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "api server killed"])
 def test_shutdown_leaves_no_process(model, how):
     server = ServerProcess([model, *FLAGS])
@@ -133,15 +148,16 @@ def test_shutdown_leaves_no_process(model, how):
         children = psutil.Process(server.process.pid).children(recursive=True)
         assert len(children) >= 2  # both API servers
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            running = [pool.submit(complete, server.url, PROMPT, 48) for _ in range(4)]
-            time.sleep(0.5)
+            started = [threading.Event() for _ in range(4)]
+            running = [pool.submit(_stream_tokens, server.url, event, 64) for event in started]
+            assert all(event.wait(120) for event in started)  # every request is in flight
             if how == "api server killed":
                 os.kill(children[0].pid, signal.SIGKILL)
             else:
                 server.process.send_signal(getattr(signal, how))
             code = server.process.wait(60)
             if how != "api server killed":  # a drain: the requests in flight finished
-                assert all(len(f.result()["choices"][0]["token_ids"]) == 48 for f in running)
+                assert [f.result() for f in running] == [64] * 4
         assert code == (1 if how == "api server killed" else 0), server.log()[-4000:]
         deadline = time.monotonic() + 10
         while _server_processes(server) and time.monotonic() < deadline:
