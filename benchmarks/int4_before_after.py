@@ -21,10 +21,21 @@ import subprocess
 import sys
 import tempfile
 
-from cpllm.bench.common import machine_info
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from cpllm.bench.common import machine_info  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+
+
+def cpu_flags() -> list[str]:
+    """The flags of this CPU that the int4 kernel choice reads, as /proc/cpuinfo lists them."""
+    from report_int4 import CPU_FLAGS
+
+    with open("/proc/cpuinfo") as f:
+        flags = set(next((line for line in f if line.startswith("flags")), ":").split(":", 1)[1].split())
+    return [flag for flag in CPU_FLAGS if flag in flags]
 
 
 def extract(rev: str, folder: str) -> None:
@@ -100,7 +111,7 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump({"command": "int4_before_after", "argv": sys.argv[1:], "before": args.before,
                    "after": args.after or "working tree", "rounds": args.rounds, "threads": args.threads,
-                   "machine": {**machine_info(), "load_average_start": load_at_start,
+                   "machine": {**machine_info(), "cpu_flags": cpu_flags(), "load_average_start": load_at_start,
                                "load_average_end": [round(x, 2) for x in os.getloadavg()]},
                    "rows": rows, "quality": quality}, f, indent=1)
     for row in rows:

@@ -22,11 +22,8 @@ CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "am
 
 
 def _flags(machine: dict[str, Any]) -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
-    except (OSError, StopIteration):
-        return f"{machine.get('cpu', '?')}"
+    """The CPU and the flags of CPU_FLAGS it had when measured (int4_before_after.py records them)."""
+    flags = set(machine.get("cpu_flags", []))
     said = ", ".join(f"{flag} {'yes' if flag in flags else 'no'}" for flag in CPU_FLAGS)
     return f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores; {said}"
 
