@@ -32,6 +32,7 @@ from cpllm.config.sparse_mla import IndexerConfig
 from cpllm.context_parallel.merge import merge_attention_partials
 from cpllm.context_parallel.metadata import AttentionMetadata, RequestAttention
 from cpllm.distributed.comm import all_gather, all_to_all
+from cpllm.distributed.parallel_context import ParallelContext
 from cpllm.layers.mla.attention import MLAAttention, deinterleave
 from cpllm.layers.sparse_mla.backend import SparseMLABackend
 from cpllm.layers.sparse_mla.indexer import Indexer, index_scores
@@ -58,26 +59,21 @@ class RequestKeys:
     """Positions of the prefix on all ranks together (the last row sees all of them)."""
 
 
-def kv_shard_group(attn) -> tuple[object, int]:
-    """(process group, size) of the ranks one request's cache is divided over, from the layer's CP attention."""
-    kv = getattr(attn, "kv", None)  # the parallel context's KV-shard group, where the layer holds one
-    if kv is not None:
-        return kv.group, kv.size
-    return attn.comm.kv_group, attn.comm.kv_size
-
-
 class SparseMLAAttention(MLAAttention):
-    """One decoder layer's sparse MLA on this TP rank's heads (see the module); `comm` as MLAAttention takes it."""
+    """One decoder layer's sparse MLA on this TP rank's heads (see the module)."""
 
     def __init__(self, mla: MLAConfig, indexer: IndexerConfig, hidden: int, num_heads: int, scale: float,
-                 prefix: str, tp, comm, dtype: torch.dtype, quantization: str = "none",
+                 prefix: str, parallel: ParallelContext, dtype: torch.dtype, quantization: str = "none",
                  backend: SparseMLABackend | None = None):
         if mla.q_lora_rank is None:
             raise ValueError("sparse MLA needs q_lora_rank: the indexer's queries come from the low-rank query")
-        if comm.dims.pcp > 1:
-            raise ValueError(f"sparse MLA on prefill_context_parallel_size={comm.dims.pcp}: only 1 is built")
-        super().__init__(mla, hidden, num_heads, scale, prefix, tp, comm, dtype, quantization,
+        if parallel.dims.pcp > 1:
+            raise ValueError(f"sparse MLA on prefill_context_parallel_size={parallel.dims.pcp}: only 1 is built")
+        super().__init__(mla, hidden, num_heads, scale, prefix, parallel, dtype, quantization,
                          backend or SparseMLABackend())
+        self.kv_shard = parallel.comm("kv_shard")
+        """The ranks one request's cache is divided over (the DCP group here): candidates, queries and partials
+        travel over it."""
         self.index = Indexer(indexer, hidden, mla.q_lora_rank, mla.qk_rope_head_dim, f"{prefix}.indexer", dtype,
                              quantization)
         self.index_topk = indexer.index_topk
@@ -115,7 +111,7 @@ class SparseMLAAttention(MLAAttention):
         shard = KeyShard.of(meta.kv_layout)
         requests = [keys for keys in (self._request_keys(r, slot_of_row, shard) for r in meta.requests)
                     if keys.rows.numel()]
-        group, size = kv_shard_group(self.attn)
+        group, size = self.kv_shard.group, self.kv_shard.size
         chosen = self._global_top_k(requests, iq, iw, index_pool, group)
         out = self._attend(all_gather(q_lat, group, dim=1), requests, chosen, shard, latent_pool, group, size)
         if keep is not None:
