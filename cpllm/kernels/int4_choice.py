@@ -5,7 +5,7 @@ measurement at start-up, logged once per process.
 - else AVX2 + FMA + F16C (and the AVX2 kernel built): "avx2", cpllm/kernels/int4_avx2.c. Few rows (decode) run
   its integer dot products; from `gemm_from_rows` rows on (prefill) the weight is dequantized tile by tile for
   float32 GEMMs. The threshold is measured at start-up: both ways on one SmolLM2-sized layer at a few row counts,
-  the first count from which the GEMMs win at every larger count.
+  the threshold that minimizes the time per row summed over the probed counts.
 - else aten's int4 kernel ("aten", bfloat16 activations).
 The features come from /proc/cpuinfo (`cpu_features`, which tests replace); a kernel also reports whether it was
 compiled for them (`-march=native`), and both must agree. `CPLLM_KERNELS=0` gives "aten".
@@ -118,12 +118,16 @@ def _measured() -> Int4Choice:
     packed = int4_matmul.pack(codes, d, -8 * d)
     x = torch.randn(max(PROBE_ROWS), in_features, generator=gen)
     int_one = _best_seconds([lambda: int4_avx2.matmul(x[:1], packed, out_features)])[0]
-    gemm_from_rows, gemm_seconds = NEVER, 0.0
+    per_row = []  # (integer, gemm) seconds per row at each probed count
     for rows in PROBE_ROWS:
-        integer, gemm_seconds = _best_seconds([lambda: int4_avx2.matmul(x[:rows], packed, out_features),
-                                               lambda: int4_avx2.dequantized_matmul(x[:rows], packed, out_features)])
-        # the GEMMs from the first count where they win at it and every larger one (a lone win is noise)
-        gemm_from_rows = (rows if gemm_from_rows == NEVER else gemm_from_rows) if gemm_seconds < integer else NEVER
+        times = _best_seconds([lambda: int4_avx2.matmul(x[:rows], packed, out_features),
+                               lambda: int4_avx2.dequantized_matmul(x[:rows], packed, out_features)])
+        per_row.append((times[0] / rows, times[1] / rows))
+    gemm_seconds = per_row[-1][1] * max(PROBE_ROWS)
+    # the threshold with the least time per row summed over the probes: one noisy probe cannot move it far
+    costs = {limit: sum(gemm if rows >= limit else integer for rows, (integer, gemm) in zip(PROBE_ROWS, per_row))
+             for limit in (*PROBE_ROWS, NEVER)}
+    gemm_from_rows = min(costs, key=costs.get)
     choice = Int4Choice(backend="avx2", gemm_from_rows=gemm_from_rows, decode_gbps=round(packed.numel() / int_one / 1e9, 2),
                         gemm_gflops=round(2 * max(PROBE_ROWS) * out_features * in_features / gemm_seconds / 1e9, 1),
                         reason="AVX2 + FMA + F16C, no AVX-512 VNNI")
