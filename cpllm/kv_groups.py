@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from cpllm.config.attention import layer_window
 from cpllm.layers.cache_spec import CacheSpec
-from cpllm.layers.registry import kind_of, layer_kind
+from cpllm.layers.registry import kind_of, layer_kind, state_layer_indices
 from cpllm.step import FREED_BLOCK
 
 __all__ = ["FREED_BLOCK", "KVGroupSpec", "kv_groups", "layer_groups", "group_cache_spec", "full_cache_spec", "first_kept_block", "blocks_touched",
@@ -53,7 +53,10 @@ def kv_groups(config, max_model_len: int) -> tuple[KVGroupSpec, ...]:
     window, ascending. A window no shorter than `max_model_len` (the configured longest request, as the model's
     layers are built with it) hides nothing, so its layers are full ones (config_attention.layer_window)."""
     by_window: dict[int | None, list[int]] = {}
+    stateful = state_layer_indices(config)  # layers keeping a state per request hold no rows: no group
     for index in range(config.num_hidden_layers):
+        if index in stateful:
+            continue
         by_window.setdefault(layer_window(config, index, max_model_len), []).append(index)
     order = sorted(by_window, key=lambda w: -1 if w is None else w)
     kind = kind_of(config).name
@@ -73,10 +76,11 @@ def group_cache_spec(group: KVGroupSpec, config, kv_heads: int, element_bytes: i
                                              element_bytes=element_bytes)
 
 
-def layer_groups(groups: tuple[KVGroupSpec, ...]) -> tuple[int, ...]:
-    """Layer index -> its group's index in `groups`."""
+def layer_groups(groups: tuple[KVGroupSpec, ...], num_layers: int | None = None) -> tuple[int, ...]:
+    """Layer index -> its group's index in `groups`; a layer in no group (one keeping a state per request, of a
+    model of `num_layers` layers) -> 0, whose step metadata it reads for its rows (never its block tables)."""
     owner = {layer: g for g, group in enumerate(groups) for layer in group.layers}
-    return tuple(owner[i] for i in range(len(owner)))
+    return tuple(owner.get(i, 0) for i in range(len(owner) if num_layers is None else num_layers))
 
 
 def first_kept_block(window: int | None, first_query: int, tokens_per_block: int) -> int:

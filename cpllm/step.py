@@ -35,6 +35,9 @@ class ScheduledChunk:
     num_draft_tokens: int = 0
     """Of token_ids, the last this many are drafts (speculative decoding): the chunk is a verify chunk, the
     request's last known token then its drafts, and every one of those rows comes back as logits."""
+    state_slot: int = -1
+    """The request's slot in the pools of layers that keep a fixed-size state per request (cpllm/layers/cache_spec.py
+    STATE), given at admission and kept until it finishes or is preempted; -1: the model has no such layer."""
     block_tables: tuple[tuple[int, ...], ...] = ()
     """One table per KV group, in cpllm/kv_groups.py order (group 0's is `block_table`), all of the same length:
     entry i is virtual block i of that group's pool, or FREED_BLOCK where a windowed group has freed it (a prefix

@@ -14,6 +14,7 @@ from cpllm.config.attention import (GEMMA_ARCHITECTURES, check_attention_fields,
                                     hf_gemma_fields, hf_layer_types)
 from cpllm.config.deepseek import DEEPSEEK_MOE_ARCHITECTURES, MLAConfig, deepseek_moe_config
 from cpllm.config.moe import MOE_ARCHITECTURES, MoEConfig
+from cpllm.config.linear_attention import HYBRID_ARCHITECTURES, LinearAttentionConfig, check_hybrid_options
 from cpllm.config.sparse_mla import SPARSE_MLA_ARCHITECTURES, IndexerConfig, check_sparse_layout
 from cpllm.config.speculative import SpeculativeConfig
 from cpllm.config.rope import resolve_rope_scaling, rope_context_length
@@ -21,7 +22,8 @@ from cpllm.distributed.parallel_dims import KV_CACHE_LAYOUTS, REPLICATED, SHARDE
 from cpllm.model.formats.modes import QUANTIZATION_CHOICES, quantization_mode
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           *MOE_ARCHITECTURES, *GEMMA_ARCHITECTURES, *DEEPSEEK_MOE_ARCHITECTURES)
+                           *MOE_ARCHITECTURES, *GEMMA_ARCHITECTURES, *DEEPSEEK_MOE_ARCHITECTURES,
+                           *HYBRID_ARCHITECTURES)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 """Values of ModelConfig.layer_types (config.json's spelling)."""
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
@@ -112,6 +114,9 @@ class ModelConfig:
     indexer: IndexerConfig | None = None
     """DeepSeek sparse attention's indexer (DeepSeek-V3.2, GLM-5; cpllm/config/sparse_mla.py): each query attends
     only the index_topk cached tokens it scores highest. None: every MLA query attends its whole context."""
+    linear_attention: LinearAttentionConfig | None = None
+    """The gated DeltaNet layers of a linear-attention hybrid (Qwen3.5, Qwen3-Next; cpllm/config/linear_attention.py):
+    they keep a state per request; num_key_value_heads and head_dim are the full-attention layers'. None: none."""
     quantization: str = DEFAULT_QUANTIZATION
     """How the weights run, one of QUANTIZATION_CHOICES. Kept here, as vLLM does, because every rank builds its
     model from this config alone; checks that need the parallel layout are in EngineConfig."""
@@ -165,6 +170,8 @@ class ModelConfig:
             qk_norm=archs[0] in QK_NORM_ARCHITECTURES,
             moe=deepseek_moe_config(cfg) if mla else MoEConfig.from_hf_config(cfg),
             mla=mla,
+            linear_attention=LinearAttentionConfig.from_hf_config(cfg) if archs[0] in HYBRID_ARCHITECTURES
+            else None,
             indexer=IndexerConfig.from_hf_config(cfg, mla.qk_rope_head_dim)
             if archs[0] in SPARSE_MLA_ARCHITECTURES else None,
             sliding_window=sliding,
@@ -331,6 +338,11 @@ class EngineConfig:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             raise ValueError("speculative_config must be a SpeculativeConfig here (build_engine_config validates "
                              f"the dict), got {type(self.speculative_config).__name__}")
+        if self.model.linear_attention is not None:
+            check_hybrid_options(prefix_caching=self.cache.enable_prefix_caching,
+                                 speculative=self.speculative_config is not None, compile_decode=self.compile_decode,
+                                 pcp=self.parallel.prefill_context_parallel_size,
+                                 tp=self.parallel.tensor_parallel_size, linear=self.model.linear_attention)
         if self.compile_decode:
             _check_compile_decode(self.parallel, self.model)
             check_compile_decode_attention(self.model, self.scheduler.max_model_len)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from cpllm.config.linear_attention import HYBRID_MOE_ARCHITECTURES
 from cpllm.config.routing import DeepseekRouting
 
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
@@ -66,7 +67,7 @@ class MoEConfig:
     def from_hf_config(cls, cfg: dict[str, Any]) -> "MoEConfig | None":
         """The MoE part of a config.json dictionary, or None for a dense architecture."""
         arch = (cfg.get("architectures") or [""])[0]
-        if arch not in MOE_ARCHITECTURES:
+        if arch not in MOE_ARCHITECTURES and arch not in HYBRID_MOE_ARCHITECTURES:
             return None
         experts = cfg.get("num_experts") or cfg.get("num_local_experts")
         if arch == "GptOssForCausalLM":  # top-k of the logits, softmax over those k: normalised by construction
@@ -77,7 +78,11 @@ class MoEConfig:
             return cls(num_experts=experts, top_k=cfg["num_experts_per_tok"],
                        intermediate_size=cfg["intermediate_size"], norm_topk_prob=True,
                        expert_prefix="block_sparse_moe", expert_weight_names=("w1", "w3", "w2"))
-        shared = cfg.get("shared_expert_intermediate_size", 0) if arch == "Qwen2MoeForCausalLM" else 0
+        # Qwen2-MoE and the hybrids' gated shared expert; Qwen3.5-MoE always renormalises its top k
+        shared = cfg.get("shared_expert_intermediate_size", 0) if arch in ("Qwen2MoeForCausalLM",
+                                                                          *HYBRID_MOE_ARCHITECTURES) else 0
+        if arch == "Qwen3_5MoeForCausalLM":
+            cfg = {**cfg, "norm_topk_prob": True}
         return cls(num_experts=experts, top_k=cfg["num_experts_per_tok"],
                    intermediate_size=cfg["moe_intermediate_size"], norm_topk_prob=bool(cfg.get("norm_topk_prob")),
                    shared_expert_intermediate_size=shared or 0,

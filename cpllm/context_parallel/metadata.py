@@ -56,6 +56,8 @@ class RequestAttention:
     """Rows [start, end) of this request in each PCP rank's batch (index = pcp rank)."""
     source_rank_rows: tuple[tuple[tuple[int, int, int], ...], ...]
     """Per PCP rank: (row, new_start, length) runs of this request's new tokens on that rank."""
+    state_slot: int = -1
+    """The request's slot in the per-request state pools (ScheduledChunk.state_slot; -1: none)."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -349,6 +351,7 @@ def _request_attention(chunk, runs, layout: KVLayout, pcp_rank: int, num_rows: i
         context_slots=local_context_slots(context_len, block_table, layout),
         pcp_rows=tuple((rr[0][0], rr[-1][0] + rr[-1][2]) if rr else (0, 0) for rr in runs),
         source_rank_rows=tuple(tuple(rr) for rr in runs),
+        state_slot=chunk.state_slot,
     )
 
 

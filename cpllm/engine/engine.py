@@ -23,6 +23,7 @@ from cpllm.engine.scheduler import Scheduler
 from cpllm.engine.sequence import RequestState, Sequence, finish_status
 from cpllm.engine.spec_decode import SpecDecodeTotals, SpeculativeDecoding
 from cpllm.kv_groups import kv_groups, length_capacity, window_blocks
+from cpllm.layers.registry import state_layer_indices
 from cpllm.model.tokenization.tokenizer import Tokenizer
 from cpllm.structured.manager import StructuredOutputManager
 from cpllm.step import SchedulerOutput, output_positions
@@ -82,7 +83,9 @@ class LLMEngine:
         self.pools = tuple(BlockPool(n, config.cache.enable_prefix_caching) for n in group_blocks)
         """One block pool per KV group (self.kv_groups order)."""
         self.pool = self.pools[0]
-        self.scheduler = Scheduler(scheduler_config, self.pools, self.tokens_per_block, self.kv_groups)
+        # a state slot per running request where layers keep a state per request (their pools hold max_num_seqs)
+        state_slots = config.scheduler.max_num_seqs if state_layer_indices(config.model) else 0
+        self.scheduler = Scheduler(scheduler_config, self.pools, self.tokens_per_block, self.kv_groups, state_slots)
         self.sampler = Sampler()
         spec = config.speculative_config
         draft = DraftModel(config, executor, self.kv_capacity_tokens) if spec and spec.method == "draft_model" else None

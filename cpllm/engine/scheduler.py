@@ -30,8 +30,11 @@ class Scheduler:
     """Decides, step by step, which tokens of which requests are computed."""
 
     def __init__(self, config: SchedulerConfig, pool: BlockPool | Sequence[BlockPool], tokens_per_block: int,
-                 groups: tuple[KVGroupSpec, ...] | None = None):
-        """`pool`: the block pool, or one per KV group in `groups` order (None: one full-attention group)."""
+                 groups: tuple[KVGroupSpec, ...] | None = None, state_slots: int = 0):
+        """`pool`: the block pool, or one per KV group in `groups` order (None: one full-attention group).
+        `state_slots`: slots of the per-request state pools (layers that keep a state per request, not rows per
+        position; 0: the model has none): a request takes one at admission and gives it back when it finishes or
+        is preempted (it is then recomputed from position 0, whose chunk starts from a zero state)."""
         self.config = config
         self.pools: tuple[BlockPool, ...] = (pool,) if isinstance(pool, BlockPool) else tuple(pool)
         self.groups = groups if groups is not None else FULL_ATTENTION
@@ -50,6 +53,11 @@ class Scheduler:
         """Tokens of admitted requests found in the prefix cache (not computed), since start."""
         self.num_prefix_query_tokens = 0
         """Tokens of admitted requests looked up in the prefix cache, since start (vLLM's prefix-cache queries)."""
+        self.free_state_slots: list[int] = list(range(state_slots - 1, -1, -1))
+        """State slots no request holds (the lowest taken first)."""
+        self.state_slot_of: dict[str, int] = {}
+        """Request id -> its state slot, while it runs."""
+        self.uses_state = state_slots > 0
         self.peak_request_blocks = [0] * len(self.groups)
         """Most blocks one request held at once in each group's pool, since start (counted when a step's blocks
         are reserved, so a prompt chunk's new tokens are included)."""
@@ -113,12 +121,16 @@ class Scheduler:
                 # Its blocks were just taken for a running request: re-admitting it in
                 # the same step would take them back. It waits, first in line.
                 break
+            if self.uses_state and not self.free_state_slots:
+                break  # every state slot is held (max_num_seqs bounds it first when slots = max_num_seqs)
             num_hit_tokens = self._use_prefix_cache(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget, self._chunk_cap(request))
             if not self._allocate(request, self._blocks_needed(request, num_new)):
                 self._release(request)  # the prefix hits too: they are looked up again next step
                 break
             self.waiting.popleft()
+            if self.uses_state:
+                self.state_slot_of[request.request_id] = self.free_state_slots.pop()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             chunks.append(self._chunk(request, num_new))
@@ -184,6 +196,7 @@ class Scheduler:
             sample=end == request.num_tokens,
             prompt_logits=request.wants_prompt_logprobs and start < request.num_prompt_tokens,
             block_tables=tables if len(tables) > 1 else (),
+            state_slot=self.state_slot_of.get(request.request_id, -1),
         )
 
     def _chunk_cap(self, request: Request) -> int:
@@ -244,6 +257,9 @@ class Scheduler:
         for pool, table in zip(self.pools, request.block_tables):
             pool.free(table)
         request.block_tables = [[] for _ in self.groups]
+        slot = self.state_slot_of.pop(request.request_id, None)
+        if slot is not None:
+            self.free_state_slots.append(slot)
 
     def _release(self, request: Request) -> None:
         self._free_tables(request)

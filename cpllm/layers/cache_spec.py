@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-FULL, SLIDING, LATENT = "full", "sliding", "latent"
-"""The cache kinds built today: every position's K/V rows; only a window's; one latent row per position."""
+FULL, SLIDING, LATENT, STATE = "full", "sliding", "latent", "state"
+"""The cache kinds built today: every position's K/V rows; only a window's; one latent row per position; a
+fixed-size recurrent state per request (its pools are indexed by the request's state slot, not by position)."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -56,12 +57,16 @@ class CacheSpec:
     @property
     def bytes_per_token(self) -> int:
         """Bytes one cached position costs in this layer on this rank."""
+        if self.kind == STATE:
+            return 0
         return sum(pool.values_per_slot for pool in self.pools) * self.element_bytes
 
     @property
     def bytes_per_request(self) -> int:
         """Bytes held per request whatever its length (a recurrent state's); 0 for row caches."""
-        return 0
+        if self.kind != STATE:
+            return 0
+        return sum(pool.values_per_slot for pool in self.pools) * self.element_bytes
 
     def block_bytes(self, block_size: int) -> int:
         """Bytes of one block of `block_size` slots of this layer."""
@@ -73,6 +78,8 @@ class CacheSpec:
 
     def describe(self) -> str:
         what = {FULL: "K/V rows", SLIDING: f"K/V rows of a {self.window}-token window",
-                LATENT: "latent rows"}.get(self.kind, self.kind)
+                LATENT: "latent rows", STATE: "recurrent state"}.get(self.kind, self.kind)
         widths = " + ".join(f"{pool.name} {pool.heads}x{pool.width}" for pool in self.pools)
+        if self.kind == STATE:
+            return f"{what} ({widths} values per request, {self.bytes_per_request} bytes)"
         return f"{what} ({widths} values per token, {self.bytes_per_token} bytes)"

@@ -20,6 +20,12 @@ class LayerKind:
     cache_spec: Callable[..., CacheSpec]
     """(model_config, *, window, kv_heads, element_bytes) -> one layer's CacheSpec on a rank holding `kv_heads`
     KV heads (window: the layer's sliding window or None)."""
+    state_layers: Callable[[Any], tuple[int, ...]] | None = None
+    """A state kind: model_config -> the layers that are this kind's and keep a fixed-size state per request
+    (they join no KV group and read their state by the request's state slot); None: a row-cache kind."""
+    state_spec: Callable[..., CacheSpec] | None = None
+    """A state kind: (model_config, *, tp_size) -> one state layer's CacheSpec (kind STATE) on a rank of a TP
+    group of `tp_size`."""
     backends: dict[str, str] = field(default_factory=dict)
     """Backend name -> "module:Class" of an `AttentionBackend` for this kind's pools, imported on first use (so the
     registry itself imports no torch)."""

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import importlib
 
-from cpllm.layers import gqa, gqa_triton, mla, sparse_mla
+from cpllm.layers import gated_delta, gqa, gqa_triton, mla, sparse_mla
 from cpllm.layers.kind import LayerKind
 
 LAYER_KINDS: tuple[LayerKind, ...] = (
+    gated_delta.KIND,  # a state kind: claims only its own layers (state_layers), never a whole model
     sparse_mla.KIND,  # before MLA, which would serve these models too
     mla.KIND,
     gqa.KIND,  # last: serves every model no kind before it claims
@@ -30,6 +31,22 @@ def kind_of(config) -> LayerKind:
         if kind.serves(config):
             return kind
     raise ValueError(f"no layer kind serves architecture {getattr(config, 'architecture', '?')!r}")
+
+
+def state_layer_specs(config, tp_size: int) -> dict:
+    """Layer index -> the CacheSpec of its per-request state on a rank of a TP group of `tp_size`, for every layer
+    a state kind claims (empty for a model of row caches only)."""
+    specs = {}
+    for kind in LAYER_KINDS:
+        if kind.state_layers is not None:
+            for index in kind.state_layers(config):
+                specs[index] = kind.state_spec(config, tp_size=tp_size)
+    return specs
+
+
+def state_layer_indices(config) -> frozenset[int]:
+    """The layers that keep a per-request state (no KV rows)."""
+    return frozenset(i for kind in LAYER_KINDS if kind.state_layers is not None for i in kind.state_layers(config))
 
 
 def layer_kind(name: str) -> LayerKind:

@@ -8,6 +8,7 @@ import math
 from cpllm.config.attention import SLIDING, layer_kind
 from cpllm.kv_groups import group_cache_spec, kv_groups
 from cpllm.layers.cache_spec import LATENT
+from cpllm.layers.registry import state_layer_specs
 
 
 def _ranges(indices: list[int]) -> str:
@@ -27,7 +28,7 @@ def layer_kinds_lines(model) -> list[str]:
     window and one block."""
     config, max_len = model.config, getattr(model, "max_positions", None)
     groups = kv_groups(config, max_len) if max_len is not None else ()
-    attn = model.layers[0].self_attn
+    attn = next(layer.self_attn for layer in model.layers if getattr(layer, "self_attn", None) is not None)
     kv_heads = getattr(attn, "num_kv_heads", 1)
     dtype = model.embed_tokens.dtype  # the pools' unless --kv-cache-dtype narrows them
     lines = ["attention layers:"]
@@ -44,4 +45,9 @@ def layer_kinds_lines(model) -> list[str]:
         size = (f"; {cached} of one {max_len}-token request: {per_layer / 2**10:.1f} KiB per layer on this "
                 f"rank{held} (at {str(dtype).removeprefix('torch.')})")
         lines.append(f"  layers {_ranges(indices)} ({len(indices)}): {what}{size}")
+    states = state_layer_specs(config, getattr(model, "tp_size", 1))  # layers keeping a state per request
+    for spec in {spec.describe(): spec for spec in states.values()}.values():
+        indices = sorted(i for i, s in states.items() if s == spec)
+        lines.append(f"  layers {_ranges(indices)} ({len(indices)}): {spec.describe()} per layer on this rank, "
+                     "whatever the request's length")
     return lines

@@ -9,6 +9,7 @@ from cpllm.model.families.deepseek_sparse import DeepseekSparseForCausalLM
 from cpllm.model.families.gemma import GemmaForCausalLM
 from cpllm.model.families.gpt_oss import GptOssForCausalLM
 from cpllm.model.families.llama import LlamaForCausalLM
+from cpllm.model.families.qwen3_5 import Qwen35ForCausalLM
 
 MODEL_CLASSES: dict[str, type[torch.nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -24,6 +25,9 @@ MODEL_CLASSES: dict[str, type[torch.nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,
     "Glm4MoeLiteForCausalLM": DeepseekForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen35ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen35ForCausalLM,
+    "Qwen3NextForCausalLM": Qwen35ForCausalLM,
     "DeepseekV32ForCausalLM": DeepseekSparseForCausalLM,
     "GlmMoeDsaForCausalLM": DeepseekSparseForCausalLM,
 }

@@ -65,14 +65,15 @@ def layer_bytes_per_block(config: EngineConfig, num_kv_heads: int, dtype: torch.
 
 
 def group_block_counts(config: EngineConfig, device: torch.device, groups: tuple[KVGroupSpec, ...],
-                       layer_block_bytes: int) -> tuple[int, ...]:
+                       layer_block_bytes: int, reserved_bytes: int = 0) -> tuple[int, ...]:
     """This rank's blocks in each KV group's pools. Every group gets what full attention in every layer would
     (the budget over all layers) unless it needs fewer (kv_groups.split_blocks); what a windowed group cannot use
     (max_num_seqs windows plus a step's tokens) goes to the full-attention groups. Without an explicit
     kv_cache_memory_bytes no group gets more than the run can use (a one-prompt `generate` needs megabytes, not a
     fifth of the machine); an explicit budget is taken as asked: its spare blocks keep finished prompts in the
     prefix cache (in the full groups, or, when every layer slides, in the windowed ones). The same on every rank of
-    a replica, since the config is; the runner still takes the replica's minimum."""
+    a replica, since the config is; the runner still takes the replica's minimum. `reserved_bytes` (the per-request
+    state pools, `state_bytes`) come out of the budget first."""
     s = config.scheduler
     tokens_per_block = config.cache.block_size * config.parallel.dims.kv_shard_size
     needs: tuple[int | None, ...] = group_block_needs(groups, tokens_per_block, s.max_num_seqs, s.max_model_len,
@@ -80,7 +81,11 @@ def group_block_counts(config: EngineConfig, device: torch.device, groups: tuple
     if config.cache.kv_cache_memory_bytes is not None:
         has_full = any(g.window is None for g in groups)
         needs = tuple(None if g.window is None or not has_full else n for g, n in zip(groups, needs))
-    budget = kv_budget_bytes(config, device)
+    budget = kv_budget_bytes(config, device) - reserved_bytes
+    if budget <= 0:
+        raise ValueError(f"the KV budget of {budget + reserved_bytes} bytes per rank does not hold the "
+                         f"{reserved_bytes} bytes of per-request states (max_num_seqs={s.max_num_seqs}): raise "
+                         "kv_cache_memory_bytes or lower max_num_seqs")
     counts = split_blocks(tuple(len(g.layers) for g in groups), needs, layer_block_bytes, budget)
     budget_blocks = budget // (layer_block_bytes * config.model.num_hidden_layers)
     for group, count in zip(groups, counts):
@@ -101,6 +106,19 @@ def allocate_kv_cache(layer_blocks: list[int], block_size: int, layer_specs: lis
         pools = tuple(zeroed_pool((blocks * block_size, pool.heads, pool.width), dtype, device) for pool in spec.pools)
         caches.append(pools * 2 if spec.shared_kv else pools)
     return caches
+
+
+def state_bytes(specs: list[CacheSpec], num_slots: int) -> int:
+    """Bytes of the per-request state pools of `specs` (one per state layer) with `num_slots` slots each."""
+    return num_slots * sum(spec.bytes_per_request for spec in specs)
+
+
+def allocate_states(specs: list[CacheSpec], num_slots: int, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    """Each state layer's pools, [num_slots, heads, width] per `PoolSpec` of its spec, indexed by state slot, at
+    the spec's element size (a float type of that many bytes)."""
+    dtypes = {4: torch.float32, 2: torch.bfloat16, 8: torch.float64}
+    return [tuple(zeroed_pool((num_slots, pool.heads, pool.width), dtypes[spec.element_bytes], device)
+                  for pool in spec.pools) for spec in specs]
 
 
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

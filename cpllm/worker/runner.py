@@ -24,7 +24,9 @@ from cpllm.kv_groups import kv_groups, layer_groups
 from cpllm.planner.runtime import StepStrategy, device_hardware, engine_cost
 from cpllm.step import SchedulerOutput, output_positions
 from cpllm.model.execution.cuda_graphs import decode_graphs_for
-from cpllm.worker.kv_cache import allocate_kv_cache, group_block_counts, layer_bytes_per_block, layer_cache_spec
+from cpllm.layers.registry import state_layer_specs
+from cpllm.worker.kv_cache import (allocate_kv_cache, allocate_states, group_block_counts, layer_bytes_per_block,
+                                   layer_cache_spec, state_bytes)
 from cpllm.worker.rank_capabilities import rank_capabilities
 from cpllm.worker.rank_stats import DecodeLayers, KVCapacity, RankInfo, RankStats
 
@@ -57,13 +59,21 @@ class ModelRunner:
             config.parallel, config.model, element_bytes, device_hardware(device, torch.get_num_threads())))
         self.kv_groups = kv_groups(config.model, config.scheduler.max_model_len)
         """The layers' KV groups (cpllm/kv_groups.py): each has its own pools' size and block tables."""
-        self.layer_group = layer_groups(self.kv_groups)
-        """Layer index -> its group's index."""
-        self.group_blocks = self._count_blocks()
+        self.layer_group = layer_groups(self.kv_groups, config.model.num_hidden_layers)
+        """Layer index -> its group's index (a layer keeping a state per request: 0, for its rows)."""
+        self.state_specs = state_layer_specs(config.model, groups.tp_size)
+        """Layer index -> the spec of its per-request state (cpllm/layers/cache_spec.py STATE), for such layers."""
+        state_slots = config.scheduler.max_num_seqs  # the scheduler's slots (cpllm/engine/scheduler.py)
+        self.group_blocks = self._count_blocks(state_bytes(list(self.state_specs.values()), state_slots))
         self.num_blocks = self.group_blocks[0]
         group_specs = [layer_cache_spec(config, self.num_kv_heads, self.kv_dtype, g) for g in self.kv_groups]
-        self.kv_caches = allocate_kv_cache([self.group_blocks[g] for g in self.layer_group], config.cache.block_size,
-                                           [group_specs[g] for g in self.layer_group], self.kv_dtype, device)
+        row_layers = [i for i in range(config.model.num_hidden_layers) if i not in self.state_specs]
+        caches = dict(zip(row_layers, allocate_kv_cache(
+            [self.group_blocks[self.layer_group[i]] for i in row_layers], config.cache.block_size,
+            [group_specs[self.layer_group[i]] for i in row_layers], self.kv_dtype, device)))
+        caches.update(zip(self.state_specs, allocate_states(list(self.state_specs.values()), state_slots, device)))
+        self.kv_caches = [caches[i] for i in range(config.model.num_hidden_layers)]
+        """Each layer's cache: its K/V pools, or its state pools indexed by state slot."""
         if self.model.fused_decode is not None and not self.model.fused_decode.fits_pools(self.kv_caches):
             logger.info("decode steps: eager layers (K/V pools the fused layers do not read)")
             self.model.fused_decode = None
@@ -105,11 +115,11 @@ class ModelRunner:
                         kind)
             self.model.fused_decode = None
 
-    def _count_blocks(self) -> tuple[int, ...]:
+    def _count_blocks(self, reserved_bytes: int = 0) -> tuple[int, ...]:
         """Blocks per rank of each KV group, the same on every rank of the replica (block ids are shared across the
-        CP group)."""
+        CP group), from the budget left after `reserved_bytes` (the state pools)."""
         per_block = layer_bytes_per_block(self.config, self.num_kv_heads, self.kv_dtype, self.kv_groups[0])
-        count = torch.tensor(group_block_counts(self.config, self.device, self.kv_groups, per_block),
+        count = torch.tensor(group_block_counts(self.config, self.device, self.kv_groups, per_block, reserved_bytes),
                              dtype=torch.long, device=self.device)
         # the replica's ranks on the default backend, bounded by --distributed-timeout (the control group is not)
         all_reduce(count, self.groups.moe_group, op=dist.ReduceOp.MIN)
@@ -238,7 +248,7 @@ class ModelRunner:
                               team=team.describe() if team is not None else None,
                               compiled=self.compiled_decode is not None)
         kv = KVCapacity(num_blocks=self.num_blocks, block_size=self.config.cache.block_size, bytes=self.kv_bytes,
-                        dtype=str(self.kv_caches[0][0].dtype).removeprefix("torch."), group_blocks=self.group_blocks)
+                        dtype=str(self.kv_dtype).removeprefix("torch."), group_blocks=self.group_blocks)
         devices = {self.device.type, *(cache[0].device.type for cache in self.kv_caches),
                    *(p.device.type for p in self.model.parameters())}
         return RankInfo(rank=self.groups.rank, devices=frozenset(devices), kv=kv, decode=decode)
