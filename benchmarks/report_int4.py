@@ -43,7 +43,7 @@ def _quality(data: dict[str, Any]) -> list[dict[str, Any]]:
             if row["system"] != "cpllm (none)":
                 rows.append({"side": side, "system": row["system"], "identical completions":
                              f"{row['identical_completions']} of {row['prompts']}", "agreement": row["agreement"],
-                             "mean |logprob diff|": row["mean_abs_logprob_diff"]})
+                             "mean abs logprob diff": row["mean_abs_logprob_diff"]})
     return rows
 
 
@@ -56,6 +56,11 @@ def int4_section(results: Results, images: str, rel: str) -> list[str]:
               f"load average at start {data['machine']['load_average_start']}, at end "
               f"{data['machine']['load_average_end']} (the 2 cores were shared with other work).", ""]
     lines += md_table(_rows(data))
+    lines += ["", "transformers runs the same code on both sides, so its after / before ratio is how far the machine's "
+              "load moved between the sides' runs; `vs none` (auto against float32 in the same process, moments "
+              "apart) is the figure to read."]
+    if data.get("note"):
+        lines += ["", f"Note: {data['note']}."]
     quality = _quality(data)
     if quality:
         lines += ["", "Greedy agreement with `none` (benchmarks/quality.py of each side):", ""] + md_table(quality)
@@ -65,6 +70,8 @@ def int4_section(results: Results, images: str, rel: str) -> list[str]:
                   "float32 at 2,048): without AVX-512 BF16, VNNI or AMX, bfloat16 and int8 matmuls run far below "
                   "float32, so float32 GEMMs are this CPU's fastest tiles for a prefill.", ""]
         lines += md_table(ceiling["results"])
+        if ceiling.get("note"):
+            lines += ["", f"Note: {ceiling['note']}."]
     return lines
 
 
