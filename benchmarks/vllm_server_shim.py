@@ -235,5 +235,8 @@ def pytest_collection_modifyitems(config, items) -> None:
         used = set()
         for function in functions:
             used |= _stub_uses(function, getattr(function, "__globals__", {}))
+        for name, value in getattr(getattr(item, "callspec", None), "params", {}).items():
+            if getattr(value, _STUB_MARK, False):  # parametrized with one of vLLM's classes
+                used.add(f"{name}={getattr(value, '__qualname__', type(value).__qualname__)}")
         if used:
             item.add_marker(pytest.mark.skip(reason=f"tests vLLM's own objects ({', '.join(sorted(used))})"))
