@@ -41,6 +41,10 @@ from cpllm.layers.sparse_mla.topk import selected_mask, top_k
 from cpllm.model.rope import apply_rope
 
 NEG_INF = float("-inf")
+SCORE_ROWS = 256
+"""Query rows of a prompt chunk scored and cut to their top-k at once (a [rows, T_local] float32 block)."""
+ATTEND_ROWS = 16
+"""Query rows of a prompt chunk attended at once (a [rows, heads, T_local] float32 block)."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -154,11 +158,13 @@ class SparseMLAAttention(MLAAttention):
             if keys.key_slots.numel() == 0:
                 continue  # this rank holds none of the prefix: no candidate
             index_keys = self.attn.backend.index_keys(index_pool, keys.key_slots)  # [T_local, D]
-            scores = index_scores(iq[keys.rows], iw[keys.rows], index_keys, self.index.scale)  # [L, T_local]
-            scores = scores.masked_fill(keys.key_pos.unsqueeze(0) > keys.query_pos.unsqueeze(1), NEG_INF)
-            best, at = top_k(scores, keys.key_pos, k)
-            cand_scores[keys.rows, :best.shape[1]] = best
-            cand_pos[keys.rows, :at.shape[1]] = at
+            for start in range(0, keys.rows.numel(), SCORE_ROWS):  # bounds the [rows, T_local] scores
+                rows, query_pos = keys.rows[start:start + SCORE_ROWS], keys.query_pos[start:start + SCORE_ROWS]
+                scores = index_scores(iq[rows], iw[rows], index_keys, self.index.scale)  # [l, T_local]
+                scores = scores.masked_fill(keys.key_pos.unsqueeze(0) > query_pos.unsqueeze(1), NEG_INF)
+                best, at = top_k(scores, keys.key_pos, k)
+                cand_scores[rows, :best.shape[1]] = best
+                cand_pos[rows, :at.shape[1]] = at
         cand_scores, cand_pos = all_gather(cand_scores, group, dim=1), all_gather(cand_pos, group, dim=1)
         return {i: top_k(cand_scores[requests[i].rows], cand_pos[requests[i].rows], k) for i in sparse}
 
@@ -174,20 +180,22 @@ class SparseMLAAttention(MLAAttention):
             num_keys = keys.key_slots.numel()
             if num_keys == 0:
                 continue  # no key of this request here: its partial stays (0, -inf)
-            q = q_all[keys.rows]
-            if i not in chosen:  # dense: every visible key
-                visible = keys.key_pos.unsqueeze(0) <= keys.query_pos.unsqueeze(1)
-                o, l = backend.attend_masked(q, latent_pool, keys.key_slots, visible, scale, r)
-            else:
-                scores, positions = chosen[i]
-                mine = (scores > NEG_INF) & shard.owned(positions.clamp(min=0))
-                local = shard.local_index(positions.clamp(min=0)).clamp(max=num_keys - 1)  # [L, K]
-                if keys.rows.numel() == 1:  # a decode row: only its selected rows are read from the pool
-                    o, l = backend.attend_selected(q, latent_pool, keys.key_slots[local], mine, scale, r)
-                else:
-                    visible = selected_mask(local, mine, num_keys)
+            for start in range(0, keys.rows.numel(), ATTEND_ROWS):  # bounds the [rows, heads, T_local] scores
+                rows = keys.rows[start:start + ATTEND_ROWS]
+                q, query_pos = q_all[rows], keys.query_pos[start:start + ATTEND_ROWS]
+                if i not in chosen:  # dense: every visible key
+                    visible = keys.key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)
                     o, l = backend.attend_masked(q, latent_pool, keys.key_slots, visible, scale, r)
-            out[keys.rows], lse[keys.rows] = o, l
+                else:
+                    scores, positions = (x[start:start + ATTEND_ROWS] for x in chosen[i])
+                    mine = (scores > NEG_INF) & shard.owned(positions.clamp(min=0))
+                    local = shard.local_index(positions.clamp(min=0)).clamp(max=num_keys - 1)  # [l, K]
+                    if keys.rows.numel() == 1:  # a decode row: only its selected rows are read from the pool
+                        o, l = backend.attend_selected(q, latent_pool, keys.key_slots[local], mine, scale, r)
+                    else:
+                        visible = selected_mask(local, mine, num_keys)
+                        o, l = backend.attend_masked(q, latent_pool, keys.key_slots, visible, scale, r)
+                out[rows], lse[rows] = o, l
         if size == 1:
             return out
         own = heads // size
