@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-import cpllm.context_parallel.metadata as cp_metadata
+import cpllm.layers.gqa.shared_keys as shared_keys_module
 from cpllm import LLM, SamplingParams
 from parallel_helpers import LaunchCache, max_abs_diff, prompt_logprob_values, random_prompt, sampled_logprobs
 from reference import as_float
@@ -88,17 +88,17 @@ class SharedKeySpy:
         self.member_counts: list[int] = []
 
     def __enter__(self) -> "SharedKeySpy":
-        self._original = original = cp_metadata._shared_key_batch
+        self._original = original = shared_keys_module._shared_key_batch
 
         def spy(requests, members, union, lengths):
             self.member_counts.append(len(members))
             return original(requests, members, union, lengths)
 
-        cp_metadata._shared_key_batch = spy
+        shared_keys_module._shared_key_batch = spy
         return self
 
     def __exit__(self, *exc) -> None:
-        cp_metadata._shared_key_batch = self._original
+        shared_keys_module._shared_key_batch = self._original
 
 
 @dataclass
