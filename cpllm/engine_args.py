@@ -32,8 +32,8 @@ def _add_option(group, option: EngineOption) -> None:
     """One table row as an argparse argument (its default is the table's object), plus its deprecated flags."""
     flags = [option.short, option.flag] if option.short else [option.flag]
     kwargs: dict[str, Any] = dict(dest=option.name, default=option.default, help=option.help or None)
-    if option.type is bool:  # on by default: --x / --no-x; off by default: --x turns it on
-        kwargs["action"] = argparse.BooleanOptionalAction if option.default else "store_true"
+    if option.type is bool:  # on (or decided per model, None) by default: --x / --no-x; off: --x turns it on
+        kwargs["action"] = argparse.BooleanOptionalAction if option.default is not False else "store_true"
     else:
         kwargs.update(type=option.parse or option.type, metavar=option.metavar,
                       choices=list(option.choices) if option.choices else None)

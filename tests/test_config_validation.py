@@ -162,6 +162,13 @@ def test_intermediate_size_must_divide_tp(variant):
     refused(folder, "intermediate_size=66", "tensor_parallel_size=4", tensor_parallel_size=4)
 
 
+def test_prefix_caching_default_is_on_for_attention_models(base_folder):
+    """Left unset, prefix caching resolves to on for a model whose layers all cache K/V (a hybrid's is off: its
+    test is in tests/test_qwen3_5_vs_hf.py); set, it is what was asked."""
+    assert build_engine_config(base_folder).cache.enable_prefix_caching is True
+    assert build_engine_config(base_folder, enable_prefix_caching=False).cache.enable_prefix_caching is False
+
+
 @pytest.mark.parametrize("interleave", [3, 8])
 def test_interleave_must_divide_block_size(base_folder, interleave):
     refused(base_folder, f"cp_kv_cache_interleave_size={interleave}", "block_size=4",

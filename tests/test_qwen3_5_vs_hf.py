@@ -133,8 +133,9 @@ def test_refused_options(tiny):
     short = SchedulerConfig(max_model_len=256)
     plain = dict(model_path=folder, model=model, cache=CacheConfig(enable_prefix_caching=False), scheduler=short)
     EngineConfig(**plain)  # accepted
+    assert EngineConfig(model_path=folder, model=model, scheduler=short).cache.enable_prefix_caching is False
     with pytest.raises(ValueError, match="enable_prefix_caching=True"):
-        EngineConfig(model_path=folder, model=model, scheduler=short)
+        EngineConfig(model_path=folder, model=model, cache=CacheConfig(enable_prefix_caching=True), scheduler=short)
     with pytest.raises(ValueError, match="prefill_context_parallel_size=2"):
         EngineConfig(**plain, parallel=ParallelConfig(prefill_context_parallel_size=2))
     with pytest.raises(ValueError, match="speculative_config"):

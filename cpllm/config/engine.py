@@ -7,6 +7,7 @@ blocks, the rank of this process) live in runtime objects, never here.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -261,8 +262,9 @@ class CacheConfig:
     """Tokens per physical KV block on one rank."""
     kv_cache_memory_bytes: int | None = None
     """KV bytes per rank; None sizes it from free memory (logged at startup)."""
-    enable_prefix_caching: bool = True
-    """Reuse full blocks whose token prefix was already computed."""
+    enable_prefix_caching: bool | None = None
+    """Reuse full blocks whose token prefix was already computed. None: on, except for the linear-attention hybrids,
+    whose recurrent states keep no snapshot at block boundaries yet (EngineConfig resolves it to a bool)."""
     kv_cache_dtype: str = "auto"
     """dtype K/V are stored in, one of KV_CACHE_DTYPES: auto = the model's dtype; a narrower one (bfloat16 or
     float16 under a float32 model) doubles the tokens the cache holds, and attention computes in the model's dtype."""
@@ -338,6 +340,9 @@ class EngineConfig:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             raise ValueError("speculative_config must be a SpeculativeConfig here (build_engine_config validates "
                              f"the dict), got {type(self.speculative_config).__name__}")
+        if self.cache.enable_prefix_caching is None:  # the default: on wherever a prefix hit can be exact
+            object.__setattr__(self, "cache", dataclasses.replace(
+                self.cache, enable_prefix_caching=self.model.linear_attention is None))
         if self.model.linear_attention is not None:
             check_hybrid_options(prefix_caching=self.cache.enable_prefix_caching,
                                  speculative=self.speculative_config is not None, compile_decode=self.compile_decode,

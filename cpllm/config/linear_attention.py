@@ -98,9 +98,9 @@ def check_hybrid_options(*, prefix_caching: bool, speculative: bool, compile_dec
                          tp: int, linear: LinearAttentionConfig) -> None:
     """Refuse, naming the option, what the hybrids do not run yet (never a silent wrong answer)."""
     if prefix_caching:
-        raise ValueError("enable_prefix_caching=True (the default) with a linear-attention hybrid: a prefix hit "
-                         "would need a state snapshot at the block boundary, which is not built; pass "
-                         "enable_prefix_caching=False (--no-enable-prefix-caching)")
+        raise ValueError("enable_prefix_caching=True with a linear-attention hybrid: a prefix hit would need a "
+                         "state snapshot at the block boundary, which is not built; leave it unset (a hybrid's "
+                         "default is off) or pass enable_prefix_caching=False (--no-enable-prefix-caching)")
     if speculative:
         raise ValueError("speculative_config with a linear-attention hybrid: rolling a recurrent state back past "
                          "rejected drafts is not built; run without speculative decoding")

@@ -29,8 +29,7 @@ from cpllm.server.api_server import ApiServerSpec, api_server_main, reuseport_so
 from cpllm.server.engine_client import EngineLimits
 from cpllm.server.engine_hub import EngineHub
 from cpllm.server.http_server import ENGINE_FAILED_EXIT, exit_now
-from cpllm.server.launcher import served_model_name
-from cpllm.server.options import ServeOptions
+from cpllm.server.options import ServeOptions, served_model_name
 
 logger = logging.getLogger(__name__)
 

@@ -14,20 +14,9 @@ from cpllm.server.app import build_app
 from cpllm.server.async_engine import AsyncEngine
 from cpllm.server.http_server import DrainingServer, exit_now
 from cpllm.server.metrics import ServerMetrics
-from cpllm.server.options import ServeOptions, serve_options
+from cpllm.server.options import ServeOptions, serve_options, served_model_name
 
 logger = logging.getLogger(__name__)
-
-
-def served_model_name(args: argparse.Namespace, model_path: str) -> str:
-    """--served-model-name, else the model argument as given, else the default model's file name."""
-    if args.served_model_name:
-        return args.served_model_name
-    given = args.model_path or args.model
-    if given:
-        return given
-    name = os.path.basename(model_path)
-    return name.removesuffix(".gguf")
 
 
 def serve_engine_kwargs(args: argparse.Namespace, options: ServeOptions) -> dict:

@@ -200,3 +200,14 @@ def _template_text(value: str) -> str:
     if "{{" in value or "{%" in value:
         return value
     raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+
+
+def served_model_name(args: argparse.Namespace, model_path: str) -> str:
+    """--served-model-name, else the model argument as given, else the default model's file name."""
+    if args.served_model_name:
+        return args.served_model_name
+    given = args.model_path or args.model
+    if given:
+        return given
+    name = os.path.basename(model_path)
+    return name.removesuffix(".gguf")
