@@ -66,10 +66,12 @@ def test_selection_changes_the_answer(tiny):
             assert tokens != ref[0] or max((abs(a - b) for a, b in zip(prompt_lp, ref[2])), default=0) > 1e-2
 
 
-def test_batch_matches_transformers(tiny):
+def test_batch_matches_transformers(tiny, caplog):
     _, folder, prompts, refs = tiny
-    with LLM(folder, max_model_len=256, block_size=4, quantization="none") as llm:
+    with caplog.at_level("INFO"), LLM(folder, max_model_len=256, block_size=4, quantization="none") as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("latent cache (MLA)"))
+    assert f"and an index key of {llm.engine.config.model.indexer.index_head_dim} values" in line, line
     for output, ref in zip(outputs, refs):
         assert len(output.outputs[0].token_ids) == MAX_TOKENS
         check_against_hf(output, *ref)

@@ -154,13 +154,15 @@ class MLAConfig:
 
 
 def latent_cache_line(mla: MLAConfig, num_layers: int, rank_bytes: int, rank_slots: int, shard_ranks: int,
-                      capacity_tokens: int) -> str:
+                      capacity_tokens: int, *, indexer=None) -> str:
     """The start-up log's line on an MLA model's latent cache, from what one rank allocated: `rank_bytes` over
     `rank_slots` token slots per layer pool, each request divided over `shard_ranks` ranks (PCP x DCP, or DCP
     under the replicated layout), the replica holding `capacity_tokens` tokens. Every TP rank holds the same
-    latents without DCP; with DCP = N each holds 1/N of each request, so N times the tokens fit the same bytes."""
+    latents without DCP; with DCP = N each holds 1/N of each request, so N times the tokens fit the same bytes.
+    A sparse-attention model (`indexer`, cpllm/config/sparse_mla.py) also keeps an index key beside each row."""
     stored = rank_bytes // max(rank_slots, 1)
+    index = "" if indexer is None else f" and an index key of {indexer.index_head_dim} values"
     return (f"latent cache (MLA): one row of {mla.latent_width} values (kv_lora_rank {mla.kv_lora_rank} + rope "
-            f"{mla.qk_rope_head_dim}) per token and layer, {num_layers} layers: {stored} bytes per token stored on "
+            f"{mla.qk_rope_head_dim}){index} per token and layer, {num_layers} layers: {stored} bytes per token stored on "
             f"a rank; each request is divided over {shard_ranks} rank(s), so {stored / shard_ranks:.0f} bytes per "
             f"token of a request per rank, and the replica holds {capacity_tokens} tokens")

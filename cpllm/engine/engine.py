@@ -136,7 +136,7 @@ class LLMEngine:
         if self.config.model.mla is not None:  # MLA: replicated over TP unless DCP shards it
             logger.info("%s", latent_cache_line(self.config.model.mla, self.config.model.num_hidden_layers, kv.bytes,
                                                 num_blocks * self.config.cache.block_size, dims.kv_shard_size,
-                                                self.kv_capacity_tokens))
+                                                self.kv_capacity_tokens, indexer=self.config.model.indexer))
         if p.prefill_context_parallel_size > 1:
             per_rank = num_blocks * self.config.cache.block_size
             logger.info("KV capacity by layout with these blocks: sharded %d tokens (over PCP x DCP = %d ranks), "
