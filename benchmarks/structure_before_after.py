@@ -52,6 +52,12 @@ CASES = (
     Case("decode, TP team, TP=2 x DCP=2 (2048 ctx)",
          (sys.executable, os.path.join(HERE, "dcp_decode.py"), "--layouts", "2x1x1@1,2x1x2@1", "--rounds", "1",
           "--out", "{json}"), "tokens_per_s"),
+    # the two prefill cases on float32 weights: what a structural change moves there, apart from the int4 kernels
+    Case("prefill 2K, one rank, none", (*BENCH, "prefill", "--lengths", "2048", "--layouts", "1x1x1@2", "--repeats",
+                                        "1", "--no-ceiling", "--quantization", "none", "--json", "{json}"), "ttft_s"),
+    Case("TTFT 4K, PCP=2, none", (*BENCH, "prefill", "--lengths", "4096", "--layouts", "1x2x1@1", "--strategies",
+                                  "auto", "--repeats", "1", "--no-ceiling", "--quantization", "none", "--json",
+                                  "{json}"), "ttft_s"),
 )
 
 
