@@ -140,6 +140,7 @@ class Chunk:
     block_table: tuple[int, ...]
     sample: bool = True
     prompt_logits: bool = False
+    state_slot: int = -1  # a recurrent-state kind's slot (-1: the request keeps no state)
 
     @property
     def end_pos(self) -> int:
