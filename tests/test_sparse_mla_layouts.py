@@ -1,11 +1,12 @@
-"""DeepSeek-V3.2 and GLM-5 (DeepSeek sparse attention, index_topk 8) under TP and TP x DCP against the single-rank
-engine (real gloo processes), and the cache's bytes per rank.
+"""DeepSeek-V3.2 and GLM-5 (DeepSeek sparse attention, index_topk 8) under TP, TP x DCP and PCP (both KV layouts,
+TP x PCP too) against the single-rank engine (real gloo processes), and the cache's bytes per rank.
 
 Each layout launches once and runs the shared workload (tests/parallel_helpers.py): prompts of 1, 13 and 37 tokens
 plus one sharing a 24-token prefix (the last three select 8 keys per query), a 9-token step budget (chunked
 prefill whose queries select over cached latents, decodes riding along with chunks), then the same prompts again
 (prefix hits, decode-only steps). Under DCP each rank scores the index keys it holds, the candidates are
 all-gathered and every rank keeps the same global top-k (tests/test_sparse_mla_topk.py checks that rule alone);
+under PCP the prompt's queries meet the index keys of every PCP rank the same way;
 greedy tokens identical and logprobs within 1e-4 of the single rank (which tests/test_sparse_mla_vs_hf.py holds to
 transformers).
 """
@@ -33,24 +34,36 @@ ROW_VALUES, NUM_LAYERS, FLOAT32 = 48 + 32, 3, 4
 class SparseLayout:
     case: str
     tp: int = 1
+    pcp: int = 1
     dcp: int = 1
     interleave: int = 1
+    strategy: str = "allgather"
+    kv_layout: str = "sharded"
 
     def label(self) -> str:
-        return f"{self.case}-tp{self.tp}-dcp{self.dcp}-i{self.interleave}"
+        parts = [self.case, f"tp{self.tp}", f"pcp{self.pcp}", f"dcp{self.dcp}", f"i{self.interleave}"]
+        parts += [self.strategy, self.kv_layout] if self.pcp > 1 else []
+        return "-".join(parts)
 
     def engine_options(self) -> dict:
-        return dict(tensor_parallel_size=self.tp, decode_context_parallel_size=self.dcp,
-                    cp_kv_cache_interleave_size=self.interleave)
+        return dict(tensor_parallel_size=self.tp, prefill_context_parallel_size=self.pcp,
+                    decode_context_parallel_size=self.dcp, cp_kv_cache_interleave_size=self.interleave,
+                    cp_prefill_strategy=self.strategy, cp_kv_cache_layout=self.kv_layout)
 
 
 LAYOUTS = [
     SparseLayout("v32", tp=2),
     SparseLayout("v32", tp=2, dcp=2, interleave=1),
     SparseLayout("glm5", tp=2, dcp=2, interleave=4),
+    SparseLayout("v32", pcp=2, interleave=1),
+    SparseLayout("glm5", pcp=2, strategy="ring", kv_layout="replicated"),
+    SparseLayout("v32", tp=2, pcp=2, interleave=4, strategy="pass-q"),
 ]
 """TP=2 (every rank holds every latent and index key); TP=2 x DCP=2 with each token on one rank in turn
-(interleave 1) and with whole blocks in turn (interleave = block size)."""
+(interleave 1) and with whole blocks in turn (interleave = block size); PCP=2 sharded (each query's top-k over
+index keys split across both PCP ranks: queries gathered over PCP), PCP=2 replicated (each PCP rank holds the
+whole prefix; decode rows split over PCP, their rows synced to the other copy), TP=2 x PCP=2 sharded at the
+block size; one prefill strategy each (the layer moves its own rows by all-gather under all of them)."""
 
 
 @dataclass

@@ -103,24 +103,24 @@ def test_preemption_keeps_every_request(tiny):
 
 
 def test_unbuilt_layouts_are_refused(tiny):
-    """Each query's top-k over a prefix split across PCP ranks is not built, nor speculative decoding: both are
-    refused at configuration time, naming the option; TP and TP x DCP are accepted."""
+    """Speculative decoding is not built: refused at configuration time, naming the option; TP, TP x DCP and PCP
+    (both KV layouts, every prefill strategy) are accepted."""
     name, folder, _, _ = tiny
     if name != "v32":
         pytest.skip("a config rule: one family suffices")
     config = read_hf_config(folder)
     short = SchedulerConfig(max_model_len=64)
-    for parallel in (ParallelConfig(prefill_context_parallel_size=2),
-                     ParallelConfig(tensor_parallel_size=2, prefill_context_parallel_size=2,
-                                    decode_context_parallel_size=2, cp_kv_cache_layout="replicated")):
-        with pytest.raises(ValueError, match="prefill_context_parallel_size=2 with a sparse-MLA model"):
-            EngineConfig(model_path=folder, model=config, parallel=parallel, scheduler=short)
     with pytest.raises(ValueError, match="speculative_config with a sparse-MLA model"):
         EngineConfig(model_path=folder, model=config, scheduler=short,
                      speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=2))
-    for parallel in (ParallelConfig(tensor_parallel_size=2),
-                     ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2)):
-        EngineConfig(model_path=folder, model=config, parallel=parallel, scheduler=short)  # built
+    built = [ParallelConfig(tensor_parallel_size=2),
+             ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2),
+             ParallelConfig(tensor_parallel_size=2, prefill_context_parallel_size=2, decode_context_parallel_size=2,
+                            cp_kv_cache_layout="replicated")]
+    built += [ParallelConfig(prefill_context_parallel_size=2, cp_prefill_strategy=strategy)
+              for strategy in ("allgather", "ring", "pass-q")]
+    for parallel in built:
+        EngineConfig(model_path=folder, model=config, parallel=parallel, scheduler=short)
 
 
 def test_unbuilt_config_fields_are_refused(tiny):

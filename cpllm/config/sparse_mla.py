@@ -54,14 +54,9 @@ class IndexerConfig:
 
 
 def check_sparse_layout(parallel, speculative) -> None:
-    """Refuse, naming the option, what the sparse-MLA kind does not run exactly. TP and DCP are built (the top-k
-    across DCP shards: cpllm/layers/sparse_mla/attention.py); PCP (each query's top-k over a prefix split across
-    PCP ranks, under every prefill strategy) and speculative decoding are not."""
-    dims = parallel.dims
-    if dims.pcp > 1:
-        raise ValueError(f"prefill_context_parallel_size={dims.pcp} with a sparse-MLA model (DeepSeek-V3.2, GLM-5): "
-                         "each query's top-k over a prefix split across PCP ranks is not built; use "
-                         "prefill_context_parallel_size=1 (decode_context_parallel_size shards the cache exactly)")
+    """Refuse, naming the option, what the sparse-MLA kind does not run exactly. TP, DCP and PCP (both KV layouts,
+    every prefill strategy: the layer all-gathers its own rows over PCP, whatever the strategy) are built
+    (cpllm/layers/sparse_mla/attention.py); speculative decoding is not."""
     if speculative is not None:
         raise ValueError("speculative_config with a sparse-MLA model (DeepSeek-V3.2, GLM-5): verifying drafted "
                          "tokens against the indexer's selection is not built; leave speculative decoding off")

@@ -38,24 +38,24 @@ def build_replica_sync(chunks, runs_per_chunk, layout: KVLayout, pcp_size: int) 
     return ReplicaSync(slots=tuple(torch.tensor(s, dtype=torch.long) for s in slots))
 
 
-def sync_replicas(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], sync: ReplicaSync, pcp_group,
-                  pcp_rank: int) -> None:
-    """Copy each PCP rank's newly written slots into every other PCP rank's pools (one all-gather)."""
+def sync_replicas(kv_caches: list[tuple[torch.Tensor, ...]], sync: ReplicaSync, pcp_group, pcp_rank: int) -> None:
+    """Copy each PCP rank's newly written slots into every other PCP rank's pools (one all-gather). A layer's
+    cache is the tuple of its pools, each [slots, heads, width] of any heads and width (K and V; a latent pool
+    read as both; a latent pool and an index pool): a slot's row of every pool travels, flattened side by side."""
     width = max(s.numel() for s in sync.slots)
     if width == 0:
         return
-    k0 = kv_caches[0][0]
+    pools = [pool for cache in kv_caches for pool in cache]
+    values = [pool[0].numel() for pool in pools]  # per slot
     mine = sync.slots[pcp_rank]
-    # [width, layers, 2, Hkv, D]: this rank's rows first, zero padding after (gloo gathers equal sizes only)
-    block = torch.zeros(width, len(kv_caches), 2, *k0.shape[1:], dtype=k0.dtype, device=k0.device)
-    for layer, (k_pool, v_pool) in enumerate(kv_caches):
-        block[: mine.numel(), layer, 0] = k_pool[mine]
-        block[: mine.numel(), layer, 1] = v_pool[mine]
-    gathered = all_gather(block, pcp_group).view(len(sync.slots), width, *block.shape[1:])
+    # [width, values of every pool]: this rank's rows first, zero padding after (gloo gathers equal sizes only)
+    block = torch.zeros(width, sum(values), dtype=pools[0].dtype, device=pools[0].device)
+    if mine.numel():
+        block[: mine.numel()] = torch.cat([pool[mine].reshape(mine.numel(), -1) for pool in pools], dim=1)
+    gathered = all_gather(block, pcp_group).view(len(sync.slots), width, -1)
     for source, slots in enumerate(sync.slots):
         if source == pcp_rank or slots.numel() == 0:
             continue
-        rows = gathered[source, : slots.numel()]
-        for layer, (k_pool, v_pool) in enumerate(kv_caches):
-            k_pool[slots] = rows[:, layer, 0]
-            v_pool[slots] = rows[:, layer, 1]
+        rows = gathered[source, : slots.numel()].split(values, dim=1)
+        for pool, row in zip(pools, rows):
+            pool[slots] = row.view(slots.numel(), *pool.shape[1:])

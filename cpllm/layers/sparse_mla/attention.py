@@ -18,7 +18,16 @@ request, over the KV-shard group (DCP: the ranks one request's cache is divided 
    pool; a prompt chunk's rows share one key set with a mask), and an all-to-all brings each rank the partials of
    its heads, merged by log-sum-exp.
 Every TP rank computes the indexer for all rows (its weights are replicated), so every rank selects alike.
-PCP is refused (cpllm/config/sparse_mla.py).
+
+Under PCP, in a step with a prompt chunk (PCP ranks hold different rows), the new latent rows and index keys are
+all-gathered over PCP first and each rank stores those it owns (the write rows index that gathered buffer under
+every prefill strategy: this layer moves its own rows, whatever the step's strategy). Then:
+- replicated KV layout: every PCP rank holds the whole prefix, so its own rows run steps 1-3 over the DCP group;
+- sharded KV layout: the prefix is split over PCP x DCP, so the queries (MLA's absorbed ones, the indexer's and its
+  head weights) are all-gathered over PCP too: every rank of the KV-shard group then holds the same rows, the
+  step's rows of every PCP rank, steps 1-3 run on them unchanged, and each rank keeps its own rows' output.
+Decode steps after a PCP prefill need nothing more: their rows are the same over the KV-shard group in both
+layouts. docs/context_parallel.md, "DeepSeek sparse attention", counts the cost.
 """
 
 from __future__ import annotations
@@ -61,6 +70,9 @@ class RequestKeys:
     """[T_local] their positions."""
     total: int
     """Positions of the prefix on all ranks together (the last row sees all of them)."""
+    single: bool
+    """A single new token (a decode row; under PCP its copies on several PCP ranks): its rows read only their
+    selected latent rows from the pool."""
 
 
 class SparseMLAAttention(MLAAttention):
@@ -71,13 +83,15 @@ class SparseMLAAttention(MLAAttention):
                  backend: SparseMLABackend | None = None):
         if mla.q_lora_rank is None:
             raise ValueError("sparse MLA needs q_lora_rank: the indexer's queries come from the low-rank query")
-        if parallel.dims.pcp > 1:
-            raise ValueError(f"sparse MLA on prefill_context_parallel_size={parallel.dims.pcp}: only 1 is built")
         super().__init__(mla, hidden, num_heads, scale, prefix, parallel, dtype, quantization,
                          backend or SparseMLABackend())
         self.kv_shard = parallel.comm("kv_shard")
-        """The ranks one request's cache is divided over (the DCP group here): candidates, queries and partials
-        travel over it."""
+        """The ranks one request's cache is divided over (DCP, or PCP x DCP under the sharded layout):
+        candidates, queries and partials travel over it."""
+        self.pcp = parallel.comm("pcp")
+        """The PCP group: a prompt step's new latent rows and index keys (and, sharded, its queries) travel over it."""
+        self.shared_rows = parallel.dims.pcp > 1 and not parallel.dims.kv_replicated
+        """A prompt step's rows are gathered over PCP (the sharded layout splits the prefix over PCP ranks)."""
         self.index = Indexer(indexer, hidden, mla.q_lora_rank, mla.qk_rope_head_dim, f"{prefix}.indexer", dtype,
                              quantization)
         self.index_topk = indexer.index_topk
@@ -107,32 +121,50 @@ class SparseMLAAttention(MLAAttention):
         q_lat = torch.cat((torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1), q_pe), dim=-1)  # [N, H, r+rope]
         latent = torch.cat((c.unsqueeze(1), k_pe), dim=-1)  # [N, 1, r + rope]
         iq, ik, iw = self.index(hidden, q_resid, rope_tables)  # [N, Hi, D], [N, 1, D], [N, Hi]
-        backend = self.attn.backend
-        backend.store_kv(latent_pool, latent_pool, meta.write_slots, latent, latent, meta.write_rows)
-        backend.store_index(index_pool, meta.write_slots, ik, meta.write_rows)
-        slot_of_row = torch.full((max(meta.num_rows, 1),), -1, dtype=torch.long, device=hidden.device)
-        slot_of_row[meta.write_rows] = meta.write_slots  # PCP = 1: the gathered rows are the batch's rows
+        slot_of_row = self._store(latent, ik, latent_pool, index_pool, meta)
+        shared = self.shared_rows and meta.has_new
+        if shared:  # every PCP rank's rows, so that the KV-shard group holds the same rows
+            q_lat, iq, iw = (all_gather(x, self.pcp.group) for x in (q_lat, iq, iw))  # [P N, ...]
+        sources = range(self.pcp.size) if shared else (self.pcp.rank,)
         shard = KeyShard.of(meta.kv_layout)
-        requests = [keys for keys in (self._request_keys(r, slot_of_row, shard) for r in meta.requests)
-                    if keys.rows.numel()]
+        requests = [keys for keys in (self._request_keys(r, slot_of_row, shard, sources, meta.num_rows if shared
+                                                         else 0) for r in meta.requests) if keys.rows.numel()]
         group, size = self.kv_shard.group, self.kv_shard.size
         chosen = self._global_top_k(requests, iq, iw, index_pool, group)
         out = self._attend(all_gather(q_lat, group, dim=1), requests, chosen, shard, latent_pool, group, size)
+        if shared:  # this rank's own rows of the gathered ones
+            out = out[self.pcp.rank * meta.num_rows:(self.pcp.rank + 1) * meta.num_rows]
         if keep is not None:
             if keep.numel() == 0:
                 return hidden[:0]
             out = out.index_select(0, keep)
         return self._output(self._up_values(out.to(hidden.dtype)))
 
+    def _store(self, latent, ik, latent_pool, index_pool, meta: AttentionMetadata) -> torch.Tensor:
+        """Store the new latent rows and index keys this rank owns -> slot_of_row [rows of the buffer the write
+        rows index] (-1: a row this rank does not store). In a prompt step under PCP that buffer is the rows of
+        every PCP rank (all-gathered here, rank p's rows at p * N), as the metadata lays the writes out."""
+        if self.pcp.size > 1 and meta.has_new:
+            latent, ik = all_gather(latent, self.pcp.group), all_gather(ik, self.pcp.group)  # [P N, 1, ...]
+        backend = self.attn.backend
+        backend.store_kv(latent_pool, latent_pool, meta.write_slots, latent, latent, meta.write_rows)
+        backend.store_index(index_pool, meta.write_slots, ik, meta.write_rows)
+        slot_of_row = torch.full((max(latent.shape[0], 1),), -1, dtype=torch.long, device=latent.device)
+        slot_of_row[meta.write_rows] = meta.write_slots
+        return slot_of_row
+
     @staticmethod
-    def _request_keys(request: RequestAttention, slot_of_row: torch.Tensor, shard: KeyShard) -> RequestKeys:
-        """The request's rows and this rank's keys of its prefix: the cached context it holds (a decode row's own
-        token included, where this rank owns it), then the new tokens of a prompt chunk it owns."""
+    def _request_keys(request: RequestAttention, slot_of_row: torch.Tensor, shard: KeyShard, sources,
+                      rows_per_rank: int) -> RequestKeys:
+        """The request's query rows held by the PCP ranks `sources` (rank p's rows at p * rows_per_rank) and this
+        rank's keys of its prefix: the cached context it holds (a decode row's own token included, where this rank
+        owns it), then the new tokens of a prompt chunk it owns."""
         device = slot_of_row.device
-        runs = request.local_chunks
-        rows = torch.cat([torch.arange(ch.row, ch.row + ch.length, device=device) for ch in runs]) if runs else \
+        runs = [(p * rows_per_rank + row, start, length) for p in sources
+                for row, start, length in request.source_rank_rows[p]]
+        rows = torch.cat([torch.arange(row, row + n, device=device) for row, _, n in runs]) if runs else \
             torch.zeros(0, dtype=torch.long, device=device)
-        starts = [torch.arange(ch.new_start, ch.new_start + ch.length, device=device) for ch in runs]
+        starts = [torch.arange(start, start + n, device=device) for _, start, n in runs]
         query_pos = request.start_pos + (torch.cat(starts) if starts else rows)
         key_slots = request.context_slots.to(device)
         key_pos = shard.positions(torch.arange(key_slots.numel(), device=device))
@@ -142,7 +174,7 @@ class SparseMLAAttention(MLAAttention):
             key_slots = torch.cat((key_slots, slots[owned]))
             key_pos = torch.cat((key_pos, request.start_pos + torch.arange(request.num_new, device=device)[owned]))
         return RequestKeys(rows=rows, query_pos=query_pos, key_slots=key_slots, key_pos=key_pos,
-                           total=request.start_pos + request.num_new)
+                           total=request.start_pos + request.num_new, single=request.num_new == 1)
 
     def _global_top_k(self, requests: list[RequestKeys], iq, iw, index_pool, group) -> dict:
         """Request index (in `requests`) -> (scores [L, K], positions [L, K]) of its rows' global top-k, for the
@@ -190,7 +222,7 @@ class SparseMLAAttention(MLAAttention):
                     scores, positions = (x[start:start + ATTEND_ROWS] for x in chosen[i])
                     mine = (scores > NEG_INF) & shard.owned(positions.clamp(min=0))
                     local = shard.local_index(positions.clamp(min=0)).clamp(max=num_keys - 1)  # [l, K]
-                    if keys.rows.numel() == 1:  # a decode row: only its selected rows are read from the pool
+                    if keys.single:  # a decode row: only its selected rows are read from the pool
                         o, l = backend.attend_selected(q, latent_pool, keys.key_slots[local], mine, scale, r)
                     else:
                         visible = selected_mask(local, mine, num_keys)
