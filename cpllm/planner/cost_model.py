@@ -46,6 +46,7 @@ from cpllm.config.engine import ModelConfig
 from cpllm.distributed.parallel_dims import ParallelDims, kv_heads_per_rank
 from cpllm.kv_groups import full_cache_spec
 from cpllm.planner.hardware import HardwareSpec
+from cpllm.planner.shapes import attention_flops_per_pair, linear_params
 
 WEIGHT_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
 PARTIAL_BYTES = 4
@@ -181,10 +182,10 @@ class CostModel:
 
     # ---- work ---------------------------------------------------------------------------------------------
 
-    def linear_params_per_layer(self) -> int:
-        m = self.model
-        h, d = m.hidden_size, m.head_dim
-        return 2 * h * m.num_attention_heads * d + 2 * h * m.num_key_value_heads * d + 3 * h * m.intermediate_size
+    def linear_params_per_layer(self) -> float:
+        """Matmul weights one token passes through per layer, averaged over the layers (shapes.py: a MoE
+        layer's top-k and shared experts, MLA's latent projections)."""
+        return linear_params(self.model, active=True) / self.model.num_hidden_layers
 
     def linear_flops(self, tokens: float) -> float:
         """All layers' projections and MLP for `tokens` rows (the LM head runs on one row: negligible)."""
@@ -195,7 +196,7 @@ class CostModel:
         `row_overhead` the work the kernel does on the causal diagonal's blocks beyond the pairs it keeps."""
         m = self.model
         pairs = new * cached + new * (new + 1) / 2 + new * row_overhead
-        return 4.0 * m.head_dim * m.num_attention_heads * pairs * m.num_hidden_layers
+        return float(attention_flops_per_pair(m)) * pairs * m.num_hidden_layers
 
     def elementwise_bytes_per_token(self, tp: int = 1) -> float:
         """Bytes one token moves per layer outside the matmuls and the attention kernel: two norms and two
@@ -216,6 +217,12 @@ class CostModel:
         per_call = hq * (d * e + 4 * d + 4)
         merge = 2 * hq * (4 * d + 4)
         return calls * per_call + (calls - 1) * merge
+
+    def kv_row_bytes(self, tp: int) -> float:
+        """Bytes of one token's K and V in one layer on a TP rank, as a ring moves them (activation precision):
+        2 Hkv_l D e for grouped-query attention, one latent row (kv_lora_rank + qk_rope_head_dim) for MLA."""
+        _, hkv = self.local_heads(tp)
+        return full_cache_spec(self.model, hkv, self.precision.activation_bytes).bytes_per_token
 
     def local_heads(self, tp: int) -> tuple[int, int]:
         """(query heads, KV heads) one TP rank holds; KV heads are replicated when fewer than TP."""
@@ -320,11 +327,11 @@ class CostModel:
         m, prec = self.model, self.precision
         n, tp = layout.pcp, layout.tp
         cp = layout.cp_size
-        hq, hkv = self.local_heads(tp)
+        hq, _ = self.local_heads(tp)
         d, e = m.head_dim, prec.activation_bytes
         rows = new / n
         inter = self._crosses_nodes(n, tp)
-        kv_block = rows * 2 * hkv * d * e
+        kv_block = rows * self.kv_row_bytes(tp)
         q_block = rows * hq * d * e
         partial = rows * hq * (d + 1) * PARTIAL_BYTES
         new_share = self.attention_flops(new, 0) / max(self.attention_flops(new, cached), 1.0)
@@ -337,7 +344,7 @@ class CostModel:
             return self._ring(n - 1, step_attention, kv_block, inter,
                               self._context_gather(cached, cp, q_block, partial, inter))
         if strategy == "pass-kv":
-            block = (new + cached) / n * 2 * hkv * d * e
+            block = (new + cached) / n * self.kv_row_bytes(tp)
             return self._ring(n - 1, attention_layer_s / n, block, inter)
         ring = cp if cached > 0 else n
         kv_to_owners = kv_block / cp * PARTIAL_BYTES / e  # per peer: the 1/C of my rows it owns, sent as float32
@@ -355,7 +362,7 @@ class CostModel:
     def weight_bytes(self) -> float:
         """All weights of the model (embedding and LM head included)."""
         m = self.model
-        linear = self.linear_params_per_layer() * m.num_hidden_layers
+        linear = linear_params(m, active=False)  # every expert is stored
         embedding = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
         return (linear + embedding) * self.precision.weight_bytes
 

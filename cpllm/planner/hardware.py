@@ -155,6 +155,12 @@ BUILTIN: dict[str, HardwareSpec] = {
         intra_node_bw=450 * GB, inter_node_bw=50 * GB, devices_per_node=8, **_CARRIED,
         source="NVIDIA H200 Tensor Core GPU datasheet, SXM: the H100's 989 / 1,979 TFLOP/s BF16 / FP8 dense, "
                "141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s; NVIDIA DGX H200: one 400 Gb/s NIC per GPU"),
+    "h800": HardwareSpec(
+        name="h800", peak_flops=989.4e12, peak_flops_fp8=1978.9e12, memory_bytes=80 * GB, memory_bw=3.35e12,
+        intra_node_bw=200 * GB, inter_node_bw=50 * GB, devices_per_node=8, **_CARRIED,
+        source="NVIDIA H800 SXM5 (the export H100): the H100's 989 / 1,979 TFLOP/s BF16 / FP8 dense, 80 GB HBM3 "
+               "at 3.35 TB/s, NVLink 400 GB/s (200 each way); one 400 Gb/s InfiniBand NIC per GPU, 50 GB/s, as "
+               "the DeepSeek-V3 technical report (arXiv 2412.19437, section 3.2.2) states for its H800 nodes"),
     "a100": HardwareSpec(
         name="a100", peak_flops=312e12, memory_bytes=80 * GB, memory_bw=2.039e12, intra_node_bw=300 * GB,
         inter_node_bw=25 * GB, devices_per_node=8, **_CARRIED,

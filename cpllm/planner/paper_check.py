@@ -1,6 +1,8 @@
 """The planner's predictions of every published point (published.py), with the H100's two utilisations fitted on
 FIT_POINTS and everything else predicted.
 
+Other engines' points (published.OTHER_ENGINES) are predicted the same way on their own model and device.
+
 Used by tests/test_planner.py (which asserts the errors), docs/context_parallel.md's table and the benchmark page's
 plot (benchmarks/report_cp.py).
 """
@@ -15,7 +17,7 @@ from cpllm.planner.fit import Measured, fit_utilizations
 from cpllm.planner.hardware import FITTED_ON, HardwareSpec, builtin_hardware
 from cpllm.planner.models import load_model_shape
 from cpllm.planner.plan import PlanRequest, fit_efficiency, plan
-from cpllm.planner.published import FIT_POINTS, FRESH, GPU, MODEL, PARTIAL, Point
+from cpllm.planner.published import FIT_POINTS, FRESH, GPU, MODEL, OTHER_ENGINES, PARTIAL, Point
 
 FP8 = Precision(weight_format="fp8", activation_bytes=2, kv_bytes=2)
 """The paper's run: FP8 weights, BF16 activations and KV."""
@@ -60,21 +62,36 @@ def predict_point(cost: CostModel, point: Point) -> float:
     strategy the paper measured."""
     if point.cached:
         return cost.prefill(parse_layout(point.layout), point.tokens, point.cached, point.strategy).total_s
-    predictions, _ = plan(cost, point.nodes * cost.hw.devices_per_node, PlanRequest(context=point.tokens))
-    return next(p for p in predictions if p.layout.label() == point.layout).ttft_s
+    devices = point.devices or point.nodes * cost.hw.devices_per_node
+    predictions, _ = plan(cost, devices, PlanRequest(context=point.tokens))
+    return next(p for p in predictions if p.layout.label() == point.layout and not p.layout.kv_replicated).ttft_s
+
+
+def _row(cost: CostModel, point: Point) -> dict:
+    predicted = predict_point(cost, point)
+    return {"name": point.name, "nodes": point.nodes, "layout": point.layout, "tokens": point.tokens,
+            "cached": point.cached, "published_s": point.seconds, "predicted_s": round(predicted, 3),
+            "error": round((predicted - point.seconds) / point.seconds, 4),
+            "fitted": point.name in FIT_POINTS, "source": point.source}
 
 
 def published_predictions(cost: CostModel | None = None) -> list[dict]:
-    """One row per published point: name, source, layout, published and predicted seconds, error, fitted or not."""
+    """One row per published point of the paper: name, source, layout, published and predicted seconds, error,
+    fitted or not."""
     cost = cost if cost is not None else fitted_cost()
-    rows = []
-    for point in FRESH + PARTIAL:
-        predicted = predict_point(cost, point)
-        rows.append({"name": point.name, "nodes": point.nodes, "layout": point.layout, "tokens": point.tokens,
-                     "cached": point.cached, "published_s": point.seconds, "predicted_s": round(predicted, 3),
-                     "error": round((predicted - point.seconds) / point.seconds, 4),
-                     "fitted": point.name in FIT_POINTS, "source": point.source})
-    return rows
+    return [_row(cost, point) for point in FRESH + PARTIAL]
+
+
+def engine_cost(point: Point) -> CostModel:
+    """The cost model of another engine's point: its model and device as built in (the device's utilisations
+    are the H100's, carried over), its weight format, 16-bit activations and KV."""
+    precision = Precision(weight_format=point.weights, activation_bytes=2, kv_bytes=2)
+    return CostModel(load_model_shape(point.model), builtin_hardware(point.gpu), precision)
+
+
+def other_engine_predictions() -> list[dict]:
+    """One row per other engine's published point (published.OTHER_ENGINES), predicted as the paper's are."""
+    return [_row(engine_cost(point), point) for point in OTHER_ENGINES]
 
 
 def model_utilization(cost: CostModel, point: Point) -> float:

@@ -47,6 +47,14 @@ class Point:
     """Tokens already in the KV cache (Table 4's partial prefills)."""
     strategy: str = "ring"
     """The paper's strategy in the cost model's names ("ring" is a fresh prompt's pass-KV; no choice without PCP)."""
+    model: str = MODEL
+    """The planner's built-in model (models.py) the point ran."""
+    gpu: str = GPU
+    """The planner's built-in device (hardware.py) the point ran on."""
+    weights: str = "fp8"
+    """Weight format of the run."""
+    devices: int = 0
+    """Devices the request ran on; 0: `nodes` whole nodes."""
 
 
 FRESH: tuple[Point, ...] = tuple(
@@ -81,3 +89,45 @@ DOCUMENTED_MISSES: dict[str, str] = {
 }
 """Points predicted outside PREDICTION_TOLERANCE, each with the term the model lacks (docs/context_parallel.md,
 "Points outside the fit", derives them)."""
+
+VLLM_44967 = ("vLLM PR 44967 (github.com/vllm-project/vllm/pull/44967, 'Add Dynamic Context Parallelism for "
+              "long-context serving', its DeepSeek-V2-Lite table on 8 x H800)")
+VLLM_44967_TTFT = {  # (context in K tokens, layout) -> TTFT seconds, "DP" and "Static PrefillCP" columns
+    (1, "1x1x1"): 6.77972, (128, "1x1x1"): 15.00576, (256, "1x1x1"): 33.29649, (512, "1x1x1"): 90.43545,
+    (1024, "1x1x1"): 245.8525,
+    (1, "1x8x1"): 7.91402, (128, "1x8x1"): 10.84596, (256, "1x8x1"): 14.59538, (512, "1x8x1"): 22.2045,
+    (1024, "1x8x1"): 43.1716,
+}
+"""DeepSeek-V2-Lite (BF16) on one node of 8 H800s, TTFT by context length (ms in the PR). DP: each request on one
+GPU (1x1x1); static prefill CP: each request over all eight, taken as PCP8 (1x8x1; the PR's table names the
+mode, not its size, and eight is the node). The PR measured them "under a concurrent 1M-request serving run: all
+services were running at the same time": each TTFT holds the time the request queued behind others, which the
+1K rows show (a 1K-token prefill computes in milliseconds). "128k" is taken as 128 x 1024 tokens."""
+OTHER_ENGINES: tuple[Point, ...] = tuple(
+    Point(name=f"vLLM {'DP' if label == '1x1x1' else 'PCP8'} {k if k < 1024 else 1}{'K' if k < 1024 else 'M'}",
+          nodes=1, devices=1 if label == "1x1x1" else 8, layout=label, tokens=k * 1024, seconds=seconds,
+          model="deepseek-v2-lite", gpu="h800", weights="bf16", source=VLLM_44967)
+    for (k, label), seconds in VLLM_44967_TTFT.items())
+"""Context-parallel figures of other engines the planner predicts (with the H100's utilisations carried over)."""
+ATOM_1220 = ("ROCm/ATOM PR 1220 (github.com/ROCm/ATOM/pull/1220, 'Enable Prefill Context Parallel (PCP) for "
+             "DeepSeek-V4'), section 5.2: TP8 against TP4 x PCP2 on 8 AMD GPUs, concurrency 8, input N / output "
+             "1K, mean TTFT")
+ATOM_1220_TTFT = {  # (input K tokens, layout) -> mean TTFT seconds
+    (8, "8x1x1"): 3.588, (8, "4x2x1"): 2.307, (16, "8x1x1"): 8.012, (16, "4x2x1"): 4.920,
+    (32, "8x1x1"): 14.908, (32, "4x2x1"): 9.347, (64, "8x1x1"): 32.727, (64, "4x2x1"): 18.667,
+}
+"""Recorded, not predicted: NOT_PREDICTED says why."""
+NOT_PREDICTED: dict[str, str] = {
+    ATOM_1220: "DeepSeek-V4's attention is not the dense causal attention the cost model counts: its layers mix "
+               "compressed KV (4x and 128x), a sliding window and a top-k sparse indexer (vLLM PR 43809 lists "
+               "the MLA / SWA / C4 / C128 layouts), and its shape is no built-in model here; the AMD GPU model is "
+               "not named in the PR text read, and AMD devices are not built in; eight requests ran at once.",
+}
+"""Published context-parallel figures of other engines the planner cannot predict, with the reason."""
+_QUEUED = ("queue wait of a concurrent serving run, which a one-request model lacks (the same run's 1K rows: "
+           "6.8 s DP and 7.9 s PCP8 against about 0.01 s predicted)")
+DOCUMENTED_MISSES.update({point.name: _QUEUED for point in OTHER_ENGINES})
+DOCUMENTED_MISSES["vLLM DP 1M"] = ("the attention rate carried from the H100 fit (405B, 128 heads of 128) is "
+                                   "below what DeepSeek-V2-Lite's 16 MLA heads reach on one GPU: predicted long "
+                                   "despite the queue wait in the published figure")
+"""Other engines' points outside PREDICTION_TOLERANCE join DOCUMENTED_MISSES with the term the model lacks."""
