@@ -6,7 +6,9 @@ value head j reads key head j // (num_value_heads / num_key_heads)), so no colle
 the output projection's all-reduce. The state of each request lives in this layer's pools at the request's state
 slot (`RequestAttention.state_slot`, set by the scheduler at admission): the convolution's last conv_kernel - 1
 inputs and one delta-rule matrix per value head; a chunk at position 0 starts from zeros (a fresh request, or one
-preempted and recomputed), any other chunk from the slot's state, and leaves its own state there.
+preempted and recomputed), any other chunk from the slot's state, and leaves its own state there. Under PCP a
+prompt chunk is split over the PCP ranks and runs the state scan (pcp_prefill.py); single tokens run on every PCP
+rank alike, so every PCP rank keeps the same states.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from cpllm.config.linear_attention import LinearAttentionConfig
+from cpllm.layers.gated_delta.pcp_prefill import pcp_prefill
 from cpllm.layers.gated_delta.rule import chunked_delta_rule, l2norm, recurrent_step
 from cpllm.distributed.parallel_context import GroupComm, ParallelContext
 from cpllm.model.layers import ColumnParallelLinear, RowParallelLinear, RowRange
@@ -70,6 +73,7 @@ class GatedDeltaNet(torch.nn.Module):
         super().__init__()
         tp = parallel.comm("tp")
         self.linear, self.prefix, self.tp = linear, prefix, tp
+        self.pcp = parallel.comm("pcp")  # a prompt chunk split over PCP ranks runs the state scan (pcp_prefill.py)
         self.dk, self.dv = linear.key_head_dim, linear.value_head_dim
         self.hk, self.hv = linear.num_key_heads // tp.size, linear.num_value_heads // tp.size
         self.conv_channels = 2 * self.hk * self.dk + self.hv * self.dv
@@ -105,10 +109,12 @@ class GatedDeltaNet(torch.nn.Module):
         singles = [r for r in meta.requests if r.local_chunks and r.num_new == 1]
         if singles:
             self._step(singles, mixed, g, beta, state, core)
-        for request in meta.requests:
-            if request.num_new > 1:
-                for run in request.local_chunks:
-                    self._chunk(request, run.row, run.length, mixed, g, beta, state, core)
+        prompts = [r for r in meta.requests if r.num_new > 1]
+        if prompts and self.pcp.size > 1:  # every PCP rank calls it alike: its collectives follow the metadata
+            pcp_prefill(self, prompts, mixed, g, beta, state, core)
+        for request in prompts if self.pcp.size == 1 else ():
+            for run in request.local_chunks:
+                self._chunk(request, run.row, run.length, mixed, g, beta, state, core)
         out = self.norm(core.to(hidden.dtype), z.reshape(n, hv, dv)).reshape(n, hv * dv)
         return self.out_proj(out)
 
