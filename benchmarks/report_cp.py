@@ -166,10 +166,10 @@ def _loads(data: dict[str, Any]) -> str:
 
 
 def planner_section(results: Results, images: str, rel: str) -> list[str]:
-    from cpllm.planner.paper_check import published_predictions
+    from cpllm.planner.paper_check import other_engine_predictions, published_predictions
     from cpllm.planner.published import FIT_POINTS
 
-    paper = published_predictions()
+    paper, engines = published_predictions(), other_engine_predictions()
     columns = ["name", "nodes", "layout", "tokens", "cached", "published_s", "predicted_s", "error", "fitted", "source"]
     lines = ["### (c) `cpllm plan`: predicted against published and measured TTFT", "",
              "Published: every point of the paper (arXiv 2411.01783; Llama 3 405B, FP8, H100 nodes) that states a "
@@ -183,6 +183,10 @@ def planner_section(results: Results, images: str, rel: str) -> list[str]:
              "or one of the documented misses (docs/context_parallel.md, 'Points outside the fit': the table "
              "before and after those terms, and the term each miss lacks); tests/test_plan_calibrated.py asserts "
              "this machine's points within 15%.", "", "Published points:", ""] + md_table(paper, columns)
+    lines += ["", "Other engines (vLLM PR 44967: DeepSeek-V2-Lite, BF16, on 8 x H800, the H100's utilisations "
+              "carried over; measured in a concurrent serving run, so each TTFT holds a queue wait the model "
+              "lacks, docs/context_parallel.md 'Other engines'):", ""]
+    lines += md_table(engines, [c for c in columns if c not in ("cached", "fitted", "source")])
     data = results.get("plan_check")
     measured = data["points"] if data else []
     if data:
@@ -194,15 +198,17 @@ def planner_section(results: Results, images: str, rel: str) -> list[str]:
         lines += ["", f"Load average at the start and end: {_loads(data)}."]
     else:
         lines += [""] + _missing("plan")
-    _plot_planner(paper, measured, os.path.join(images, "plan_vs_measured.png"))
+    _plot_planner(paper, measured, os.path.join(images, "plan_vs_measured.png"), engines)
     return lines + ["", f"![plan vs published and measured]({rel}/plan_vs_measured.png)"]
 
 
-def _plot_planner(paper: list[dict], measured: list[dict], path: str) -> None:
+def _plot_planner(paper: list[dict], measured: list[dict], path: str, engines: list[dict] = ()) -> None:
     from cpllm.bench.plot import _save, plt
 
     fig, ax = plt.subplots(figsize=(6.4, 5.6))
     points = [(r["published_s"], r["predicted_s"], r["name"], "C2" if r["fitted"] else "C0") for r in paper]
+    points += [(r["published_s"], r["predicted_s"], r["name"].removeprefix("vLLM "), "C3") for r in engines
+               if r["tokens"] > 1024]  # the 1K rows, queue wait alone, are in the table
     points += [(r["measured_s"], r["predicted_s"], f"{r['layout'].split('@')[0]} {r['prompt_tokens']}", "C1")
                for r in measured]
     for x, y, name, color in points:
@@ -215,6 +221,7 @@ def _plot_planner(paper: list[dict], measured: list[dict], path: str) -> None:
     ax.fill_between(line, [v * 0.85 for v in line], [v * 1.15 for v in line], color="0.85", label="±15%", zorder=1)
     ax.scatter([], [], color="C2", label="paper, H100 nodes: the two fit points")
     ax.scatter([], [], color="C0", label="paper, H100 nodes: predicted")
+    ax.scatter([], [], color="C3", label="vLLM PR 44967, H800s (queued: published high)")
     ax.scatter([], [], color="C1", label="this machine, SmolLM2 (measured)")
     ax.set(xscale="log", yscale="log", xlim=line, ylim=line, xlabel="published / measured TTFT (s)",
            ylabel="cpllm plan's predicted TTFT (s)", title="cpllm plan vs reality")

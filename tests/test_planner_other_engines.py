@@ -98,6 +98,10 @@ def test_vllm_dycp_points_predicted_and_pinned():
     # the queue wait: a 1K prompt computes in milliseconds, the run's 1K TTFTs are seconds
     assert rows["vLLM DP 1K"]["predicted_s"] < 0.05 < 5 < rows["vLLM DP 1K"]["published_s"]
     assert len(OTHER_ENGINES) == len(PINNED)
+    # the docs' reading: the same layout's 1K row taken off, the longest prompts come near the model
+    for name, within in (("vLLM PCP8 1M", 0.05), ("vLLM DP 512K", 0.15)):
+        queued = rows[name.rsplit(" ", 1)[0] + " 1K"]["published_s"]
+        assert rows[name]["predicted_s"] == pytest.approx(rows[name]["published_s"] - queued, rel=within), name
 
 
 def test_atom_deepseek_v4_recorded_and_why_it_is_not_predicted():
