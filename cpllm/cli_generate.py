@@ -63,9 +63,9 @@ def run_generate(args: argparse.Namespace) -> int:
     # one sequence runs: a KV pool sized for max_num_seqs of them would be allocated for nothing
     with LLM(args.model, **{**engine_kwargs(args), "max_num_seqs": 1}) as llm:
         if args.chat:
-            output = llm.chat([{"role": "user", "content": prompt}], params)[0]
+            output = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=True)[0]
         else:
-            output = llm.generate(prompt, params)[0]
+            output = llm.generate(prompt, params, use_tqdm=True)[0]  # bars on stderr, if it is a terminal
     completion, m = output.outputs[0], output.metrics
     print(completion.text, flush=True)
     ttft = m.first_token_time - m.arrival_time

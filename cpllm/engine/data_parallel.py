@@ -125,6 +125,11 @@ class DataParallelFront:
     def has_unfinished_requests(self) -> bool:
         return bool(self._owner)
 
+    def prompt_progress(self) -> dict[str, int]:
+        """Replica 0's requests' prompt tokens cached (the others' are known on their drivers: their prompts
+        count as done when their first output arrives, engine/progress.py)."""
+        return self.local.prompt_progress()
+
     @property
     def num_running(self) -> int:
         """Unfinished requests of every replica (their schedulers run on their drivers; the isolated front of

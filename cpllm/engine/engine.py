@@ -12,6 +12,7 @@ import torch
 
 from cpllm.config.engine import EngineConfig
 from cpllm.config.deepseek import latent_cache_line
+from cpllm.disagg.engine_transfer import engine_transfer
 from cpllm.engine.detokenizer import IncrementalDetokenizer
 from cpllm.engine.draft_model import DraftModel
 from cpllm.engine.kv_blocks import BlockPool
@@ -98,6 +99,8 @@ class LLMEngine:
         self._seed_stream = random.Random(config.seed)
         self._states: dict[str, RequestState] = {}
         self._sequences: dict[str, tuple[RequestState, Sequence]] = {}
+        self.kv_transfer = engine_transfer(config)
+        """Disaggregated prefill/decode (cpllm/disagg/engine_transfer.py); None when kv_transfer_config is unset."""
 
     def _check_windows(self, group_blocks: tuple[int, ...]) -> None:
         """Every sliding-window group's pools hold at least one request's window plus a block (a decode step's
@@ -167,6 +170,8 @@ class LLMEngine:
                            logprobs=[] if params.logprobs is not None else None)
             state.sequences.append(seq)
             self._sequences[child_id] = (state, seq)
+            if self.kv_transfer is not None:
+                self.kv_transfer.mark(request, (params.extra_args or {}).get("kv_transfer_params"), params.n)
             self.structured.add(child_id, params.structured_outputs)
         self._states[request_id] = state
         for seq in state.sequences:
@@ -212,6 +217,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
 
+    def prompt_progress(self) -> dict[str, int]:
+        """Prompt tokens with their K/V cached, per unfinished request (its first sample's; prefix-cache hits
+        included), known after each step: a long prompt's grows chunk by chunk (engine/progress.py draws it)."""
+        return {request_id: min(state.sequences[0].request.num_computed_tokens, len(state.prompt_token_ids))
+                for request_id, state in self._states.items()}
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
@@ -246,6 +257,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; returns the state of every request that advanced or finished."""
+        if self.kv_transfer is not None:  # blocks a consumer pulled (or nobody did in time) go back first
+            for request_id in self.kv_transfer.due():
+                self.scheduler.release_held(request_id)
         step = self.scheduler.schedule()
         if not step.chunks:
             return []
@@ -255,12 +269,17 @@ class LLMEngine:
             if state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = now
         logits = self.executor.execute(step)
+        if step.kv_pulls:  # every rank ran the step, so every rank has its rows
+            self.kv_transfer.pulled(step.kv_pulls)
         self.scheduler.on_step_done(step)
         touched = self._process_logits(step, logits)
         outputs = []
         for state in touched:
             state.mark_finished_if_done()
             outputs.append(state.output())
+            if state.finished and self.kv_transfer is not None:
+                outputs[-1].kv_transfer_params = self.kv_transfer.answer(
+                    state.request_id, self.scheduler.held.get(state.request_id))
             if state.finished:
                 self._forget(state)
         return outputs
@@ -354,4 +373,6 @@ class LLMEngine:
             seq.detokenizer.finish()
 
     def shutdown(self) -> None:
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()
         self.executor.shutdown()

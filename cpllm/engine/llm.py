@@ -5,13 +5,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from cpllm.config.engine import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from cpllm.config.rope import rope_context_length
 from cpllm.config.speculative import speculative_config
 from cpllm.engine.outputs import RequestOutput
+from cpllm.engine.progress import BarFactory, GenerateProgress, terminal_bars
 from cpllm.engine.sampling_params import SamplingParams
 from cpllm.engine_options import CONFIG_OPTIONS, config_fields, keyword_signature, resolve_options
 from cpllm.launch import create_engine
@@ -70,9 +71,13 @@ class LLM:
         self,
         prompts: str | dict | Sequence[str | dict],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool | Callable[..., Any] = False,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in prompt order; a prompt is text or {"prompt_token_ids": [...]}."""
+        """One RequestOutput per prompt, in prompt order; a prompt is text or {"prompt_token_ids": [...]}.
+
+        use_tqdm=True draws the progress on stderr when it is a terminal (prompt tokens prefilled, tokens
+        generated, requests done, each with its rate and time left); a callable (vLLM's form) makes the bars
+        itself, called as tqdm is, wherever it draws."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = self._params_per_prompt(len(prompts), sampling_params)
@@ -84,13 +89,16 @@ class LLM:
             request_id = str(next(self._ids))
             self.engine.add_request(request_id, token_ids, param, prompt=text)
             ids.append(request_id)
-        return self._run(ids, use_tqdm)
+        factory = _bar_factory(use_tqdm)
+        sizes = {i: (len(token_ids), None if p.max_tokens is None else p.max_tokens * p.n)
+                 for i, (_, token_ids), p in zip(ids, tokenized, params)}
+        return self._run(ids, GenerateProgress(factory, sizes) if factory is not None else None)
 
     def chat(
         self,
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool | Callable[..., Any] = False,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -119,19 +127,23 @@ class LLM:
             return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
         raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids'; got {type(prompt).__name__}")
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        from tqdm import tqdm
-
+    def _run(self, ids: list[str], progress: GenerateProgress | None) -> list[RequestOutput]:
         pending = set(ids)
         results: dict[str, RequestOutput] = {}
-        progress = tqdm(total=len(ids), desc="requests", disable=not use_tqdm)
-        while pending:
-            for output in self.engine.step():
-                if output.finished and output.request_id in pending:
-                    results[output.request_id] = output
-                    pending.discard(output.request_id)
-                    progress.update(1)
-        progress.close()
+        try:
+            while pending:
+                outputs = self.engine.step()
+                for output in outputs:
+                    if output.finished and output.request_id in pending:
+                        results[output.request_id] = output
+                        pending.discard(output.request_id)
+                if progress is not None:  # the engine's counts after the step, as plain numbers
+                    progress.after_step(self.engine.prompt_progress(),
+                                        [(o.request_id, sum(len(c.token_ids) for c in o.outputs), o.finished)
+                                         for o in outputs])
+        finally:
+            if progress is not None:
+                progress.close()
         return [results[i] for i in ids]
 
     def shutdown(self) -> None:
@@ -142,3 +154,12 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _bar_factory(use_tqdm: bool | Callable[..., Any]) -> BarFactory | None:
+    """The bars' maker: the caller's callable as given, else tqdm on stderr where it is a terminal."""
+    if callable(use_tqdm):
+        return use_tqdm
+    if not isinstance(use_tqdm, bool):
+        raise TypeError(f"use_tqdm must be a bool or a callable making a tqdm bar, got {type(use_tqdm).__name__}")
+    return terminal_bars() if use_tqdm else None

@@ -142,6 +142,11 @@ class ReplicaFront:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def prompt_progress(self) -> dict[str, int]:
+        """Nothing: the replicas' prefill progress stays in their processes (not sent, to keep the link's
+        traffic to outputs); a prompt counts as done when its first output arrives (engine/progress.py)."""
+        return {}
+
     def take_failures(self) -> list[tuple[str, str]]:
         """(request id, message) of each started request ended by its replica's failure since the last call."""
         failures, self._failures = self._failures, []
