@@ -1,7 +1,10 @@
-"""The gated-DeltaNet hybrids under TP and TP x DCP against transformers on the same tiny weights: each rank holds
-num_key_heads / TP whole key heads of every DeltaNet layer, the value heads they serve and those heads' states
+"""The gated-DeltaNet hybrids under TP, TP x DCP and PCP against transformers on the same tiny weights: each rank
+holds num_key_heads / TP whole key heads of every DeltaNet layer, the value heads they serve and those heads' states
 (DCP shards only the full layers' K/V: the TP ranks of a DCP group hold the same rows, so their states need
-nothing more). A 70-token prompt under a 32-token step budget runs chunked prefill beside a decode row.
+nothing more). Under PCP a prompt chunk is split over the PCP ranks and the states go through the state scan
+(docs/context_parallel.md, "State scan"), with each KV layout and prefill strategy of the full layers; every PCP
+rank then runs the decode rows alike. A 70-token prompt under a 32-token step budget runs chunked prefill (its
+second and third chunks start from the state the first left) beside a decode row.
 Greedy tokens identical and logprobs within 1e-4; layouts the kind does not run are refused by name."""
 
 from __future__ import annotations
@@ -23,7 +26,16 @@ LAYOUTS = {
     "qwen3_next-tp2": ("qwen3_next", dict(tensor_parallel_size=2), {}),  # fused projections, MoE, shared expert
     "qwen3_5-tp2-dcp2": ("qwen3_5", dict(tensor_parallel_size=2, decode_context_parallel_size=2),
                          dict(num_key_value_heads=1)),  # one KV head, replicated over the DCP group
+    # PCP: each prompt chunk split head-tail over the PCP ranks, the DeltaNet states by the state scan
+    "qwen3_5-pcp2": ("qwen3_5", dict(prefill_context_parallel_size=2), {}),  # sharded K/V, all-gather
+    "qwen3_5-pcp2-repl-ring": ("qwen3_5", dict(prefill_context_parallel_size=2, cp_kv_cache_layout="replicated",
+                                                cp_prefill_strategy="ring"), {}),  # decode rows not split over copies
+    "qwen3_5_moe-pcp2-passq": ("qwen3_5_moe", dict(prefill_context_parallel_size=2, cp_prefill_strategy="pass-q",
+                                                   cp_kv_cache_interleave_size=2), {}),
+    "qwen3_next-tp2-pcp2": ("qwen3_next", dict(tensor_parallel_size=2, prefill_context_parallel_size=2), {}),
 }
+PCP_OPTIONS = dict(distributed_timeout=60)
+"""Every collective of a PCP layout bounded: a broken step fails instead of hanging."""
 
 
 @pytest.mark.parametrize("case", sorted(LAYOUTS))
@@ -35,7 +47,7 @@ def test_layout_matches_transformers(case, tmp_path):
     prompts = [[rng.randrange(3, hf.config.vocab_size) for _ in range(n)] for n in (5, 70)]
     refs = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
     with LLM(folder, max_model_len=128, block_size=4, quantization="none", enable_prefix_caching=False,
-             max_num_batched_tokens=32, **layout) as llm:
+             max_num_batched_tokens=32, **layout, **(PCP_OPTIONS if "pcp" in case else {})) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
     for output, ref in zip(outputs, refs):
         assert len(output.outputs[0].token_ids) == MAX_TOKENS

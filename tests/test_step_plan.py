@@ -174,6 +174,10 @@ _TEAM = FusedLayers(needs_team=True, team=StepPath.PCP_TEAM, team_rows=8)
     (RankCapabilities(pcp_size=2, replicated=True, fused=_TEAM), _DECODE, dict(path=StepPath.PCP_TEAM)),
     (RankCapabilities(pcp_size=2, kv_shards=2, replicated=True), _DECODE,
      dict(path=StepPath.GATHERED_DECODE, split_single_tokens=True, replica_sync=True)),
+    # a model with per-request states: every copy runs every token (each advances every state), nothing to sync
+    (RankCapabilities(pcp_size=2, replicated=True, states=True), _DECODE, dict(path=StepPath.ONE_SHARD)),
+    (RankCapabilities(pcp_size=2, replicated=True, states=True), _PROMPT,
+     dict(path=StepPath.PREFILL, strategy="ring")),
 ])
 def test_plan_step_from_capabilities_and_step(caps, step, want):
     """Each field of the plan from the rank's capabilities and the step's kind (prompt or single tokens); every

@@ -346,7 +346,6 @@ class EngineConfig:
         if self.model.linear_attention is not None:
             check_hybrid_options(prefix_caching=self.cache.enable_prefix_caching,
                                  speculative=self.speculative_config is not None, compile_decode=self.compile_decode,
-                                 pcp=self.parallel.prefill_context_parallel_size,
                                  tp=self.parallel.tensor_parallel_size, linear=self.model.linear_attention)
         if self.compile_decode:
             _check_compile_decode(self.parallel, self.model)

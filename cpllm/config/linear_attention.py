@@ -94,9 +94,11 @@ class LinearAttentionConfig:
         )
 
 
-def check_hybrid_options(*, prefix_caching: bool, speculative: bool, compile_decode: bool, pcp: int,
-                         tp: int, linear: LinearAttentionConfig) -> None:
-    """Refuse, naming the option, what the hybrids do not run yet (never a silent wrong answer)."""
+def check_hybrid_options(*, prefix_caching: bool, speculative: bool, compile_decode: bool, tp: int,
+                         linear: LinearAttentionConfig) -> None:
+    """Refuse, naming the option, what the hybrids do not run yet (never a silent wrong answer). PCP runs: a prompt
+    chunk split over PCP ranks goes through the state scan (cpllm/layers/gated_delta/pcp_prefill.py), with every
+    prefill strategy and KV layout of the full layers."""
     if prefix_caching:
         raise ValueError("enable_prefix_caching=True with a linear-attention hybrid: a prefix hit would need a "
                          "state snapshot at the block boundary, which is not built; leave it unset (a hybrid's "
@@ -106,9 +108,6 @@ def check_hybrid_options(*, prefix_caching: bool, speculative: bool, compile_dec
                          "rejected drafts is not built; run without speculative decoding")
     if compile_decode:
         raise ValueError("compile_decode=True with a linear-attention hybrid: its state layers run eager only")
-    if pcp > 1:
-        raise ValueError(f"prefill_context_parallel_size={pcp} with a linear-attention hybrid: the state scan "
-                         "over PCP ranks is not built; use prefill_context_parallel_size=1 (TP and DCP work)")
     if linear.num_key_heads % tp:
         raise ValueError(f"tensor_parallel_size={tp} must divide linear_num_key_heads={linear.num_key_heads} "
                          "(each rank holds whole key heads of every gated DeltaNet layer)")

@@ -155,6 +155,10 @@ class RankCapabilities:
     """The dense MLPs can split a decode step's columns over PCP (cpllm/model/mlp_split.py)."""
     lm_head_split: bool = False
     """The LM head's vocabulary is split over the PCP ranks (each computes a share of the logits)."""
+    states: bool = False
+    """The model has layers keeping a recurrent state per request (cpllm/layers/cache_spec.py STATE), which every
+    row of a request advances: single tokens are then never split over PCP (each PCP rank runs every one, so every
+    rank keeps the same states; docs/context_parallel.md, "State scan")."""
 
     def __post_init__(self):
         if not 0 <= self.pcp_rank < self.pcp_size:
@@ -188,7 +192,8 @@ def plan_step(chunks, caps: RankCapabilities, strategy: str | None = None) -> St
     or alone, where they take it (faster than the compiled step: docs/benchmarks.md), else the compiled step, else
     the eager layers' path for this layout; then the CUDA graph bucket, the MLP split and the replicas' sync
     follow from that path."""
-    split_layout = caps.replicated and caps.pcp_size > 1  # each PCP copy computes its own tokens, outside a team
+    # each PCP copy computes its own tokens, outside a team; never with states (every copy advances every state)
+    split_layout = caps.replicated and caps.pcp_size > 1 and not caps.states
     if any(len(chunk.token_ids) > 1 for chunk in chunks):
         return StepPlan(path=StepPath.PREFILL, strategy=strategy, split_single_tokens=split_layout,
                         lm_head_split=caps.lm_head_split)

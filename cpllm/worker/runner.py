@@ -90,7 +90,7 @@ class ModelRunner:
         """Decode steps captured as CUDA graphs per batch bucket (None: eager, the reason logged at start)."""
         self.capabilities: RankCapabilities = rank_capabilities(
             groups, self.model, kv_groups=len(self.kv_groups), compiled=self.compiled_decode is not None,
-            decode_graphs=self.decode_graphs)
+            decode_graphs=self.decode_graphs, states=bool(self.state_specs))
         """What this rank can run, fixed from here on: every step's plan is made from it and the step alone."""
 
     def _form_decode_team(self) -> None:
