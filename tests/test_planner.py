@@ -57,7 +57,7 @@ def test_builtin_h100_defaults_are_the_fit_on_cp1_and_the_1m_run():
     assert hw.efficiency == 1.0 and hw.collective_utilization == 1.0 and hw.utilization_source == FITTED_ON
     assert builtin_hardware("h200").gemm_utilization == FITTED_GEMM_UTILIZATION
     assert "carried over" in builtin_hardware("h200").utilization_source
-    assert all(builtin_hardware(name).source for name in ("h100", "h200", "a100", "cpu"))
+    assert all(builtin_hardware(name).source for name in ("h100", "h200", "h800", "a100", "cpu"))
 
 
 def test_every_published_point_with_its_source_and_the_fit_points_exact():

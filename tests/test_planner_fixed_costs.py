@@ -63,7 +63,7 @@ def test_blocking_collectives_cost_their_bytes_plus_a_call_and_a_hop_per_peer():
 def test_builtin_gpus_take_nccls_latencies_and_cudas_launch_cost():
     assert NCCL_LATENCY == dict(collective_base_latency_s=8.4e-6, intra_node_latency_s=3.4e-6,
                                 inter_node_latency_s=14e-6)
-    for name in ("h100", "h200", "a100"):
+    for name in ("h100", "h200", "h800", "a100"):
         hw = builtin_hardware(name)
         assert (hw.collective_base_latency_s, hw.intra_node_latency_s, hw.inter_node_latency_s) == (
             8.4e-6, 3.4e-6, 14e-6), name

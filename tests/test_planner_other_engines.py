@@ -25,8 +25,10 @@ from cpllm.planner.hardware import BUILTIN, builtin_hardware
 from cpllm.planner.models import load_model_shape
 from cpllm.planner.paper_check import other_engine_predictions
 from cpllm.planner.published import (ATOM_1220, ATOM_1220_TTFT, DOCUMENTED_MISSES, NOT_PREDICTED, OTHER_ENGINES,
-                                     VLLM_44967)
-from cpllm.planner.shapes import attention_flops_per_pair, linear_params
+                                     PREDICTION_TOLERANCE, VLLM_44967)
+from cpllm.planner.shapes import attention_flops_per_pair, linear_params, routed_expert_params
+from cpllm.planner.cost_model import CostModel, Precision
+from cpllm.distributed.parallel_dims import ParallelDims
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from mla_model import TINY  # noqa: E402  (DeepSeek-V2-Lite's kinds at a tiny size)
@@ -35,7 +37,7 @@ PINNED = {  # name -> (low, high) of the relative error, docs/context_parallel.m
     "vLLM DP 1K": (-1.0, -0.99), "vLLM DP 128K": (-0.65, -0.50), "vLLM DP 256K": (-0.45, -0.30),
     "vLLM DP 512K": (-0.25, -0.15), "vLLM DP 1M": (0.15, 0.25),
     "vLLM PCP8 1K": (-1.0, -0.99), "vLLM PCP8 128K": (-0.97, -0.88), "vLLM PCP8 256K": (-0.88, -0.75),
-    "vLLM PCP8 512K": (-0.65, -0.50), "vLLM PCP8 1M": (-0.25, -0.15),
+    "vLLM PCP8 512K": (-0.65, -0.50), "vLLM PCP8 1M": (-0.15, -0.10),
 }
 
 
@@ -70,6 +72,30 @@ def test_mla_attention_flops_per_pair_as_torch_counts_them():
     assert attention_flops_per_pair(config) * t * t == counter.get_total_flops()
 
 
+def test_moe_under_pcp_splits_the_experts_and_pays_the_gather_and_reduce_scatter():
+    """docs/context_parallel.md's worked example ("Mixture of experts under PCP"): 64 experts of 256 rows, hidden
+    1024, TP2 x PCP2, a 1,000-token prompt in float32: 48 MiB of experts per rank and layer (a quarter), and per
+    sparse layer an all-gather and a reduce-scatter of 500 x 1024 floats over the PCP pair."""
+    config = ModelConfig.from_hf_config(dict(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=1000, hidden_size=1024, intermediate_size=3072,
+        moe_intermediate_size=256, num_experts=64, num_experts_per_tok=8, num_hidden_layers=2, head_dim=128,
+        num_attention_heads=8, num_key_value_heads=4, decoder_sparse_step=1, mlp_only_layers=[]))
+    cost = CostModel(config, builtin_hardware("h100"), Precision(weight_format="fp32", activation_bytes=4,
+                                                                 kv_bytes=4))
+    assert routed_expert_params(config) * 4 == 2 * 4 * 48 * 2**20  # two layers, 4 ranks' 48 MiB each
+    tp2, tp2_pcp2 = ParallelDims(tp=2, pcp=1), ParallelDims(tp=2, pcp=2)
+    assert cost.weights_per_device(tp2) - cost.weights_per_device(tp2_pcp2) == 2 * 48 * 2**20
+    hw = cost.hw
+    fresh = cost.prefill(tp2_pcp2, 1000, 0, "ring")  # a fresh prompt's ring has no blocking collective of its own
+    assert fresh.cp_blocking_s == pytest.approx(2 * 2 * 500 * 1024 * 4 / hw.intra_node_bw)
+    dense = CostModel(ModelConfig.from_hf_config(dict(
+        architectures=["Qwen3ForCausalLM"], vocab_size=1000, hidden_size=1024, intermediate_size=3072,
+        num_hidden_layers=2, head_dim=128, num_attention_heads=8, num_key_value_heads=4)), hw, cost.precision)
+    extra = fresh.latency_s - dense.prefill(tp2_pcp2, 1000, 0, "ring").latency_s
+    assert extra == pytest.approx(2 * 2 * (hw.collective_base_latency_s + hw.intra_node_latency_s))
+    assert cost.prefill(tp2, 1000).cp_blocking_s == 0.0
+
+
 def test_deepseek_v2_lite_has_its_published_parameter_count():
     """DeepSeek-V2 (arXiv 2405.04434): V2-Lite has 15.7B parameters, 2.4B of them activated per token."""
     m = load_model_shape("deepseek-v2-lite")
@@ -92,14 +118,14 @@ def test_vllm_dycp_points_predicted_and_pinned():
     assert set(rows) == set(PINNED) and all(row["source"] == VLLM_44967 for row in rows.values())
     for name, (low, high) in PINNED.items():
         assert low <= rows[name]["error"] <= high, (name, rows[name])
-        assert name in DOCUMENTED_MISSES
+        assert (name in DOCUMENTED_MISSES) == (abs(rows[name]["error"]) > PREDICTION_TOLERANCE), name
     for k in ("128K", "256K", "512K", "1M"):  # PCP8 is predicted faster than one GPU, as published
         assert rows[f"vLLM PCP8 {k}"]["predicted_s"] < rows[f"vLLM DP {k}"]["predicted_s"]
     # the queue wait: a 1K prompt computes in milliseconds, the run's 1K TTFTs are seconds
     assert rows["vLLM DP 1K"]["predicted_s"] < 0.05 < 5 < rows["vLLM DP 1K"]["published_s"]
     assert len(OTHER_ENGINES) == len(PINNED)
     # the docs' reading: the same layout's 1K row taken off, the longest prompts come near the model
-    for name, within in (("vLLM PCP8 1M", 0.05), ("vLLM DP 512K", 0.15)):
+    for name, within in (("vLLM PCP8 1M", 0.10), ("vLLM DP 512K", 0.15)):
         queued = rows[name.rsplit(" ", 1)[0] + " 1K"]["published_s"]
         assert rows[name]["predicted_s"] == pytest.approx(rows[name]["published_s"] - queued, rel=within), name
 

@@ -25,6 +25,13 @@ Hkv_l = max(1, Hkv / TP), head width D, element size e):
                 the attention, then one blocking all-to-all of the float32 partials (R - 1)(T / N) Hq_l (D + 1) 4
                 plus the new K/V rows their owners store
 
+- MoE under PCP  per sparse layer an all-gather of the rank's (T / N) x hidden rows over PCP and a reduce-scatter
+                of the partials back, blocking (docs/context_parallel.md "Mixture of experts under PCP"); the
+                routed experts are stored split over the TP x PCP group, the rest over TP
+
+W_layer counts what a token passes through (shapes.py: a MoE layer's top-k and shared experts, MLA's latent
+projections), and with MLA the attention's 4 D per pair is 2 (D_qk + D_v) and a ring's K/V row is one latent row.
+
 Every transfer runs at the link bandwidth x collective_utilization; its latency is counted apart and never hidden:
 a ring step costs max(compute, transfer) + latency, a blocking all-gather or all-to-all its bytes plus latency.
 Latency is the spec's base cost per collective call plus one hop per peer (an all-reduce: 2 (g - 1) NVLink hops
@@ -46,7 +53,7 @@ from cpllm.config.engine import ModelConfig
 from cpllm.distributed.parallel_dims import ParallelDims, kv_heads_per_rank
 from cpllm.kv_groups import full_cache_spec
 from cpllm.planner.hardware import HardwareSpec
-from cpllm.planner.shapes import attention_flops_per_pair, linear_params
+from cpllm.planner.shapes import attention_flops_per_pair, linear_params, routed_expert_params
 
 WEIGHT_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
 PARTIAL_BYTES = 4
@@ -306,12 +313,26 @@ class CostModel:
         comm = LayerComm()
         if n > 1:
             comm = self._cp_per_layer(layout, new, cached, strategy, attention_s / layers)
+        moe = self._moe_pcp_link(layout, rows)
         kernels = layers * (LAYER_KERNELS + comm.extra_kernels) + STEP_KERNELS
         return PrefillCost(strategy=strategy, linear_s=linear_s, attention_s=attention_s, elementwise_s=elementwise_s,
                            tp_comm_s=2 * layers * tp_link.transfer_s,
-                           cp_exposed_s=comm.exposed_s * layers, cp_blocking_s=comm.blocking_s * layers,
-                           latency_s=layers * (2 * tp_link.latency_s + comm.latency_s),
+                           cp_exposed_s=comm.exposed_s * layers,
+                           cp_blocking_s=comm.blocking_s * layers + moe.transfer_s,
+                           latency_s=layers * (2 * tp_link.latency_s + comm.latency_s) + moe.latency_s,
                            launch_s=kernels * hw.kernel_launch_s)
+
+    def _moe_pcp_link(self, layout: ParallelDims, rows: float) -> LinkTime:
+        """cpllm's sparse layers under PCP, whole model (docs/context_parallel.md "Mixture of experts under PCP"):
+        each all-gathers its `rows` x hidden over PCP and reduce-scatters the partial of all PCP x rows back,
+        both blocking (the TP all-reduce after them is the layer's usual one)."""
+        m = self.model
+        if m.moe is None or layout.pcp == 1:
+            return LinkTime(transfer_s=0.0, latency_s=0.0)
+        sparse = sum(m.moe.is_sparse(i) for i in range(m.num_hidden_layers))
+        block = rows * m.hidden_size * self.precision.activation_bytes
+        one = self.exchange_link(block, layout.pcp - 1, inter=self._crosses_nodes(layout.pcp, layout.tp))
+        return LinkTime(transfer_s=2 * sparse * one.transfer_s, latency_s=2 * sparse * one.latency_s)
 
     def _ring(self, steps: int, compute_s: float, nbytes: float, inter: bool,
               blocking: LinkTime | None = None) -> LayerComm:
@@ -366,6 +387,12 @@ class CostModel:
         embedding = m.vocab_size * m.hidden_size * (1 if m.tie_word_embeddings else 2)
         return (linear + embedding) * self.precision.weight_bytes
 
+    def weights_per_device(self, layout: ParallelDims) -> float:
+        """Weight bytes one device holds: the routed experts split over the TP x PCP MoE group, the rest over TP
+        (replicated over PCP)."""
+        experts = routed_expert_params(self.model) * self.precision.weight_bytes
+        return (self.weight_bytes() - experts) / layout.tp + experts / (layout.tp * layout.pcp)
+
     def kv_bytes_per_token(self, tp: int) -> float:
         """KV bytes per token on one device (its KV heads, all layers), from the layers' cache spec."""
         _, hkv = self.local_heads(tp)
@@ -378,7 +405,7 @@ class CostModel:
         tp, n = layout.tp, layout.pcp
         hq, _ = self.local_heads(tp)
         local_batch = math.ceil(batch / n) if layout.kv_replicated else batch
-        weights = self.weight_bytes() / tp / hw.memory_bw
+        weights = self.weights_per_device(layout) / hw.memory_bw
         kv = local_batch * context / layout.kv_shard_size * self.kv_bytes_per_token(tp) / hw.memory_bw
         hidden = local_batch * m.hidden_size * self.precision.activation_bytes
         per_layer = 2 * self.all_reduce_time(hidden, tp)
@@ -392,7 +419,7 @@ class CostModel:
     # ---- memory -------------------------------------------------------------------------------------------
 
     def memory(self, layout: ParallelDims) -> MemoryCost:
-        weights = self.weight_bytes() / layout.tp
+        weights = self.weights_per_device(layout)
         per_token = self.kv_bytes_per_token(layout.tp)
         free = self.hw.memory_bytes * USABLE_MEMORY - weights
         tokens = int(max(free, 0) // per_token) * layout.kv_shard_size

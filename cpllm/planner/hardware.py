@@ -134,7 +134,7 @@ NCCL_LATENCY = dict(collective_base_latency_s=8.4e-6, intra_node_latency_s=3.4e-
 """NCCL's latency figures for the protocol large messages take (Simple, ring): 8.4 us per call, 3.4 us per NVLink
 hop, 14 us per network hop (InfiniBand / RoCE). Source: NCCL's own cost model, src/graph/tuning.cc (`baseLat`,
 `hwLat`, ring / Simple), which NCCL measured on its hardware to choose between algorithms (NVIDIA/nccl, 2.18 to
-2.2x). The same for H100, H200 and A100 nodes (NCCL keeps one table for all three)."""
+2.2x). The same for H100, H200, H800 and A100 nodes (NCCL keeps one table for these GPUs)."""
 CUDA_KERNEL_LAUNCH_S = 4e-6
 """Host cost of one CUDA kernel launch: a few microseconds per launch, the overhead NVIDIA measures for a stream of
 short kernels launched one by one in "Getting Started with CUDA Graphs" (NVIDIA Technical Blog, 2019,

@@ -24,7 +24,7 @@ def device_hardware(device: torch.device, threads: int) -> HardwareSpec:
     """The built-in spec of this rank's device: a known GPU by name, else the CPU figures scaled by threads."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device).lower()
-        for key in ("h200", "h100", "a100"):
+        for key in ("h200", "h100", "h800", "a100"):
             if key in name:
                 return builtin_hardware(key)
         logger.warning("auto strategy: no built-in figures for GPU %r; using the H100's", name)

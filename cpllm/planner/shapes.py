@@ -47,6 +47,15 @@ def linear_params(m: ModelConfig, *, active: bool) -> int:
     return layers * attention_params(m) + sum(mlp_params(m, i, active=active) for i in range(layers))
 
 
+def routed_expert_params(m: ModelConfig) -> int:
+    """Weights of every routed expert of every sparse layer (what cpllm splits over the TP x PCP MoE group)."""
+    moe = m.moe
+    if moe is None:
+        return 0
+    sparse = sum(moe.is_sparse(i) for i in range(m.num_hidden_layers))
+    return sparse * 3 * m.hidden_size * moe.num_experts * moe.intermediate_size
+
+
 def attention_flops_per_pair(m: ModelConfig) -> int:
     """FLOPs of one (query, key) pair in one layer, all heads: QK^T and PV."""
     if m.mla is None:
