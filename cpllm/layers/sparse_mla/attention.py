@@ -88,6 +88,11 @@ class SparseMLAAttention(MLAAttention):
         self.kv_shard = parallel.comm("kv_shard")
         """The ranks one request's cache is divided over (DCP, or PCP x DCP under the sharded layout):
         candidates, queries and partials travel over it."""
+        self.dcp = parallel.comm("dcp")
+        """The DCP group: its ranks hold different heads, gathered for the attention (the PCP ranks of the KV-shard
+        group hold the same heads)."""
+        self.members = tuple(parallel.member_coords("kv_shard", j) for j in range(self.kv_shard.size))
+        """(PCP rank, DCP rank) of each KV-shard group rank: whose rows and heads its partials are."""
         self.pcp = parallel.comm("pcp")
         """The PCP group: a prompt step's new latent rows and index keys (and, sharded, its queries) travel over it."""
         self.shared_rows = parallel.dims.pcp > 1 and not parallel.dims.kv_replicated
@@ -129,11 +134,9 @@ class SparseMLAAttention(MLAAttention):
         shard = KeyShard.of(meta.kv_layout)
         requests = [keys for keys in (self._request_keys(r, slot_of_row, shard, sources, meta.num_rows if shared
                                                          else 0) for r in meta.requests) if keys.rows.numel()]
-        group, size = self.kv_shard.group, self.kv_shard.size
-        chosen = self._global_top_k(requests, iq, iw, index_pool, group)
-        out = self._attend(all_gather(q_lat, group, dim=1), requests, chosen, shard, latent_pool, group, size)
-        if shared:  # this rank's own rows of the gathered ones
-            out = out[self.pcp.rank * meta.num_rows:(self.pcp.rank + 1) * meta.num_rows]
+        chosen = self._global_top_k(requests, iq, iw, index_pool, self.kv_shard.group)
+        out, lse = self._attend(all_gather(q_lat, self.dcp.group, dim=1), requests, chosen, shard, latent_pool)
+        out = self._own_partials(out, lse, shared)  # [N, H, r]: this rank's rows and heads
         if keep is not None:
             if keep.numel() == 0:
                 return hidden[:0]
@@ -200,10 +203,9 @@ class SparseMLAAttention(MLAAttention):
         cand_scores, cand_pos = all_gather(cand_scores, group, dim=1), all_gather(cand_pos, group, dim=1)
         return {i: top_k(cand_scores[requests[i].rows], cand_pos[requests[i].rows], k) for i in sparse}
 
-    def _attend(self, q_all, requests: list[RequestKeys], chosen: dict, shard: KeyShard, latent_pool, group,
-                size: int) -> torch.Tensor:
-        """Step 3: the group's heads q_all [N, size * H, W] over this rank's selected latents, then each rank's
-        own heads' partials merged -> [N, H, r] float32."""
+    def _attend(self, q_all, requests: list[RequestKeys], chosen: dict, shard: KeyShard, latent_pool):
+        """Step 3: the DCP group's heads q_all [R, DCP * H, W] over this rank's selected latents -> (out
+        [R, DCP * H, r], lse [R, DCP * H]) float32, the partials over the keys this rank holds."""
         backend, r, scale = self.attn.backend, self.mla.kv_lora_rank, self.scale
         num_rows, heads = q_all.shape[0], q_all.shape[1]
         out = torch.zeros(num_rows, heads, r, dtype=torch.float32, device=q_all.device)
@@ -228,10 +230,19 @@ class SparseMLAAttention(MLAAttention):
                         visible = selected_mask(local, mine, num_keys)
                         o, l = backend.attend_masked(q, latent_pool, keys.key_slots, visible, scale, r)
                 out[rows], lse[rows] = o, l
-        if size == 1:
+        return out, lse
+
+    def _own_partials(self, out: torch.Tensor, lse: torch.Tensor, shared: bool) -> torch.Tensor:
+        """The partials (out [R, DCP * H, r], lse [R, DCP * H]) of every KV-shard rank -> this rank's rows and
+        heads merged [N, H, r]. Group rank j, at (PCP rank p, DCP rank d), gets the heads of d of its own rows: the
+        rows of p where the rows were gathered over PCP (`shared`, R = P N), else all R (the same rows everywhere)."""
+        if self.kv_shard.size == 1:
             return out
-        own = heads // size
-        # piece j of each rank's partials is the heads of group rank j: send it there, receive every rank's
-        outs = all_to_all(out.view(num_rows, size, own, r).transpose(0, 1).contiguous(), group)
-        lses = all_to_all(lse.view(num_rows, size, own).transpose(0, 1).contiguous(), group)
-        return merge_attention_partials(outs, lses)[0]  # [N, H, r]
+        num_rows, heads, r = out.shape
+        own, blocks = heads // self.dcp.size, self.pcp.size if shared else 1
+        out = out.view(blocks, num_rows // blocks, self.dcp.size, own, r)
+        lse = lse.view(blocks, num_rows // blocks, self.dcp.size, own)
+        take = [(p if shared else 0, d) for p, d in self.members]
+        outs = all_to_all(torch.stack([out[p, :, d] for p, d in take]), self.kv_shard.group)  # [G, N, H, r]
+        lses = all_to_all(torch.stack([lse[p, :, d] for p, d in take]), self.kv_shard.group)  # [G, N, H]
+        return merge_attention_partials(outs, lses)[0]
