@@ -196,6 +196,11 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                       "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2} drafts by prompt lookup, {\"model\": "
                       "\"path/to/draft\", \"num_speculative_tokens\": 4} with a draft model of the same vocabulary "
                       "(run on the replica's driver rank); k + 1 rows per request verified in one step (default: off)"),
+    EngineOption("kv_transfer_config", dict, "engine.kv_transfer_config", default=None, parse=parse_json_object,
+                 help="disaggregated prefill/decode, as JSON (vLLM's): {\"kv_connector\": \"CpllmConnector\", "
+                      "\"kv_role\": \"kv_producer\" | \"kv_consumer\" | \"kv_both\", \"kv_ip\": ..., \"kv_port\": "
+                      "...}; the prompt's K/V moves between the instances over ZeroMQ, re-sharded to each layout "
+                      "(default: off)"),
     EngineOption("distributed_timeout", float, "parallel.distributed_timeout_s",
                  help="seconds before a stuck or dead rank fails the run"),
     EngineOption("collective_transport", str, "parallel.collective_transport", choices=COLLECTIVE_TRANSPORTS,

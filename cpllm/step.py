@@ -60,6 +60,9 @@ class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...] = ()
     shutdown: bool = False
     """Tells the workers to leave their loop."""
+    kv_pulls: tuple = ()
+    """Prompt K/V every rank pulls from a prefill instance before the forward, one per request admitted with
+    do_remote_prefill (plain data: cpllm/disagg/params.py `PullOp`)."""
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,7 @@ from cpllm.config.moe import MOE_ARCHITECTURES, MoEConfig
 from cpllm.config.linear_attention import HYBRID_ARCHITECTURES, LinearAttentionConfig, check_hybrid_options
 from cpllm.config.sparse_mla import SPARSE_MLA_ARCHITECTURES, IndexerConfig, check_sparse_layout
 from cpllm.config.speculative import SpeculativeConfig
+from cpllm.disagg.config import KVTransferConfig, check_disagg, kv_transfer_config
 from cpllm.config.rope import resolve_rope_scaling, rope_context_length
 from cpllm.distributed.parallel_dims import KV_CACHE_LAYOUTS, REPLICATED, SHARDED, ParallelDims
 from cpllm.model.formats.modes import QUANTIZATION_CHOICES, quantization_mode
@@ -324,6 +325,9 @@ class EngineConfig:
     no effect on the CPU."""
     speculative_config: SpeculativeConfig | None = None
     """Speculative decoding (cpllm/config/speculative.py): how requests are drafted; None = one token per step."""
+    kv_transfer_config: KVTransferConfig | None = None
+    """Disaggregated prefill/decode (cpllm/disagg/config.py; vLLM's JSON object, read into the record here); None:
+    this instance neither sends nor pulls K/V."""
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -340,6 +344,9 @@ class EngineConfig:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             raise ValueError("speculative_config must be a SpeculativeConfig here (build_engine_config validates "
                              f"the dict), got {type(self.speculative_config).__name__}")
+        if self.kv_transfer_config is not None:
+            object.__setattr__(self, "kv_transfer_config", kv_transfer_config(self.kv_transfer_config))
+            check_disagg(self)
         if self.cache.enable_prefix_caching is None:  # the default: on wherever a prefix hit can be exact
             object.__setattr__(self, "cache", dataclasses.replace(
                 self.cache, enable_prefix_caching=self.model.linear_attention is None))

@@ -48,6 +48,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     """Prompt tokens read from the prefix cache instead of computed (the first sequence's, when first scheduled)."""
     metrics: "RequestMetrics" = field(default_factory=lambda: RequestMetrics())
+    kv_transfer_params: dict | None = None
+    """A prefill instance's answer to a do_remote_decode request, for the decode instance (docs/disaggregated.md)."""
 
 
 @dataclass(slots=True)

@@ -49,6 +49,11 @@ class Request:
     draft_limit: int | None = None
     """Most drafts the request takes next under speculative decoding's adaptive draft length
     (cpllm/engine/draft_length.py); None: k."""
+    kv_pull: object | None = None
+    """Disaggregated decode (cpllm/disagg): where its prompt's K/V waits (a `RemotePrefill`), until admission pulls
+    it; None: computed here."""
+    kv_hold: bool = False
+    """Disaggregated prefill: when it finishes its blocks are held for a consumer to pull (cpllm/disagg)."""
 
     @property
     def block_ids(self) -> list[int]:

@@ -82,6 +82,9 @@ class SamplingParams:
     logprob_token_ids: list[int] | None = None
     """Report these token ids' logprobs at every sampled position in place of the top `logprobs` alternatives
     (the sampled token is always reported too)."""
+    extra_args: dict | None = None
+    """Arguments for extensions, as vLLM has them; cpllm reads `kv_transfer_params` (disaggregated prefill and
+    decode: docs/disaggregated.md)."""
 
     def __post_init__(self) -> None:
         self._validate_counts()

@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from cpllm.config.engine import SchedulerConfig
+from cpllm.disagg.params import PullOp
 from cpllm.engine.kv_blocks import BlockPool, extend_hashes
 from cpllm.engine.request import Request, RequestStatus
 from cpllm.kv_groups import FREED_BLOCK, KVGroupSpec, first_kept_block, max_chunk
@@ -61,6 +62,10 @@ class Scheduler:
         self.peak_request_blocks = [0] * len(self.groups)
         """Most blocks one request held at once in each group's pool, since start (counted when a step's blocks
         are reserved, so a prompt chunk's new tokens are included)."""
+        self.held: dict[str, list[list[int]]] = {}
+        """Finished prefill-only requests (Request.kv_hold) -> the block tables a decode instance pulls, until
+        `release_held` (cpllm/disagg)."""
+        self._pulls: list[PullOp] = []
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -81,7 +86,15 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        if request.kv_hold and status is not RequestStatus.FINISHED_ABORTED and request.block_ids:
+            self.held[request.request_id] = request.block_tables
+            request.block_tables = [[] for _ in self.groups]
         self._free_tables(request)
+
+    def release_held(self, request_id: str) -> None:
+        """Free a held request's blocks (its consumer pulled them, or nobody did in time)."""
+        for pool, table in zip(self.pools, self.held.pop(request_id, [])):
+            pool.free(table)
 
     def request_blocks(self, request_id: str) -> tuple[int, ...]:
         """Blocks the request holds now in each group's pool (freed entries not counted)."""
@@ -94,7 +107,8 @@ class Scheduler:
         budget = self._schedule_running(chunks, preempted)
         self._admit_waiting(chunks, budget, preempted)
         self._step_id += 1
-        return SchedulerOutput(step_id=self._step_id, chunks=tuple(chunks))
+        pulls, self._pulls = tuple(self._pulls), []
+        return SchedulerOutput(step_id=self._step_id, chunks=tuple(chunks), kv_pulls=pulls)
 
     def _schedule_running(self, chunks: list[ScheduledChunk], preempted: set[str]) -> int:
         """Continue running requests first; returns the token budget left for waiting ones."""
@@ -123,6 +137,7 @@ class Scheduler:
                 break
             if self.uses_state and not self.free_state_slots:
                 break  # every state slot is held (max_num_seqs bounds it first when slots = max_num_seqs)
+            pulled = self._use_remote_prefill(request)
             num_hit_tokens = self._use_prefix_cache(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget, self._chunk_cap(request))
             if not self._allocate(request, self._blocks_needed(request, num_new)):
@@ -134,6 +149,9 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             chunks.append(self._chunk(request, num_new))
+            if pulled is not None:
+                self._pulls.append(PullOp(remote=request.kv_pull, num_tokens=pulled, block_table=chunks[-1].block_table))
+                request.kv_pull = None
             self.num_prefix_hit_tokens += num_hit_tokens
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_hit_tokens
@@ -282,6 +300,16 @@ class Scheduler:
                 dead.append(table[i])
                 table[i] = FREED_BLOCK
             pool.free(dead)  # in ascending order: the latest block is evicted last
+
+    def _use_remote_prefill(self, request: Request) -> int:
+        """A request whose prompt a prefill instance computed starts after all of it but its last token, which
+        this step computes (so the first token is sampled here); the ranks pull those positions' K/V before the
+        step's forward. Returns the positions pulled (a one-token prompt: 0, the pull then only releases the
+        producer's blocks), None for a request computed here."""
+        if request.kv_pull is None or request.num_computed_tokens:
+            return None
+        request.num_computed_tokens = request.num_prompt_tokens - 1
+        return request.num_computed_tokens
 
     def _use_prefix_cache(self, request: Request) -> int:
         """Start a fresh request after its longest cached prefix of full blocks; returns the tokens skipped."""

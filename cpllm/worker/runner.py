@@ -16,6 +16,7 @@ from cpllm.context_parallel.plan import RankCapabilities, StepPath, StepPlan, pl
 from cpllm.context_parallel.replica_sync import sync_replicas
 from cpllm.distributed.comm import all_reduce
 from cpllm.distributed.groups import ParallelGroups
+from cpllm.disagg.rank_transfer import rank_transfer
 from cpllm.model.execution.decode_graph import CompiledDecode
 from cpllm.model.execution.decode_team import DecodeTeam
 from cpllm.model.loaders.loader import open_weights
@@ -92,6 +93,8 @@ class ModelRunner:
             groups, self.model, kv_groups=len(self.kv_groups), compiled=self.compiled_decode is not None,
             decode_graphs=self.decode_graphs, states=bool(self.state_specs))
         """What this rank can run, fixed from here on: every step's plan is made from it and the step alone."""
+        self.kv_transfer = rank_transfer(config, groups.dims, groups.rank, self.kv_caches)
+        """Disaggregated prefill/decode (cpllm/disagg): serves and pulls this rank's K/V rows; None when off."""
 
     def _form_decode_team(self) -> None:
         """The PCP ranks (or, with TP and PCP = 1, the TP ranks) of one host run fused decode steps as one team
@@ -142,6 +145,8 @@ class ModelRunner:
 
     def execute(self, step: SchedulerOutput) -> torch.Tensor | None:
         """Run one step; returns logits [num_output_rows, vocab] on the replica driver, None elsewhere."""
+        if step.kv_pulls:  # a prefill instance's K/V for this step's chunks, into this rank's pools first
+            self.kv_transfer.pull(step.kv_pulls)
         if not step.chunks:
             return None
         chunks = self._verify_rows(step.chunks)

@@ -1,0 +1,120 @@
+"""The replica driver's part of disaggregation (torch-free): marks requests from their kv_transfer_params, holds a
+producer's prefilled blocks until a consumer releases them or the abort timeout passes, answers the producer's
+control port (its layout, releases) and tells producers when a consumer's pull is done."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from cpllm.disagg.config import KVTransferConfig
+from cpllm.disagg.params import PullOp, producer_answer, remote_prefill, wants_remote_decode
+from cpllm.disagg.reshard import CacheLayout
+from cpllm.disagg.wire import Server, TransferError, call
+
+logger = logging.getLogger(__name__)
+
+
+class EngineTransfer:
+    """What one LLMEngine does for kv_transfer_config."""
+
+    def __init__(self, config: KVTransferConfig, layout: CacheLayout, num_kv_heads: int, num_layers: int):
+        self.config = config
+        self._about = {"engine_id": config.engine_id, "layout": layout.to_dict(), "num_kv_heads": num_kv_heads,
+                       "num_layers": num_layers}
+        self._lock = threading.Lock()
+        self._deadlines: dict[str, float] = {}
+        """Held request id -> the monotonic time its blocks are freed unless released before."""
+        self._released: set[str] = set()
+        self.num_expired = 0
+        """Held requests freed by the abort timeout (nobody pulled them), since start."""
+        self.server = (Server(config.kv_ip, config.kv_port, self._serve, "kv-control")
+                       if config.produces else None)
+
+    # ---- requests ---------------------------------------------------------------------------------------
+
+    def mark(self, request, params: dict | None, n: int) -> None:
+        """Set a new Request's kv_pull / kv_hold from its kv_transfer_params (SamplingParams.extra_args)."""
+        remote = remote_prefill(params)
+        hold = wants_remote_decode(params)
+        if (remote is not None or hold) and n != 1:
+            raise ValueError(f"kv_transfer_params with n={n}: a disaggregated request has one sequence")
+        if remote is not None:
+            if not self.config.consumes:
+                raise ValueError(f"do_remote_prefill on an instance with kv_role={self.config.kv_role!r}")
+            request.kv_pull = remote
+        if hold:
+            if not self.config.produces:
+                raise ValueError(f"do_remote_decode on an instance with kv_role={self.config.kv_role!r}")
+            request.kv_hold = True
+
+    def answer(self, request_id: str, held_tables: list[list[int]] | None) -> dict | None:
+        """The finished producer request's kv_transfer_params (its blocks now held), once; None otherwise."""
+        if held_tables is None:
+            return None
+        with self._lock:
+            if request_id not in self._deadlines:
+                self._deadlines[request_id] = time.monotonic() + self.config.abort_timeout_s
+        return producer_answer(self.config, request_id, held_tables[0])
+
+    def due(self) -> list[str]:
+        """Held requests to free now: released by their consumer, or past the abort timeout."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [r for r, t in self._deadlines.items() if t <= now and r not in self._released]
+            done = sorted(self._released & set(self._deadlines)) + expired
+            for request_id in done:
+                self._deadlines.pop(request_id)
+            self._released.clear()
+        if expired:
+            self.num_expired += len(expired)
+            logger.warning("kv transfer: freed %d prefilled requests nobody pulled within %.0f s: %s",
+                           len(expired), self.config.abort_timeout_s, expired)
+        return done
+
+    @property
+    def num_held(self) -> int:
+        with self._lock:
+            return len(self._deadlines)
+
+    # ---- the consumer's side ------------------------------------------------------------------------------
+
+    def pulled(self, ops: tuple[PullOp, ...]) -> None:
+        """Every rank has its rows (the step ran): the producers may free the blocks. A lost release costs the
+        producer its abort timeout, not a failure here."""
+        for op in ops:
+            r = op.remote
+            try:
+                call(r.host, r.port, {"op": "release", "request_id": r.request_id},
+                     timeout_s=self.config.transfer_timeout_s)
+            except TransferError as error:
+                logger.warning("kv transfer: release of %s on %s:%d failed (%s)", r.request_id, r.host, r.port, error)
+
+    # ---- the producer's control port ----------------------------------------------------------------------
+
+    def _serve(self, header: dict, frames: list) -> tuple[dict, list]:
+        op = header.get("op")
+        if op == "layout":
+            return dict(self._about), []
+        if op == "release":
+            with self._lock:
+                held = header["request_id"] in self._deadlines
+                if held:
+                    self._released.add(header["request_id"])
+            return {"held": held}, []
+        raise ValueError(f"unknown op {op!r}")
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+def engine_transfer(config) -> EngineTransfer | None:
+    """The driver's EngineTransfer under `config.kv_transfer_config` (an EngineConfig), else None."""
+    kv = config.kv_transfer_config
+    if kv is None:
+        return None
+    layout = CacheLayout(dims=config.parallel.dims, interleave=config.parallel.cp_kv_cache_interleave_size,
+                         block_size=config.cache.block_size)
+    return EngineTransfer(kv, layout, config.model.num_key_value_heads, config.model.num_hidden_layers)

@@ -1,0 +1,75 @@
+"""A request's `kv_transfer_params`, in the keys vLLM's proxy and NixlConnector use (torch-free).
+
+Prefill instance: the proxy sends `{"do_remote_decode": true}` (with max_tokens 1); the answer's
+`kv_transfer_params` are `{"do_remote_prefill": true, "do_remote_decode": false, "remote_block_ids": [...],
+"remote_engine_id": ..., "remote_host": ..., "remote_port": ..., "remote_request_id": ...}`. Decode instance: the
+proxy passes those on with the original request; the consumer pulls the prompt's K/V with them, then decodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cpllm.disagg.config import KVTransferConfig
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class RemotePrefill:
+    """Where a prefilled prompt's K/V waits (a consumer request's kv_transfer_params)."""
+
+    block_ids: tuple[int, ...]
+    """The producer's virtual block table of the request (its KV group 0)."""
+    engine_id: str
+    """The producer instance (remote_engine_id)."""
+    host: str
+    """The producer's address (remote_host)."""
+    port: int
+    """The producer's control port (remote_port); its rank r serves rows on port + 1 + r."""
+    request_id: str
+    """The request's id on the producer (remote_request_id), which its held blocks are filed under."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class PullOp:
+    """One consumer request's pull, run by every consumer rank before the step's forward (SchedulerOutput.kv_pulls)."""
+
+    remote: RemotePrefill
+    """Where the K/V is."""
+    num_tokens: int
+    """Positions [0, num_tokens) are pulled: every prompt position but the last, which the step computes."""
+    block_table: tuple[int, ...]
+    """The consumer's virtual block table the rows land in."""
+
+
+def remote_prefill(params: dict | None) -> RemotePrefill | None:
+    """The consumer side of `kv_transfer_params`, or None when the request is not a remote prefill."""
+    if not params or not params.get("do_remote_prefill"):
+        return None
+    missing = [k for k in ("remote_block_ids", "remote_engine_id", "remote_host", "remote_port") if k not in params]
+    if missing:
+        raise ValueError(f"kv_transfer_params with do_remote_prefill lacks {missing[0]!r} (the prefill "
+                         "instance's answer carries it)")
+    if "remote_request_id" not in params:
+        raise ValueError("kv_transfer_params with do_remote_prefill lacks 'remote_request_id': cpllm's producer "
+                         "answers with it")
+    blocks = params["remote_block_ids"]
+    if blocks and isinstance(blocks[0], list):  # vLLM >= 0.11 nests one list per KV group
+        if len(blocks) != 1:
+            raise ValueError(f"remote_block_ids has {len(blocks)} KV groups; CpllmConnector moves one")
+        blocks = blocks[0]
+    return RemotePrefill(block_ids=tuple(int(b) for b in blocks), engine_id=str(params["remote_engine_id"]),
+                         host=str(params["remote_host"]), port=int(params["remote_port"]),
+                         request_id=str(params["remote_request_id"]))
+
+
+def wants_remote_decode(params: dict | None) -> bool:
+    """A producer request: prefill, then keep the blocks for a consumer."""
+    return bool(params and params.get("do_remote_decode"))
+
+
+def producer_answer(config: KVTransferConfig, request_id: str, block_ids: list[int]) -> dict[str, Any]:
+    """The `kv_transfer_params` a producer returns with a finished remote-decode request."""
+    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": list(block_ids),
+            "remote_engine_id": config.engine_id, "remote_host": config.kv_ip, "remote_port": config.kv_port,
+            "remote_request_id": request_id}

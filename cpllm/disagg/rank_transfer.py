@@ -1,0 +1,98 @@
+"""One rank's part of a transfer: a producer rank serves the rows a consumer rank asks for, a consumer rank pulls
+the rows it owns from the producer ranks that hold them (plan: cpllm/disagg/reshard.py). No rank ever holds more
+than its own rows: each move is one message between one producer rank and one consumer rank."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from cpllm.disagg.config import KVTransferConfig
+from cpllm.disagg.params import PullOp, RemotePrefill
+from cpllm.disagg.reshard import CacheLayout, plan_reshard
+from cpllm.disagg.rows import from_frames, layer_pools, positions_of, read_rows, slots_of, to_frames, write_rows
+from cpllm.disagg.wire import Server, as_json, call
+
+logger = logging.getLogger(__name__)
+
+
+class RankTransfer:
+    """The transfer side of one replica rank (built by the runner when kv_transfer_config is set)."""
+
+    def __init__(self, config: KVTransferConfig, layout: CacheLayout, rank: int, num_kv_heads: int,
+                 caches: list[tuple[torch.Tensor, ...]]):
+        self.config, self.layout, self.rank, self.num_kv_heads = config, layout, rank, num_kv_heads
+        self.pools = layer_pools(caches)
+        self.num_layers = len(caches)
+        self.first_head = layout.heads(num_kv_heads, rank).start
+        self._layouts: dict[tuple[str, int], CacheLayout] = {}
+        self.rows_sent = 0
+        """Position x head rows this rank served, since start."""
+        self.rows_pulled = 0
+        """Position x head rows this rank pulled, since start."""
+        self.server = (Server(config.kv_ip, config.rank_port(rank), self._serve, f"kv-rows-{rank}")
+                       if config.produces else None)
+
+    def _serve(self, header: dict, frames: list) -> tuple[dict, list]:
+        if header.get("op") != "rows":
+            raise ValueError(f"unknown op {header.get('op')!r}")
+        heads = range(*header["heads"])
+        mine = self.layout.heads(self.num_kv_heads, self.rank)
+        if heads.start < mine.start or heads.stop > mine.stop:
+            raise ValueError(f"rank {self.rank} holds KV heads {list(mine)}, was asked for {list(heads)}")
+        positions = positions_of(header["ranges"])
+        if len(positions) and any(self.layout.owner(int(p)) != self.layout.shard_rank(self.rank)
+                                  for p in positions[:: max(1, len(positions) // 64)]):
+            raise ValueError(f"rank {self.rank} was asked for positions it does not own")  # a stale plan
+        slots = slots_of(self.layout, header["block_ids"], positions)
+        rows = read_rows(self.pools, slots, slice(heads.start - mine.start, heads.stop - mine.start))
+        shapes, data = to_frames(rows)
+        self.rows_sent += len(positions) * len(heads)
+        dtype = str(self.pools[0].dtype).removeprefix("torch.") if self.pools else "float32"
+        return {"shapes": shapes, "dtype": dtype}, data
+
+    def remote_layout(self, remote: RemotePrefill) -> CacheLayout:
+        """The producer's layout, asked of its control port once per producer."""
+        key = (remote.host, remote.port)
+        if key not in self._layouts:
+            answer, _ = call(remote.host, remote.port, {"op": "layout"}, timeout_s=self.config.transfer_timeout_s)
+            if answer["engine_id"] != remote.engine_id:
+                raise ValueError(f"{remote.host}:{remote.port} is engine {answer['engine_id']!r}, not "
+                                 f"{remote.engine_id!r}")
+            if answer["num_kv_heads"] != self.num_kv_heads or answer["num_layers"] != self.num_layers:
+                raise ValueError(f"the producer's model has {answer['num_kv_heads']} KV heads and "
+                                 f"{answer['num_layers']} layers; this one {self.num_kv_heads} and {self.num_layers}")
+            self._layouts[key] = CacheLayout.from_dict(answer["layout"])
+        return self._layouts[key]
+
+    def pull(self, ops: tuple[PullOp, ...]) -> None:
+        """Every row of every op's positions this rank owns, from the producer ranks holding them, into its pools."""
+        for op in ops:
+            src = self.remote_layout(op.remote)
+            plan = plan_reshard(src, self.layout, self.num_kv_heads, op.num_tokens)
+            for move in plan.to(self.rank):
+                header = {"op": "rows", "block_ids": list(op.remote.block_ids), "heads": as_json(move.heads),
+                          "ranges": as_json(move.ranges), "request_id": op.remote.request_id}
+                answer, frames = call(op.remote.host, op.remote.port + 1 + move.src_rank, header,
+                                      timeout_s=self.config.transfer_timeout_s)
+                rows = from_frames(answer["shapes"], frames, answer["dtype"])
+                positions = positions_of(move.ranges)
+                slots = slots_of(self.layout, op.block_table, positions)
+                h0 = move.heads.start - self.first_head
+                write_rows(self.pools, slots, slice(h0, h0 + len(move.heads)), rows)
+                self.rows_pulled += len(positions) * len(move.heads)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+def rank_transfer(config, dims, rank: int, caches: list[tuple[torch.Tensor, ...]]) -> RankTransfer | None:
+    """The rank's RankTransfer under `config.kv_transfer_config` (an EngineConfig), else None."""
+    kv = config.kv_transfer_config
+    if kv is None:
+        return None
+    layout = CacheLayout(dims=dims, interleave=config.parallel.cp_kv_cache_interleave_size,
+                         block_size=config.cache.block_size)
+    return RankTransfer(kv, layout, dims.moe_rank(rank), config.model.num_key_value_heads, caches)
