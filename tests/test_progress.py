@@ -169,6 +169,20 @@ def test_use_tqdm_true_draws_nothing_into_a_pipe(llm, capfd):
         llm.generate({"prompt_token_ids": make_prompt(40, 4)}, SamplingParams(max_tokens=2), use_tqdm="yes")
 
 
+@pytest.mark.timeout(300)
+def test_data_parallel_counts_each_prompt_when_its_first_output_arrives(folder):
+    """The spawned DP front sees no prefill progress (its replicas keep it): a prompt counts whole at once."""
+    prompts = [make_prompt(50, 5), make_prompt(30, 6)]
+    recorder = Recorder()
+    with LLM(folder, max_model_len=128, block_size=4, max_num_batched_tokens=CHUNK, threads_per_rank=1,
+             distributed_timeout=60, data_parallel_size=2) as llm:
+        llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=3, ignore_eos=True),
+                     use_tqdm=recorder)
+    assert recorder.seen["prompt"][-1] == 80
+    assert set(recorder.seen["prompt"]) <= {30, 50, 80}  # whole prompts only
+    assert recorder.seen["output"][-1] == 6 and recorder.seen["requests"][-1] == 2
+
+
 def _generate_command(folder: str, prompt_file: str) -> list[str]:
     return [sys.executable, "-m", "cpllm", "generate", "--model", folder, "--prompt-file", prompt_file,
             "--max-tokens", "4", "--ignore-eos", "--max-model-len", "128", "--block-size", "4",
