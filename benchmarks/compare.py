@@ -15,6 +15,8 @@ import os
 import sys
 import time
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from systems import CpllmRunner, LlamaCppRunner, TransformersRunner, llama_cpp_available  # noqa: E402
@@ -44,6 +46,8 @@ def load_runners(model: str, max_tokens: int, max_batch: int, decode_tokens: int
                                        compile_decode=True, kv_cache_dtype="float16"))
     if "transformers" not in skip:
         runners.append(TransformersRunner(model))
+    if "transformers-bf16" not in skip:  # the fastest CPU dtype where the CPU has bf16 dot products or tiles
+        runners.append(TransformersRunner(model, torch.bfloat16))
     if "llama.cpp" in skip:
         pass
     elif llama_cpp_available():
@@ -94,7 +98,7 @@ def _decode_at(runners, config, contexts: list[int], batches: list[int], threads
         prompt = random_prompt(context, config.vocab_size, seed=context + 7)
         for batch in batches:
             for runner in runners:
-                if runner.name in ("llama.cpp", "transformers") and batch > 1:
+                if runner.name.startswith(("llama.cpp", "transformers")) and batch > 1:
                     continue  # llama-cpp-python decodes one sequence; the targets compare with transformers' batch 1
                 seconds = runner.decode_s(prompt, batch, steps)
                 rows.append({"system": runner.name, "layout": f"{threads} threads", "threads": threads,

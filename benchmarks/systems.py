@@ -72,15 +72,14 @@ class CpllmRunner:
 
 
 class TransformersRunner:
-    """Hugging Face transformers (sdpa attention, float32) loading the same GGUF file."""
+    """Hugging Face transformers (sdpa attention, float32 or bfloat16) loading the same GGUF file."""
 
-    name = "transformers"
-
-    def __init__(self, model_path: str):
+    def __init__(self, model_path: str, dtype: torch.dtype = torch.float32):
         from transformers import AutoModelForCausalLM
 
         folder, file = os.path.split(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32,
+        self.name = "transformers" if dtype == torch.float32 else f"transformers ({str(dtype).split('.')[-1]})"
+        self.model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=dtype,
                                                           attn_implementation="sdpa").eval()
 
     def set_threads(self, threads: int) -> None:

@@ -3,8 +3,9 @@
 The integer kernel computes what the VNNI kernel is specified to compute (`_simulated` of test_int4_kernel.py: int8
 activations in two codes per group, integer dot products, float16 d and m), so it must equal that up to float32
 rounding; the prefill way dequantizes the weight (exactly d q + m in float32) for float32 GEMMs, so it must equal
-x W^T on the dequantized weight to float32 rounding. The choice (int4_choice.py) is tested with the CPU's reported
-features replaced: each missing feature must lead to the fallback.
+x W^T on the dequantized weight to float32 rounding; in bfloat16 (int4_gemm.py), the dequantized weight is the stored one
+rounded once, and the GEMM that of torch on the rounded operands. The choice (int4_choice.py) is tested with the CPU's
+reported features replaced: each missing feature must lead to the fallback.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 import torch
 from test_int4_kernel import _groups, _simulated
 
-from cpllm.kernels import int4_avx2, int4_choice, int4_matmul
+from cpllm.kernels import int4_avx2, int4_choice, int4_gemm, int4_matmul
 from cpllm.model.formats.group_kernels import Int4Linear
 
 needs_avx2 = pytest.mark.skipif(not int4_avx2.available(), reason="no AVX2 + FMA + F16C kernel on this machine")
@@ -44,20 +45,37 @@ def test_integer_kernel_computes_the_vnni_specification(rows, cols, batch):
 def test_dequantize_gives_the_stored_weight_exactly(rows, cols):
     groups = _groups(rows, cols, seed=4)
     packed = int4_matmul.pack(groups.codes, groups.d, groups.m)
-    assert torch.equal(int4_avx2.dequantize(packed, rows), _stored(groups))
+    assert torch.equal(int4_gemm.dequantize(packed, rows), _stored(groups))
     # a range of blocks: rows [16, 48) (up to the last row where fewer)
-    assert torch.equal(int4_avx2.dequantize(packed, rows, 1, 3), _stored(groups)[16:48])
+    assert torch.equal(int4_gemm.dequantize(packed, rows, 1, 3), _stored(groups)[16:48])
+    # bfloat16: the stored weight rounded once to nearest even, as torch rounds it
+    assert torch.equal(int4_gemm.dequantize(packed, rows, dtype=torch.bfloat16), _stored(groups).bfloat16())
 
 
 @needs_avx2
-@pytest.mark.parametrize("scratch", [int4_avx2.SCRATCH_BYTES, 16 * 576 * 4 * 3])  # one tile; tiles of 48 rows
+@pytest.mark.parametrize("scratch", [int4_gemm.SCRATCH_BYTES, 16 * 576 * 4 * 3])  # one tile; tiles of 48 rows
 def test_dequantized_matmul_is_the_float32_gemm_on_the_stored_weight(monkeypatch, scratch):
-    monkeypatch.setattr(int4_avx2, "SCRATCH_BYTES", scratch)
+    monkeypatch.setattr(int4_gemm, "SCRATCH_BYTES", scratch)
     groups = _groups(200, 576, seed=5)
     x = torch.randn(70, 576, generator=torch.Generator().manual_seed(6))
-    y = int4_avx2.dequantized_matmul(x, int4_matmul.pack(groups.codes, groups.d, groups.m), 200)
+    y = int4_gemm.dequantized_matmul(x, int4_matmul.pack(groups.codes, groups.d, groups.m), 200)
     want = x.double() @ _stored(groups).double().t()
     assert y.shape == (70, 200) and float((y.double() - want).abs().max() / want.abs().max()) < 1e-5
+
+
+@needs_avx2
+@pytest.mark.parametrize("scratch", [int4_gemm.SCRATCH_BYTES, 16 * 576 * 2 * 3])
+def test_bfloat16_gemm_is_torchs_on_the_rounded_operands(monkeypatch, scratch):
+    monkeypatch.setattr(int4_gemm, "SCRATCH_BYTES", scratch)
+    groups = _groups(200, 576, seed=5)
+    x = torch.randn(70, 576, generator=torch.Generator().manual_seed(6))
+    y = int4_gemm.dequantized_matmul(x, int4_matmul.pack(groups.codes, groups.d, groups.m), 200, torch.bfloat16)
+    rounded = x.bfloat16().double() @ _stored(groups).bfloat16().double().t()  # float32 sums of bf16 products
+    exact = x.double() @ _stored(groups).double().t()
+    assert y.dtype == torch.float32 and y.shape == (70, 200)
+    # the output is rounded to bfloat16 once (2^-8 relative at most); the operands' rounding adds its own
+    assert float(((y.double() - rounded).abs() / rounded.abs().clamp_min(1e-3 * rounded.abs().max())).max()) < 2 ** -8
+    assert float((y.double() - exact).abs().max() / exact.abs().max()) < 2e-2
 
 
 @needs_avx2
@@ -82,20 +100,24 @@ def test_bad_shapes_raise_naming_the_limits():
     with pytest.raises(ValueError, match="width 96"):
         int4_avx2.matmul(torch.randn(2, 96), packed, 48)
     with pytest.raises(ValueError, match="64 outputs"):
-        int4_avx2.dequantized_matmul(torch.randn(2, 128), packed, 64)
+        int4_gemm.dequantized_matmul(torch.randn(2, 128), packed, 64)
     with pytest.raises(ValueError, match="blocks \\[2, 4\\)"):
-        int4_avx2.dequantize(packed, 48, 2, 4)
+        int4_gemm.dequantize(packed, 48, 2, 4)
+    with pytest.raises(ValueError, match="float32 or bfloat16 only"):
+        int4_gemm.dequantize(packed, 48, dtype=torch.float16)
     assert int4_avx2.matmul(torch.empty(0, 128), packed, 48).shape == (0, 48)
 
 
 @needs_avx2
-def test_layer_switches_to_the_gemms_at_its_threshold_and_keeps_running_with_kernels_off(monkeypatch):
+@pytest.mark.parametrize("gemm_dtype", ["float32", "bfloat16"])
+def test_layer_switches_to_the_gemms_at_its_threshold_and_keeps_running_with_kernels_off(monkeypatch, gemm_dtype):
     groups = _groups(96, 576, seed=7)
     layer = Int4Linear(groups, backend="avx2")
-    layer.gemm_from_rows = 8
+    layer.gemm_from_rows, layer.gemm_dtype = 8, gemm_dtype
     few, many = (torch.randn(n, 576, generator=torch.Generator().manual_seed(n)) for n in (7, 8))
     assert torch.equal(layer(few), int4_avx2.matmul(few, layer.packed, 96))
-    assert torch.equal(layer(many), int4_avx2.dequantized_matmul(many, layer.packed, 96))
+    assert torch.equal(layer(many), int4_gemm.dequantized_matmul(many, layer.packed, 96,
+                                                                 int4_gemm.GEMM_DTYPES[gemm_dtype]))
     monkeypatch.setenv("CPLLM_KERNELS", "0")  # the packed layout has no other kernel: the layer keeps its own
     assert torch.equal(layer(few), int4_avx2.matmul(few, layer.packed, 96))
 
@@ -104,7 +126,7 @@ def test_layer_switches_to_the_gemms_at_its_threshold_and_keeps_running_with_ker
 @pytest.mark.parametrize("rows", [3, 40])
 def test_compiled_graph_calls_the_same_kernel(rows):
     layer = Int4Linear(_groups(48, 128, seed=5), backend="avx2")
-    layer.gemm_from_rows = 16
+    layer.gemm_from_rows, layer.gemm_dtype = 16, "bfloat16"
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(6))
     assert torch.equal(torch.compile(layer, fullgraph=True)(x), layer(x))
 
@@ -140,7 +162,17 @@ def test_kernels_off_picks_aten(monkeypatch):
 
 
 @needs_avx2
-def test_the_measured_choice_names_a_probed_threshold():
-    choice = int4_choice.avx2_choice()
-    assert choice.backend == "avx2" and choice.decode_gbps > 0 and choice.gemm_gflops > 0
+@pytest.mark.parametrize("dtypes", [("float32",), ("float32", "bfloat16")])
+def test_the_measured_choice_names_a_probed_threshold_and_a_measured_dtype(dtypes):
+    choice = int4_choice.measured_choice("avx2", dtypes, "test")
+    assert choice.backend == "avx2" and choice.decode_gbps > 0 and set(choice.gemm_gflops) == set(dtypes)
+    assert all(rate > 0 for rate in choice.gemm_gflops.values()) and choice.gemm_dtype in dtypes
     assert choice.gemm_from_rows in (*int4_choice.PROBE_ROWS, int4_choice.NEVER)
+
+
+def test_bfloat16_gemms_are_measured_only_where_the_cpu_reports_them():
+    plain = int4_choice.CpuFeatures(avx2=True, fma=True, f16c=True, avx512_vnni=True, avx512_bf16=False, amx=False)
+    assert int4_choice.gemm_dtypes(plain) == ("float32",)
+    for bf16, amx in ((True, False), (False, True)):
+        features = int4_choice.CpuFeatures(avx2=True, fma=True, f16c=True, avx512_vnni=True, avx512_bf16=bf16, amx=amx)
+        assert int4_choice.gemm_dtypes(features) == ("float32", "bfloat16")

@@ -4,7 +4,9 @@ aside.
 Engine and layout tests run it wherever it builds; these check the kernel alone: causal (top-left, as the flash
 kernel's flag) and not, query counts that do not fill a tile of 64 rows, more queries than keys and fewer, grouped
 queries (1, 3 and 4 heads per KV head), head sizes 32, 64 and 128, q read in place inside the fused q|k|v rows,
-one and two threads; and that other dtypes and head sizes go back to PyTorch's kernel.
+one and two threads; and that other dtypes and head sizes go back to PyTorch's kernel. Its bf16 variant (on CPUs with
+AVX-512 BF16) is checked against float64 attention on the operands it rounds, and elsewhere must be the float32
+kernel itself.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from cpllm.layers.gqa.local_attention import attend
 from cpllm.context_parallel.sdpa import reference_attention
 from cpllm.kernels import library
-from cpllm.kernels.prefill_attention import prefill_attention
+from cpllm.kernels.prefill_attention import has_bf16_products, prefill_attention
 
 
 def _kernel_runs() -> bool:
@@ -80,3 +82,44 @@ def test_other_inputs_go_to_torch(dtype, d):
     assert prefill_attention(q, k, v, 0.1, True) is None
     out, lse = attend(q, k, v, 0.1, causal=True)  # PyTorch's kernel, same contract
     assert out.shape == (4, 2, d) and lse.shape == (4, 2)
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.bfloat16().double()
+
+
+@pytest.mark.skipif(not has_bf16_products(), reason="no AVX-512 BF16 on this machine")
+@pytest.mark.parametrize("length, keys, hq, hkv, d, causal", [
+    (1, 1, 4, 1, 64, True),
+    (5, 5, 9, 3, 64, True),
+    (130, 131, 16, 4, 64, False),  # an odd key count: the last value pair has no partner
+    (200, 120, 4, 2, 64, True),
+    (97, 97, 8, 8, 128, True),
+    (33, 33, 6, 2, 36, True),  # a head size that is no multiple of 16 (masked conversions)
+])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_products_are_attention_on_the_rounded_operands(length, keys, hq, hkv, d, causal, threads):
+    q, k, v = _qkv(length, keys, hq, hkv, d, seed=3)
+    scale = d**-0.5
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, lse = prefill_attention(q, k, v, scale, causal, bf16_products=True)
+    finally:
+        torch.set_num_threads(previous)
+    # q is scaled before rounding; scores, softmax and sums are float32, the probabilities rounded to bf16 once
+    want_out, want_lse = _reference(_bf16(q * scale), _bf16(k), _bf16(v), 1.0, causal)
+    assert out.dtype == lse.dtype == torch.float32
+    torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=1e-4)
+    torch.testing.assert_close(out.double(), want_out, rtol=0, atol=2 ** -8 * float(v.abs().max()))
+    exact_out, _ = _reference(q, k, v, scale, causal)
+    assert float((out.double() - exact_out).abs().max()) > 0  # it did round: this is not the float32 kernel
+
+
+def test_bf16_products_elsewhere_are_the_float32_kernel():
+    q, k, v = _qkv(70, 70, 9, 3, 64, seed=4)
+    fast, exact = (prefill_attention(q, k, v, 0.125, True, bf16_products=flag) for flag in (True, False))
+    if has_bf16_products():
+        torch.testing.assert_close(fast[1], exact[1], rtol=0, atol=0.05)
+    else:
+        assert torch.equal(fast[0], exact[0]) and torch.equal(fast[1], exact[1])

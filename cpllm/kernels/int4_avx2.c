@@ -11,8 +11,9 @@
  * widens them (|sum| <= 8 * 2 * 15 * 128 < 2^15, so nothing saturates). A 32-byte load is 8 rows x 4 inputs, one
  * 32-bit lane per row, so the results stay in one register per 8 rows and no horizontal sum is needed.
  *
- * `cpllm_int4_avx2_dequantize` writes a range of blocks as float32 rows [16 per block, K]: the prefill path
- * (int4_avx2.py) multiplies those by float32 GEMMs, faster than integer dot products on this ISA for many rows.
+ * `cpllm_int4_avx2_dequantize` writes a range of blocks as float32 or bfloat16 rows [16 per block, K]: the prefill
+ * path (int4_gemm.py) multiplies those by torch's GEMMs, faster than integer dot products for many rows (float32
+ * here, bfloat16 where the CPU has bf16 dot products or tiles: int4_choice.py measures which).
  *
  * A row's result does not depend on the other rows of x: every batch composition computes a token alike.
  */
@@ -199,9 +200,46 @@ int cpllm_int4_avx2_matmul(const float *x, int64_t M, int K, const uint8_t *pack
 #endif
 }
 
-/* Output rows [16 b0, min(16 b1, N)) of the packed weight as float32 w = d q + m (d, m from float16) into
- * out [rows, K], row-major. Returns 0, or -1 when the kernel is not built for this CPU. */
-int cpllm_int4_avx2_dequantize(const uint8_t *packed, int K, int N, int64_t b0, int64_t b1, float *out, int threads) {
+#ifdef CPLLM_INT4_AVX2
+/* Row r of one block's group as 4 x 8 float32 w = d q + m (d, m from float16). */
+static inline void group_row(const uint8_t *record, int r, __m256 w[4]) {
+    uint16_t d16, m16;
+    memcpy(&d16, record + 256 + 2 * r, sizeof d16);
+    memcpy(&m16, record + 288 + 2 * r, sizeof m16);
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(d16)), m = _mm256_set1_ps(_cvtsh_ss(m16));
+    uint8_t codes[GROUP];
+    row_codes(record, r, codes);
+    for (int j = 0; j < 4; j++) {
+        const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 8 * j)));
+        /* d q is exact in float32 (11 + 4 bits); one rounding for the + m, as d * q + m in torch */
+        w[j] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q)), m);
+    }
+}
+
+/* 8 float32 -> their bfloat16 bits (round to nearest even, as torch's .to(bfloat16)) in the low 16 of each lane. */
+static inline __m256i bf16_bits(__m256 w) {
+    const __m256i u = _mm256_castps_si256(w);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+}
+
+static inline void store_row(const __m256 w[4], float *dst) {
+    for (int j = 0; j < 4; j++) _mm256_storeu_ps(dst + 8 * j, w[j]);
+}
+
+static inline void store_row_bf16(const __m256 w[4], uint16_t *dst) {
+    for (int j = 0; j < 4; j += 2) {  /* packus interleaves 128-bit lanes: permute them back in order */
+        const __m256i both = _mm256_packus_epi32(bf16_bits(w[j]), bf16_bits(w[j + 1]));
+        _mm256_storeu_si256((__m256i *)(dst + 8 * j), _mm256_permute4x64_epi64(both, 0xD8));
+    }
+}
+#endif
+
+/* Output rows [16 b0, min(16 b1, N)) of the packed weight as w = d q + m (d, m from float16) into out [rows, K],
+ * row-major: float32, or bfloat16 (`bf16` != 0; w rounded to nearest even once). Returns 0, or -1 when the kernel
+ * is not built for this CPU. */
+int cpllm_int4_avx2_dequantize(const uint8_t *packed, int K, int N, int64_t b0, int64_t b1, void *out, int bf16,
+                               int threads) {
 #ifdef CPLLM_INT4_AVX2
     const int G = K / GROUP;
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -209,26 +247,20 @@ int cpllm_int4_avx2_dequantize(const uint8_t *packed, int K, int N, int64_t b0, 
         const int valid = N - b * BLOCK_ROWS < BLOCK_ROWS ? (int)(N - b * BLOCK_ROWS) : BLOCK_ROWS;
         for (int g = 0; g < G; g++) {
             const uint8_t *record = packed + (b * G + g) * (int64_t)RECORD_BYTES;
-            uint16_t d16[BLOCK_ROWS], m16[BLOCK_ROWS];
-            memcpy(d16, record + 256, sizeof d16);
-            memcpy(m16, record + 288, sizeof m16);
             for (int r = 0; r < valid; r++) {
-                const __m256 d = _mm256_set1_ps(_cvtsh_ss(d16[r])), m = _mm256_set1_ps(_cvtsh_ss(m16[r]));
-                uint8_t codes[GROUP];
-                row_codes(record, r, codes);
-                float *dst = out + ((b - b0) * BLOCK_ROWS + r) * (int64_t)K + g * GROUP;
-                for (int j = 0; j < 4; j++) {
-                    const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 8 * j)));
-                    /* d q is exact in float32 (11 + 4 bits); one rounding for the + m, as d * q + m in torch */
-                    const __m256 w = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q)), m);
-                    _mm256_storeu_ps(dst + 8 * j, w);
-                }
+                __m256 w[4];
+                group_row(record, r, w);
+                const int64_t at = ((b - b0) * BLOCK_ROWS + r) * (int64_t)K + g * GROUP;
+                if (bf16)
+                    store_row_bf16(w, (uint16_t *)out + at);
+                else
+                    store_row(w, (float *)out + at);
             }
         }
     }
     return 0;
 #else
-    (void)packed, (void)K, (void)N, (void)b0, (void)b1, (void)out, (void)threads;
+    (void)packed, (void)K, (void)N, (void)b0, (void)b1, (void)out, (void)bf16, (void)threads;
     return -1;
 #endif
 }

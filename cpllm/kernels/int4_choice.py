@@ -1,12 +1,14 @@
 """Which kernel runs the int4 layers on this CPU: read from the CPU's reported features, confirmed by a short
 measurement at start-up, logged once per process.
 
-- AVX-512 VNNI (and the VNNI kernel built): "vnni", cpllm/kernels/int4_matmul.c, for every row count.
-- else AVX2 + FMA + F16C (and the AVX2 kernel built): "avx2", cpllm/kernels/int4_avx2.c. Few rows (decode) run
-  its integer dot products; from `gemm_from_rows` rows on (prefill) the weight is dequantized tile by tile for
-  float32 GEMMs. The threshold is measured at start-up: both ways on one SmolLM2-sized layer at a few row counts,
-  the threshold that minimizes the time per row summed over the probed counts.
-- else aten's int4 kernel ("aten", bfloat16 activations).
+- The integer kernel, for few rows (decode): AVX-512 VNNI (and that kernel built): "vnni",
+  cpllm/kernels/int4_matmul.c; else AVX2 + FMA + F16C (and that kernel built): "avx2", cpllm/kernels/int4_avx2.c;
+  else aten's int4 kernel ("aten", bfloat16 activations, no threshold).
+- The GEMMs, for many rows (prefill): from `gemm_from_rows` rows on, the weight is dequantized tile by tile for
+  torch's GEMMs (int4_gemm.py), in bfloat16 where the CPU reports bf16 dot products (AVX-512 BF16) or AMX tiles,
+  which oneDNN runs, else in float32. The start-up measurement times the integer kernel and each candidate GEMM
+  dtype on one SmolLM2-sized layer at a few row counts; the dtype fastest at the largest count is taken, and the
+  threshold that minimizes the time per row summed over the probed counts (`NEVER` where the GEMMs never win).
 The features come from /proc/cpuinfo (`cpu_features`, which tests replace); a kernel also reports whether it was
 compiled for them (`-march=native`), and both must agree. `CPLLM_KERNELS=0` gives "aten".
 """
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from cpllm.kernels import int4_avx2, int4_matmul
+from cpllm.kernels import int4_avx2, int4_gemm, int4_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +48,9 @@ class CpuFeatures:
     avx512_vnni: bool
     """vpdpbusd on 512-bit vectors (the VNNI kernel)."""
     avx512_bf16: bool
-    """bfloat16 dot products (reported, no kernel of this module uses them yet)."""
+    """bfloat16 dot products (vdpbf16ps): the prefill GEMMs may run in bfloat16."""
     amx: bool
-    """AMX tiles, bf16 or int8 (reported, no kernel of this module uses them yet)."""
+    """AMX tiles, bf16 or int8: the prefill GEMMs may run in bfloat16 (oneDNN's AMX path)."""
 
     @classmethod
     def from_flags(cls, flags: set[str]) -> "CpuFeatures":
@@ -69,73 +71,104 @@ def cpu_features() -> CpuFeatures:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class Int4Choice:
-    """The int4 kernel this process runs, and what the start-up measurement found."""
+    """The int4 kernels this process runs, and what the start-up measurement found."""
 
     backend: str
-    """"vnni", "avx2" or "aten" (see the module)."""
+    """The integer kernel: "vnni", "avx2" or "aten" (see the module)."""
     gemm_from_rows: int
-    """avx2: rows from which a call dequantizes for float32 GEMMs (`NEVER`: it never does); else 0, unused."""
+    """Rows from which a call dequantizes for GEMMs (`NEVER`: it never does; aten: unused)."""
+    gemm_dtype: str
+    """"bfloat16" or "float32": the GEMMs' dtype ("" for aten)."""
     decode_gbps: float
-    """avx2: int4 weight bytes per second of the integer kernel at 1 row, 1 thread (0 where not measured)."""
-    gemm_gflops: float
-    """avx2: useful GFLOP/s on 1 thread of the dequantize-and-GEMM way at the largest probed row count (0 where not measured)."""
+    """int4 weight bytes per second of the integer kernel at 1 row, 1 thread (0 where not measured)."""
+    gemm_gflops: dict[str, float]
+    """Useful GFLOP/s on 1 thread of the dequantize-and-GEMM way in each measured dtype, at the largest probed row
+    count (empty where not measured)."""
     reason: str
-    """Why this kernel: the features found, or what was missing."""
+    """Why these kernels: the features found, or what was missing."""
+
+
+def gemm_dtypes(features: CpuFeatures) -> tuple[str, ...]:
+    """The GEMM dtypes worth measuring on this CPU: bfloat16 only where it reports bf16 dot products or tiles."""
+    return ("float32", "bfloat16") if features.avx512_bf16 or features.amx else ("float32",)
 
 
 def choose(features: CpuFeatures | None = None) -> Int4Choice:
-    """The kernel for this CPU (`features`: what it reports, read from /proc/cpuinfo by default)."""
+    """The kernels for this CPU (`features`: what it reports, read from /proc/cpuinfo by default)."""
     features = cpu_features() if features is None else features
+    dtypes = gemm_dtypes(features) if int4_avx2.available() else ()  # the dequantizer lives in the AVX2 library
     if features.avx512_vnni and int4_matmul.available():
-        return Int4Choice(backend="vnni", gemm_from_rows=0, decode_gbps=0.0, gemm_gflops=0.0,
-                          reason="AVX-512 VNNI")
+        return measured_choice("vnni", dtypes, "AVX-512 VNNI" + _bf16_note(features))
     missing = [name for name in ("avx2", "fma", "f16c") if not getattr(features, name)]
     if not missing and int4_avx2.available():
-        return avx2_choice()
+        return measured_choice("avx2", dtypes, "AVX2 + FMA + F16C, no AVX-512 VNNI" + _bf16_note(features))
     why = f"no {', '.join(missing)}" if missing else "AVX2 kernel not built or kernels off"
-    return Int4Choice(backend="aten", gemm_from_rows=0, decode_gbps=0.0, gemm_gflops=0.0,
+    return Int4Choice(backend="aten", gemm_from_rows=0, gemm_dtype="", decode_gbps=0.0, gemm_gflops={},
                       reason=f"no AVX-512 VNNI; {why}")
 
 
+def choose_backend(backend: str) -> Int4Choice:
+    """The integer kernel `backend` asked for by name ("vnni", "avx2", "aten"), with this CPU's measured GEMMs."""
+    if backend == "aten":
+        return Int4Choice(backend="aten", gemm_from_rows=0, gemm_dtype="", decode_gbps=0.0, gemm_gflops={},
+                          reason="asked for")
+    features = cpu_features()
+    return measured_choice(backend, gemm_dtypes(features) if int4_avx2.available() else (),
+                           "asked for" + _bf16_note(features))
+
+
+def _bf16_note(features: CpuFeatures) -> str:
+    found = [name for name, present in (("AVX-512 BF16", features.avx512_bf16), ("AMX", features.amx)) if present]
+    return f"; {' + '.join(found)}" if found else ""
+
+
 @functools.cache
-def avx2_choice() -> Int4Choice:
-    """The avx2 kernel with its measured threshold, measured once per process on one thread (both ways split
-    their work over threads alike, so the threshold holds at any count, and one thread on a shared machine is the
-    least disturbed by other load), and logged."""
+def measured_choice(backend: str, dtypes: tuple[str, ...], reason: str) -> Int4Choice:
+    """The integer kernel `backend` with the GEMM dtype and threshold measured once per process on one thread
+    (both ways split their work over threads alike, so the threshold holds at any count, and one thread on a
+    shared machine is the least disturbed by other load), and logged."""
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _measured()
+        choice = _measured(backend, dtypes, reason)
     finally:
         torch.set_num_threads(saved)
+    rates = ", ".join(f"{dtype} {rate:.1f}" for dtype, rate in choice.gemm_gflops.items())
+    logger.info("int4 kernel: %s (%s); measured on 1 thread: decode by int8 dot products at %.2f GB/s of weights, "
+                "dequantized GEMMs at %d rows %s GFLOP/s; %s GEMMs from %s rows", backend, reason,
+                choice.decode_gbps, max(PROBE_ROWS), rates or "(none)", choice.gemm_dtype or "no",
+                "no" if choice.gemm_from_rows == NEVER else choice.gemm_from_rows)
+    return choice
 
 
-def _measured() -> Int4Choice:
+def _measured(backend: str, dtypes: tuple[str, ...], reason: str) -> Int4Choice:
     out_features, in_features = PROBE_SHAPE
     gen = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 16, PROBE_SHAPE, dtype=torch.uint8, generator=gen)
     d = torch.rand(out_features, in_features // 32, generator=gen) * 0.01
     packed = int4_matmul.pack(codes, d, -8 * d)
     x = torch.randn(max(PROBE_ROWS), in_features, generator=gen)
-    int_one = _best_seconds([lambda: int4_avx2.matmul(x[:1], packed, out_features)])[0]
-    per_row = []  # (integer, gemm) seconds per row at each probed count
+    integer = int4_gemm.INTEGER_KERNELS[backend]
+    int_one = _best_seconds([lambda: integer(x[:1], packed, out_features)])[0]
+    per_row = []  # (integer, gemm in each dtype...) seconds per row at each probed count
     for rows in PROBE_ROWS:
-        times = _best_seconds([lambda: int4_avx2.matmul(x[:rows], packed, out_features),
-                               lambda: int4_avx2.dequantized_matmul(x[:rows], packed, out_features)])
-        per_row.append((times[0] / rows, times[1] / rows))
-    gemm_seconds = per_row[-1][1] * max(PROBE_ROWS)
-    # the threshold with the least time per row summed over the probes: one noisy probe cannot move it far
-    costs = {limit: sum(gemm if rows >= limit else integer for rows, (integer, gemm) in zip(PROBE_ROWS, per_row))
-             for limit in (*PROBE_ROWS, NEVER)}
-    gemm_from_rows = min(costs, key=costs.get)
-    choice = Int4Choice(backend="avx2", gemm_from_rows=gemm_from_rows, decode_gbps=round(packed.numel() / int_one / 1e9, 2),
-                        gemm_gflops=round(2 * max(PROBE_ROWS) * out_features * in_features / gemm_seconds / 1e9, 1),
-                        reason="AVX2 + FMA + F16C, no AVX-512 VNNI")
-    logger.info("int4 kernel: avx2 (%s); measured on 1 thread: decode by int8 dot products at %.2f GB/s of "
-                "weights, dequantized float32 GEMMs from %s rows (%.1f GFLOP/s at %d rows)", choice.reason,
-                choice.decode_gbps, "no" if gemm_from_rows == NEVER else gemm_from_rows, choice.gemm_gflops,
-                max(PROBE_ROWS))
-    return choice
+        calls = [lambda: integer(x[:rows], packed, out_features)]
+        calls += [lambda dtype=int4_gemm.GEMM_DTYPES[name]: int4_gemm.dequantized_matmul(x[:rows], packed,
+                                                                                         out_features, dtype)
+                  for name in dtypes]
+        per_row.append([seconds / rows for seconds in _best_seconds(calls)])
+    flops = 2 * out_features * in_features
+    gflops = {name: round(flops / per_row[-1][1 + i] / 1e9, 1) for i, name in enumerate(dtypes)}
+    gemm_from_rows, gemm_dtype = NEVER, ""
+    if dtypes:
+        best = min(range(len(dtypes)), key=lambda i: per_row[-1][1 + i])
+        gemm_dtype = dtypes[best]
+        # the threshold with the least time per row summed over the probes: one noisy probe cannot move it far
+        costs = {limit: sum(times[1 + best] if rows >= limit else times[0] for rows, times in zip(PROBE_ROWS, per_row))
+                 for limit in (*PROBE_ROWS, NEVER)}
+        gemm_from_rows = min(costs, key=costs.get)
+    return Int4Choice(backend=backend, gemm_from_rows=gemm_from_rows, gemm_dtype=gemm_dtype,
+                      decode_gbps=round(packed.numel() / int_one / 1e9, 2), gemm_gflops=gflops, reason=reason)
 
 
 def _best_seconds(calls: list, rounds: int = 3) -> list[float]:

@@ -32,10 +32,10 @@ SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
     "int4_matmul": {"cpllm_int4_matmul": ([_p, _i64, _i, _p, _i, _p, _i], _i),
                     "cpllm_int4_available": ([], _i)},
     "int4_avx2": {"cpllm_int4_avx2_matmul": ([_p, _i64, _i, _p, _i, _p, _i], _i),
-                  "cpllm_int4_avx2_dequantize": ([_p, _i, _i, _i64, _i64, _p, _i], _i),
+                  "cpllm_int4_avx2_dequantize": ([_p, _i, _i, _i64, _i64, _p, _i, _i], _i),
                   "cpllm_int4_avx2_available": ([], _i)},
-    "prefill_attention": {"cpllm_prefill_attention": (
-        [_p, _i64, _p, _p, _i64, _i, _i, _i, _i, _i, _f, _i, _i, _p, _p], _i)},
+    "prefill_attention": {name: ([_p, _i64, _p, _p, _i64, _i, _i, _i, _i, _i, _f, _i, _i, _p, _p], _i)
+                          for name in ("cpllm_prefill_attention", "cpllm_prefill_attention_bf16")},
     "decode_layer": {"cpllm_decode_layer": _layer_call, "cpllm_decode_layer_tp": _layer_call,
                      "cpllm_f32_available": ([], _i), "cpllm_team_barrier": ([_p], _i),
                      "cpllm_f32_matmul_cols": ([_p, _i64, _i64, _p, _i64, _i64, _i64, _p, _i64, _i], _i),

@@ -27,6 +27,8 @@
 #define IN_REGISTER(x) __asm__("" : "+v"(x))
 
 enum { ROWS = 64, VECS = ROWS / 16, BLOCK_KEYS = 64, MAX_D = 256 };
+/* bytes of the bf16 variant's per-thread pairs (PairTile): q pairs and probability pairs */
+enum { PAIR_TILE_BYTES = (MAX_D / 2 + BLOCK_KEYS / 2) * ROWS * 4 };
 
 typedef struct {
     const float *q, *k, *v;
@@ -44,24 +46,34 @@ typedef struct {
     int32_t pos[ROWS];              /* last key each row may see (causal), or n_k - 1 */
 } Tile __attribute__((aligned(64)));
 
-/* Rows [r0, r0 + ROWS) of KV head g: row r is query position r / group, head g * group + r % group. */
-static void load_tile(const Problem *p, int g, int r0, Tile *t) {
-    const int group = p->hq / p->hkv, rows_total = p->n_q * group;
+/* Row r of a tile of KV head g: query position r / group, head g * group + r % group; its q row, or NULL past the
+ * last row (padding: sees key 0 only, its output is never written). Sets the row's last visible key. */
+static const float *tile_row(const Problem *p, int g, int row, Tile *t, int r) {
+    const int group = p->hq / p->hkv;
+    if (row >= p->n_q * group) {
+        t->pos[r] = 0;
+        return NULL;
+    }
+    const int i = row / group, h = g * group + row % group;
+    t->pos[r] = p->causal ? i : p->n_k - 1;
+    return p->q + i * p->q_stride + (int64_t)h * p->d;
+}
+
+static void reset_rows(const Problem *p, Tile *t) {
     for (int r = 0; r < ROWS; r++) {
-        const int row = r0 + r;
-        if (row < rows_total) {
-            const int i = row / group, h = g * group + row % group;
-            const float *src = p->q + i * p->q_stride + (int64_t)h * p->d;
-            for (int c = 0; c < p->d; c++) t->qt[c][r] = src[c] * p->scale;
-            t->pos[r] = p->causal ? i : p->n_k - 1;
-        } else {  /* padding: sees key 0 only, its output is never written */
-            for (int c = 0; c < p->d; c++) t->qt[c][r] = 0.0f;
-            t->pos[r] = 0;
-        }
         t->m[r] = -INFINITY;
         t->l[r] = 0.0f;
     }
     memset(t->ot, 0, sizeof(float) * ROWS * p->d);
+}
+
+/* Rows [r0, r0 + ROWS) of KV head g, scale * q transposed into qt. */
+static void load_tile(const Problem *p, int g, int r0, Tile *t) {
+    for (int r = 0; r < ROWS; r++) {
+        const float *src = tile_row(p, g, r0 + r, t, r);
+        for (int c = 0; c < p->d; c++) t->qt[c][r] = src != NULL ? src[c] * p->scale : 0.0f;
+    }
+    reset_rows(p, t);
 }
 
 /* st[j][row] = k_{k0 + j} . qt[:, row] for j < count (a multiple of 4 or the block's tail). */
@@ -168,15 +180,22 @@ static void store_tile(const Problem *p, int g, int r0, const Tile *t) {
     }
 }
 
-static void run_tile(const Problem *p, int g, int r0, Tile *t) {
-    load_tile(p, g, r0, t);
-    int lowest = INT32_MAX, highest = 0;  /* the rows' last visible keys */
+/* The keys a loaded tile reads: [0, *end), and the lowest last visible key of its rows (blocks past it mask). */
+static void tile_keys(const Problem *p, int r0, const Tile *t, int *end, int *lowest) {
+    int low = INT32_MAX, highest = 0;
     for (int r = 0; r < ROWS; r++) {
         if (r0 + r >= p->n_q * (p->hq / p->hkv)) break;
-        lowest = t->pos[r] < lowest ? t->pos[r] : lowest;
+        low = t->pos[r] < low ? t->pos[r] : low;
         highest = t->pos[r] > highest ? t->pos[r] : highest;
     }
-    const int end = highest + 1 < p->n_k ? highest + 1 : p->n_k;
+    *end = highest + 1 < p->n_k ? highest + 1 : p->n_k;
+    *lowest = low;
+}
+
+static void run_tile(const Problem *p, int g, int r0, Tile *t) {
+    load_tile(p, g, r0, t);
+    int end, lowest;
+    tile_keys(p, r0, t, &end, &lowest);
     for (int k0 = 0; k0 < end; k0 += BLOCK_KEYS) {
         const int count = end - k0 < BLOCK_KEYS ? end - k0 : BLOCK_KEYS;
         block_scores(p, g, k0, count, t);
@@ -186,23 +205,32 @@ static void run_tile(const Problem *p, int g, int r0, Tile *t) {
     store_tile(p, g, r0, t);
 }
 
-int cpllm_prefill_attention(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
-                            int n_q, int n_k, int hq, int hkv, int d, float scale, int causal,
-                            int threads, float *out, float *lse) {
-    if (d > MAX_D || d % 4 || hq % hkv || n_k <= 0) return 1;
-    const Problem p = {.q = q, .k = k, .v = v, .q_stride = q_stride, .kv_stride = kv_stride, .n_q = n_q,
-                       .n_k = n_k, .hq = hq, .hkv = hkv, .d = d, .causal = causal,
-                       .scale = scale, .out = out, .lse = lse};
+/* The bfloat16 packing of K and V (bf16 variant only): kb [hkv][n_k][d] bf16 keys, vp [hkv][ceil(n_k / 2)][d]
+ * pairs (v_{2j}[c], v_{2j+1}[c]) of bf16 values in one 32-bit word, the odd tail's partner 0. NULL: fp32 kernel. */
+typedef struct {
+    uint16_t *kb;
+    uint32_t *vp;
+} Packed;
+
+typedef void (*TileRun)(const Problem *, const Packed *, int g, int r0, Tile *);
+
+static void run_tile_f32(const Problem *p, const Packed *packed, int g, int r0, Tile *t) {
+    (void)packed;
+    run_tile(p, g, r0, t);
+}
+
+/* Every (KV head, tile of ROWS rows) item over `threads`, the causal tiles that see the most keys first. */
+static int run_items(const Problem *p, const Packed *packed, TileRun run, int threads) {
     int failed = 0;
-    const int tiles_per_head = (n_q * (hq / hkv) + ROWS - 1) / ROWS, items = tiles_per_head * hkv;
+    const int tiles_per_head = (p->n_q * (p->hq / p->hkv) + ROWS - 1) / ROWS, items = tiles_per_head * p->hkv;
 #pragma omp parallel num_threads(threads)
     {
-        Tile *tile = aligned_alloc(64, sizeof(Tile));
-        /* Causal tiles near the end see the most keys: hand those out first. */
+        /* room for the bf16 variant's PairTile behind the tile (run_tile_bf16) */
+        Tile *tile = aligned_alloc(64, ((sizeof(Tile) + 63) / 64) * 64 + PAIR_TILE_BYTES);
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < items; item++) {
-            const int t = tiles_per_head - 1 - item / hkv, g = item % hkv;
-            if (tile != NULL) run_tile(&p, g, t * ROWS, tile);
+            const int t = tiles_per_head - 1 - item / p->hkv, g = item % p->hkv;
+            if (tile != NULL) run(p, packed, g, t * ROWS, tile);
         }
         if (tile == NULL) {
 #pragma omp atomic write
@@ -213,7 +241,202 @@ int cpllm_prefill_attention(const float *q, int64_t q_stride, const float *k, co
     return failed ? 3 : 0;
 }
 
+static Problem make_problem(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
+                            int n_q, int n_k, int hq, int hkv, int d, float scale, int causal, float *out,
+                            float *lse) {
+    const Problem p = {.q = q, .k = k, .v = v, .q_stride = q_stride, .kv_stride = kv_stride, .n_q = n_q,
+                       .n_k = n_k, .hq = hq, .hkv = hkv, .d = d, .causal = causal,
+                       .scale = scale, .out = out, .lse = lse};
+    return p;
+}
+
+int cpllm_prefill_attention(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
+                            int n_q, int n_k, int hq, int hkv, int d, float scale, int causal,
+                            int threads, float *out, float *lse) {
+    if (d > MAX_D || d % 4 || hq % hkv || n_k <= 0) return 1;
+    const Problem p = make_problem(q, q_stride, k, v, kv_stride, n_q, n_k, hq, hkv, d, scale, causal, out, lse);
+    return run_items(&p, NULL, run_tile_f32, threads);
+}
+
+#if defined(__AVX512BF16__)
+/* The bfloat16 variant: the same tiles, online softmax, float32 output and log-sum-exp, but both products on
+ * vdpbf16ps (two bf16 products summed into each float32 lane per instruction, float32 accumulation). q (scaled),
+ * K, V and the probabilities are rounded to bf16 to nearest even; scores, the softmax and the output stay float32.
+ * Scores pair q's dimensions (qp: [d / 2][row] words, a key's pair broadcast); values pair consecutive keys (pp:
+ * [key / 2][row] words of probabilities, a value pair of the packed V broadcast). */
+typedef struct {
+    uint32_t qp[MAX_D / 2][ROWS];
+    uint32_t pp[BLOCK_KEYS / 2][ROWS];
+} PairTile __attribute__((aligned(64)));
+_Static_assert(sizeof(PairTile) <= PAIR_TILE_BYTES, "the tiles' allocation holds a PairTile");
+
+static inline uint32_t bf16_of(float x) {  /* round to nearest even; finite inputs */
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+
+/* 16 floats (masked) -> their bf16 in the low halves of 16 words. */
+static inline __m512i bf16_words(__mmask16 mask, const float *src) {
+    return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, src)));
+}
+
+static void pack_kv(const Problem *p, Packed *packed, int threads) {
+    const int pairs = (p->n_k + 1) / 2, d = p->d;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t item = 0; item < (int64_t)p->hkv * pairs; item++) {
+        const int g = (int)(item / pairs), j2 = (int)(item % pairs), j = 2 * j2;
+        const float *k0 = p->k + (int64_t)j * p->kv_stride + (int64_t)g * d;
+        const float *v0 = p->v + (int64_t)j * p->kv_stride + (int64_t)g * d;
+        const int partner = j + 1 < p->n_k;
+        uint16_t *kb = packed->kb + ((int64_t)g * p->n_k + j) * d;
+        uint32_t *vp = packed->vp + ((int64_t)g * pairs + j2) * d;
+        for (int c = 0; c < d; c += 16) {
+            const __mmask16 mask = d - c >= 16 ? 0xFFFF : (__mmask16)((1u << (d - c)) - 1);
+            const __m512i lo = bf16_words(mask, v0 + c);
+            const __m512i hi = partner ? bf16_words(mask, v0 + p->kv_stride + c) : _mm512_setzero_si512();
+            _mm512_mask_storeu_epi32(vp + c, mask, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+        for (int row = 0; row <= partner; row++)
+            for (int c = 0; c < d; c++) kb[row * d + c] = (uint16_t)bf16_of(k0[row * p->kv_stride + c]);
+    }
+}
+
+static void load_tile_bf16(const Problem *p, int g, int r0, Tile *t, PairTile *pt) {
+    for (int r = 0; r < ROWS; r++) {
+        const float *src = tile_row(p, g, r0 + r, t, r);
+        for (int c = 0; c < p->d / 2; c++)
+            pt->qp[c][r] = src == NULL ? 0u
+                                       : bf16_of(src[2 * c] * p->scale) | bf16_of(src[2 * c + 1] * p->scale) << 16;
+    }
+    reset_rows(p, t);
+}
+
+/* st[j][row] = k_{k0 + j} . q_row for j < count, from the bf16 pairs. */
+static void block_scores_bf16(const Problem *p, const uint16_t *kb, int k0, int count, const PairTile *pt,
+                              Tile *t) {
+    const int half = p->d / 2;
+    int j = 0;
+    for (; j + 4 <= count; j += 4) {
+        __m512 acc[4][VECS];
+        for (int a = 0; a < 4; a++)
+            for (int b = 0; b < VECS; b++) acc[a][b] = _mm512_setzero_ps();
+        const uint32_t *k_rows[4];
+        for (int a = 0; a < 4; a++) k_rows[a] = (const uint32_t *)(kb + (int64_t)(k0 + j + a) * p->d);
+        for (int c = 0; c < half; c++) {
+            __m512i qv[VECS];
+            for (int b = 0; b < VECS; b++) {
+                qv[b] = _mm512_load_si512((const void *)&pt->qp[c][16 * b]);
+                IN_REGISTER(qv[b]);
+            }
+            for (int a = 0; a < 4; a++) {
+                const __m512bh kc = (__m512bh)_mm512_set1_epi32((int)k_rows[a][c]);
+                for (int b = 0; b < VECS; b++) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], kc, (__m512bh)qv[b]);
+            }
+        }
+        for (int a = 0; a < 4; a++)
+            for (int b = 0; b < VECS; b++) _mm512_store_ps(&t->st[j + a][16 * b], acc[a][b]);
+    }
+    for (; j < count; j++) {
+        __m512 acc[VECS];
+        for (int b = 0; b < VECS; b++) acc[b] = _mm512_setzero_ps();
+        const uint32_t *kr = (const uint32_t *)(kb + (int64_t)(k0 + j) * p->d);
+        for (int c = 0; c < half; c++) {
+            const __m512bh kc = (__m512bh)_mm512_set1_epi32((int)kr[c]);
+            for (int b = 0; b < VECS; b++)
+                acc[b] = _mm512_dpbf16_ps(acc[b], kc, (__m512bh)_mm512_load_si512((const void *)&pt->qp[c][16 * b]));
+        }
+        for (int b = 0; b < VECS; b++) _mm512_store_ps(&t->st[j][16 * b], acc[b]);
+    }
+}
+
+/* pp[j2][row] = the bf16 probabilities of keys 2 j2 and 2 j2 + 1 (0 past count). */
+static void pack_probabilities(int count, const Tile *t, PairTile *pt) {
+    for (int j2 = 0; 2 * j2 < count; j2++)
+        for (int b = 0; b < VECS; b++) {
+            const __m512i lo = bf16_words(0xFFFF, &t->st[2 * j2][16 * b]);
+            const __m512i hi = 2 * j2 + 1 < count ? bf16_words(0xFFFF, &t->st[2 * j2 + 1][16 * b])
+                                                  : _mm512_setzero_si512();
+            _mm512_store_si512((void *)&pt->pp[j2][16 * b], _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+}
+
+/* ot[c][row] += sum_j v_{k0 + j}[c] p[j][row] over key pairs, four output dimensions at a time (k0 is even). */
+static void block_values_bf16(const Problem *p, const uint32_t *vp, int k0, int count, const PairTile *pt,
+                              Tile *t) {
+    const int pairs = (count + 1) / 2;
+    const uint32_t *vbase = vp + (int64_t)(k0 / 2) * p->d;
+    for (int c = 0; c < p->d; c += 4) {
+        __m512 acc[4][VECS];
+        for (int a = 0; a < 4; a++)
+            for (int b = 0; b < VECS; b++) acc[a][b] = _mm512_load_ps(&t->ot[c + a][16 * b]);
+        for (int j2 = 0; j2 < pairs; j2++) {
+            const uint32_t *vr = vbase + (int64_t)j2 * p->d + c;
+            __m512i pv[VECS];
+            for (int b = 0; b < VECS; b++) {
+                pv[b] = _mm512_load_si512((const void *)&pt->pp[j2][16 * b]);
+                IN_REGISTER(pv[b]);
+            }
+            for (int a = 0; a < 4; a++) {
+                const __m512bh vc = (__m512bh)_mm512_set1_epi32((int)vr[a]);
+                for (int b = 0; b < VECS; b++) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], vc, (__m512bh)pv[b]);
+            }
+        }
+        for (int a = 0; a < 4; a++)
+            for (int b = 0; b < VECS; b++) _mm512_store_ps(&t->ot[c + a][16 * b], acc[a][b]);
+    }
+}
+
+static void run_tile_bf16(const Problem *p, const Packed *packed, int g, int r0, Tile *t) {
+    PairTile *pt = (PairTile *)((char *)t + ((sizeof(Tile) + 63) / 64) * 64);  /* allocated behind the tile */
+    load_tile_bf16(p, g, r0, t, pt);
+    int end, lowest;
+    tile_keys(p, r0, t, &end, &lowest);
+    const uint16_t *kb = packed->kb + (int64_t)g * p->n_k * p->d;
+    const uint32_t *vp = packed->vp + (int64_t)g * ((p->n_k + 1) / 2) * p->d;
+    for (int k0 = 0; k0 < end; k0 += BLOCK_KEYS) {
+        const int count = end - k0 < BLOCK_KEYS ? end - k0 : BLOCK_KEYS;
+        block_scores_bf16(p, kb, k0, count, pt, t);
+        block_softmax(p, k0, count, k0 + count - 1 > lowest, t);
+        pack_probabilities(count, t, pt);
+        block_values_bf16(p, vp, k0, count, pt, t);
+    }
+    store_tile(p, g, r0, t);
+}
+#endif
+
+/* As cpllm_prefill_attention, on bf16 dot products (see above); 2 where not built with AVX-512 BF16. */
+int cpllm_prefill_attention_bf16(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
+                                 int n_q, int n_k, int hq, int hkv, int d, float scale, int causal,
+                                 int threads, float *out, float *lse) {
+#if defined(__AVX512BF16__)
+    if (d > MAX_D || d % 4 || hq % hkv || n_k <= 0) return 1;
+    const Problem p = make_problem(q, q_stride, k, v, kv_stride, n_q, n_k, hq, hkv, d, scale, causal, out, lse);
+    const int64_t pairs = (n_k + 1) / 2;
+    Packed packed = {.kb = aligned_alloc(64, ((size_t)hkv * n_k * d * sizeof(uint16_t) + 63) / 64 * 64),
+                     .vp = aligned_alloc(64, ((size_t)hkv * pairs * d * sizeof(uint32_t) + 63) / 64 * 64)};
+    int status = 3;
+    if (packed.kb != NULL && packed.vp != NULL) {
+        pack_kv(&p, &packed, threads);
+        status = run_items(&p, &packed, run_tile_bf16, threads);
+    }
+    free(packed.kb);
+    free(packed.vp);
+    return status;
 #else
+    (void)q, (void)q_stride, (void)k, (void)v, (void)kv_stride, (void)n_q, (void)n_k, (void)hq, (void)hkv, (void)d;
+    (void)scale, (void)causal, (void)threads, (void)out, (void)lse;
+    return 2;
+#endif
+}
+
+#else
+int cpllm_prefill_attention_bf16(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
+                                 int n_q, int n_k, int hq, int hkv, int d, float scale, int causal,
+                                 int threads, float *out, float *lse) {
+    return 2;  /* no AVX-512 on this machine: the caller runs its torch path */
+}
+
 int cpllm_prefill_attention(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
                             int n_q, int n_k, int hq, int hkv, int d, float scale, int causal,
                             int threads, float *out, float *lse) {

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from cpllm.layers.gqa import local_attention
 from cpllm.kernels.decode_rows import store_rows_
+from cpllm.kernels.prefill_attention import has_bf16_products
 
 
 def _store_kv(k_pool, v_pool, slots, k, v, rows) -> None:
@@ -50,3 +51,15 @@ class GQAPagedBackend:
     decode_context = staticmethod(local_attention.gather_decode_context)
     attend_gathered_decode = staticmethod(local_attention.attend_gathered_decode)
     decode_form = staticmethod(local_attention.decode_form)
+    bf16_products = False
+    """Prefill attention runs on bf16 dot products (`use_bf16_products`); False: float32, exact to its rounding."""
+
+    def use_bf16_products(self) -> bool:
+        """Prefill attention on bf16 dot products from now on, where this CPU has them (AVX-512 BF16); whether it
+        does. For a model whose attention weights already run an approximate format (the caller's decision: the
+        float32 path stays exact)."""
+        if not has_bf16_products():
+            return False
+        self.attend = local_attention.attend_bf16  # shadows the class's function for this instance only
+        self.bf16_products = True
+        return True

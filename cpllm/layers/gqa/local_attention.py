@@ -13,10 +13,11 @@ from cpllm.kernels.decode_attention import paged_decode_attention
 from cpllm.kernels.prefill_attention import prefill_attention
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+           bf16_products: bool = False):
     # q [L, Hq, D], k/v [S, Hkv, D] -> out [L, Hq, D], lse [L, Hq]
     if q.shape[0] and k.shape[0]:
-        fast = prefill_attention(q, k, v, scale, causal)  # the C kernel on CPU float32, else None
+        fast = prefill_attention(q, k, v, scale, causal, bf16_products)  # the C kernel on CPU float32, else None
         if fast is not None:
             return fast
     out, lse = attention_with_lse(
@@ -24,6 +25,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, caus
         scale=scale, causal=causal,
     )
     return out[0].transpose(0, 1), lse[0].transpose(0, 1)
+
+
+def attend_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):
+    """`attend` on bf16 dot products where the C kernel runs them (cpllm/kernels/prefill_attention.py)."""
+    return attend(q, k, v, scale, causal, bf16_products=True)
 
 
 def attend_single_tokens(q, k_ctx, v_ctx, decode, scale: float, every_row_sees_a_key: bool = False,

@@ -37,7 +37,7 @@ from cpllm.model.mlp_split import DecodeSplitMLP, can_split
 from cpllm.model.moe.sparse_block import SparseMoEBlock
 from cpllm.model.moe.log import moe_summary_lines
 from cpllm.model.layer_kinds_log import layer_kinds_lines
-from cpllm.model.formats.report import summary_lines
+from cpllm.model.formats.report import summary_lines, weight_bytes
 from cpllm.model.rope import RotaryEmbedding, apply_rope
 
 logger = logging.getLogger(__name__)
@@ -240,12 +240,23 @@ class LlamaForCausalLM(torch.nn.Module):
                 module.after_load(source)
         for line in summary_lines(self, self.config.quantization) + moe_summary_lines(self) + layer_kinds_lines(self):
             logger.info("%s", line)
+        self.choose_prefill_attention()
         reason = self.eager_decode_reason()
         if reason is not None:
             logger.info("decode steps: eager layers (%s)", reason)
             self.fused_decode = None
         else:
             self.fused_decode = FusedDecode.build(self)
+
+    def choose_prefill_attention(self) -> None:
+        """Prefill attention on bf16 dot products where the attention's projections already run an approximate
+        format (the default path's int4 / int8 groups) and the backend and CPU can (docs/platform.md); the float32
+        path (`--quantization none`) keeps the float32 kernel, exact to its rounding."""
+        use = getattr(self.attention_backend, "use_bf16_products", None)
+        approximate = any(set(weight_bytes(layer.self_attn.qkv_proj)) - {"float"} for layer in self.layers)
+        if use is not None and approximate:
+            how = "bf16 dot products" if use() else "float32 (no AVX-512 BF16 here)"
+            logger.info("prefill attention: %s, the attention projections being approximate formats", how)
 
     def eager_decode_reason(self) -> str | None:
         """Why this model's decode steps never run the fused C layers (FusedDecode), which compute a Llama layer

@@ -6,8 +6,10 @@ Three kernels run the 4-bit groups:
   step and offset kept in float16. Measured on SmolLM2's 30 layers: 1.5x aten's kernel at batch 1 and 3.7x at
   512 rows (benchmarks/int4_kernel.py).
 - else, where it has AVX2 + FMA + F16C, cpllm's AVX2 kernel (cpllm/kernels/int4_avx2.c) on the same packed
-  layout and arithmetic: integer dot products for few rows (decode), and from a row count measured at start-up
-  (prefill) float32 GEMMs on tiles of the weight dequantized in a transient scratch (cpllm/kernels/int4_choice.py).
+  layout and arithmetic.
+  With either, from a row count measured at start-up (prefill), tiles of the weight are dequantized in a transient
+  scratch for torch's GEMMs, in bfloat16 where the CPU has bf16 dot products or AMX, else float32
+  (cpllm/kernels/int4_gemm.py, int4_choice.py).
 - elsewhere aten's (`_weight_int4pack_mm_for_cpu`), fast only with bfloat16 activations (float32 ones take a
   scalar path, ~10x slower; docs/platform.md, "PyTorch on the CPU"), so the input is cast to bfloat16 and the result back; it keeps
   each group's scale and zero in bfloat16 and returns bfloat16. Its packing wants output rows in multiples of
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from cpllm.config.engine import QUANT_GROUP
-from cpllm.kernels import int4_avx2, int4_choice, int4_matmul
+from cpllm.kernels import int4_avx2, int4_choice, int4_gemm, int4_matmul
 from cpllm.model.formats.groups import Int4Groups, Int8Groups
 
 KERNEL_DTYPE = torch.bfloat16
@@ -50,11 +52,13 @@ class Int4Linear(torch.nn.Module):
             raise ValueError("backend='vnni': the VNNI int4 kernel is not built on this machine")
         if backend == "avx2" and not int4_avx2.available():
             raise ValueError("backend='avx2': the AVX2 int4 kernel is not built on this machine")
-        choice = {None: int4_choice.choose, "avx2": int4_choice.avx2_choice}.get(backend, lambda: None)()
-        self.backend = backend or choice.backend
-        """Which kernel runs this layer (see the module)."""
-        self.gemm_from_rows = choice.gemm_from_rows if choice is not None and choice.backend == "avx2" else 0
-        """avx2: rows from which a call runs float32 GEMMs on the dequantized weight (measured at start-up)."""
+        choice = int4_choice.choose() if backend is None else int4_choice.choose_backend(backend)
+        self.backend = choice.backend
+        """Which integer kernel runs this layer (see the module)."""
+        self.gemm_from_rows = choice.gemm_from_rows
+        """vnni / avx2: rows from which a call runs GEMMs on the dequantized weight (measured at start-up)."""
+        self.gemm_dtype = choice.gemm_dtype
+        """vnni / avx2: those GEMMs' dtype, "bfloat16" or "float32" (measured at start-up)."""
         self.weight_format = "int8" if repeat_input == 2 else "int4"
         """What the groups hold, for the start-up log's weight bytes (cpllm/model/formats/report.py)."""
         if self.backend in ("vnni", "avx2"):  # one packed layout for both kernels
@@ -76,12 +80,10 @@ class Int4Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [N, in] -> [N, out] in x.dtype
-        if self.backend == "vnni":
+        if self.backend in ("vnni", "avx2"):
             xk = x.repeat(1, self.repeat_input) if self.repeat_input > 1 else x
-            return int4_matmul.matmul(xk, self.packed, self.out_features).to(x.dtype)
-        if self.backend == "avx2":
-            xk = x.repeat(1, self.repeat_input) if self.repeat_input > 1 else x
-            return int4_avx2.linear(xk, self.packed, self.out_features, self.gemm_from_rows).to(x.dtype)
+            return int4_gemm.linear(xk, self.packed, self.out_features, self.backend, self.gemm_from_rows,
+                                    self.gemm_dtype).to(x.dtype)
         xk = x.to(KERNEL_DTYPE)
         xk = xk.repeat(1, self.repeat_input) if self.repeat_input > 1 else xk.contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xk, self.packed, QUANT_GROUP, self.scales_and_zeros)
