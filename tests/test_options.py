@@ -11,6 +11,7 @@ import pytest
 
 from cpllm.cli import build_parser
 from cpllm.config.speculative import speculative_config
+from cpllm.disagg.config import kv_transfer_config
 from cpllm.engine.llm import LLM, build_engine_config
 from cpllm.engine_args import engine_flags, engine_kwargs
 from cpllm.engine_options import CONFIG_OPTIONS, ENGINE_OPTIONS, OPTIONS, config_field_default, resolve_options
@@ -41,6 +42,10 @@ CHANGED: dict[str, tuple[list[str], object, dict]] = {
     "enforce_eager": (["--enforce-eager"], True, {}),
     "speculative_config": (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
                            {"method": "ngram", "num_speculative_tokens": 3}, {}),
+    "kv_transfer_config": (["--kv-transfer-config", '{"kv_connector": "CpllmConnector", "kv_role": "kv_both", '
+                            '"engine_id": "e1", "kv_port": 23000}'],
+                           {"kv_connector": "CpllmConnector", "kv_role": "kv_both", "engine_id": "e1",
+                            "kv_port": 23000}, {}),
     "distributed_timeout": (["--distributed-timeout", "5.5"], 5.5, {}),
     "collective_transport": (["--collective-transport", "gloo"], "gloo", {}),
     "threads_per_rank": (["--threads-per-rank", "2"], 2, {}),
@@ -98,6 +103,8 @@ def test_every_option_reaches_the_engine_from_the_cli_and_from_llm(folder, name)
     filled = config if section == "engine" else getattr(config, section)
     if name == "speculative_config":  # the dict is validated into its frozen config
         value = speculative_config(value, config.model.vocab_size)
+    if name == "kv_transfer_config":  # likewise (cpllm/disagg/config.py)
+        value = kv_transfer_config(value)
     assert getattr(filled, field) == value
 
 
