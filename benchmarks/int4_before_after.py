@@ -45,9 +45,27 @@ def extract(rev: str, folder: str) -> None:
     subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
 
 
-def run_side(tree: str, threads: int, out: str) -> dict[str, float]:
+def pcp_efficiency(tree: str, length: int, out: str) -> dict[str, float]:
+    """{"cpllm (auto) PCP=2 efficiency <length>": TTFT(1 rank) / (2 TTFT(PCP=2))} of that side's `cpllm bench
+    prefill` on the default weights, one thread per rank, auto strategy (0: not measured)."""
+    argv = [sys.executable, "-m", "cpllm", "bench", "prefill", "-q", "auto", "--lengths", str(length),
+            "--layouts", "1x1x1@1,1x2x1@1", "--strategies", "auto", "--repeats", "1", "--no-ceiling",
+            "--json", out]
+    done = subprocess.run(argv, env={**os.environ, "PYTHONPATH": tree}, cwd=tree, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench prefill failed in {tree}:\n{done.stderr[-3000:]}")
+    with open(out) as f:
+        data = json.load(f)
+    rows = [row for value in data.values() if isinstance(value, list) for row in value
+            if isinstance(row, dict) and "layout" in row and "ttft_s" in row]
+    ttft = {row["layout"].split("@")[0].split("-")[0]: row["ttft_s"] for row in rows}
+    return {f"cpllm (auto) TTFT {length} one rank": ttft["1x1x1"], f"cpllm (auto) TTFT {length} PCP=2": ttft["1x2x1"],
+            f"cpllm (auto) PCP=2 efficiency {length}": round(ttft["1x1x1"] / (2 * ttft["1x2x1"]), 3)}
+
+
+def run_side(tree: str, threads: int, out: str, lengths: str = "2048") -> dict[str, float]:
     """{"<system> <what>": tokens/s} of one compare.py run in `tree`."""
-    argv = [sys.executable, os.path.join(tree, "benchmarks", "compare.py"), "--lengths", "2048",
+    argv = [sys.executable, os.path.join(tree, "benchmarks", "compare.py"), "--lengths", lengths,
             "--threads", str(threads), "--prefill-repeats", "1", "--decode-contexts", "128", "--decode-batches", "1,16",
             "--decode-threads", str(threads), "--decode-steps", "16", "--skip", "llama.cpp", "--no-compiled",
             "--out", out]
@@ -78,6 +96,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-quality", action="store_true")
+    parser.add_argument("--lengths", default="2048", help="prefill lengths of compare.py, comma-separated")
+    parser.add_argument("--pcp-length", type=int, default=0,
+                        help="also PCP=2 prefill efficiency at this many tokens on the default weights (0: off)")
     parser.add_argument("--first", choices=("before", "after"), default="before", help="the side of round 0")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "int4_avx2.json"))
     args = parser.parse_args()
@@ -92,7 +113,9 @@ def main() -> None:
         for r in range(args.rounds):
             order = ("before", "after") if args.first == "before" else ("after", "before")
             for side in order if r % 2 == 0 else order[::-1]:
-                figures = run_side(trees[side], args.threads, os.path.join(tmp, "out.json"))
+                figures = run_side(trees[side], args.threads, os.path.join(tmp, "out.json"), args.lengths)
+                if args.pcp_length:
+                    figures.update(pcp_efficiency(trees[side], args.pcp_length, os.path.join(tmp, "pcp.json")))
                 for key, value in figures.items():
                     runs.setdefault((key, side), []).append(value)
                 print(f"round {r} {side}: {figures}", flush=True)

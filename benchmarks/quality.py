@@ -5,7 +5,9 @@
 For each format (cpllm `auto`, and llama.cpp on the same GGUF file when llama-cpp-python is installed):
 - greedy agreement with cpllm `none` over PROMPTS (the same prompt token ids, MAX_TOKENS greedy tokens each):
   how many completions are identical, and the mean share of each completion before its first differing token;
-- the mean per-token log-likelihood of TEXT, and its mean difference from `none`'s (per token, same ids).
+- the mean per-token log-likelihood of TEXT, and its mean difference from `none`'s (per token, same ids);
+- the same over LONG_TOKENS tokens (TEXT's ids repeated): a prefill long enough for the prefill paths (the int4
+  layers' dequantized GEMMs from a few hundred rows, bf16 GEMMs and attention where the CPU has bf16 dot products).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ PROMPTS = [
     "Summarize the plot of Romeo and Juliet in one sentence.",
 ]
 MAX_TOKENS = 48
+LONG_TOKENS = 2048
+"""Tokens of the long scored text."""
 TEXT = (
     "The river rose slowly through the night, and by morning the lower fields were under water. The farmers "
     "gathered on the bridge to watch, talking quietly about the harvest they had hoped to bring in that week. "
@@ -51,24 +55,27 @@ def chat_ids(llm: LLM, prompt: str) -> list[int]:
 
 
 def cpllm_results(model: str, quantization: str, threads: int) -> dict:
-    with LLM(model, quantization=quantization, max_model_len=1024, kv_cache_memory_bytes=64 << 20,
+    with LLM(model, quantization=quantization, max_model_len=LONG_TOKENS + 64, kv_cache_memory_bytes=256 << 20,
              threads_per_rank=threads) as llm:
         prompts = [chat_ids(llm, p) for p in PROMPTS]
         greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
-        scored = llm.generate([TEXT], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
-    ids = scored.prompt_token_ids
-    logprobs = [scored.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]
+        ids = llm.tokenizer.encode(TEXT)
+        long_ids = (ids * (LONG_TOKENS // len(ids) + 1))[:LONG_TOKENS]
+        scored = llm.generate([{"prompt_token_ids": ids}, {"prompt_token_ids": long_ids}],
+                              SamplingParams(max_tokens=1, prompt_logprobs=0))
+    logprobs = [[out.prompt_logprobs[i][tokens[i]].logprob for i in range(1, len(tokens))]
+                for out, tokens in zip(scored, (ids, long_ids))]
     return {"prompts": prompts, "completions": [list(o.outputs[0].token_ids) for o in outs], "text_ids": ids,
-            "logprobs": logprobs}
+            "logprobs": logprobs[0], "long_ids": long_ids, "long_logprobs": logprobs[1]}
 
 
-def llama_cpp_results(model: str, prompts: list[list[int]], text_ids: list[int], threads: int) -> dict:
-    import numpy as np
+def llama_cpp_results(model: str, prompts: list[list[int]], text_ids: list[int], long_ids: list[int],
+                      threads: int) -> dict:
     from llama_cpp import Llama
 
-    llm = Llama(model_path=model, n_ctx=1024, n_threads=threads, n_threads_batch=threads, logits_all=True,
-                verbose=False)
+    llm = Llama(model_path=model, n_ctx=LONG_TOKENS + 64, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                logits_all=True, verbose=False)
     completions = []
     for prompt in prompts:
         llm.reset()
@@ -78,13 +85,20 @@ def llama_cpp_results(model: str, prompts: list[list[int]], text_ids: list[int],
             tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
             llm.eval([tokens[-1]])
         completions.append(tokens)
+    return {"completions": completions, "logprobs": _llama_cpp_logprobs(llm, text_ids),
+            "long_logprobs": _llama_cpp_logprobs(llm, long_ids)}
+
+
+def _llama_cpp_logprobs(llm, ids: list[int]) -> list[float]:
+    """Each token's logprob after the ones before it, from one evaluation of `ids`."""
+    import numpy as np
+
     llm.reset()
-    llm.eval(text_ids)
-    scores = np.asarray(llm.scores[: len(text_ids)], dtype=np.float64)  # [n, vocab]
+    llm.eval(ids)
+    scores = np.asarray(llm.scores[: len(ids)], dtype=np.float64)  # [n, vocab]
     top = scores.max(axis=1, keepdims=True)
     log_z = (top + np.log(np.exp(scores - top).sum(axis=1, keepdims=True)))[:, 0]
-    logprobs = [float(scores[i - 1, text_ids[i]] - log_z[i - 1]) for i in range(1, len(text_ids))]
-    return {"completions": completions, "logprobs": logprobs}
+    return [float(scores[i - 1, ids[i]] - log_z[i - 1]) for i in range(1, len(ids))]
 
 
 def compare(name: str, result: dict, reference: dict) -> dict:
@@ -94,12 +108,15 @@ def compare(name: str, result: dict, reference: dict) -> dict:
         same += got == want
         shares.append(prefix / len(want))
     diffs = [a - b for a, b in zip(result["logprobs"], reference["logprobs"])]
+    long_diffs = [abs(a - b) for a, b in zip(result["long_logprobs"], reference["long_logprobs"])]
     return {"system": name, "prompts": len(shares), "identical_completions": same,
             "agreement": round(sum(shares) / len(shares), 3),
             "mean_logprob": round(sum(result["logprobs"]) / len(result["logprobs"]), 4),
             "mean_logprob_diff": round(sum(diffs) / len(diffs), 4),
             "mean_abs_logprob_diff": round(sum(abs(d) for d in diffs) / len(diffs), 4),
-            "perplexity": round(math.exp(-sum(result["logprobs"]) / len(result["logprobs"])), 3)}
+            "perplexity": round(math.exp(-sum(result["logprobs"]) / len(result["logprobs"])), 3),
+            f"mean_abs_logprob_diff_{LONG_TOKENS}": round(sum(long_diffs) / len(long_diffs), 4),
+            f"max_abs_logprob_diff_{LONG_TOKENS}": round(max(long_diffs), 4)}
 
 
 def main() -> None:
@@ -116,7 +133,7 @@ def main() -> None:
         rows.append(compare(f"cpllm ({fmt})", cpllm_results(model, fmt, args.threads), reference))
     if llama_cpp_available():
         rows.append(compare("llama.cpp", llama_cpp_results(model, reference["prompts"], reference["text_ids"],
-                                                           args.threads), reference))
+                                                           reference["long_ids"], args.threads), reference))
     else:
         notes.append("llama.cpp skipped: llama-cpp-python is not installed (pip install llama-cpp-python==0.3.36)")
     print_table("quality against cpllm none (float32)", rows)
