@@ -90,12 +90,27 @@ def test_bars_show_the_counts_on_a_terminal():
 
 def test_one_request_has_no_requests_bar_and_an_unlimited_output_no_total():
     stream = FakeTerminal()
-    progress = GenerateProgress(terminal_bars(stream), {"a": (5, None)})
-    progress.after_step({}, [("a", 3, True)])
+    progress = GenerateProgress(functools.partial(terminal_bars(stream), mininterval=0, miniters=1), {"a": (5, None)})
+    progress.after_step({}, [("a", 3, False)])
+    assert "output: 3tok" in stream.getvalue()  # a count and its rate, with no total to reach
+    progress.after_step({}, [("a", 4, True)])
     progress.close()
     assert not bar_text(stream, "requests")
-    assert "output: 3tok" in stream.getvalue()  # a count and its rate, with no total to reach
+    assert bar_text(stream, "output")[-1] == ("4", "4")  # finished: what was generated is the whole
     assert bar_text(stream, "prompt")[-1] == ("5", "5")
+
+
+def test_an_early_stop_fills_the_output_bar_and_an_unfinished_call_does_not():
+    stream = FakeTerminal()
+    progress = GenerateProgress(terminal_bars(stream), {"a": (5, 8)})
+    progress.after_step({}, [("a", 3, True)])  # EOS after 3 of at most 8 tokens
+    progress.close()
+    assert bar_text(stream, "output")[-1] == ("3", "3")
+    stream = FakeTerminal()
+    progress = GenerateProgress(terminal_bars(stream), {"a": (5, 8)})
+    progress.after_step({}, [("a", 3, False)])  # interrupted: the limit stays
+    progress.close()
+    assert bar_text(stream, "output")[-1] == ("3", "8")
 
 
 def test_nothing_is_drawn_off_a_terminal():

@@ -122,7 +122,13 @@ class GenerateBars:
             if shown[name] > bar.n:
                 bar.update(shown[name] - bar.n)
 
-    def close(self) -> None:
+    def close(self, counts: ProgressCounts) -> None:
+        """Once every request has finished, the output bar's total becomes what was generated: a request that
+        stopped before max_tokens (EOS, a stop string) leaves the bar full, not short of a limit never reached."""
+        output = self._bars["output"]
+        if counts.requests_done == counts.requests_total and output.total != counts.output_tokens:
+            output.total = counts.output_tokens
+            output.refresh()
         for bar in self._bars.values():
             bar.close()
 
@@ -143,4 +149,4 @@ class GenerateProgress:
         self.bars.update(self.tally.counts())
 
     def close(self) -> None:
-        self.bars.close()
+        self.bars.close(self.tally.counts())
