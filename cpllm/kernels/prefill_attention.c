@@ -140,6 +140,8 @@ static void block_softmax(const Problem *p, int k0, int count, int masked, Tile 
                                                        alpha, _mm512_setzero_ps());
         _mm512_store_ps(&t->l[16 * b], _mm512_fmadd_ps(_mm512_load_ps(&t->l[16 * b]), zero_first, sum));
         _mm512_store_ps(&t->m[16 * b], m_new);
+        /* No lane's max moved: the factor is exp(0) = 1 exactly in every lane, and the output stays as it is. */
+        if (_mm512_cmp_ps_mask(m_old, m_new, _CMP_EQ_OQ) == 0xFFFF) continue;
         for (int c = 0; c < d; c++)
             _mm512_store_ps(&t->ot[c][16 * b], _mm512_mul_ps(_mm512_load_ps(&t->ot[c][16 * b]), zero_first));
     }
