@@ -58,12 +58,15 @@ LAYOUTS = [
     SparseLayout("v32", pcp=2, interleave=1),
     SparseLayout("glm5", pcp=2, strategy="ring", kv_layout="replicated"),
     SparseLayout("v32", tp=2, pcp=2, interleave=4, strategy="pass-q"),
+    SparseLayout("glm5", tp=2, pcp=2, dcp=2, interleave=2, strategy="ring"),
 ]
 """TP=2 (every rank holds every latent and index key); TP=2 x DCP=2 with each token on one rank in turn
 (interleave 1) and with whole blocks in turn (interleave = block size); PCP=2 sharded (each query's top-k over
 index keys split across both PCP ranks: queries gathered over PCP), PCP=2 replicated (each PCP rank holds the
 whole prefix; decode rows split over PCP, their rows synced to the other copy), TP=2 x PCP=2 sharded at the
-block size; one prefill strategy each (the layer moves its own rows by all-gather under all of them)."""
+block size, TP=2 x PCP=2 x DCP=2 sharded at interleave 2 (four ranks, each holding every fourth pair of positions:
+rows gathered over PCP, heads over DCP); one prefill strategy each (the layer moves its own rows by all-gather
+under all of them)."""
 
 
 @dataclass
