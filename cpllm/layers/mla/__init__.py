@@ -7,5 +7,5 @@ from cpllm.layers.mla.spec import latent_rows, serves
 KIND = LayerKind(name="mla", serves=serves, cache_spec=latent_rows,
                  backends={"mla": "cpllm.layers.mla.backend:MLAPagedBackend"})
 
-PUBLIC_MODULES = ("spec", "attention")
+PUBLIC_MODULES = ("spec", "attention", "backend")
 """Modules other packages may import."""

@@ -1,8 +1,9 @@
 """The sparse-MLA backend: MLA's latent pool (as cpllm/layers/mla/ lays it out) plus the index pool, and
 the absorbed attention of queries over only their selected latent rows, read in place from the paged pool.
 
-The cache of a layer is (latent pool [slots, 1, r + rope], index pool [slots, 1, index_head_dim]). Attention is
-the absorbed MLA form (the layer folds W_UK into the queries and applies W_UV after), in float32:
+The cache of a layer is (latent pool [slots, 1, r + rope], index pool [slots, 1, index_head_dim]); the latent
+pool's protocol methods are MLA's backend's, inherited. Attention is the absorbed MLA form (the layer folds W_UK
+into the queries and applies W_UV after), in float32:
 - `attend_selected`: each row's own selected slots [L, K] gathered from the pool (K <= index_topk rows, never the
   whole context): decode steps;
 - `attend_masked`: rows against one key set [T] with a [L, T] mask of what each row selected: a prompt chunk's
@@ -13,27 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from cpllm.kernels.decode_rows import store_rows_
-from cpllm.layers.gqa import local_attention
-
-
-def _store_latents(k_pool, v_pool, slots, k, v, rows) -> None:
-    # k / v [N, 1, r + rope]: the latent rows, one pool read as both: each row written once
-    if not store_rows_(k_pool, slots, k, rows):
-        k_pool.index_copy_(0, slots, k.index_select(0, rows).to(k_pool.dtype))
-
-
-def _rows_to_move(k, v):
-    return (k,)  # one latent row is both: it travels once
-
-
-def _rows_moved(parts):
-    return parts[0], parts[0]
-
-
-def _context_keys(k_pool, v_pool, slots, dtype):
-    k = k_pool.index_select(0, slots).to(dtype)  # [S, 1, r + rope]
-    return k, k
+from cpllm.layers.mla.backend import MLAPagedBackend
 
 
 def _absorbed(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scale: float, width: int):
@@ -49,22 +30,13 @@ def _absorbed(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scale:
     return out, lse
 
 
-class SparseMLABackend:
+class SparseMLABackend(MLAPagedBackend):
     """MLA's latent pool and the index pool beside it (see the module). The protocol's methods
-    (`AttentionBackend`, cpllm/context_parallel/backend.py) are MLA's absorbed form on one latent head: the GQA
-    implementations over the latent pool read as keys and values, each row stored and moved once."""
+    (`AttentionBackend`, cpllm/context_parallel/backend.py) are MLA's (cpllm/layers/mla/backend.py): the latent pool
+    read as keys and values, each row stored and moved once; this kind adds the index pool and the attention over
+    selected rows."""
 
     name = "sparse_mla"
-    store_kv = staticmethod(_store_latents)
-    attend = staticmethod(local_attention.attend)
-    context_keys = staticmethod(_context_keys)
-    rows_to_move = staticmethod(_rows_to_move)
-    rows_moved = staticmethod(_rows_moved)
-    attend_decode = staticmethod(local_attention.attend_decode)
-    attend_decode_whole = staticmethod(local_attention.attend_pooled_single_tokens)
-    decode_context = staticmethod(local_attention.gather_decode_context)
-    attend_gathered_decode = staticmethod(local_attention.attend_gathered_decode)
-    decode_form = staticmethod(local_attention.decode_form)
 
     @staticmethod
     def store_index(index_pool: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor) -> None:
