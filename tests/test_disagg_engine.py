@@ -140,3 +140,16 @@ def test_refusals(folders):
         kv_transfer_config({"kv_connector": "CpllmConnector", "kv_role": "kv_sender"})
     with pytest.raises(ValueError, match="data_parallel_size=2"):
         LLM(folders["kv2"], data_parallel_size=2, kv_transfer_config=transfer("kv_both", 20000), **COMMON)
+    with pytest.raises(ValueError, match="speculative_config"):
+        LLM(folders["kv2"], kv_transfer_config=transfer("kv_both", 20000), **COMMON,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with LLM(folders["kv2"], **COMMON) as plain:
+        with pytest.raises(ValueError, match="needs an engine started with kv_transfer_config"):
+            prefill(plain, PROMPTS["len13"])
+        assert not plain.engine.has_unfinished_requests()
+    with LLM(folders["kv2"], kv_transfer_config=transfer("kv_consumer", free_ports(2)), **COMMON) as consumer:
+        with pytest.raises(ValueError, match="do_remote_decode on an instance with kv_role='kv_consumer'"):
+            prefill(consumer, PROMPTS["len13"])
+        with pytest.raises(ValueError, match="lacks 'remote_block_ids'"):
+            consumer.generate({"prompt_token_ids": PROMPTS["len13"]},
+                              greedy(kv_transfer_params={"do_remote_prefill": True}))

@@ -9,7 +9,7 @@ import threading
 import time
 
 from cpllm.disagg.config import KVTransferConfig
-from cpllm.disagg.params import PullOp, producer_answer, remote_prefill, wants_remote_decode
+from cpllm.disagg.params import PullOp, RemotePrefill, producer_answer, remote_prefill, wants_remote_decode
 from cpllm.disagg.reshard import CacheLayout
 from cpllm.disagg.wire import Server, TransferError, call
 
@@ -34,20 +34,17 @@ class EngineTransfer:
 
     # ---- requests ---------------------------------------------------------------------------------------
 
-    def mark(self, request, params: dict | None, n: int) -> None:
-        """Set a new Request's kv_pull / kv_hold from its kv_transfer_params (SamplingParams.extra_args)."""
+    def marks(self, params: dict | None, n: int) -> tuple[RemotePrefill | None, bool]:
+        """(Request.kv_pull, Request.kv_hold) of a new request from its kv_transfer_params."""
         remote = remote_prefill(params)
         hold = wants_remote_decode(params)
         if (remote is not None or hold) and n != 1:
             raise ValueError(f"kv_transfer_params with n={n}: a disaggregated request has one sequence")
-        if remote is not None:
-            if not self.config.consumes:
-                raise ValueError(f"do_remote_prefill on an instance with kv_role={self.config.kv_role!r}")
-            request.kv_pull = remote
-        if hold:
-            if not self.config.produces:
-                raise ValueError(f"do_remote_decode on an instance with kv_role={self.config.kv_role!r}")
-            request.kv_hold = True
+        if remote is not None and not self.config.consumes:
+            raise ValueError(f"do_remote_prefill on an instance with kv_role={self.config.kv_role!r}")
+        if hold and not self.config.produces:
+            raise ValueError(f"do_remote_decode on an instance with kv_role={self.config.kv_role!r}")
+        return remote, hold
 
     def answer(self, request_id: str, held_tables: list[list[int]] | None) -> dict | None:
         """The finished producer request's kv_transfer_params (its blocks now held), once; None otherwise."""
@@ -118,3 +115,14 @@ def engine_transfer(config) -> EngineTransfer | None:
     layout = CacheLayout(dims=config.parallel.dims, interleave=config.parallel.cp_kv_cache_interleave_size,
                          block_size=config.cache.block_size)
     return EngineTransfer(kv, layout, config.model.num_key_value_heads, config.model.num_hidden_layers)
+
+
+def request_marks(transfer: EngineTransfer | None, sampling_params) -> tuple[RemotePrefill | None, bool]:
+    """(kv_pull, kv_hold) of a request from `SamplingParams.extra_args["kv_transfer_params"]`, checked before the
+    engine files the request; asking for a transfer without kv_transfer_config is refused."""
+    params = (sampling_params.extra_args or {}).get("kv_transfer_params")
+    if transfer is not None:
+        return transfer.marks(params, sampling_params.n)
+    if params and (params.get("do_remote_prefill") or params.get("do_remote_decode")):
+        raise ValueError("kv_transfer_params needs an engine started with kv_transfer_config (--kv-transfer-config)")
+    return None, False

@@ -12,7 +12,7 @@ import torch
 
 from cpllm.config.engine import EngineConfig
 from cpllm.config.deepseek import latent_cache_line
-from cpllm.disagg.engine_transfer import engine_transfer
+from cpllm.disagg.engine_transfer import engine_transfer, request_marks
 from cpllm.engine.detokenizer import IncrementalDetokenizer
 from cpllm.engine.draft_model import DraftModel
 from cpllm.engine.kv_blocks import BlockPool
@@ -154,6 +154,7 @@ class LLMEngine:
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.check_prompt(prompt_token_ids, params)
+        kv_marks = request_marks(self.kv_transfer, params)  # disaggregated prefill/decode (cpllm/disagg)
         state = RequestState(request_id=request_id, prompt=prompt, prompt_token_ids=list(prompt_token_ids),
                              sequences=[])
         state.metrics.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
@@ -170,8 +171,7 @@ class LLMEngine:
                            logprobs=[] if params.logprobs is not None else None)
             state.sequences.append(seq)
             self._sequences[child_id] = (state, seq)
-            if self.kv_transfer is not None:
-                self.kv_transfer.mark(request, (params.extra_args or {}).get("kv_transfer_params"), params.n)
+            request.kv_pull, request.kv_hold = kv_marks
             self.structured.add(child_id, params.structured_outputs)
         self._states[request_id] = state
         for seq in state.sequences:

@@ -43,6 +43,7 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: in
             structured_outputs=structured, allowed_token_ids=getattr(req, "allowed_token_ids", None),
             bad_words_token_ids=bad_words_token_ids, max_logprobs=max_logprobs,
             logprob_token_ids=getattr(req, "logprob_token_ids", None),
+            extra_args={"kv_transfer_params": req.kv_transfer_params} if req.kv_transfer_params else None,
         )
     except ValueError as exc:
         message = str(exc)
@@ -50,6 +51,13 @@ def sampling_params(req: SamplingFields, *, max_tokens: int | None, logprobs: in
         if param == "max_tokens":
             param, message = max_tokens_param, message.replace("max_tokens", max_tokens_param, 1)
         raise bad_request(message, param) from exc
+
+
+def kv_transfer_answer(outputs) -> dict:
+    """`{"kv_transfer_params": ...}` of a prefill instance's finished request (vLLM's top-level response field,
+    which its proxy hands the decode instance); {} when no output carries one."""
+    params = [out.kv_transfer_params for out in outputs if getattr(out, "kv_transfer_params", None) is not None]
+    return {"kv_transfer_params": params[0]} if params else {}
 
 
 def _check_n(req: SamplingFields, max_n: int) -> None:

@@ -123,6 +123,10 @@ class SamplingFields(BaseModel):
     whole vocabulary. Bounded by --max-logprobs (checked by the route)."""
     logprob_token_ids: TokenIds | None = None
     """Report these tokens' logprobs at every generated position instead of the top alternatives."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """Disaggregated prefill/decode, in vLLM's proxy's keys (docs/disaggregated.md): `do_remote_decode` on the
+    prefill instance, the prefill answer's `do_remote_prefill`, `remote_block_ids`, ... on the decode instance;
+    the engine needs --kv-transfer-config."""
     return_tokens_as_token_ids: bool = False
     """Spell logprobs' tokens as "token_id:N" (tokens that are not valid UTF-8 alone stay distinguishable)."""
     return_token_ids: bool = False

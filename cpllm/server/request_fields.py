@@ -18,7 +18,6 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "mm_processor_kwargs": (None, "multimodal inputs are not supported"),
     "priority": (0, "priority scheduling is not supported; leave priority at 0"),
     "cache_salt": (None, "cache_salt is not supported: the prefix cache is shared by every request"),
-    "kv_transfer_params": (None, "disaggregated prefill (kv_transfer_params) is not supported"),
     "vllm_xargs": (None, "vllm_xargs is not supported"),
 }
 """vLLM request field -> (the one value accepted, why any other is refused)."""

@@ -13,7 +13,7 @@ from cpllm.server.async_engine import RequestStream
 from cpllm.server.chat_run import ChatRun
 from cpllm.server.chat_stream import chat_events, choice_message
 from cpllm.server.errors import bad_request
-from cpllm.server.formatting import sampling_params, usage
+from cpllm.server.formatting import kv_transfer_answer, sampling_params, usage
 from cpllm.server.prompt_fields import (bad_words_token_ids, check_allowed_token_ids, check_token_ids,
                                         prompt_logprobs_json, resolved_counts, token_texts, truncated)
 from cpllm.server.protocol import ChatCompletionRequest
@@ -124,7 +124,8 @@ def chat_response(ctx: ServerContext, run: ChatRun, output: RequestOutput, head:
             "usage": usage([output], ctx.options.enable_prompt_tokens_details),
             "prompt_logprobs": (prompt_logprobs_json(token_texts(ctx.texts, req), output)
                                 if req.prompt_logprobs is not None else None),
-            "prompt_token_ids": list(output.prompt_token_ids) if req.return_token_ids else None}
+            "prompt_token_ids": list(output.prompt_token_ids) if req.return_token_ids else None,
+            **kv_transfer_answer([output])}
 
 
 async def _beam_chat(ctx: ServerContext, req: ChatCompletionRequest, head: dict, arrival_time: float) -> dict:

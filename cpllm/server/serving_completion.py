@@ -12,7 +12,7 @@ from cpllm.engine.sampling_params import SamplingParams
 from cpllm.server import requests
 from cpllm.server.beam_search import beam_search, beam_settings, check_beam_request
 from cpllm.server.errors import bad_request
-from cpllm.server.formatting import ChoiceCursor, completion_logprobs, sampling_params, sse, usage
+from cpllm.server.formatting import ChoiceCursor, completion_logprobs, kv_transfer_answer, sampling_params, sse, usage
 from cpllm.server.prompt_fields import (bad_words_token_ids, check_allowed_token_ids, check_token_ids,
                                         prompt_logprobs_json, resolved_counts, token_texts, truncated)
 from cpllm.server.protocol import CompletionRequest
@@ -46,6 +46,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, arrival_
     req, limit = resolved_counts(ctx, req, ("logprobs", "prompt_logprobs"), wants_logprobs=req.logprobs is not None)
     constraint = request_constraint(req)
     prompts = _prompts(ctx, req)
+    if req.kv_transfer_params and len(prompts) > 1:  # the answer carries one prompt's blocks
+        raise bad_request("kv_transfer_params with several prompts: send one prompt per request", "prompt")
     check_allowed_token_ids(req, ctx.engine.tokenizer.vocab_size)
     asked = [n for n in (req.prompt_logprobs, req.logprobs if req.echo else None) if n is not None]
     params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
@@ -65,7 +67,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, arrival_
     choices = [_choice(ctx, req, p, out, c, i * params.n + c.index)
                for i, (p, out) in enumerate(zip(prompts, outputs)) for c in out.outputs]
     return {**head, "object": "text_completion", "choices": choices,
-            "usage": usage(outputs, ctx.options.enable_prompt_tokens_details)}
+            "usage": usage(outputs, ctx.options.enable_prompt_tokens_details), **kv_transfer_answer(outputs)}
 
 
 async def _beam_completion(ctx: ServerContext, req: CompletionRequest, prompts: list[Prompt], params: SamplingParams,

@@ -63,6 +63,8 @@ class Executor:
         if self._closed:
             return
         self._closed = True
+        if self._runner.kv_transfer is not None:  # the driver rank's row server (cpllm/disagg) unbinds its port
+            self._runner.kv_transfer.close()
         try:
             if self._groups.replica_size > 1:
                 with self._watch():
