@@ -133,7 +133,8 @@ def llm(folder):
 
 
 class Recorder:
-    """A bar factory for `use_tqdm`: real tqdm bars on a fake terminal, each bar's count kept after each update."""
+    """A bar factory for `use_tqdm`: real tqdm bars on a fake terminal, each bar's count kept when it is made and
+    after each update."""
 
     def __init__(self):
         self.stream = FakeTerminal()
@@ -147,22 +148,25 @@ class Recorder:
                 super().update(n)
                 seen.append(self.n)
 
-        return Bar(file=self.stream, **kwargs)
+        bar = Bar(file=self.stream, **kwargs)
+        seen.append(bar.n)
+        return bar
 
 
 def test_a_chunked_prefill_is_counted_chunk_by_chunk(llm):
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     recorder = Recorder()
     shown = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=recorder)[0]
-    # one request: the prompt's K/V cached after each of its 4 steps, then the 5 tokens one by one
-    assert recorder.seen["prompt"] == [16, 32, 48, 50]
+    # one request: the prompt's K/V cached after each of its 4 steps, then the 5 tokens one by one (the output
+    # bar made at the first)
+    assert recorder.seen["prompt"] == [0, 16, 32, 48, 50]
     assert recorder.seen["output"] == [1, 2, 3, 4, 5]
     assert "requests" not in recorder.seen
     plain = llm.generate({"prompt_token_ids": PROMPT}, params)[0]
     assert shown.outputs[0].token_ids == plain.outputs[0].token_ids  # the bars change nothing
     again = Recorder()
     llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=again)
-    assert again.seen["prompt"] == [50]  # 12 blocks from the prefix cache and the last 2 tokens, in one step
+    assert again.seen["prompt"] == [0, 50]  # 12 blocks from the prefix cache and the last 2 tokens, in one step
 
 
 def test_several_requests_count_prompts_and_requests(llm):
@@ -172,7 +176,7 @@ def test_several_requests_count_prompts_and_requests(llm):
                  use_tqdm=recorder)
     prompt = recorder.seen["prompt"]
     assert prompt == sorted(set(prompt)) and prompt[-1] == 73
-    assert all(b - a <= CHUNK for a, b in zip([0] + prompt, prompt))  # at most one step's budget per step
+    assert all(b - a <= CHUNK for a, b in zip(prompt, prompt[1:]))  # at most one step's budget per step
     assert recorder.seen["output"][-1] == 9
     assert recorder.seen["requests"][-1] == 3
 
@@ -194,7 +198,7 @@ def test_data_parallel_counts_each_prompt_when_its_first_output_arrives(folder):
         llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=3, ignore_eos=True),
                      use_tqdm=recorder)
     assert recorder.seen["prompt"][-1] == 80
-    assert set(recorder.seen["prompt"]) <= {30, 50, 80}  # whole prompts only
+    assert set(recorder.seen["prompt"]) <= {0, 30, 50, 80}  # whole prompts only
     assert recorder.seen["output"][-1] == 6 and recorder.seen["requests"][-1] == 2
 
 

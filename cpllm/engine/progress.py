@@ -105,17 +105,21 @@ class GenerateBars:
     several. `update` sets each bar to the counts (bars only move forward; the counts only grow)."""
 
     def __init__(self, factory: BarFactory, counts: ProgressCounts):
+        self._factory = factory
         self._bars: dict[str, Any] = {}
         self._bars["prompt"] = factory(total=counts.prompt_tokens_total, desc="prompt", unit="tok",
                                        position=0, leave=True)
-        self._bars["output"] = factory(total=counts.output_tokens_total, desc="output", unit="tok",
-                                       position=1, leave=True)
         if counts.requests_total > 1:
             self._bars["requests"] = factory(total=counts.requests_total, desc="requests", unit="req",
                                              position=2, leave=True)
         self.update(counts)
 
     def update(self, counts: ProgressCounts) -> None:
+        if "output" not in self._bars and counts.output_tokens > 0:
+            # made at the first token, its clock starts there: the rate and time left are the decode's, not
+            # diluted by the prefill (the first tokens are its `initial`, outside the rate)
+            self._bars["output"] = self._factory(total=counts.output_tokens_total, desc="output", unit="tok",
+                                                 initial=counts.output_tokens, position=1, leave=True)
         shown = {"prompt": counts.prompt_tokens_done, "output": counts.output_tokens,
                  "requests": counts.requests_done}
         for name, bar in self._bars.items():
@@ -125,8 +129,9 @@ class GenerateBars:
     def close(self, counts: ProgressCounts) -> None:
         """Once every request has finished, the output bar's total becomes what was generated: a request that
         stopped before max_tokens (EOS, a stop string) leaves the bar full, not short of a limit never reached."""
-        output = self._bars["output"]
-        if counts.requests_done == counts.requests_total and output.total != counts.output_tokens:
+        output = self._bars.get("output")
+        if output is not None and counts.requests_done == counts.requests_total \
+                and output.total != counts.output_tokens:
             output.total = counts.output_tokens
             output.refresh()
         for bar in self._bars.values():
