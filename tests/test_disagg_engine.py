@@ -153,3 +153,19 @@ def test_refusals(folders):
         with pytest.raises(ValueError, match="lacks 'remote_block_ids'"):
             consumer.generate({"prompt_token_ids": PROMPTS["len13"]},
                               greedy(kv_transfer_params={"do_remote_prefill": True}))
+
+
+def test_a_pull_after_the_abort_timeout_is_refused(folders):
+    """The blocks went back to the pool: the consumer's pull fails naming the request, instead of reading them."""
+    from cpllm.disagg.wire import TransferError
+
+    with LLM(folders["kv2"], block_size=4, kv_transfer_config=transfer("kv_producer", free_ports(2),
+                                                                         abort_timeout_s=0.5), **COMMON) as producer:
+        first = prefill(producer, PROMPTS["len13"])
+        time.sleep(1.0)
+        producer.engine.step()
+        with LLM(folders["kv2"], block_size=8, kv_transfer_config=transfer("kv_consumer", free_ports(2)),
+                 **COMMON) as consumer:
+            with pytest.raises(TransferError, match="is not held here"):
+                consumer.generate({"prompt_token_ids": PROMPTS["len13"]},
+                                  greedy(kv_transfer_params=first.kv_transfer_params))

@@ -53,7 +53,7 @@ class EngineTransfer:
         with self._lock:
             if request_id not in self._deadlines:
                 self._deadlines[request_id] = time.monotonic() + self.config.abort_timeout_s
-        return producer_answer(self.config, request_id, held_tables[0])
+        return producer_answer(self.config, request_id, held_tables[0], self._about["layout"]["tp"])
 
     def due(self) -> list[str]:
         """Held requests to free now: released by their consumer, or past the abort timeout."""
@@ -94,6 +94,15 @@ class EngineTransfer:
         op = header.get("op")
         if op == "layout":
             return dict(self._about), []
+        if op == "lease":  # a consumer rank is about to read: the blocks must still be held, and stay so a while
+            with self._lock:
+                request_id = header["request_id"]
+                if request_id not in self._deadlines or request_id in self._released:
+                    raise ValueError(f"request {request_id!r} is not held here (released, expired after "
+                                     f"{self.config.abort_timeout_s} s, or never prefilled)")
+                self._deadlines[request_id] = max(self._deadlines[request_id],
+                                                  time.monotonic() + self.config.abort_timeout_s)
+            return {"held": True}, []
         if op == "release":
             with self._lock:
                 held = header["request_id"] in self._deadlines

@@ -68,8 +68,9 @@ def wants_remote_decode(params: dict | None) -> bool:
     return bool(params and params.get("do_remote_decode"))
 
 
-def producer_answer(config: KVTransferConfig, request_id: str, block_ids: list[int]) -> dict[str, Any]:
-    """The `kv_transfer_params` a producer returns with a finished remote-decode request."""
+def producer_answer(config: KVTransferConfig, request_id: str, block_ids: list[int], tp_size: int) -> dict[str, Any]:
+    """The `kv_transfer_params` a producer returns with a finished remote-decode request (NixlConnector's keys;
+    the consumer reads the rest of the producer's layout from its control port, so `tp_size` is informative)."""
     return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": list(block_ids),
             "remote_engine_id": config.engine_id, "remote_host": config.kv_ip, "remote_port": config.kv_port,
-            "remote_request_id": request_id}
+            "remote_request_id": request_id, "tp_size": tp_size}

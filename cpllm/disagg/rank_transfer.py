@@ -5,12 +5,13 @@ than its own rows: each move is one message between one producer rank and one co
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from cpllm.disagg.config import KVTransferConfig
 from cpllm.disagg.params import PullOp, RemotePrefill
-from cpllm.disagg.reshard import CacheLayout, plan_reshard
+from cpllm.disagg.reshard import CacheLayout, Move, plan_reshard
 from cpllm.disagg.rows import from_frames, layer_pools, positions_of, read_rows, slots_of, to_frames, write_rows
 from cpllm.disagg.wire import Server, as_json, call
 
@@ -67,21 +68,35 @@ class RankTransfer:
         return self._layouts[key]
 
     def pull(self, ops: tuple[PullOp, ...]) -> None:
-        """Every row of every op's positions this rank owns, from the producer ranks holding them, into its pools."""
+        """Every row of every op's positions this rank owns, from the producer ranks holding them, into its pools.
+        The moves of one op are asked of their producer ranks at once (one thread each) and written as they come."""
         for op in ops:
             src = self.remote_layout(op.remote)
-            plan = plan_reshard(src, self.layout, self.num_kv_heads, op.num_tokens)
-            for move in plan.to(self.rank):
-                header = {"op": "rows", "block_ids": list(op.remote.block_ids), "heads": as_json(move.heads),
-                          "ranges": as_json(move.ranges), "request_id": op.remote.request_id}
-                answer, frames = call(op.remote.host, op.remote.port + 1 + move.src_rank, header,
-                                      timeout_s=self.config.transfer_timeout_s)
-                rows = from_frames(answer["shapes"], frames, answer["dtype"])
-                positions = positions_of(move.ranges)
-                slots = slots_of(self.layout, op.block_table, positions)
-                h0 = move.heads.start - self.first_head
-                write_rows(self.pools, slots, slice(h0, h0 + len(move.heads)), rows)
-                self.rows_pulled += len(positions) * len(move.heads)
+            moves = plan_reshard(src, self.layout, self.num_kv_heads, op.num_tokens).to(self.rank)
+            if not moves:
+                continue
+            # the producer still holds the blocks (a stale pull would read blocks given to another request)
+            call(op.remote.host, op.remote.port, {"op": "lease", "request_id": op.remote.request_id},
+                 timeout_s=self.config.transfer_timeout_s)
+            with ThreadPoolExecutor(max_workers=len(moves), thread_name_prefix="kv-pull") as pool:
+                answers = [pool.submit(self._fetch, op, move) for move in moves]
+                for move, answer in zip(moves, answers):
+                    self._store(op, move, answer.result())
+
+    def _fetch(self, op: PullOp, move: Move) -> list[torch.Tensor]:
+        """The rows of one move, from its producer rank. [n, heads, width] per pool."""
+        header = {"op": "rows", "block_ids": list(op.remote.block_ids), "heads": as_json(move.heads),
+                  "ranges": as_json(move.ranges), "request_id": op.remote.request_id}
+        answer, frames = call(op.remote.host, op.remote.port + 1 + move.src_rank, header,
+                              timeout_s=self.config.transfer_timeout_s)
+        return from_frames(answer["shapes"], frames, answer["dtype"])
+
+    def _store(self, op: PullOp, move: Move, rows: list[torch.Tensor]) -> None:
+        positions = positions_of(move.ranges)
+        slots = slots_of(self.layout, op.block_table, positions)
+        h0 = move.heads.start - self.first_head
+        write_rows(self.pools, slots, slice(h0, h0 + len(move.heads)), rows)
+        self.rows_pulled += len(positions) * len(move.heads)
 
     def close(self) -> None:
         if self.server is not None:
