@@ -123,3 +123,18 @@ def test_plan_is_torch_free():
     import sys
     code = "import sys, cpllm.disagg.reshard; assert 'torch' not in sys.modules, 'reshard imported torch'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_split_ranges_keeps_order_and_bounds_each_piece():
+    from cpllm.disagg.reshard import split_ranges
+
+    ranges = ((0, 2), (4, 9), (12, 13))
+    for size in (1, 2, 3, 5, 8, 100):
+        pieces = split_ranges(ranges, size)
+        flat = [p for piece in pieces for a, b in piece for p in range(a, b)]
+        assert flat == [p for a, b in ranges for p in range(a, b)]
+        assert all(sum(b - a for a, b in piece) <= size for piece in pieces)
+        assert all(sum(b - a for a, b in piece) == size for piece in pieces[:-1])
+    assert split_ranges((), 4) == []
+    with pytest.raises(ValueError, match="max_positions must be an integer >= 1, got 0"):
+        split_ranges(ranges, 0)

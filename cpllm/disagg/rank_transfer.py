@@ -5,17 +5,22 @@ than its own rows: each move is one message between one producer rank and one co
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from cpllm.disagg.config import KVTransferConfig
 from cpllm.disagg.params import PullOp, RemotePrefill
-from cpllm.disagg.reshard import CacheLayout, Move, plan_reshard
+from cpllm.disagg.reshard import CacheLayout, Move, plan_reshard, split_ranges
 from cpllm.disagg.rows import from_frames, layer_pools, positions_of, read_rows, slots_of, to_frames, write_rows
 from cpllm.disagg.wire import Server, as_json, call
 
 logger = logging.getLogger(__name__)
+
+MESSAGE_BYTES = 64 << 20
+"""About the most row bytes one message carries: a long move goes as several, so neither side ever holds more
+than one message per move of a request in flight."""
 
 
 class RankTransfer:
@@ -27,11 +32,16 @@ class RankTransfer:
         self.pools = layer_pools(caches)
         self.num_layers = len(caches)
         self.first_head = layout.heads(num_kv_heads, rank).start
-        self._layouts: dict[tuple[str, int], CacheLayout] = {}
+        self.head_bytes = sum(p.shape[-1] * p.element_size() for p in self.pools)
+        """Bytes of one (position, KV head) over every layer's pools (this rank's dtype)."""
+        self._layouts: dict[tuple[str, int, str], CacheLayout] = {}
+        self._write_lock = threading.Lock()
         self.rows_sent = 0
         """Position x head rows this rank served, since start."""
         self.rows_pulled = 0
         """Position x head rows this rank pulled, since start."""
+        self.messages_pulled = 0
+        """Row messages this rank received, since start."""
         self.server = (Server(config.kv_ip, config.rank_port(rank), self._serve, f"kv-rows-{rank}")
                        if config.produces else None)
 
@@ -55,7 +65,7 @@ class RankTransfer:
 
     def remote_layout(self, remote: RemotePrefill) -> CacheLayout:
         """The producer's layout, asked of its control port once per producer."""
-        key = (remote.host, remote.port)
+        key = (remote.host, remote.port, remote.engine_id)
         if key not in self._layouts:
             answer, _ = call(remote.host, remote.port, {"op": "layout"}, timeout_s=self.config.transfer_timeout_s)
             if answer["engine_id"] != remote.engine_id:
@@ -79,24 +89,27 @@ class RankTransfer:
             call(op.remote.host, op.remote.port, {"op": "lease", "request_id": op.remote.request_id},
                  timeout_s=self.config.transfer_timeout_s)
             with ThreadPoolExecutor(max_workers=len(moves), thread_name_prefix="kv-pull") as pool:
-                answers = [pool.submit(self._fetch, op, move) for move in moves]
-                for move, answer in zip(moves, answers):
-                    self._store(op, move, answer.result())
+                for done in [pool.submit(self._pull_move, op, move) for move in moves]:
+                    done.result()  # a failed move fails the pull (TransferError names the peer)
 
-    def _fetch(self, op: PullOp, move: Move) -> list[torch.Tensor]:
-        """The rows of one move, from its producer rank. [n, heads, width] per pool."""
-        header = {"op": "rows", "block_ids": list(op.remote.block_ids), "heads": as_json(move.heads),
-                  "ranges": as_json(move.ranges), "request_id": op.remote.request_id}
-        answer, frames = call(op.remote.host, op.remote.port + 1 + move.src_rank, header,
-                              timeout_s=self.config.transfer_timeout_s)
-        return from_frames(answer["shapes"], frames, answer["dtype"])
+    def _pull_move(self, op: PullOp, move: Move) -> None:
+        """One move, a message of at most MESSAGE_BYTES at a time: fetched from its producer rank, then stored."""
+        per_message = max(1, MESSAGE_BYTES // max(1, self.head_bytes * len(move.heads)))
+        for ranges in split_ranges(move.ranges, per_message):
+            header = {"op": "rows", "block_ids": list(op.remote.block_ids), "heads": as_json(move.heads),
+                      "ranges": as_json(ranges), "request_id": op.remote.request_id}
+            answer, frames = call(op.remote.host, op.remote.port + 1 + move.src_rank, header,
+                                  timeout_s=self.config.transfer_timeout_s)
+            self._store(op, move.heads, ranges, from_frames(answer["shapes"], frames, answer["dtype"]))
 
-    def _store(self, op: PullOp, move: Move, rows: list[torch.Tensor]) -> None:
-        positions = positions_of(move.ranges)
+    def _store(self, op: PullOp, heads: range, ranges, rows: list[torch.Tensor]) -> None:
+        positions = positions_of(ranges)
         slots = slots_of(self.layout, op.block_table, positions)
-        h0 = move.heads.start - self.first_head
-        write_rows(self.pools, slots, slice(h0, h0 + len(move.heads)), rows)
-        self.rows_pulled += len(positions) * len(move.heads)
+        h0 = heads.start - self.first_head
+        with self._write_lock:  # moves of different producer ranks land from several threads
+            write_rows(self.pools, slots, slice(h0, h0 + len(heads)), rows)
+            self.rows_pulled += len(positions) * len(heads)
+            self.messages_pulled += 1
 
     def close(self) -> None:
         if self.server is not None:

@@ -163,3 +163,23 @@ def _assign(src: CacheLayout, dst: CacheLayout, num_kv_heads: int, src_shard: in
                 out.append((d, chosen[start][0], range(chosen[start][1], chosen[i - 1][1] + 1)))
                 start = i
     return out
+
+
+def split_ranges(ranges: tuple[tuple[int, int], ...], max_positions: int) -> list[tuple[tuple[int, int], ...]]:
+    """`ranges` cut, in order, into pieces of at most `max_positions` positions each (a message's worth)."""
+    if not isinstance(max_positions, int) or max_positions < 1:
+        raise ValueError(f"max_positions must be an integer >= 1, got {max_positions!r}")
+    pieces: list[tuple[tuple[int, int], ...]] = []
+    piece: list[tuple[int, int]] = []
+    room = max_positions
+    for start, end in ranges:
+        while start < end:
+            take = min(end - start, room)
+            piece.append((start, start + take))
+            start, room = start + take, room - take
+            if room == 0:
+                pieces.append(tuple(piece))
+                piece, room = [], max_positions
+    if piece:
+        pieces.append(tuple(piece))
+    return pieces
