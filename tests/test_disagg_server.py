@@ -1,7 +1,9 @@
 """Disaggregated prefill/decode through two `cpllm serve` processes, as vLLM's proxy drives them: the prefill
 server gets the request with `kv_transfer_params: {"do_remote_decode": true}` and max_tokens 1 and answers with
 the blocks' whereabouts; the decode server gets the original request with those params, pulls the prompt's K/V
-(PCP = 2 producer, block size 4 -> one rank, block size 8) and must answer what it answers without them."""
+(a PCP = 2 producer, interleave 2 and block size 4 -> a TP = 2 x DCP = 2 consumer, block size 8, one KV head:
+both sides multi-rank, each rank of the consumer pulling from both producer ranks) and must answer what it answers
+without them (which the layout tests hold to the single rank's)."""
 
 from __future__ import annotations
 
@@ -27,10 +29,11 @@ def kv_flag(role: str, port: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    folder = save_tiny_hf_model(str(tmp_path_factory.mktemp("tiny_disagg")), seed=5)
-    producer = [folder, *FLAGS, "-pcp", "2", "--block-size", "4", *kv_flag("kv_producer", free_ports(3))]
-    consumer = [folder, *FLAGS, "--block-size", "8", "--no-enable-prefix-caching", *kv_flag("kv_consumer",
-                                                                                           free_ports(2))]
+    folder = save_tiny_hf_model(str(tmp_path_factory.mktemp("tiny_disagg")), seed=5, num_key_value_heads=1)
+    producer = [folder, *FLAGS, "-pcp", "2", "--cp-kv-cache-interleave-size", "2", "--block-size", "4",
+                *kv_flag("kv_producer", free_ports(3))]
+    consumer = [folder, *FLAGS, "-tp", "2", "-dcp", "2", "--block-size", "8", "--no-enable-prefix-caching",
+                *kv_flag("kv_consumer", free_ports(3))]
     with ServerProcess.running(producer, timeout_s=300) as p, ServerProcess.running(consumer, timeout_s=300) as c:
         yield p, c
 
