@@ -58,7 +58,8 @@ ATTEND_ROWS = 16
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class RequestKeys:
-    """One request's query rows on this rank and the keys of its prefix this rank holds."""
+    """One request's query rows this rank computes (its own; under PCP's sharded layout in a prompt step, every PCP
+    rank's) and the keys of its prefix this rank holds."""
 
     rows: torch.Tensor
     """[L] its query rows, token order."""
@@ -130,10 +131,10 @@ class SparseMLAAttention(MLAAttention):
         shared = self.shared_rows and meta.has_new
         if shared:  # every PCP rank's rows, so that the KV-shard group holds the same rows
             q_lat, iq, iw = (all_gather(x, self.pcp.group) for x in (q_lat, iq, iw))  # [P N, ...]
-        sources = range(self.pcp.size) if shared else (self.pcp.rank,)
+        sources, offset = (range(self.pcp.size), meta.num_rows) if shared else ((self.pcp.rank,), 0)
         shard = KeyShard.of(meta.kv_layout)
-        requests = [keys for keys in (self._request_keys(r, slot_of_row, shard, sources, meta.num_rows if shared
-                                                         else 0) for r in meta.requests) if keys.rows.numel()]
+        requests = [self._request_keys(r, slot_of_row, shard, sources, offset) for r in meta.requests]
+        requests = [keys for keys in requests if keys.rows.numel()]
         chosen = self._global_top_k(requests, iq, iw, index_pool, self.kv_shard.group)
         out, lse = self._attend(all_gather(q_lat, self.dcp.group, dim=1), requests, chosen, shard, latent_pool)
         out = self._own_partials(out, lse, shared)  # [N, H, r]: this rank's rows and heads
