@@ -101,12 +101,15 @@ def folders(tmp_path_factory):
             "kv1": save_tiny_hf_model(str(tmp_path_factory.mktemp("kv1")), "llama", seed=3, num_key_value_heads=1)}
 
 
-def test_pcp2_producer_to_one_rank_consumer(folders, monkeypatch):
+@pytest.mark.parametrize("kv_layout", ["sharded", "replicated"])
+def test_pcp2_producer_to_one_rank_consumer(folders, monkeypatch, kv_layout):
+    """Sharded: each position from the PCP rank that owns it; replicated: both PCP ranks hold every position."""
     # 2 KiB messages: 4 positions of the tiny model's 2 KV heads each, so a move goes as several messages
     monkeypatch.setattr("cpllm.disagg.rank_transfer.MESSAGE_BYTES", 2048)
     p_port, c_port = free_ports(3), free_ports(2)
     with LLM(folders["kv2"], prefill_context_parallel_size=2, cp_kv_cache_interleave_size=2, block_size=4,
-             kv_transfer_config=transfer("kv_producer", p_port), **COMMON) as producer, \
+             cp_kv_cache_layout=kv_layout, kv_transfer_config=transfer("kv_producer", p_port),
+             **COMMON) as producer, \
          LLM(folders["kv2"], block_size=8, enable_prefix_caching=False,
              kv_transfer_config=transfer("kv_consumer", c_port), **COMMON) as consumer:
         disaggregated(producer, consumer, consumer, kv_heads=2)
