@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from cpllm.config.engine import ModelConfig
 from cpllm.distributed.parallel_dims import ParallelDims, kv_heads_per_rank
 from cpllm.kv_groups import full_cache_spec
+from cpllm.layers.registry import state_layer_specs
 from cpllm.planner.hardware import HardwareSpec
 from cpllm.planner.shapes import attention_flops_per_pair, linear_params, routed_expert_params
 
@@ -176,8 +177,12 @@ class MemoryCost:
     kv_bytes_per_token: float
     """KV bytes one device stores per token it holds (all layers, its heads)."""
     kv_capacity_tokens: int
-    """Tokens of one request the KV shard group can hold with the memory left after the weights."""
+    """Tokens of one request the KV shard group can hold with the memory left after the weights (and the states of
+    the batch's requests)."""
     fits_weights: bool = field(default=True)
+    state_bytes_per_request: float = 0.0
+    """Bytes of one request's recurrent states on one device (all state layers, its heads; 0 without such layers):
+    held by every PCP and DCP rank alike, whatever the request's length."""
 
 
 class CostModel:
@@ -394,10 +399,15 @@ class CostModel:
         return (self.weight_bytes() - experts) / layout.tp + experts / (layout.tp * layout.pcp)
 
     def kv_bytes_per_token(self, tp: int) -> float:
-        """KV bytes per token on one device (its KV heads, all layers), from the layers' cache spec."""
+        """KV bytes per token on one device (its KV heads, the layers that cache rows), from the layers' cache
+        spec; a state layer caches none."""
         _, hkv = self.local_heads(tp)
         spec = full_cache_spec(self.model, hkv, self.precision.kv_bytes)
-        return self.model.num_hidden_layers * spec.bytes_per_token
+        return (self.model.num_hidden_layers - len(state_layer_specs(self.model, tp))) * spec.bytes_per_token
+
+    def state_bytes_per_request(self, tp: int) -> float:
+        """Bytes of one request's states on one device (every state layer's spec on a rank of TP = `tp`)."""
+        return float(sum(spec.bytes_per_request for spec in state_layer_specs(self.model, tp).values()))
 
     def decode_step(self, layout: ParallelDims, context: int, batch: int = 1) -> float:
         """Seconds of one decode step of `batch` requests of `context` tokens each (the time per output token)."""
@@ -407,6 +417,7 @@ class CostModel:
         local_batch = math.ceil(batch / n) if layout.kv_replicated else batch
         weights = self.weights_per_device(layout) / hw.memory_bw
         kv = local_batch * context / layout.kv_shard_size * self.kv_bytes_per_token(tp) / hw.memory_bw
+        kv += 2 * batch * self.state_bytes_per_request(tp) / hw.memory_bw  # every PCP rank reads and writes each state
         hidden = local_batch * m.hidden_size * self.precision.activation_bytes
         per_layer = 2 * self.all_reduce_time(hidden, tp)
         shard_group = layout.kv_shard_size
@@ -418,10 +429,13 @@ class CostModel:
 
     # ---- memory -------------------------------------------------------------------------------------------
 
-    def memory(self, layout: ParallelDims) -> MemoryCost:
+    def memory(self, layout: ParallelDims, requests: int = 1) -> MemoryCost:
+        """Weights, KV bytes and the KV capacity of one device, the states of `requests` requests set aside first
+        (the runner allocates the state slots out of the KV budget)."""
         weights = self.weights_per_device(layout)
         per_token = self.kv_bytes_per_token(layout.tp)
+        states = self.state_bytes_per_request(layout.tp)
         free = self.hw.memory_bytes * USABLE_MEMORY - weights
-        tokens = int(max(free, 0) // per_token) * layout.kv_shard_size
+        tokens = int(max(free - requests * states, 0) // per_token) * layout.kv_shard_size
         return MemoryCost(weights_bytes=weights, kv_bytes_per_token=per_token, kv_capacity_tokens=tokens,
-                          fits_weights=free > 0)
+                          fits_weights=free > 0, state_bytes_per_request=states)

@@ -61,7 +61,7 @@ class LayoutPrediction:
     kv_capacity_tokens: int
     weights_per_device_bytes: float
     memory_per_device_bytes: float
-    """Weights plus this request's KV shard."""
+    """Weights plus this request's KV shard (and its states, for a model with state layers)."""
     fits: bool
     meets_slo: bool
 
@@ -107,6 +107,7 @@ def predict(cost: CostModel, layout: ParallelDims, request: PlanRequest) -> Layo
     ttft = cost.prefill(layout, request.new, request.cached, "ring" if strategy == "-" else strategy).total_s
     memory = cost.memory(layout)
     kv_shard = -(-request.context // layout.kv_shard_size) * memory.kv_bytes_per_token
+    kv_shard += memory.state_bytes_per_request  # a hybrid's states: per request, whatever its length, on every rank
     fits = memory.fits_weights and request.context <= memory.kv_capacity_tokens
     return LayoutPrediction(
         layout=layout, strategy=strategy, ttft_s=ttft,
