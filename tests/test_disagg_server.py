@@ -64,3 +64,23 @@ def test_several_prompts_with_kv_transfer_params_are_refused(servers):
     response = httpx.post(f"{producer.url}/v1/completions", timeout=60, json={
         "model": "tiny", "prompt": [PROMPT, PROMPT], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
     assert response.status_code == 400 and "one prompt per request" in response.text
+
+
+def chat(server, **fields) -> dict:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}], "temperature": 0,
+            "logprobs": True, "ignore_eos": True, **fields}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_chat_through_both_servers(servers):
+    """The decode server applies the chat template again: the same prompt tokens as the prefill server's."""
+    producer, consumer = servers
+    first = chat(producer, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    got = chat(consumer, max_tokens=6, kv_transfer_params=first["kv_transfer_params"])
+    want = chat(consumer, max_tokens=6)
+    assert got["choices"][0]["message"]["content"] == want["choices"][0]["message"]["content"]
+    a = [t["logprob"] for t in got["choices"][0]["logprobs"]["content"]]
+    b = [t["logprob"] for t in want["choices"][0]["logprobs"]["content"]]
+    assert len(a) == 6 and max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-4
