@@ -126,7 +126,7 @@ def test_missing_prompt_is_400(http):
     [],
     "hello",
     [{"content": "no role"}],
-    [{"role": "wizard", "content": "hi"}],
+    [{"role": 7, "content": "hi"}],
     [{"role": "user", "content": 42}],
     [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
 ])  # fmt: skip

@@ -115,6 +115,23 @@ def test_batch_answers_each_conversation_as_its_own_request(http):
     assert {c["message"]["content"] for c in choices} <= {"yes", "no"}
 
 
+def test_batch_token_ids_and_logprob_spelling(http):
+    conversations = [[{"role": "user", "content": "say yes"}], [{"role": "user", "content": "say something else"}]]
+    fields = {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": 1}
+    batch = post(http, "/v1/chat/completions/batch", messages=conversations, return_token_ids=True, **fields)
+    singles = [post(http, "/v1/chat/completions", messages=m, return_token_ids=True, **fields) for m in conversations]
+    assert [c["token_ids"] for c in batch["choices"]] == [s["choices"][0]["token_ids"] for s in singles]
+    assert all(len(c["token_ids"]) == 4 for c in batch["choices"]) and batch["prompt_token_ids"] is None
+    # return_token_ids alone leaves the tokens spelled as text; return_tokens_as_token_ids spells them as ids
+    texts = [e["token"] for c in batch["choices"] for e in c["logprobs"]["content"]]
+    assert texts == [e["token"] for s in singles for e in s["choices"][0]["logprobs"]["content"]]
+    spelled = post(http, "/v1/chat/completions/batch", messages=conversations, return_tokens_as_token_ids=True,
+                   **fields)
+    assert [[e["token"] for e in c["logprobs"]["content"]] for c in spelled["choices"]] == \
+        [[f"token_id:{t}" for t in c["token_ids"]] for c in batch["choices"]]
+    assert all(c["token_ids"] is None for c in spelled["choices"])
+
+
 def test_batch_refusals_name_the_conversation(http):
     bad = [ASK, [{"role": "user"}]]
     assert error_param(http.post("/v1/chat/completions/batch", json={"messages": bad})) == "messages.1.0.content"
@@ -235,7 +252,9 @@ def test_logprob_token_ids_report_the_named_tokens(http):
     for got, every in zip(pinned["choices"][0]["logprobs"]["content"], whole["choices"][0]["logprobs"]["content"]):
         assert got["token"] == every["token"]
         reference = {e["token"]: e["logprob"] for e in every["top_logprobs"]}
-        assert [e["token"] for e in got["top_logprobs"]] == [f"token_id:{t}" for t in named]
+        # as vLLM: the sampled token first, then the named ones (each once), whatever top_logprobs says
+        assert [e["token"] for e in got["top_logprobs"]] == list(dict.fromkeys(
+            [got["token"], *(f"token_id:{t}" for t in named)]))
         assert all(e["logprob"] == pytest.approx(reference[e["token"]], abs=1e-5) for e in got["top_logprobs"])
     assert error_param(http.post("/v1/chat/completions", json={**body, "logprob_token_ids": [VOCAB]})) == \
         "logprob_token_ids"
@@ -293,6 +312,22 @@ def test_server_chat_template_and_request_logs(server, http):
                chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
     assert tokenizer.decode(own["prompt_token_ids"]) == "hello there"  # a request's own template wins
     assert f"received request {reply['id']}: 1 prompt(s)" in server.log()  # --enable-log-requests
+
+
+def test_custom_role_reaches_the_template(http):
+    tokenizer = tiny_hf_tokenizer()
+    body = {"max_tokens": 1, "return_token_ids": True}
+    text = post(http, "/v1/chat/completions", messages=[{"role": "my-custom-role", "content": "what is 1+1?"}],
+                **body)
+    parts = post(http, "/v1/chat/completions", messages=[{"role": "my-custom-role", "content": [
+        {"type": "text", "text": "what is 1+1?"}]}], **body)
+    rendered = MARK + "<|im_start|>my-custom-role\nwhat is 1+1?<|im_end|>\n<|im_start|>assistant\n"  # as vLLM passes it
+    assert tokenizer.decode(text["prompt_token_ids"]) == rendered
+    assert parts["prompt_token_ids"] == text["prompt_token_ids"]
+    assert error_param(http.post("/v1/chat/completions", json={"messages": [{"role": "", "content": "x"}]})) == \
+        "messages.0.role"
+    assert error_param(http.post("/v1/chat/completions", json={"messages": [{"role": "my-role"}]})) == \
+        "messages.0.content"
 
 
 @pytest.mark.parametrize("flags, named", [
@@ -402,7 +437,8 @@ def test_echo_of_token_ids_keeps_special_tokens(http):
 
 
 @pytest.mark.parametrize("fields, param, named", [
-    ({"seed": 2**63}, "seed", None),
+    ({"seed": 2**63}, "seed", "less_than_equal"),
+    ({"seed": -(2**63) - 1}, "seed", "greater_than_equal"),
     ({"stop_token_ids": [5, VOCAB + 1]}, "stop_token_ids", str(VOCAB + 1)),
     ({"logit_bias": {"bad1": 1.0, "bad2": 2.0}}, "logit_bias", "'bad2'"),
 ])  # fmt: skip

@@ -66,6 +66,10 @@ def from_validation_error(exc: ValidationError) -> APIError:
     param = ".".join(str(part) for part in first["loc"]) or None
     # pydantic prefixes custom messages with "Value error, "; users do not need it.
     message = first["msg"].removeprefix("Value error, ")
+    if first["type"] not in ("value_error", "assertion_error"):
+        # pydantic's own error type, as its str() ends (and vLLM's messages carry it): a client can match
+        # "greater_than_equal" without parsing the words
+        message += f" [type={first['type']}]"
     return bad_request(f"{param}: {message}" if param else message, param)
 
 

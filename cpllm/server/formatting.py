@@ -137,11 +137,14 @@ def clamp(logprob: float) -> float:
     return LOGPROB_FLOOR if math.isinf(logprob) or math.isnan(logprob) else max(logprob, LOGPROB_FLOOR)
 
 
-def top_entries(position: PositionLogprobs, num_top: int, named: list[int] | None = None) -> list[tuple[int, float]]:
+def top_entries(position: PositionLogprobs, num_top: int, named: list[int] | None = None,
+                sampled: int | None = None) -> list[tuple[int, float]]:
     """The position's alternatives ranked 1..num_top, best first; or, when the request named its tokens
-    (logprob_token_ids), those tokens in the order named."""
+    (logprob_token_ids), the sampled token and then those tokens in the order named (each once), as vLLM's
+    sampler gathers them (sampled first) and its chat route lists them all, whatever top_logprobs says."""
     if named:
-        return [(tok, position[tok].logprob) for tok in dict.fromkeys(named) if tok in position]
+        first = [sampled] if sampled is not None else []
+        return [(tok, position[tok].logprob) for tok in dict.fromkeys([*first, *named]) if tok in position]
     ranked = sorted(((lp.rank or 0, tok, lp.logprob) for tok, lp in position.items() if (lp.rank or 0) <= num_top))
     seen, out = set(), []
     for _, tok, lp in ranked:
@@ -165,7 +168,7 @@ def completion_logprobs(texts: TokenTexts, token_ids: list[int], positions: list
             out["top_logprobs"].append(None)
             continue
         out["token_logprobs"].append(clamp(position[token_id].logprob))
-        top = {texts.text(tok): clamp(lp) for tok, lp in top_entries(position, num_top, named)}
+        top = {texts.text(tok): clamp(lp) for tok, lp in top_entries(position, num_top, named, token_id)}
         top.setdefault(token, clamp(position[token_id].logprob))
         out["top_logprobs"].append(top)
     return out
@@ -181,7 +184,7 @@ def chat_logprobs(texts: TokenTexts, token_ids: list[int], positions: list[Posit
     content = []
     for token_id, position in zip(token_ids, positions):
         item = entry(token_id, position[token_id].logprob)
-        item["top_logprobs"] = [entry(tok, lp) for tok, lp in top_entries(position, num_top, named)]
+        item["top_logprobs"] = [entry(tok, lp) for tok, lp in top_entries(position, num_top, named, token_id)]
         content.append(item)
     return {"content": content}
 

@@ -214,7 +214,9 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", json_schema_extra=_message_schema)
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Annotated[str, Field(min_length=1, examples=["system", "developer", "user", "assistant", "tool"])]
+    """OpenAI's five roles, or any other name (e.g. "my-custom-role"), which goes to the chat template as it is,
+    as vLLM's custom-role messages do; OpenAI's per-role rules apply to its own roles."""
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallMessagePart] | None = None

@@ -58,10 +58,13 @@ async def create_batch_chat_completion(ctx: ServerContext, batch: BatchChatCompl
     if body.get("stream"):
         raise bad_request("stream is not supported by /v1/chat/completions/batch; stream each conversation "
                           "from /v1/chat/completions", "stream")
-    for name in ("prompt_logprobs", "return_token_ids"):  # per-prompt fields: one response has no place for them
-        if body.get(name) not in (None, False):
-            raise bad_request(f"{name} is not supported by /v1/chat/completions/batch; send the conversation to "
-                              "/v1/chat/completions", name)
+    if body.get("prompt_logprobs") is not None:  # a per-prompt field: one response has no place for it
+        raise bad_request("prompt_logprobs is not supported by /v1/chat/completions/batch; send the conversation "
+                          "to /v1/chat/completions", "prompt_logprobs")
+    if isinstance(body.get("kv_transfer_params"), dict) and body["kv_transfer_params"].get("prompt_token_ids"):
+        raise bad_request("kv_transfer_params.prompt_token_ids is not supported by /v1/chat/completions/batch: "
+                          "one pre-tokenized prompt cannot serve several conversations",
+                          "kv_transfer_params.prompt_token_ids")
     chats = [_conversation(body, messages, i) for i, messages in enumerate(batch.messages)]
     base_id = f"chatcmpl-{chats[0].request_id or uuid.uuid4().hex}"
     runs: list[ChatRun] = []
@@ -78,8 +81,10 @@ async def create_batch_chat_completion(ctx: ServerContext, batch: BatchChatCompl
     for i, (run, output) in enumerate(zip(runs, outputs)):
         for choice in chat_response(ctx, run, output, head)["choices"]:
             choices.append({**choice, "index": i * run.params.n + choice["index"]})
-    return {**head, "object": "chat.completion", "choices": choices,
-            "usage": usage(outputs, ctx.options.enable_prompt_tokens_details)}
+    # return_token_ids: each choice carries its generated ids (chat_response); the prompts' ids have no place in
+    # one response, so prompt_token_ids stays null, as in vLLM's batch route
+    return {**head, "object": "chat.completion", "choices": choices, "prompt_logprobs": None,
+            "prompt_token_ids": None, "usage": usage(outputs, ctx.options.enable_prompt_tokens_details)}
 
 
 async def create_invocation(ctx: ServerContext, invocation: InvocationRequest, arrival_time: float):

@@ -13,6 +13,7 @@ from cpllm.server.async_engine import RequestStream
 from cpllm.server.chat_run import ChatRun
 from cpllm.server.chat_stream import chat_events, choice_message
 from cpllm.server.errors import bad_request
+from cpllm.server.forwarded_prompt import forwarded_prompt_ids
 from cpllm.server.formatting import kv_transfer_answer, sampling_params, usage
 from cpllm.server.prompt_fields import (bad_words_token_ids, check_allowed_token_ids, check_token_ids,
                                         prompt_logprobs_json, resolved_counts, token_texts, truncated)
@@ -24,12 +25,16 @@ from cpllm.server.tool_calls import ToolPlan, plan_tools, tool_schema_constraint
 
 
 def chat_prompt(ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPlan) -> Prompt:
-    """The rendered, tokenized and truncated prompt; a token-in request's own ids (prompt_token_ids) as given."""
+    """The rendered, tokenized and truncated prompt; a token-in request's own ids (prompt_token_ids), or the ids a
+    disaggregated router forwards in kv_transfer_params, as given."""
     tokenizer = ctx.engine.tokenizer
     if req.prompt_token_ids is not None:
         _check_prompt_ids(req.prompt_token_ids, tokenizer.vocab_size)
         kept = truncated(list(req.prompt_token_ids), req, ctx.engine.max_model_len)
         return Prompt(token_ids=kept, text=None)
+    forwarded = forwarded_prompt_ids(req, tokenizer.vocab_size)
+    if forwarded is not None:  # the prefill stage's ids, forwarded by the router: no template runs
+        return Prompt(token_ids=truncated(forwarded, req, ctx.engine.max_model_len), text=None)
     try:
         text = tokenizer.apply_chat_template(req.template_messages(), add_generation_prompt=req.add_generation_prompt,
                                              tools=plan.template_tools,
