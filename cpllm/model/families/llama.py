@@ -252,11 +252,12 @@ class LlamaForCausalLM(torch.nn.Module):
         """Prefill attention on bf16 dot products where the attention's projections already run an approximate
         format (the default path's int4 / int8 groups) and the backend and CPU can (docs/platform.md); the float32
         path (`--quantization none`) keeps the float32 kernel, exact to its rounding."""
-        use = getattr(self.attention_backend, "use_bf16_products", None)
+        use = getattr(self.attention_backend, "use_bf16_products", None)  # the GQA backend's (MLA has none)
+        if use is None:
+            return
         # a hybrid's state layers have no self_attn (their own projections are not attention's)
-        approximate = any(set(weight_bytes(layer.self_attn.qkv_proj)) - {"float"} for layer in self.layers
-                          if getattr(layer, "self_attn", None) is not None)
-        if use is not None and approximate:
+        projections = [getattr(getattr(layer, "self_attn", None), "qkv_proj", None) for layer in self.layers]
+        if any(p is not None and set(weight_bytes(p)) - {"float"} for p in projections):
             how = "bf16 dot products" if use() else "float32 (no AVX-512 BF16 here)"
             logger.info("prefill attention: %s, the attention projections being approximate formats", how)
 
