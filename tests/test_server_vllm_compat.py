@@ -35,7 +35,7 @@ FLAGS = ["--kv-cache-memory-bytes", "8MiB", "--max-model-len", "256", "--block-s
          "--served-model-name", "tiny", "--enable-prompt-tokens-details", "--enable-server-load-tracking",
          "--max-logprobs", "-1", "--root-path", "/llm", "--dtype", "float", "--trust-remote-code",
          "--disable-frontend-multiprocessing", "--enable-log-requests", "--load-format", "safetensors",
-         "--reasoning-parser", "qwen3"]
+         "--reasoning-parser", "qwen3", "--enable-per-request-metrics"]
 MARK = "SERVER-TEMPLATE "
 TEMPLATE = (MARK + "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -328,6 +328,49 @@ def test_custom_role_reaches_the_template(http):
         "messages.0.role"
     assert error_param(http.post("/v1/chat/completions", json={"messages": [{"role": "my-role"}]})) == \
         "messages.0.content"
+
+
+TIMINGS = {"queue_time_ms", "time_to_first_token_ms", "generation_time_ms", "mean_itl_ms", "tokens_per_second"}
+
+
+def test_per_request_metrics(http):
+    body = {"messages": ASK, "max_tokens": 4, "ignore_eos": True}
+    start = time.monotonic()
+    metrics = post(http, "/v1/chat/completions", **body)["metrics"]
+    elapsed_ms = (time.monotonic() - start) * 1000
+    assert set(metrics) == TIMINGS and all(v >= 0 for v in metrics.values())
+    # the engine's timestamps lie inside the request's life as the client saw it, and agree with each other
+    assert metrics["queue_time_ms"] + metrics["time_to_first_token_ms"] + metrics["generation_time_ms"] <= elapsed_ms
+    assert metrics["mean_itl_ms"] == pytest.approx(metrics["generation_time_ms"] / 3)
+    inference_s = (metrics["time_to_first_token_ms"] + metrics["generation_time_ms"]) / 1000
+    assert metrics["tokens_per_second"] == pytest.approx(4 / inference_s, rel=1e-6)
+    assert set(post(http, "/v1/completions", prompt="the cat", max_tokens=3, ignore_eos=True)["metrics"]) == TIMINGS
+    assert "metrics" not in post(http, "/v1/chat/completions", **body, n=2)  # two sequences' timings: left out
+    chunks = events(http, "/v1/chat/completions", **{**body, "max_tokens": 1},
+                    stream_options={"include_usage": True})
+    assert all("metrics" not in c for c in chunks[:-1]) and chunks[-1]["choices"] == []
+    assert set(chunks[-1]["metrics"]) == TIMINGS - {"mean_itl_ms"}  # one token: no gap between tokens
+    streamed = events(http, "/v1/completions", prompt="the cat", max_tokens=2, stream_options={"include_usage": True})
+    assert set(streamed[-1]["metrics"]) == TIMINGS
+
+
+def test_forwarded_prompt_ids_replace_the_messages(http):
+    """vLLM's router forwards the prefill stage's prompt ids in kv_transfer_params; the chat route uses them."""
+    body = {"max_tokens": 5, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    baseline = post(http, "/v1/chat/completions", messages=ASK, **body)
+    forwarded = {"kv_transfer_params": {"prompt_token_ids": baseline["prompt_token_ids"]}}
+    other = [{"role": "user", "content": "unrelated decode-side text"}]
+    decode = post(http, "/v1/chat/completions", messages=other, **body, **forwarded)
+    assert decode["prompt_token_ids"] == baseline["prompt_token_ids"]
+    assert decode["choices"][0]["token_ids"] == baseline["choices"][0]["token_ids"]
+    chunks = events(http, "/v1/chat/completions", messages=other, **body, **forwarded)
+    assert chunks[0]["prompt_token_ids"] == baseline["prompt_token_ids"]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == baseline["choices"][0]["token_ids"]
+    param = "kv_transfer_params.prompt_token_ids"
+    for bad in ([], [1, True], [VOCAB], "1 2"):
+        fields = {"messages": other, "kv_transfer_params": {"prompt_token_ids": bad}}
+        assert error_param(http.post("/v1/chat/completions", json=fields)) == param
+    assert error_param(http.post("/v1/chat/completions/batch", json={"messages": [other], **forwarded})) == param
 
 
 @pytest.mark.parametrize("flags, named", [

@@ -14,6 +14,7 @@ from cpllm.server.formatting import ChoiceCursor, chat_logprobs, sse
 from cpllm.server.prompt_fields import echo_prefix, token_texts
 from cpllm.server.protocol import ChatCompletionRequest
 from cpllm.server.requests import ServerContext
+from cpllm.server.request_metrics import metrics_field
 from cpllm.server.stream_usage import StreamUsage
 from cpllm.server.reasoning import Reasoning, output_parts
 from cpllm.server.tool_calls import ToolPlan, finish_reason, new_call_id, tool_call_dicts
@@ -71,8 +72,9 @@ async def chat_events(ctx: ServerContext, run: ChatRun, head: dict) -> AsyncIter
                 if req.return_token_ids:
                     chunk["token_ids"] = list(c.token_ids[sent_tokens : cursors[c.index].tokens])
                 yield sse({**head, "choices": [chunk], **reporting.chunk_fields(streams)})
-    if reporting.final:
-        yield sse({**head, "choices": [], "usage": reporting.now(streams)})
+    if reporting.final:  # per-request metrics ride on this chunk only, as in vLLM
+        yield sse({**head, "choices": [], "usage": reporting.now(streams),
+                   **metrics_field(ctx.options.enable_per_request_metrics, params.n, streams[0].last)})
 
 
 def _delta_choice(ctx: ServerContext, req: ChatCompletionRequest, params: SamplingParams, plan: ToolPlan,

@@ -55,6 +55,9 @@ class ServeOptions:
     """Report prefix-cache hits in usage.prompt_tokens_details.cached_tokens (null otherwise, as vLLM)."""
     enable_force_include_usage: bool = False
     """Every streamed chunk carries the usage so far (and a last usage chunk), whatever stream_options say."""
+    enable_per_request_metrics: bool = False
+    """Each response with one choice carries `metrics`: the request's queue time, time to first token, decode
+    time, mean inter-token latency and tokens per second (vLLM 0.33's flag); a stream on its final usage chunk."""
     enable_server_load_tracking: bool = False
     """Count generation requests in flight and serve the count at GET /load."""
     root_path: str = ""
@@ -151,6 +154,9 @@ SERVE_OPTIONS: tuple[EngineOption, ...] = (
                   help="report prefix-cache hits in usage.prompt_tokens_details.cached_tokens"),
     _serve_option("enable_force_include_usage", bool, "enable_force_include_usage",
                   help="every streamed chunk carries the usage so far, whatever stream_options say"),
+    _serve_option("enable_per_request_metrics", bool, "enable_per_request_metrics",
+                  help="responses with one choice carry `metrics` (queue, TTFT, decode time, mean ITL, tokens/s); "
+                       "a stream on its final usage chunk"),
     _serve_option("enable_server_load_tracking", bool, "enable_server_load_tracking",
                   help="count generation requests in flight, served at GET /load"),
     _serve_option("root_path", str, "root_path", metavar="PATH",

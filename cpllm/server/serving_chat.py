@@ -18,6 +18,7 @@ from cpllm.server.formatting import kv_transfer_answer, sampling_params, usage
 from cpllm.server.prompt_fields import (bad_words_token_ids, check_allowed_token_ids, check_token_ids,
                                         prompt_logprobs_json, resolved_counts, token_texts, truncated)
 from cpllm.server.protocol import ChatCompletionRequest
+from cpllm.server.request_metrics import metrics_field
 from cpllm.server.requests import Prompt, ServerContext
 from cpllm.server.reasoning import Reasoning, thinks_from_start
 from cpllm.server.structured_fields import Constraint, request_constraint
@@ -130,7 +131,7 @@ def chat_response(ctx: ServerContext, run: ChatRun, output: RequestOutput, head:
             "prompt_logprobs": (prompt_logprobs_json(token_texts(ctx.texts, req), output)
                                 if req.prompt_logprobs is not None else None),
             "prompt_token_ids": list(output.prompt_token_ids) if req.return_token_ids else None,
-            **kv_transfer_answer([output])}
+            **kv_transfer_answer([output]), **metrics_field(ctx.options.enable_per_request_metrics, req.n, output)}
 
 
 async def _beam_chat(ctx: ServerContext, req: ChatCompletionRequest, head: dict, arrival_time: float) -> dict:

@@ -17,6 +17,7 @@ from cpllm.server.prompt_fields import (bad_words_token_ids, check_allowed_token
                                         prompt_logprobs_json, resolved_counts, token_texts, truncated)
 from cpllm.server.protocol import CompletionRequest
 from cpllm.server.requests import Prompt, ServerContext
+from cpllm.server.request_metrics import metrics_field
 from cpllm.server.stream_usage import StreamUsage
 from cpllm.server.structured_fields import request_constraint
 
@@ -67,7 +68,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, arrival_
     choices = [_choice(ctx, req, p, out, c, i * params.n + c.index)
                for i, (p, out) in enumerate(zip(prompts, outputs)) for c in out.outputs]
     return {**head, "object": "text_completion", "choices": choices,
-            "usage": usage(outputs, ctx.options.enable_prompt_tokens_details), **kv_transfer_answer(outputs)}
+            "usage": usage(outputs, ctx.options.enable_prompt_tokens_details), **kv_transfer_answer(outputs),
+            **_metrics(ctx, params, outputs)}
 
 
 async def _beam_completion(ctx: ServerContext, req: CompletionRequest, prompts: list[Prompt], params: SamplingParams,
@@ -162,8 +164,16 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, params: SamplingPa
             if chunk is not None:
                 chunk.update(token_fields(i, c.index, list(c.token_ids[sent_tokens : cursor.tokens])))
                 yield sse({**head, "choices": [chunk], **reporting.chunk_fields(streams)})
-    if reporting.final:
-        yield sse({**head, "choices": [], "usage": reporting.now(streams)})
+    if reporting.final:  # per-request metrics ride on this chunk only, as in vLLM
+        yield sse({**head, "choices": [], "usage": reporting.now(streams),
+                   **_metrics(ctx, params, [s.last for s in streams])})
+
+
+def _metrics(ctx: ServerContext, params: SamplingParams, outputs: list) -> dict:
+    """--enable-per-request-metrics: one prompt's one sequence has timings that stand for the request."""
+    if len(outputs) != 1:
+        return {}
+    return metrics_field(ctx.options.enable_per_request_metrics, params.n, outputs[0])
 
 
 def _delta_choice(ctx: ServerContext, req: CompletionRequest, params: SamplingParams, c: CompletionOutput,
