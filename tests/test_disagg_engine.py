@@ -68,17 +68,17 @@ def prefill(producer: LLM, prompt: list[int]):
 
 def disaggregated(producer: LLM, consumer: LLM, reference: LLM, kv_heads: int) -> None:
     """Every prompt: prefill on the producer, decode on the consumer, compared with `reference` (one rank)."""
-    pulled = consumer.engine.executor._runner.kv_transfer
+    stats = consumer.engine.executor.rank_stats  # the consumer's driver rank's counters
     for name, prompt in PROMPTS.items():
         first = prefill(producer, prompt)
-        before = pulled.rows_pulled
+        before = stats().kv_rows_pulled
         got = consumer.generate({"prompt_token_ids": prompt},
                                 greedy(kv_transfer_params=first.kv_transfer_params))[0]
         want = reference.generate({"prompt_token_ids": prompt}, greedy())[0]
         assert_same_greedy(got, want, what=name, prompt_logprobs=False)
         assert first.outputs[0].token_ids == want.outputs[0].token_ids[:1], name
         # every position but the last, each KV head once, summed over the consumer's ranks (the driver's share)
-        assert pulled.rows_pulled - before == _driver_share(consumer, len(prompt) - 1, kv_heads), name
+        assert stats().kv_rows_pulled - before == _driver_share(consumer, len(prompt) - 1, kv_heads), name
         producer.engine.step()  # takes the consumer's release
         assert producer.engine.scheduler.held == {}, name
         assert producer.engine.pool.num_used == 0, name
@@ -114,7 +114,7 @@ def test_pcp2_producer_to_one_rank_consumer(folders, monkeypatch, kv_layout):
              kv_transfer_config=transfer("kv_consumer", c_port), **COMMON) as consumer:
         disaggregated(producer, consumer, consumer, kv_heads=2)
         # 12 and 36 positions pulled, at most 4 a message
-        assert consumer.engine.executor._runner.kv_transfer.messages_pulled >= 12 // 4 + 36 // 4
+        assert consumer.engine.executor.rank_stats().kv_messages_pulled >= 12 // 4 + 36 // 4
 
 
 def test_one_rank_producer_to_tp2_dcp2_consumer(folders):

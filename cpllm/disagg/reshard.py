@@ -126,7 +126,8 @@ def plan_reshard(src: CacheLayout, dst: CacheLayout, num_kv_heads: int, num_toke
     pos = 0
     while pos < num_tokens:
         # both owners are constant up to the next multiple of either interleave
-        end = min(num_tokens, (pos // src.interleave + 1) * src.interleave, (pos // dst.interleave + 1) * dst.interleave)
+        end = min(num_tokens, (pos // src.interleave + 1) * src.interleave,
+                  (pos // dst.interleave + 1) * dst.interleave)
         key = (src.owner(pos), dst.owner(pos))
         if key not in assignments:
             assignments[key] = _assign(src, dst, num_kv_heads, *key)

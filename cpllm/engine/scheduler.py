@@ -150,7 +150,8 @@ class Scheduler:
             self.running.append(request)
             chunks.append(self._chunk(request, num_new))
             if pulled is not None:
-                self._pulls.append(PullOp(remote=request.kv_pull, num_tokens=pulled, block_table=chunks[-1].block_table))
+                self._pulls.append(PullOp(remote=request.kv_pull, num_tokens=pulled,
+                                          block_table=chunks[-1].block_table))
                 request.kv_pull = None
             self.num_prefix_hit_tokens += num_hit_tokens
             if request.num_cached_tokens is None:

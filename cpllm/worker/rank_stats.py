@@ -71,3 +71,7 @@ class RankStats:
     """Steps the compiled decode graph ran."""
     graph_replays: int = 0
     """Decode steps replayed as a CUDA graph (cpllm/model/execution/cuda_graphs.py)."""
+    kv_rows_pulled: int = 0
+    """Disaggregated decode: (position, KV head) rows this rank pulled from prefill instances (cpllm/disagg)."""
+    kv_messages_pulled: int = 0
+    """The row messages they came in."""

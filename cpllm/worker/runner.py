@@ -264,4 +264,6 @@ class ModelRunner:
         return RankStats(strategy_counts=self.strategy_counts, plan_counts=dict(self.plan_counts),
                          fused_steps=fused.steps if fused is not None else 0,
                          compiled_steps=compiled.steps if compiled is not None else 0,
-                         graph_replays=self.decode_graphs.replays if self.decode_graphs is not None else 0)
+                         graph_replays=self.decode_graphs.replays if self.decode_graphs is not None else 0,
+                         kv_rows_pulled=self.kv_transfer.rows_pulled if self.kv_transfer is not None else 0,
+                         kv_messages_pulled=self.kv_transfer.messages_pulled if self.kv_transfer is not None else 0)
