@@ -157,6 +157,11 @@ def test_refusals(folders):
     with LLM(folders["kv2"], kv_transfer_config=transfer("kv_consumer", free_ports(2)), **COMMON) as consumer:
         with pytest.raises(ValueError, match="do_remote_decode on an instance with kv_role='kv_consumer'"):
             prefill(consumer, PROMPTS["len13"])
+        with pytest.raises(ValueError, match="prompt_logprobs with do_remote_prefill"):
+            params = SamplingParams(max_tokens=2, prompt_logprobs=1, extra_args={"kv_transfer_params": {
+                "do_remote_prefill": True, "remote_block_ids": [0], "remote_engine_id": "e", "remote_host": "h",
+                "remote_port": 1, "remote_request_id": "r"}})
+            consumer.generate({"prompt_token_ids": PROMPTS["len13"]}, params)
         with pytest.raises(ValueError, match="lacks 'remote_block_ids'"):
             consumer.generate({"prompt_token_ids": PROMPTS["len13"]},
                               greedy(kv_transfer_params={"do_remote_prefill": True}))

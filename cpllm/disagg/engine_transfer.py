@@ -131,7 +131,11 @@ def request_marks(transfer: EngineTransfer | None, sampling_params) -> tuple[Rem
     engine files the request; asking for a transfer without kv_transfer_config is refused."""
     params = (sampling_params.extra_args or {}).get("kv_transfer_params")
     if transfer is not None:
-        return transfer.marks(params, sampling_params.n)
+        remote, hold = transfer.marks(params, sampling_params.n)
+        if remote is not None and sampling_params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs with do_remote_prefill: the prompt was computed on the prefill "
+                             "instance (ask it there)")
+        return remote, hold
     if params and (params.get("do_remote_prefill") or params.get("do_remote_decode")):
         raise ValueError("kv_transfer_params needs an engine started with kv_transfer_config (--kv-transfer-config)")
     return None, False
