@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -29,9 +30,14 @@ def generate(folder, **layout):
     return [o.outputs[0].token_ids for o in outputs]
 
 
+@pytest.fixture(scope="module")
+def reference(folder) -> list[list[int]]:
+    """The single-rank engine's greedy tokens for PROMPTS, which every layout here must reproduce."""
+    return generate(folder)
+
+
 @pytest.mark.timeout(300)
-def test_data_parallel_returns_every_request_once_and_identical(folder):
-    reference = generate(folder)
+def test_data_parallel_returns_every_request_once_and_identical(folder, reference):
     with LLM(folder, max_model_len=256, block_size=4, threads_per_rank=1, distributed_timeout=60,
              data_parallel_size=2) as llm:
         ids = [str(i) for i in range(len(PROMPTS))]
@@ -107,15 +113,18 @@ IDLE_TIMEOUT_S = 20.0
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("transport", ["auto", "gloo"])
-def test_engine_idle_longer_than_the_collective_timeout_still_serves(folder, transport):
+def test_engine_idle_longer_than_the_collective_timeout_still_serves(folder, reference):
     """Workers wait for the next step, and replica drivers for the next DP tick, with no time limit: an engine
-    left idle longer than --distributed-timeout answers the next request (it used to lose its workers)."""
-    reference = generate(folder)
-    with LLM(folder, max_model_len=256, block_size=4, threads_per_rank=1, distributed_timeout=IDLE_TIMEOUT_S,
-             data_parallel_size=2, prefill_context_parallel_size=2, collective_transport=transport) as llm:
-        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-        first = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    left idle longer than --distributed-timeout answers the next request (it used to lose its workers).
+
+    Both transports at once ("auto": shared memory; "gloo"), so that they idle through the same wait."""
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    with contextlib.ExitStack() as stack:
+        engines = {transport: stack.enter_context(
+            LLM(folder, max_model_len=256, block_size=4, threads_per_rank=1, distributed_timeout=IDLE_TIMEOUT_S,
+                data_parallel_size=2, prefill_context_parallel_size=2, collective_transport=transport))
+            for transport in ("auto", "gloo")}
+        first = {t: [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] for t, llm in engines.items()}
         time.sleep(IDLE_TIMEOUT_S + 3)
-        second = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
-    assert first == reference and second == reference
+        second = {t: [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] for t, llm in engines.items()}
+    assert first == second == {"auto": reference, "gloo": reference}
