@@ -75,4 +75,66 @@ def int4_section(results: Results, images: str, rel: str) -> list[str]:
     return lines
 
 
-INT4_SECTIONS = [int4_section]
+
+TILES_INTRO = (
+    "On a CPU with AVX-512 BF16 the default path (`auto`: the GGUF's int4 weights as stored) now prefills on bf16 "
+    "dot products: the int4 layers' many-row calls dequantize weight tiles to bfloat16 for oneDNN's bf16 GEMM "
+    "(cpllm/kernels/int4_gemm.py, the dtype and threshold measured at start-up), and prefill attention runs the "
+    "bf16 variant of cpllm's kernel (float32 scores, softmax, output and log-sum-exp). Decode keeps the VNNI "
+    "integer kernel. `--quantization none` keeps float32 everywhere.")
+
+
+def _prefill_by(compare: dict[str, Any]) -> dict[tuple[str, int, int], dict[str, Any]]:
+    return {(row["system"], row["threads"], row["prompt_tokens"]): row for row in compare["prefill"]}
+
+
+def _target_rows(compare: dict[str, Any], ceiling: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Default-path prefill against transformers bf16 and llama.cpp, and its share of the bf16 matmul rate."""
+    by = _prefill_by(compare)
+    bf16_rate = {row["threads"]: row.get("bf16_matmul_gflops") for row in (ceiling or {}).get("results", [])}
+    rows = []
+    for (system, threads, tokens), row in sorted(by.items(), key=lambda item: (item[0][1], item[0][2])):
+        if system != "cpllm (auto)":
+            continue
+        out = {"threads": threads, "prompt tokens": tokens, "cpllm auto tok/s": row["tokens_per_s"]}
+        for other, label in (("transformers (bfloat16)", "vs transformers bf16"), ("transformers", "vs transformers fp32"),
+                             ("llama.cpp", "vs llama.cpp")):
+            theirs = by.get((other, threads, tokens))
+            out[label] = round(row["tokens_per_s"] / theirs["tokens_per_s"], 2) if theirs else "not run"
+        rate = bf16_rate.get(threads)
+        out["useful GFLOP/s"] = row["gflops"]
+        out["of bf16 matmul rate"] = round(row["gflops"] / rate, 2) if rate else "not measured"
+        rows.append(out)
+    return rows
+
+
+def tiles_section(results: Results, images: str, rel: str) -> list[str]:
+    lines = ["## Default prefill on bf16 dot products (issue 43, AVX-512 BF16)", "", TILES_INTRO, ""]
+    compare, before_after = results.get("compare_bf16"), results.get("int4_bf16")
+    if compare is None:
+        return lines + _missing("compare_bf16")
+    machine = (before_after or compare)["machine"]
+    lines += [f"Machine: {_flags(machine)}. Load average at start {machine.get('load_average_start')}.", "",
+              "Targets: benchmarks/compare.py, one process per system, the same random prompt, LM head on the last "
+              "position only, fastest of the rounds; the bf16 matmul rate is `cpllm bench ceiling` (a side of 1,024) "
+              "on the same thread count.", ""]
+    lines += md_table(_target_rows(compare, results.get("ceiling_bf16")))
+    if before_after is not None:
+        lines += ["", f"Before and after (benchmarks/int4_before_after.py --before {before_after['before']}: each "
+                  f"side's compare.py and PCP=2 `cpllm bench prefill` in turn, {before_after['rounds']} rounds, "
+                  f"{before_after['threads']} thread per rank):", ""]
+        lines += md_table(_rows(before_after))
+    quality = results.get("quality_bf16")
+    if quality is not None:
+        lines += ["", "Quality against `none` (benchmarks/quality.py; the last two columns over a 2,048-token text, "
+                  "where the bf16 GEMMs and attention run):", ""]
+        lines += md_table([{k: row.get(k) for k in ("system", "identical_completions", "agreement",
+                                                    "mean_abs_logprob_diff", "mean_abs_logprob_diff_2048",
+                                                    "max_abs_logprob_diff_2048")} for row in quality["rows"]])
+    for source in (compare, before_after or {}, quality or {}):
+        for note in source.get("notes", []):
+            lines += ["", f"Note: {note}."]
+    return lines
+
+
+INT4_SECTIONS = [int4_section, tiles_section]
