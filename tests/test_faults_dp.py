@@ -147,9 +147,14 @@ def back_in_rotation(server: ServerProcess, timeout_s: float = 90.0) -> float:
     return time.monotonic() - start
 
 
+BOTH_TOKENS = 1000
+"""Tokens of each of the two requests that check both replicas serve: they start together and run equally long,
+so both are running at once for nearly all of it, however slow the CPU (3,000 only took longer)."""
+
+
 def both_replicas_take_requests(server: ServerProcess) -> None:
     """Two long requests at once go one to each replica: every rank's KV usage rises."""
-    outcome, threads = load(server.url, 2, 3000)
+    outcome, threads = load(server.url, 2, BOTH_TOKENS)
     seen = wait_for(lambda: all(total(metrics(server.url), "cpllm_kv_cache_usage_perc", rank=str(r)) > 0
                                 for r in (0, 1)), 30)
     settle(threads)
@@ -157,13 +162,18 @@ def both_replicas_take_requests(server: ServerProcess) -> None:
     assert outcome.complete == ["length", "length"], vars(outcome)
 
 
+KILL_LOAD = 8
+"""Requests of the kill test: twice the 2 x 2 running slots, so the killed replica has queued ones to re-queue (the
+front hands each request to a replica at once); more only lengthen replica 0's work after the kill."""
+
+
 @pytest.mark.timeout(480)
 def test_killed_replica_fails_over_and_comes_back(long_model):
     with ServerProcess.running([long_model, *DP2, "--max-replica-restarts", "1"], timeout_s=240) as server:
         pids = replica_pids(server)
         assert sorted(pids) == [0, 1]
-        outcome, threads = load(server.url, 12, 600)
-        # 12 requests on 2 x 2 running slots: each replica has started some and queues the rest
+        outcome, threads = load(server.url, KILL_LOAD, 600)
+        # 8 requests on 2 x 2 running slots: each replica has started 2 and queues 2
         assert wait_for(lambda: total(metrics(server.url), "vllm:num_requests_waiting") > 0, 20)
         os.kill(pids[1], signal.SIGKILL)
         killed = time.monotonic()
@@ -180,7 +190,7 @@ def test_killed_replica_fails_over_and_comes_back(long_model):
         assert during.status_code == 200
         settle(threads, timeout_s=180)
         assert outcome.problems == [], outcome.problems
-        assert len(outcome.complete) + len(outcome.errors) == 12  # none lost
+        assert len(outcome.complete) + len(outcome.errors) == KILL_LOAD  # none lost
         assert len(outcome.ids) == len(set(outcome.ids))  # none answered twice
         assert all("replica 1" in e for e in outcome.errors), outcome.errors
         values = metrics(server.url)
@@ -199,7 +209,7 @@ def test_killed_replica_fails_over_and_comes_back(long_model):
 def test_stopped_replica_is_taken_out_named_and_restarted(long_model):
     with ServerProcess.running([long_model, *DP2, "--max-replica-restarts", "1"], timeout_s=240) as server:
         pids = replica_pids(server)
-        outcome, threads = load(server.url, 4, 3000)
+        outcome, threads = load(server.url, 4, BOTH_TOKENS)
         # 2 running slots on each replica: the gauge sums both (replica 0's alone would read 2)
         assert wait_for(lambda: total(metrics(server.url), "vllm:num_requests_running") == 4, 20)
         os.kill(pids[0], signal.SIGSTOP)
