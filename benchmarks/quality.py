@@ -62,8 +62,9 @@ def cpllm_results(model: str, quantization: str, threads: int) -> dict:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
         ids = llm.tokenizer.encode(TEXT)
         long_ids = (ids * (LONG_TOKENS // len(ids) + 1))[:LONG_TOKENS]
-        scored = llm.generate([{"prompt_token_ids": ids}, {"prompt_token_ids": long_ids}],
-                              SamplingParams(max_tokens=1, prompt_logprobs=0))
+        # one call each: in one step the short text's rows would join the long one's in its GEMMs
+        scored = [llm.generate([{"prompt_token_ids": tokens}], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+                  for tokens in (ids, long_ids)]
     logprobs = [[out.prompt_logprobs[i][tokens[i]].logprob for i in range(1, len(tokens))]
                 for out, tokens in zip(scored, (ids, long_ids))]
     return {"prompts": prompts, "completions": [list(o.outputs[0].token_ids) for o in outs], "text_ids": ids,
@@ -72,6 +73,7 @@ def cpllm_results(model: str, quantization: str, threads: int) -> dict:
 
 def llama_cpp_results(model: str, prompts: list[list[int]], text_ids: list[int], long_ids: list[int],
                       threads: int) -> dict:
+    import numpy as np
     from llama_cpp import Llama
 
     llm = Llama(model_path=model, n_ctx=LONG_TOKENS + 64, n_batch=512, n_threads=threads, n_threads_batch=threads,

@@ -27,9 +27,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, caus
     return out[0].transpose(0, 1), lse[0].transpose(0, 1)
 
 
+BF16_MIN_PAIRS = 256 * 256
+"""Query-key pairs from which `attend_bf16` rounds to bf16: below, a call costs little in float32 (about a
+millisecond per layer on one core), so short prompts and short pieces keep float32's accuracy."""
+
+
 def attend_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):
-    """`attend` on bf16 dot products where the C kernel runs them (cpllm/kernels/prefill_attention.py)."""
-    return attend(q, k, v, scale, causal, bf16_products=True)
+    """`attend` on bf16 dot products where the C kernel runs them (cpllm/kernels/prefill_attention.py), for
+    calls of at least BF16_MIN_PAIRS query-key pairs."""
+    return attend(q, k, v, scale, causal, bf16_products=q.shape[0] * k.shape[0] >= BF16_MIN_PAIRS)
 
 
 def attend_single_tokens(q, k_ctx, v_ctx, decode, scale: float, every_row_sees_a_key: bool = False,
