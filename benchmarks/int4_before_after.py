@@ -121,15 +121,21 @@ def main() -> None:
                 print(f"round {r} {side}: {figures}", flush=True)
         quality = {} if args.no_quality else {
             side: agreement(tree, os.path.join(tmp, f"quality_{side}.json")) for side, tree in trees.items()}
+    write_summary(args, runs, quality, load_at_start)
+
+
+def write_summary(args, runs: dict[tuple[str, str], list[float]], quality: dict, load_at_start: list[float]) -> None:
+    """The medians of each figure and side, their ratios, and auto against none of the same side, to args.out."""
     medians = {key: statistics.median(values) for key, values in runs.items()}
     rows = []
     for key in sorted({k for k, _ in runs}):
         before, after = medians.get((key, "before")), medians.get((key, "after"))
         none_key = key.replace("cpllm (auto)", "cpllm")
+        none = {side: medians.get((none_key, side)) if none_key != key else None for side in ("before", "after")}
         rows.append({"figure": key, "before": before, "after": after,
                      "ratio": round(after / before, 2) if before and after else None,
-                     "before_vs_none": round(before / medians[(none_key, "before")], 2) if "(auto)" in key else None,
-                     "after_vs_none": round(after / medians[(none_key, "after")], 2) if "(auto)" in key else None,
+                     "before_vs_none": round(before / none["before"], 2) if none["before"] else None,
+                     "after_vs_none": round(after / none["after"], 2) if none["after"] else None,
                      "before_all": runs.get((key, "before")), "after_all": runs.get((key, "after"))})
     with open(args.out, "w") as f:
         json.dump({"command": "int4_before_after", "argv": sys.argv[1:], "before": args.before,
