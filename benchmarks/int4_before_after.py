@@ -126,7 +126,7 @@ def main() -> None:
 
 def write_summary(args, runs: dict[tuple[str, str], list[float]], quality: dict, load_at_start: list[float]) -> None:
     """The medians of each figure and side, their ratios, and auto against none of the same side, to args.out."""
-    medians = {key: statistics.median(values) for key, values in runs.items()}
+    medians = {key: round(statistics.median(values), 4) for key, values in runs.items()}
     rows = []
     for key in sorted({k for k, _ in runs}):
         before, after = medians.get((key, "before")), medians.get((key, "after"))
