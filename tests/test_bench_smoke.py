@@ -192,12 +192,13 @@ def test_compare_script_and_report(tiny_folder, tmp_path):
                     "--out", str(results / "compare.json")],
                    check=True, env=env, cwd=tmp_path, capture_output=True)
     compare = _read(results / "compare.json")
-    systems = ("cpllm", "cpllm (auto)", "transformers")  # cpllm on fp32 weights and on the GGUF's own blocks
+    # cpllm on fp32 weights and on the GGUF's own blocks; transformers in float32 and in bfloat16
+    systems = ("cpllm", "cpllm (auto)", "transformers", "transformers (bfloat16)")
     assert {(r["system"], r["prompt_tokens"]) for r in compare["prefill"]} == {
         (s, n) for s in systems for n in (8, 16)}
     # transformers decodes batch 1 only: the targets compare batches of cpllm with its batch 1
     assert {(r["system"], r["batch_size"]) for r in compare["decode"]} == {
-        (s, b) for s in systems for b in (1, 2) if s != "transformers" or b == 1}
+        (s, b) for s in systems for b in (1, 2) if not s.startswith("transformers") or b == 1}
     _bench("ceiling", "--threads", "1", "--size", "64", "--json", str(results / "ceiling.json"))
     page = tmp_path / "benchmarks.md"
     subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "make_report.py"), "--results", str(results),

@@ -186,6 +186,7 @@ SERVE_CHANGED: dict[str, tuple[list[str], object]] = {
     "enable_log_requests": (["--enable-log-requests"], True),
     "reasoning_parser": (["--reasoning-parser", "no_such_parser"], ValueError),
     "api_server_count": (["--api-server-count", "2"], 2),
+    "enable_per_request_metrics": (["--enable-per-request-metrics"], True),
 }
 """server option -> (flags that change it, the value its ServeOptions field gets, or ValueError for a vLLM flag
 refused naming itself)."""

@@ -128,3 +128,9 @@ class TritonPagedBackend:
     decode_context = staticmethod(_GQA.decode_context)  # pass-Q: contexts gathered once for several blocks
     attend_gathered_decode = staticmethod(_GQA.attend_gathered_decode)
     decode_form = staticmethod(_decode_form)
+    bf16_products = False
+    """The Triton kernels compute in the tensors' own dtype: no CPU bf16 variant to switch to."""
+
+    def use_bf16_products(self) -> bool:
+        """Never: the CPU kernel's bf16 variant is not this backend's (its kernels follow the tensors' dtype)."""
+        return False
