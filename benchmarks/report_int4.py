@@ -131,6 +131,12 @@ def tiles_section(results: Results, images: str, rel: str) -> list[str]:
                   "both sides: read it by `vs none`, measured moments apart in the same process."]
         if before_after.get("note"):
             lines += ["", f"Note: {before_after['note']}."]
+    quiet = results.get("int4_bf16_quiet")
+    if quiet is not None:
+        lines += ["", f"Again without the PCP runs, on a quiet machine (load average {quiet['machine']['load_average_start']} "
+                  f"at start, {quiet['machine']['load_average_end']} at end): decode within its rounds' spread, "
+                  "prefill faster.", ""]
+        lines += md_table(_rows(quiet))
     quality = results.get("quality_bf16")
     if quality is not None:
         lines += ["", "Quality against `none` (benchmarks/quality.py; the last two columns over a 2,048-token text, "
