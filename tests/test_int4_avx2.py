@@ -168,6 +168,8 @@ def test_the_measured_choice_names_a_probed_threshold_and_a_measured_dtype(dtype
     assert choice.backend == "avx2" and choice.decode_gbps > 0 and set(choice.gemm_gflops) == set(dtypes)
     assert all(rate > 0 for rate in choice.gemm_gflops.values()) and choice.gemm_dtype in dtypes
     assert choice.gemm_from_rows in (*int4_choice.PROBE_ROWS, int4_choice.NEVER)
+    if choice.gemm_dtype == "bfloat16":  # short prompts and decode batches keep the integer kernel's rounding
+        assert choice.gemm_from_rows >= int4_choice.BF16_MIN_ROWS
 
 
 def test_bfloat16_gemms_are_measured_only_where_the_cpu_reports_them():

@@ -31,6 +31,10 @@ PROBE_SHAPE = (1536, 576)
 """(out, in) of the layer the start-up measurement multiplies (SmolLM2's widest input count to its MLP)."""
 PROBE_ROWS = (32, 64, 128, 256, 512)
 """Row counts at which both AVX2 ways are timed."""
+BF16_MIN_ROWS = 256
+"""The lowest threshold bf16 GEMMs may take: below it a short prompt or a batch of decodes keeps the integer
+kernel's rounding whatever a noisy measurement says (the float32 GEMMs round as little as the integer kernel, and
+may start lower)."""
 NEVER = 1 << 62
 """`gemm_from_rows` when the GEMMs won at no measured row count."""
 
@@ -164,8 +168,9 @@ def _measured(backend: str, dtypes: tuple[str, ...], reason: str) -> Int4Choice:
         best = min(range(len(dtypes)), key=lambda i: per_row[-1][1 + i])
         gemm_dtype = dtypes[best]
         # the threshold with the least time per row summed over the probes: one noisy probe cannot move it far
+        limits = [r for r in PROBE_ROWS if gemm_dtype != "bfloat16" or r >= BF16_MIN_ROWS]
         costs = {limit: sum(times[1 + best] if rows >= limit else times[0] for rows, times in zip(PROBE_ROWS, per_row))
-                 for limit in (*PROBE_ROWS, NEVER)}
+                 for limit in (*limits, NEVER)}
         gemm_from_rows = min(costs, key=costs.get)
     return Int4Choice(backend=backend, gemm_from_rows=gemm_from_rows, gemm_dtype=gemm_dtype,
                       decode_gbps=round(packed.numel() / int_one / 1e9, 2), gemm_gflops=gflops, reason=reason)
