@@ -45,17 +45,22 @@ def extract(rev: str, folder: str) -> None:
     subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
 
 
+def run_json(tree: str, argv: list[str], out: str, what: str) -> dict:
+    """The JSON that `argv`, run with `tree`'s cpllm and from `tree`, writes to `out`."""
+    done = subprocess.run(argv, env={**os.environ, "PYTHONPATH": tree}, cwd=tree, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{what} failed in {tree}:\n{done.stderr[-3000:]}")
+    with open(out) as f:
+        return json.load(f)
+
+
 def pcp_efficiency(tree: str, length: int, out: str) -> dict[str, float]:
-    """{"cpllm (auto) PCP=2 efficiency <length>": TTFT(1 rank) / (2 TTFT(PCP=2))} of that side's `cpllm bench
-    prefill` on the default weights, one thread per rank, auto strategy (0: not measured)."""
+    """{"cpllm (auto) PCP=2 efficiency <length>": TTFT(1 rank) / (2 TTFT(PCP=2)), and both TTFTs} of that side's
+    `cpllm bench prefill` on the default weights, one thread per rank, auto strategy."""
     argv = [sys.executable, "-m", "cpllm", "bench", "prefill", "-q", "auto", "--lengths", str(length),
             "--layouts", "1x1x1@1,1x2x1@1", "--strategies", "auto", "--repeats", "1", "--no-ceiling",
             "--json", out]
-    done = subprocess.run(argv, env={**os.environ, "PYTHONPATH": tree}, cwd=tree, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"bench prefill failed in {tree}:\n{done.stderr[-3000:]}")
-    with open(out) as f:
-        data = json.load(f)
+    data = run_json(tree, argv, out, "bench prefill")
     rows = [row for value in data.values() if isinstance(value, list) for row in value
             if isinstance(row, dict) and "layout" in row and "ttft_s" in row]
     ttft = {row["layout"].split("@")[0].split("-")[0]: row["ttft_s"] for row in rows}
@@ -69,11 +74,7 @@ def run_side(tree: str, threads: int, out: str, lengths: str = "2048") -> dict[s
             "--threads", str(threads), "--prefill-repeats", "1", "--decode-contexts", "128", "--decode-batches", "1,16",
             "--decode-threads", str(threads), "--decode-steps", "16", "--skip", "llama.cpp", "--no-compiled",
             "--out", out]
-    done = subprocess.run(argv, env={**os.environ, "PYTHONPATH": tree}, cwd=tree, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"compare.py failed in {tree}:\n{done.stderr[-3000:]}")
-    with open(out) as f:
-        data = json.load(f)
+    data = run_json(tree, argv, out, "compare.py")
     figures = {f"{row['system']} prefill {row['prompt_tokens']}": row["tokens_per_s"] for row in data["prefill"]}
     figures.update({f"{row['system']} decode batch {row['batch_size']}": row["tokens_per_s"] for row in data["decode"]})
     return figures
