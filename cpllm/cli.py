@@ -1,4 +1,4 @@
-"""`cpllm generate | serve | bench | plan`."""
+"""`cpllm generate | serve | router | bench | plan`."""
 
 from __future__ import annotations
 
@@ -20,6 +20,12 @@ def _serve(args: argparse.Namespace) -> int:
     from cpllm.server.launcher import run_server
 
     return run_server(args)
+
+
+def _router(args: argparse.Namespace) -> int:
+    from cpllm.router.cli import run_router
+
+    return run_router(args)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -59,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_arguments(serve)
     serve.set_defaults(handler=_serve)
+
+    from cpllm.router.cli import add_router_parser
+
+    router = commands.add_parser("router", help="OpenAI API in front of prefill and decode instances "
+                                 "(disaggregated prefill/decode)")
+    add_router_parser(router)
+    router.set_defaults(handler=_router)
 
     try:
         from cpllm.bench.cli import add_bench_parser
