@@ -68,6 +68,9 @@ class GatedRMSNorm(torch.nn.Module):
 class GatedDeltaNet(torch.nn.Module):
     """hidden [N, hidden] -> [N, hidden]; reads and writes each request's state in the layer's pools."""
 
+    chunk_rule = staticmethod(chunked_delta_rule)
+    """The chunked rule pcp_prefill.py runs each run through."""
+
     def __init__(self, linear: LinearAttentionConfig, hidden: int, eps: float, prefix: str,
                  parallel: ParallelContext, dtype: torch.dtype, quantization: str):
         super().__init__()

@@ -14,6 +14,11 @@ The head-tail split gives each PCP rank up to two runs of a prompt chunk's token
 
 Two all-gathers per layer and step, whatever the number of requests; the collectives depend only on the step's
 metadata, so every PCP rank issues the same ones.
+
+Any delta rule whose state update is a left multiplication plus a rank-one write (S <- P_t S + k_t u_t^T) runs
+here: Kimi delta attention's per-channel decay too (cpllm/layers/kimi_delta/). The layer supplies `pcp`, `linear`
+(its `conv_kernel`), `conv_channels`, `conv_weight`, `hv`, `dk`, `dv`, `_heads` (convolved channels -> q, k, v) and
+`chunk_rule` (the chunked rule: q, k, v, g, beta, state -> out, state; g indexed by token first).
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ from __future__ import annotations
 import torch
 
 from cpllm.context_parallel.state_scan import Run, exclusive_scan, gather_pieces, preceding_rows, sequence_runs
-from cpllm.layers.gated_delta.rule import chunked_delta_rule
 
 
 def pcp_prefill(layer, requests, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state, core) -> None:
@@ -88,5 +92,5 @@ def _run_from_zero(layer, halo: torch.Tensor, x: torch.Tensor, g: torch.Tensor, 
     eye = torch.eye(dk, dtype=torch.float32, device=x.device).expand(hv, dk, dk)
     start = torch.cat([eye.new_zeros(hv, dk, dv), eye], dim=-1)  # [Hv, dk, dv + dk]: S = 0, the identity beside
     rows = slice(run.row, run.row + run.length)
-    out, end = chunked_delta_rule(q, k, values, g[rows], beta[rows], start)
+    out, end = layer.chunk_rule(q, k, values, g[rows], beta[rows], start)
     return out[..., :dv], out[..., dv:], end
