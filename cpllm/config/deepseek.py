@@ -112,6 +112,9 @@ class MLAConfig:
     None: one q_proj."""
     rope_interleave: bool = True
     """The rotary dimensions pair as (0, 1), (2, 3), ... (DeepSeek's layout; V2 always) rather than (i, i + d/2)."""
+    rotary: bool = True
+    """The rope part of queries and keys is rotated by position; False: it is used as projected (Kimi Linear's MLA
+    layers, which carry no position: cpllm/config/kimi_linear.py)."""
 
     @property
     def qk_head_dim(self) -> int:

@@ -123,6 +123,8 @@ class MLAAttention(torch.nn.Module):
         c, k_pe = self.kv_a_proj(hidden).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         c = self.kv_a_layernorm(c.contiguous())
         k_pe = k_pe.unsqueeze(1)
+        if not mla.rotary:  # Kimi Linear: no position enters the attention
+            return q_nope, q_pe, c, k_pe
         if mla.rope_interleave:
             q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
         return q_nope, apply_rope(rope_tables, q_pe), c, apply_rope(rope_tables, k_pe)
