@@ -169,8 +169,6 @@ def test_refusals(folders):
 
 def test_a_pull_after_the_abort_timeout_is_refused(folders):
     """The blocks went back to the pool: the consumer's pull fails naming the request, instead of reading them."""
-    from cpllm.disagg.wire import TransferError
-
     with LLM(folders["kv2"], block_size=4, kv_transfer_config=transfer("kv_producer", free_ports(2),
                                                                          abort_timeout_s=0.5), **COMMON) as producer:
         first = prefill(producer, PROMPTS["len13"])
@@ -178,6 +176,33 @@ def test_a_pull_after_the_abort_timeout_is_refused(folders):
         producer.engine.step()
         with LLM(folders["kv2"], block_size=8, kv_transfer_config=transfer("kv_consumer", free_ports(2)),
                  **COMMON) as consumer:
-            with pytest.raises(TransferError, match="is not held here"):
+            with pytest.raises(RuntimeError, match="could not be pulled from the prefill instance.*is not held here"):
                 consumer.generate({"prompt_token_ids": PROMPTS["len13"]},
                                   greedy(kv_transfer_params=first.kv_transfer_params))
+            assert_pull_failure_left_nothing(consumer, producer)
+
+
+def assert_pull_failure_left_nothing(consumer: LLM, reference: LLM) -> None:
+    """The failed request holds no block of the consumer, and none of its rows went into the prefix cache: the
+    same prompt computed there (a prefix hit would read the pulled rows) is the reference's."""
+    assert not consumer.engine.has_unfinished_requests() and consumer.engine.pool.num_used == 0
+    want = reference.generate({"prompt_token_ids": PROMPTS["len13"]}, greedy())[0]
+    for _ in range(2):  # the second run hits the first's blocks
+        got = consumer.generate({"prompt_token_ids": PROMPTS["len13"]}, greedy())[0]
+        assert_same_greedy(got, want, what="after the failed pull", prompt_logprobs=False)
+
+
+def test_a_producer_that_dies_mid_transfer_fails_only_the_request(folders):
+    """The producer's control port grants the lease, then its rank's row server is gone: the pull times out, the
+    request ends with an error naming the failure, the consumer frees its blocks and serves on."""
+    with LLM(folders["kv2"], block_size=4, kv_transfer_config=transfer("kv_producer", free_ports(2)),
+             **COMMON) as producer, \
+         LLM(folders["kv2"], block_size=8, kv_transfer_config=transfer("kv_consumer", free_ports(2),
+                                                                         transfer_timeout_s=1.0), **COMMON) as consumer:
+        first = prefill(producer, PROMPTS["len13"])
+        producer.engine.executor._runner.kv_transfer.server.close()  # the rows' server dies, the control port lives
+        with pytest.raises(RuntimeError, match="could not be pulled from the prefill instance.*no answer from "
+                                               "127.0.0.1:.* to 'rows' within 1.0 s"):
+            consumer.generate({"prompt_token_ids": PROMPTS["len13"]},
+                              greedy(kv_transfer_params=first.kv_transfer_params))
+        assert_pull_failure_left_nothing(consumer, producer)

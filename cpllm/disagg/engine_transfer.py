@@ -15,6 +15,9 @@ from cpllm.disagg.wire import Server, TransferError, call
 
 logger = logging.getLogger(__name__)
 
+IDLE_RELEASE_S = 0.5
+"""How often an idle producer's engine steps (LLMEngine.idle_tick_s), so held blocks are freed on time."""
+
 
 class EngineTransfer:
     """What one LLMEngine does for kv_transfer_config."""

@@ -36,6 +36,8 @@ class PullOp:
 
     remote: RemotePrefill
     """Where the K/V is."""
+    request_id: str = ""
+    """The consumer's request (its scheduler id), which a failed pull ends."""
     num_tokens: int
     """Positions [0, num_tokens) are pulled: every prompt position but the last, which the step computes."""
     block_table: tuple[int, ...]

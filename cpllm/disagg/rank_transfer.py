@@ -9,12 +9,14 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+import torch.distributed as dist
 
 from cpllm.disagg.config import KVTransferConfig
+from cpllm.distributed.comm import all_reduce
 from cpllm.disagg.params import PullOp, RemotePrefill
 from cpllm.disagg.reshard import CacheLayout, Move, plan_reshard, split_ranges
 from cpllm.disagg.rows import from_frames, layer_pools, positions_of, read_rows, slots_of, to_frames, write_rows
-from cpllm.disagg.wire import Server, as_json, call
+from cpllm.disagg.wire import Server, TransferError, as_json, call
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,8 @@ class RankTransfer:
         """Position x head rows this rank pulled, since start."""
         self.messages_pulled = 0
         """Row messages this rank received, since start."""
+        self.failed: dict[str, str] = {}
+        """The last step's failed pulls on any rank of the replica: consumer request id -> why."""
         self.server = (Server(config.kv_ip, config.rank_port(rank), self._serve, f"kv-rows-{rank}")
                        if config.produces else None)
 
@@ -77,20 +81,33 @@ class RankTransfer:
             self._layouts[key] = CacheLayout.from_dict(answer["layout"])
         return self._layouts[key]
 
-    def pull(self, ops: tuple[PullOp, ...]) -> None:
+    def pull(self, ops: tuple[PullOp, ...], group=None) -> None:
         """Every row of every op's positions this rank owns, from the producer ranks holding them, into its pools.
-        The moves of one op are asked of their producer ranks at once (one thread each) and written as they come."""
-        for op in ops:
-            src = self.remote_layout(op.remote)
-            moves = plan_reshard(src, self.layout, self.num_kv_heads, op.num_tokens).to(self.rank)
-            if not moves:
-                continue
-            # the producer still holds the blocks (a stale pull would read blocks given to another request)
-            call(op.remote.host, op.remote.port, {"op": "lease", "request_id": op.remote.request_id},
-                 timeout_s=self.config.transfer_timeout_s)
-            with ThreadPoolExecutor(max_workers=len(moves), thread_name_prefix="kv-pull") as pool:
-                for done in [pool.submit(self._pull_move, op, move) for move in moves]:
-                    done.result()  # a failed move fails the pull (TransferError names the peer)
+        A pull that fails (a producer that died or refused, a timeout) fails only its request: the ranks agree
+        over `group` (the replica's; None for one rank) which ops failed, and `failed` says so until the next
+        step, so that the engine ends those requests (their rows are never read as a prompt's)."""
+        local = {}
+        for index, op in enumerate(ops):
+            try:
+                self._pull_op(op)
+            except (TransferError, ValueError, KeyError) as error:
+                logger.warning("kv transfer: rank %d could not pull request %s from %s:%d: %s", self.rank,
+                               op.remote.request_id, op.remote.host, op.remote.port, error)
+                local[index] = f"{type(error).__name__}: {error}"
+        self.failed = agree_failures(local, ops, self.rank, group, self.pools[0].device if self.pools else None)
+
+    def _pull_op(self, op: PullOp) -> None:
+        """The moves of one op, asked of their producer ranks at once (one thread each), written as they come."""
+        src = self.remote_layout(op.remote)
+        moves = plan_reshard(src, self.layout, self.num_kv_heads, op.num_tokens).to(self.rank)
+        if not moves:
+            return
+        # the producer still holds the blocks (a stale pull would read blocks given to another request)
+        call(op.remote.host, op.remote.port, {"op": "lease", "request_id": op.remote.request_id},
+             timeout_s=self.config.transfer_timeout_s)
+        with ThreadPoolExecutor(max_workers=len(moves), thread_name_prefix="kv-pull") as pool:
+            for done in [pool.submit(self._pull_move, op, move) for move in moves]:
+                done.result()  # a failed move fails the pull (TransferError names the peer)
 
     def _pull_move(self, op: PullOp, move: Move) -> None:
         """One move, a message of at most MESSAGE_BYTES at a time: fetched from its producer rank, then stored."""
@@ -114,6 +131,20 @@ class RankTransfer:
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
+
+
+def agree_failures(local: dict[int, str], ops: tuple[PullOp, ...], rank: int, group, device) -> dict[str, str]:
+    """Which ops failed on any rank (one all-reduce over the replica's `group`): request id -> why (this rank's
+    message, or the highest failing rank's number where only another rank failed)."""
+    if group is None:
+        return {ops[i].request_id: message for i, message in local.items()}
+    flags = torch.zeros(len(ops), dtype=torch.long, device=device)
+    for i in local:
+        flags[i] = rank + 1
+    all_reduce(flags, group, op=dist.ReduceOp.MAX)
+    return {op.request_id: local.get(i, f"consumer rank {int(f) - 1} could not pull the prompt's K/V from "
+                                        f"{op.remote.host}:{op.remote.port} (its log says why)")
+            for i, (op, f) in enumerate(zip(ops, flags.tolist())) if f}
 
 
 def rank_transfer(config, dims, rank: int, caches: list[tuple[torch.Tensor, ...]]) -> RankTransfer | None:

@@ -12,7 +12,7 @@ import torch
 
 from cpllm.config.engine import EngineConfig
 from cpllm.config.deepseek import latent_cache_line
-from cpllm.disagg.engine_transfer import engine_transfer, request_marks
+from cpllm.disagg.engine_transfer import IDLE_RELEASE_S, engine_transfer, request_marks
 from cpllm.engine.detokenizer import IncrementalDetokenizer
 from cpllm.engine.draft_model import DraftModel
 from cpllm.engine.kv_blocks import BlockPool
@@ -24,7 +24,9 @@ from cpllm.engine.scheduler import Scheduler
 from cpllm.engine.sequence import RequestState, Sequence, finish_status
 from cpllm.engine.spec_decode import SpecDecodeTotals, SpeculativeDecoding
 from cpllm.kv_groups import kv_groups, length_capacity, window_blocks
-from cpllm.layers.registry import state_layer_indices
+from cpllm.engine.state_snapshots import snapshot_line
+from cpllm.layers.registry import state_layer_indices, state_layer_specs
+from cpllm.state_slots import state_slot_counts
 from cpllm.model.tokenization.tokenizer import Tokenizer
 from cpllm.structured.manager import StructuredOutputManager
 from cpllm.step import SchedulerOutput, output_positions
@@ -84,9 +86,17 @@ class LLMEngine:
         self.pools = tuple(BlockPool(n, config.cache.enable_prefix_caching) for n in group_blocks)
         """One block pool per KV group (self.kv_groups order)."""
         self.pool = self.pools[0]
-        # a state slot per running request where layers keep a state per request (their pools hold max_num_seqs)
-        state_slots = config.scheduler.max_num_seqs if state_layer_indices(config.model) else 0
-        self.scheduler = Scheduler(scheduler_config, self.pools, self.tokens_per_block, self.kv_groups, state_slots)
+        # a state slot per running request where layers keep a state per request, and with prefix caching as many
+        # snapshot slots (cpllm/state_slots.py: the ranks' pools hold both)
+        state_slots, snapshots = state_slot_counts(has_states=bool(state_layer_indices(config.model)),
+                                                   max_num_seqs=config.scheduler.max_num_seqs,
+                                                   prefix_caching=config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(scheduler_config, self.pools, self.tokens_per_block, self.kv_groups, state_slots,
+                                   snapshots)
+        if snapshots:
+            per_request = sum(spec.bytes_per_request for spec in
+                              state_layer_specs(config.model, config.parallel.tensor_parallel_size).values())
+            logger.info("%s", snapshot_line(snapshots, per_request))
         self.sampler = Sampler()
         spec = config.speculative_config
         draft = DraftModel(config, executor, self.kv_capacity_tokens) if spec and spec.method == "draft_model" else None
@@ -101,6 +111,13 @@ class LLMEngine:
         self._sequences: dict[str, tuple[RequestState, Sequence]] = {}
         self.kv_transfer = engine_transfer(config)
         """Disaggregated prefill/decode (cpllm/disagg/engine_transfer.py); None when kv_transfer_config is unset."""
+        if self.kv_transfer is not None and self.kv_transfer.config.produces:
+            # held blocks are freed at a step: the server steps an idle producer this often, so that its blocks
+            # go back at the abort timeout (or the release) without waiting for the next request
+            self.idle_tick_s = IDLE_RELEASE_S
+        self.collect_failures = False
+        """True (the server): requests whose K/V pull failed wait in take_failures(); False (LLM): step raises."""
+        self._failures: list[tuple[str, str]] = []
 
     def _check_windows(self, group_blocks: tuple[int, ...]) -> None:
         """Every sliding-window group's pools hold at least one request's window plus a block (a decode step's
@@ -269,10 +286,9 @@ class LLMEngine:
             if state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = now
         logits = self.executor.execute(step)
-        if step.kv_pulls:  # every rank ran the step, so every rank has its rows
-            self.kv_transfer.pulled(step.kv_pulls)
+        failed = self._end_failed_pulls(step) if step.kv_pulls else {}
         self.scheduler.on_step_done(step)
-        touched = self._process_logits(step, logits)
+        touched = self._process_logits(step, logits, skip=failed)
         outputs = []
         for state in touched:
             state.mark_finished_if_done()
@@ -284,15 +300,40 @@ class LLMEngine:
                 self._forget(state)
         return outputs
 
+    def _end_failed_pulls(self, step: SchedulerOutput) -> dict[str, str]:
+        """Requests whose K/V pull failed on some rank end here, before their blocks could be registered as a
+        prompt's (aborted: their blocks go back unhashed); the others' producers may free their blocks."""
+        failed = self.executor.failed_pulls()
+        self.kv_transfer.pulled(tuple(op for op in step.kv_pulls if op.request_id not in failed))
+        for request_id, why in failed.items():
+            state, _ = self._sequences[request_id]
+            self.abort_request(state.request_id)
+            self._failures.append((state.request_id, f"the prompt's K/V could not be pulled from the prefill "
+                                   f"instance: {why}"))
+        if self._failures and not self.collect_failures:
+            request_id, message = self._failures.pop(0)
+            raise RuntimeError(f"request {request_id}: {message}")
+        return failed
+
+    def take_failures(self) -> list[tuple[str, str]]:
+        """(request id, message) of each request ended by a failed K/V pull since the last call."""
+        failures, self._failures = self._failures, []
+        return failures
+
     def _forget(self, state: RequestState) -> None:
         self._states.pop(state.request_id, None)
         for seq in state.sequences:
             self._sequences.pop(seq.request.request_id, None)
             self.structured.remove(seq.request.request_id)
 
-    def _process_logits(self, step: SchedulerOutput, logits: torch.Tensor | None) -> list[RequestState]:
+    def _process_logits(self, step: SchedulerOutput, logits: torch.Tensor | None,
+                        skip: dict | frozenset = frozenset()) -> list[RequestState]:
+        """`skip`: chunks of requests ended in this step (their rows are passed over)."""
         row, rows, to_sample, to_verify, touched = 0, [], [], [], {}
         for chunk in step.chunks:
+            if chunk.request_id in skip:
+                row += len(output_positions(chunk))
+                continue
             state, seq = self._sequences[chunk.request_id]
             num_rows = len(output_positions(chunk))
             if chunk.prompt_logits:

@@ -20,6 +20,7 @@ from cpllm.config.engine import SchedulerConfig
 from cpllm.disagg.params import PullOp
 from cpllm.engine.kv_blocks import BlockPool, extend_hashes
 from cpllm.engine.request import Request, RequestStatus
+from cpllm.engine.state_snapshots import StateSnapshots
 from cpllm.kv_groups import FREED_BLOCK, KVGroupSpec, first_kept_block, max_chunk
 from cpllm.step import ScheduledChunk, SchedulerOutput
 
@@ -31,11 +32,13 @@ class Scheduler:
     """Decides, step by step, which tokens of which requests are computed."""
 
     def __init__(self, config: SchedulerConfig, pool: BlockPool | Sequence[BlockPool], tokens_per_block: int,
-                 groups: tuple[KVGroupSpec, ...] | None = None, state_slots: int = 0):
+                 groups: tuple[KVGroupSpec, ...] | None = None, state_slots: int = 0, state_snapshots: int = 0):
         """`pool`: the block pool, or one per KV group in `groups` order (None: one full-attention group).
         `state_slots`: slots of the per-request state pools (layers that keep a state per request, not rows per
         position; 0: the model has none): a request takes one at admission and gives it back when it finishes or
-        is preempted (it is then recomputed from position 0, whose chunk starts from a zero state)."""
+        is preempted (it is then recomputed from position 0, whose chunk starts from a zero state).
+        `state_snapshots`: snapshot slots after the live ones (prefix caching with state layers:
+        cpllm/engine/state_snapshots.py); without them a model with states gets no prefix hit."""
         self.config = config
         self.pools: tuple[BlockPool, ...] = (pool,) if isinstance(pool, BlockPool) else tuple(pool)
         self.groups = groups if groups is not None else FULL_ATTENTION
@@ -59,6 +62,13 @@ class Scheduler:
         self.state_slot_of: dict[str, int] = {}
         """Request id -> its state slot, while it runs."""
         self.uses_state = state_slots > 0
+        self.snapshots = StateSnapshots(state_slots, state_snapshots) if state_snapshots else None
+        """The states kept at block boundaries for prefix hits (None: no prefix hit for a model with states)."""
+        self._restore: dict[str, int] = {}
+        """Request id -> the snapshot slot its next chunk starts from (a prefix hit found at admission)."""
+        self._branch: dict[str, int] = {}
+        """Request id -> the position where its cached K/V blocks go on past the last snapshot: a chunk ends there
+        and keeps the states, so the next request sharing that prefix resumes from it."""
         self.peak_request_blocks = [0] * len(self.groups)
         """Most blocks one request held at once in each group's pool, since start (counted when a step's blocks
         are reserved, so a prompt chunk's new tokens are included)."""
@@ -150,8 +160,8 @@ class Scheduler:
             self.running.append(request)
             chunks.append(self._chunk(request, num_new))
             if pulled is not None:
-                self._pulls.append(PullOp(remote=request.kv_pull, num_tokens=pulled,
-                                          block_table=chunks[-1].block_table))
+                self._pulls.append(PullOp(remote=request.kv_pull, request_id=request.request_id,
+                                          num_tokens=pulled, block_table=chunks[-1].block_table))
                 request.kv_pull = None
             self.num_prefix_hit_tokens += num_hit_tokens
             if request.num_cached_tokens is None:
@@ -171,12 +181,19 @@ class Scheduler:
             request.num_computed_tokens = chunk.end_pos - chunk.num_draft_tokens
             self._register_full_blocks(request)
             self._slide(request)
+            if chunk.state_save >= 0:  # the ranks wrote the snapshot after the forward: it can be found now
+                last_block = chunk.end_pos // self.tokens_per_block - 1
+                self.snapshots.register(chunk.state_save, request.block_hashes[last_block])
+            if chunk.state_restore >= 0:
+                self.snapshots.num_restored += 1
 
     def accept_drafts(self, request_id: str, num_accepted: int) -> None:
         """During a verify chunk: `num_accepted` more of its drafts became output tokens, so their K/V (computed in
         the step) count; the blocks they fill are registered, as a decode step would have registered them."""
         request = self.requests.get(request_id)
         if request is None:  # finished during verification: its blocks are already back
+            return
+        if self.uses_state:  # the states absorbed no draft: the next chunk computes the accepted ones again
             return
         request.num_computed_tokens += num_accepted
         self._register_full_blocks(request)
@@ -197,10 +214,15 @@ class Scheduler:
 
     def _drafts(self, request: Request, num_new: int, room: int) -> tuple[int, ...]:
         """The request's drafts that fit its step (speculative decoding): only in a decode step (its one known
-        token left to compute), within the step's budget and chunk cap (`room` rows in all)."""
-        if not request.draft_token_ids or num_new != 1 or request.num_tokens - request.num_computed_tokens != 1:
+        token left to compute), within the step's budget and chunk cap (`room` rows in all). With state layers a
+        verify chunk's states go only through its known tokens (a state cannot be rolled back past a rejected
+        draft), so the drafts accepted last step are computed again before the new drafts: every known token
+        after the prompt, then the drafts (docs/context_parallel.md, "Speculative decoding on hybrids")."""
+        if not request.draft_token_ids or num_new != request.num_tokens - request.num_computed_tokens:
             return ()
-        return tuple(request.draft_token_ids[: max(0, room - 1)])
+        if num_new != 1 and not (self.uses_state and request.num_computed_tokens >= request.num_prompt_tokens):
+            return ()
+        return tuple(request.draft_token_ids[: max(0, room - num_new)])
 
     def _chunk(self, request: Request, num_new: int, drafts: tuple[int, ...] = ()) -> ScheduledChunk:
         start = request.num_computed_tokens
@@ -216,6 +238,8 @@ class Scheduler:
             prompt_logits=request.wants_prompt_logprobs and start < request.num_prompt_tokens,
             block_tables=tables if len(tables) > 1 else (),
             state_slot=self.state_slot_of.get(request.request_id, -1),
+            state_restore=self._restore.pop(request.request_id, -1),
+            state_save=self._snapshot_slot(request, end),
         )
 
     def _chunk_cap(self, request: Request) -> int:
@@ -224,7 +248,35 @@ class Scheduler:
         that every pool holds one request's window and the full groups its max_model_len)."""
         start, v = request.num_computed_tokens, self.tokens_per_block
         cap = min(max_chunk(g.window, start, pool.num_blocks, v) for g, pool in zip(self.groups, self.pools))
+        point = self._snapshot_point(request)
+        if point is not None:  # the chunk ends where the states are kept
+            cap = min(cap, point - start)
         return max(cap, 1)
+
+    def _snapshot_point(self, request: Request) -> int | None:
+        """The next block boundary of the request's prompt whose states are kept (None: none left): where its
+        cached blocks outrun the snapshots (`_branch`), then the prompt's last boundary before its last token (the
+        longest hit a later request of the same prompt can take); one that a snapshot already holds is skipped."""
+        if self.snapshots is None:
+            return None
+        v, start = self.tokens_per_block, request.num_computed_tokens
+        last = (request.num_prompt_tokens - 1) // v * v
+        for point in sorted({self._branch.get(request.request_id, 0), last}):
+            if point <= start:
+                continue
+            extend_hashes(request.block_hashes, request.all_token_ids, v, point // v)
+            if not self.snapshots.holds(request.block_hashes[point // v - 1]):
+                return point
+        return None
+
+    def _snapshot_slot(self, request: Request, end: int) -> int:
+        """The snapshot slot a chunk ending at `end` saves its states into (-1: it ends at no snapshot point)."""
+        point = self._snapshot_point(request)
+        if point is None or end != point:
+            return -1
+        if self._branch.get(request.request_id, 0) <= end:
+            self._branch.pop(request.request_id, None)
+        return self.snapshots.take()
 
     def _blocks_needed(self, request: Request, num_new: int) -> int:
         """New blocks for the step, the same count in every group (the tables share their indices)."""
@@ -279,6 +331,8 @@ class Scheduler:
         slot = self.state_slot_of.pop(request.request_id, None)
         if slot is not None:
             self.free_state_slots.append(slot)
+        self._restore.pop(request.request_id, None)
+        self._branch.pop(request.request_id, None)
 
     def _release(self, request: Request) -> None:
         self._free_tables(request)
@@ -316,13 +370,15 @@ class Scheduler:
         """Start a fresh request after its longest cached prefix of full blocks; returns the tokens skipped."""
         if request.num_computed_tokens or request.block_ids or request.wants_prompt_logprobs:
             return 0
-        if not self.pool.enable_prefix_caching:
+        if not self.pool.enable_prefix_caching or (self.uses_state and self.snapshots is None):
             return 0
         v = self.tokens_per_block
         num_full = request.num_tokens // v
         extend_hashes(request.block_hashes, request.all_token_ids, v, num_full)
         hashes = request.block_hashes[:num_full]
         hit = self._longest_hit(hashes, request.num_tokens)
+        if self.snapshots is not None:
+            hit = self._state_hit(request, hashes, hit)
         if hit == 0:
             return 0
         tables = []
@@ -335,6 +391,16 @@ class Scheduler:
         request.num_computed_tokens = hit * v
         request.num_registered_blocks = hit
         return request.num_computed_tokens
+
+    def _state_hit(self, request: Request, hashes: list[bytes], hit: int) -> int:
+        """The longest of the `hit` cached blocks after which a snapshot holds the states (the request starts from
+        it: `_restore`); where the blocks go on past it, the request's first chunk ends there to keep the states."""
+        kept = next((i for i in range(hit, 0, -1) if self.snapshots.holds(hashes[i - 1])), 0)
+        if kept < hit:
+            self._branch[request.request_id] = hit * self.tokens_per_block
+        if kept:
+            self._restore[request.request_id] = self.snapshots.find(hashes[kept - 1])
+        return kept
 
     def _longest_hit(self, hashes: list[bytes], num_tokens: int) -> int:
         """Most leading blocks a request can skip: every full group holds all of them, every windowed group the

@@ -49,6 +49,11 @@ class Executor:
         replica's ranks run every step alike."""
         return self._runner.stats()
 
+    def failed_pulls(self) -> dict[str, str]:
+        """The last step's K/V pulls (cpllm/disagg) that failed on any rank of the replica: request id -> why."""
+        transfer = self._runner.kv_transfer
+        return dict(transfer.failed) if transfer is not None else {}
+
     def _watch(self):
         """Turns a dead spawned worker into an error naming its rank (torchrun watches its own processes)."""
         return self.workers.watch() if self.workers is not None else contextlib.nullcontext()

@@ -26,8 +26,9 @@ from cpllm.planner.runtime import StepStrategy, device_hardware, engine_cost
 from cpllm.step import SchedulerOutput, output_positions
 from cpllm.model.execution.cuda_graphs import decode_graphs_for
 from cpllm.layers.registry import state_layer_specs
-from cpllm.worker.kv_cache import (allocate_kv_cache, allocate_states, group_block_counts, layer_bytes_per_block,
-                                   layer_cache_spec, state_bytes)
+from cpllm.state_slots import state_slot_counts
+from cpllm.worker.kv_cache import (allocate_kv_cache, allocate_states, copy_state_slots, group_block_counts,
+                                   layer_bytes_per_block, layer_cache_spec, state_bytes)
 from cpllm.worker.rank_capabilities import rank_capabilities
 from cpllm.worker.rank_stats import DecodeLayers, KVCapacity, RankInfo, RankStats
 
@@ -64,7 +65,9 @@ class ModelRunner:
         """Layer index -> its group's index (a layer keeping a state per request: 0, for its rows)."""
         self.state_specs = state_layer_specs(config.model, groups.tp_size)
         """Layer index -> the spec of its per-request state (cpllm/layers/cache_spec.py STATE), for such layers."""
-        state_slots = config.scheduler.max_num_seqs  # the scheduler's slots (cpllm/engine/scheduler.py)
+        state_slots = sum(state_slot_counts(  # the scheduler's live slots and snapshot slots, the same count
+            has_states=bool(self.state_specs), max_num_seqs=config.scheduler.max_num_seqs,
+            prefix_caching=config.cache.enable_prefix_caching))
         self.group_blocks = self._count_blocks(state_bytes(list(self.state_specs.values()), state_slots))
         self.num_blocks = self.group_blocks[0]
         group_specs = [layer_cache_spec(config, self.num_kv_heads, self.kv_dtype, g) for g in self.kv_groups]
@@ -146,9 +149,12 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput) -> torch.Tensor | None:
         """Run one step; returns logits [num_output_rows, vocab] on the replica driver, None elsewhere."""
         if step.kv_pulls:  # a prefill instance's K/V for this step's chunks, into this rank's pools first
-            self.kv_transfer.pull(step.kv_pulls)
+            self.kv_transfer.pull(step.kv_pulls, self.groups.moe_group if self.groups.replica_size > 1 else None)
         if not step.chunks:
             return None
+        # a prefix hit's states from their snapshot, before any layer reads them (cpllm/engine/state_snapshots.py)
+        copy_state_slots(self.kv_caches, self.state_specs,
+                         [(c.state_restore, c.state_slot) for c in step.chunks if c.state_restore >= 0])
         chunks = self._verify_rows(step.chunks)
         strategy = self.step_strategy(step.step_id, chunks)  # the same choice on every rank
         plan = plan_step(chunks, self.capabilities, strategy)  # every later stage follows it
@@ -166,6 +172,8 @@ class ModelRunner:
             keep = None  # the graph returns every row; the sampled ones are picked below
         else:
             hidden = forward(*args, **layers) if keep is None else forward(*args, keep, **layers)  # keep: sampled rows
+        copy_state_slots(self.kv_caches, self.state_specs,  # states kept at a block boundary the chunk ends at
+                         [(c.state_slot, c.state_save) for c in step.chunks if c.state_save >= 0])
         if plan.replica_sync:  # decode K/V computed on one PCP rank reach the other copies
             for group, group_batch in zip(self.kv_groups, batches):
                 caches = self.kv_caches if len(batches) == 1 else [self.kv_caches[i] for i in group.layers]
@@ -209,8 +217,8 @@ class ModelRunner:
         (which is a prefill step anyway: the verify chunks then run as prefill chunks, as they do with it). Under
         the replicated layout a chunk's rows stay on one PCP copy (plan.py `single_token_homes`). The rows come
         back in the chunk's order."""
-        if not any(c.num_draft_tokens for c in chunks):
-            return chunks
+        if not any(c.num_draft_tokens for c in chunks) or self.state_specs:
+            return chunks  # a state layer takes a chunk's rows in order, from its one state (not as decode rows)
         whole = [bool(c.num_draft_tokens) and len(c.token_ids) == c.num_draft_tokens + 1 for c in chunks]
         spread = self.groups.pcp_size > 1 or self.layout.num_shards > 1
         if spread and any(len(c.token_ids) > 1 and not w for c, w in zip(chunks, whole)):
