@@ -44,7 +44,7 @@ from cpllm.distributed.comm import all_gather, all_to_all
 from cpllm.distributed.parallel_context import ParallelContext
 from cpllm.layers.mla.attention import MLAAttention, deinterleave
 from cpllm.layers.sparse_mla.backend import SparseMLABackend
-from cpllm.layers.sparse_mla.indexer import Indexer, index_scores
+from cpllm.layers.sparse_mla.indexer import Indexer, masked_index_scores
 from cpllm.layers.sparse_mla.shard import KeyShard
 from cpllm.layers.sparse_mla.topk import selected_mask, top_k
 from cpllm.model.rope import apply_rope
@@ -193,11 +193,10 @@ class SparseMLAAttention(MLAAttention):
             keys = requests[i]
             if keys.key_slots.numel() == 0:
                 continue  # this rank holds none of the prefix: no candidate
-            index_keys = self.attn.backend.index_keys(index_pool, keys.key_slots)  # [T_local, D]
             for start in range(0, keys.rows.numel(), SCORE_ROWS):  # bounds the [rows, T_local] scores
                 rows, query_pos = keys.rows[start:start + SCORE_ROWS], keys.query_pos[start:start + SCORE_ROWS]
-                scores = index_scores(iq[rows], iw[rows], index_keys, self.index.scale)  # [l, T_local]
-                scores = scores.masked_fill(keys.key_pos.unsqueeze(0) > query_pos.unsqueeze(1), NEG_INF)
+                scores = masked_index_scores(iq[rows], iw[rows], index_pool, keys.key_slots, keys.key_pos,
+                                             query_pos, self.index.scale)  # [l, T_local], the pool read in place
                 best, at = top_k(scores, keys.key_pos, k)
                 cand_scores[rows, :best.shape[1]] = best
                 cand_pos[rows, :at.shape[1]] = at

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from cpllm.config.sparse_mla import IndexerConfig
+from cpllm.kernels import index_scores as index_kernel
 from cpllm.model.layers import ColumnParallelLinear, RowRange
 from cpllm.model.loaders.loader import WeightSource
 from cpllm.model.rope import apply_rope
@@ -91,3 +92,16 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, sca
         block = torch.relu(torch.matmul(q[start:start + SCORE_BLOCK].float(), keys) * scale)  # [l, Hi, T]
         out.append(torch.matmul(weights[start:start + SCORE_BLOCK].unsqueeze(1), block).squeeze(1))  # [l, T]
     return torch.cat(out) if out else q.new_zeros(0, keys.shape[1], dtype=torch.float32)
+
+
+def masked_index_scores(q: torch.Tensor, weights: torch.Tensor, index_pool: torch.Tensor, slots: torch.Tensor,
+                        key_pos: torch.Tensor, query_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """The scores of the keys at pool `slots` [T] (positions key_pos [T]) for query rows at query_pos [L] ->
+    [L, T] float32, -inf where a key comes after the row. The C kernel (cpllm/kernels/index_scores.py: the pool
+    read in place, unseen keys skipped) where it applies, else the torch form on a gathered copy of the keys."""
+    scores = index_kernel.index_scores(q, weights, index_pool, slots, key_pos, query_pos, scale)
+    if scores is None:
+        keys = index_pool.index_select(0, slots)[:, 0]  # [T, D]
+        scores = index_scores(q, weights, keys, scale)
+        scores = scores.masked_fill(key_pos.unsqueeze(0) > query_pos.unsqueeze(1), float("-inf"))
+    return scores
