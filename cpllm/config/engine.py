@@ -15,6 +15,8 @@ from cpllm.config.attention import (GEMMA_ARCHITECTURES, check_attention_fields,
                                     hf_gemma_fields, hf_layer_types)
 from cpllm.config.deepseek import DEEPSEEK_MOE_ARCHITECTURES, MLAConfig, deepseek_moe_config
 from cpllm.config.moe import MOE_ARCHITECTURES, MoEConfig
+from cpllm.config.kimi_linear import (KIMI_LINEAR_ARCHITECTURES, KimiDeltaConfig, check_kimi_options, kimi_fields,
+                                      kimi_mla_config, kimi_moe_config)
 from cpllm.config.linear_attention import HYBRID_ARCHITECTURES, LinearAttentionConfig, check_hybrid_options
 from cpllm.config.sparse_mla import SPARSE_MLA_ARCHITECTURES, IndexerConfig, check_sparse_layout
 from cpllm.config.speculative import SpeculativeConfig
@@ -25,7 +27,7 @@ from cpllm.model.formats.modes import QUANTIZATION_CHOICES, quantization_mode
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            *MOE_ARCHITECTURES, *GEMMA_ARCHITECTURES, *DEEPSEEK_MOE_ARCHITECTURES,
-                           *HYBRID_ARCHITECTURES)
+                           *HYBRID_ARCHITECTURES, *KIMI_LINEAR_ARCHITECTURES)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 """Values of ModelConfig.layer_types (config.json's spelling)."""
 QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
@@ -119,6 +121,9 @@ class ModelConfig:
     linear_attention: LinearAttentionConfig | None = None
     """The gated DeltaNet layers of a linear-attention hybrid (Qwen3.5, Qwen3-Next; cpllm/config/linear_attention.py):
     they keep a state per request; num_key_value_heads and head_dim are the full-attention layers'. None: none."""
+    kimi_delta: KimiDeltaConfig | None = None
+    """The Kimi delta attention layers of Kimi Linear (cpllm/config/kimi_linear.py): they keep a state per request;
+    the other layers are MLA (`mla`). None: none."""
     quantization: str = DEFAULT_QUANTIZATION
     """How the weights run, one of QUANTIZATION_CHOICES. Kept here, as vLLM does, because every rank builds its
     model from this config alone; checks that need the parallel layout are in EngineConfig."""
@@ -147,11 +152,15 @@ class ModelConfig:
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
         """Build from a Hugging Face config.json dictionary."""
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        kimi = archs[0] in KIMI_LINEAR_ARCHITECTURES
+        if kimi:  # DeepSeek's keys from Kimi's spellings (cpllm/config/kimi_linear.py)
+            cfg = kimi_fields(cfg)
         num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         sliding, layer_types = hf_layer_types(archs[0], cfg)  # which layers slide (cpllm/config/attention.py)
-        mla = MLAConfig.from_hf_config(cfg) if archs[0] in DEEPSEEK_MOE_ARCHITECTURES else None
+        mla = MLAConfig.from_hf_config(cfg) if archs[0] in DEEPSEEK_MOE_ARCHITECTURES else \
+            kimi_mla_config(cfg) if kimi else None
         return cls(
             architecture=archs[0],
             vocab_size=cfg["vocab_size"],
@@ -170,10 +179,11 @@ class ModelConfig:
             attention_bias=cfg.get("qkv_bias", True) if archs[0] == "Qwen2MoeForCausalLM"
             else cfg.get("attention_bias", archs[0] == "Qwen2ForCausalLM"),
             qk_norm=archs[0] in QK_NORM_ARCHITECTURES,
-            moe=deepseek_moe_config(cfg) if mla else MoEConfig.from_hf_config(cfg),
+            moe=kimi_moe_config(cfg) if kimi else deepseek_moe_config(cfg) if mla else MoEConfig.from_hf_config(cfg),
             mla=mla,
             linear_attention=LinearAttentionConfig.from_hf_config(cfg) if archs[0] in HYBRID_ARCHITECTURES
             else None,
+            kimi_delta=KimiDeltaConfig.from_hf_config(cfg) if kimi else None,
             indexer=IndexerConfig.from_hf_config(cfg, mla.qk_rope_head_dim)
             if archs[0] in SPARSE_MLA_ARCHITECTURES else None,
             sliding_window=sliding,
@@ -265,7 +275,9 @@ class CacheConfig:
     """KV bytes per rank; None sizes it from free memory (logged at startup)."""
     enable_prefix_caching: bool | None = None
     """Reuse full blocks whose token prefix was already computed. None: on, except for the linear-attention hybrids,
-    whose recurrent states keep no snapshot at block boundaries yet (EngineConfig resolves it to a bool)."""
+    where it is asked for explicitly: their hits start from state snapshots at block boundaries, max_num_seqs more
+    per-request states out of the KV budget (cpllm/engine/state_snapshots.py). EngineConfig resolves it to a
+    bool."""
     kv_cache_dtype: str = "auto"
     """dtype K/V are stored in, one of KV_CACHE_DTYPES: auto = the model's dtype; a narrower one (bfloat16 or
     float16 under a float32 model) doubles the tokens the cache holds, and attention computes in the model's dtype."""
@@ -348,12 +360,16 @@ class EngineConfig:
             object.__setattr__(self, "kv_transfer_config", kv_transfer_config(self.kv_transfer_config))
             check_disagg(self)
         if self.cache.enable_prefix_caching is None:  # the default: on wherever a prefix hit can be exact
-            object.__setattr__(self, "cache", dataclasses.replace(
-                self.cache, enable_prefix_caching=self.model.linear_attention is None))
+            exact = self.model.linear_attention is None and self.model.kimi_delta is None  # no state snapshots yet
+            object.__setattr__(self, "cache", dataclasses.replace(self.cache, enable_prefix_caching=exact))
         if self.model.linear_attention is not None:
-            check_hybrid_options(prefix_caching=self.cache.enable_prefix_caching,
-                                 speculative=self.speculative_config is not None, compile_decode=self.compile_decode,
-                                 tp=self.parallel.tensor_parallel_size, linear=self.model.linear_attention)
+            check_hybrid_options(speculative=self.speculative_config is not None, compile_decode=self.compile_decode,
+                                 tp=self.parallel.tensor_parallel_size,
+                                 pcp=self.parallel.prefill_context_parallel_size, linear=self.model.linear_attention)
+        if self.model.kimi_delta is not None:
+            check_kimi_options(prefix_caching=self.cache.enable_prefix_caching,
+                               speculative=self.speculative_config is not None, compile_decode=self.compile_decode,
+                               tp=self.parallel.tensor_parallel_size, kda=self.model.kimi_delta)
         if self.compile_decode:
             _check_compile_decode(self.parallel, self.model)
             check_compile_decode_attention(self.model, self.scheduler.max_model_len)

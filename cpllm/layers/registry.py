@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import importlib
 
-from cpllm.layers import gated_delta, gqa, gqa_triton, mla, sparse_mla
+from cpllm.layers import gated_delta, gqa, gqa_triton, kimi_delta, mla, sparse_mla
 from cpllm.layers.kind import LayerKind
 
 LAYER_KINDS: tuple[LayerKind, ...] = (
     gated_delta.KIND,  # a state kind: claims only its own layers (state_layers), never a whole model
+    kimi_delta.KIND,  # the same: its layers of Kimi Linear (the others MLA)
     sparse_mla.KIND,  # before MLA, which would serve these models too
     mla.KIND,
     gqa.KIND,  # last: serves every model no kind before it claims

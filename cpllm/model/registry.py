@@ -8,6 +8,7 @@ from cpllm.model.families.deepseek import DeepseekForCausalLM
 from cpllm.model.families.deepseek_sparse import DeepseekSparseForCausalLM
 from cpllm.model.families.gemma import GemmaForCausalLM
 from cpllm.model.families.gpt_oss import GptOssForCausalLM
+from cpllm.model.families.kimi_linear import KimiLinearForCausalLM
 from cpllm.model.families.llama import LlamaForCausalLM
 from cpllm.model.families.qwen3_5 import Qwen35ForCausalLM
 
@@ -30,6 +31,7 @@ MODEL_CLASSES: dict[str, type[torch.nn.Module]] = {
     "Qwen3NextForCausalLM": Qwen35ForCausalLM,
     "DeepseekV32ForCausalLM": DeepseekSparseForCausalLM,
     "GlmMoeDsaForCausalLM": DeepseekSparseForCausalLM,
+    "KimiLinearForCausalLM": KimiLinearForCausalLM,
 }
 """Architecture name -> the class whose constructor takes (config, tp, comm, dtype, max_positions, moe, pcp)."""
 
