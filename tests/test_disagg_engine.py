@@ -126,6 +126,49 @@ def test_one_rank_producer_to_tp2_dcp2_consumer(folders):
         disaggregated(producer, consumer, producer, kv_heads=1)
 
 
+def test_prefix_hit_on_the_consumer_pulls_only_the_rest(folders):
+    """The consumer holds the first 24 positions of the second prompt (the first one's blocks, pulled and
+    registered): it pulls only positions 24 .. P-2, and its tokens are still the single rank's."""
+    first_prompt = random_prompt(37, seed=37)
+    second_prompt = first_prompt[:24] + random_prompt(13, seed=14)
+    with LLM(folders["kv2"], block_size=4, kv_transfer_config=transfer("kv_producer", free_ports(2)),
+             **COMMON) as producer, \
+         LLM(folders["kv2"], block_size=8, kv_transfer_config=transfer("kv_consumer", free_ports(2)),
+             **COMMON) as consumer:
+        stats, scheduler = consumer.engine.executor.rank_stats, consumer.engine.scheduler
+        for name, prompt, hit in (("first", first_prompt, 0), ("second", second_prompt, 24)):
+            params = prefill(producer, prompt).kv_transfer_params
+            rows, hits = stats().kv_rows_pulled, scheduler.num_prefix_hit_tokens
+            got = consumer.generate({"prompt_token_ids": prompt}, greedy(kv_transfer_params=params))[0]
+            assert scheduler.num_prefix_hit_tokens - hits == hit, name
+            assert stats().kv_rows_pulled - rows == (len(prompt) - 1 - hit) * 2, name  # 2 KV heads
+            want = producer.generate({"prompt_token_ids": prompt}, greedy())[0]
+            assert_same_greedy(got, want, what=name, prompt_logprobs=False)
+        producer.engine.step()  # takes the releases
+        assert producer.engine.scheduler.held == {}
+
+
+def test_speculation_on_the_consumer(folders):
+    """Prompt-lookup drafts (no draft cache to move) verified on the consumer after the pull: the single rank's
+    tokens, with drafts accepted."""
+    pattern = random_prompt(7, seed=7)
+    prompt = (pattern * 4)[:26]  # repeats: the lookup finds drafts and the tiny model follows some
+    with LLM(folders["kv2"], block_size=4, kv_transfer_config=transfer("kv_producer", free_ports(2)),
+             **COMMON) as producer, \
+         LLM(folders["kv2"], block_size=8, kv_transfer_config=transfer("kv_consumer", free_ports(2)), **COMMON,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                 "prompt_lookup_min": 1}) as consumer:
+        params = prefill(producer, prompt).kv_transfer_params
+        sampling = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1,
+                                  extra_args={"kv_transfer_params": params})
+        got = consumer.generate({"prompt_token_ids": prompt}, sampling)[0]
+        want = producer.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=16,
+                                                                              ignore_eos=True, logprobs=1))[0]
+        assert_same_greedy(got, want, what="ngram on the consumer", prompt_logprobs=False)
+        totals = consumer.engine.spec_decode_totals
+        assert totals.num_drafts > 0 and totals.num_accepted_tokens > 0, totals
+
+
 def test_unpulled_blocks_freed_after_abort_timeout(folders):
     with LLM(folders["kv2"], block_size=4, kv_transfer_config=transfer("kv_producer", free_ports(2),
                                                                          abort_timeout_s=0.5), **COMMON) as producer:
@@ -147,9 +190,9 @@ def test_refusals(folders):
         kv_transfer_config({"kv_connector": "CpllmConnector", "kv_role": "kv_sender"})
     with pytest.raises(ValueError, match="data_parallel_size=2"):
         LLM(folders["kv2"], data_parallel_size=2, kv_transfer_config=transfer("kv_both", 20000), **COMMON)
-    with pytest.raises(ValueError, match="speculative_config"):
+    with pytest.raises(ValueError, match="speculative_config method='draft_model'"):
         LLM(folders["kv2"], kv_transfer_config=transfer("kv_both", 20000), **COMMON,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+            speculative_config={"method": "draft_model", "model": folders["kv2"], "num_speculative_tokens": 2})
     with LLM(folders["kv2"], **COMMON) as plain:
         with pytest.raises(ValueError, match="needs an engine started with kv_transfer_config"):
             prefill(plain, PROMPTS["len13"])

@@ -34,14 +34,15 @@ def _kv_layout(layout: CacheLayout, rank: int) -> KVLayout:
 
 
 
-def _owned(layout: CacheLayout, rank: int, num_kv_heads: int, num_tokens: int) -> set[tuple[int, int]]:
+def _owned(layout: CacheLayout, rank: int, num_kv_heads: int, num_tokens: int,
+           first_token: int = 0) -> set[tuple[int, int]]:
     kv = _kv_layout(layout, rank)
     first, count = kv_heads_of_tp_rank(num_kv_heads, layout.dims.tp, layout.dims.coords(rank)[2])
-    return {(p, h) for p in kv.owned_positions(0, num_tokens) for h in range(first, first + count)}
+    return {(p, h) for p in kv.owned_positions(first_token, num_tokens) for h in range(first, first + count)}
 
 
-def _check(src: CacheLayout, dst: CacheLayout, num_kv_heads: int, num_tokens: int) -> None:
-    plan = plan_reshard(src, dst, num_kv_heads, num_tokens)
+def _check(src: CacheLayout, dst: CacheLayout, num_kv_heads: int, num_tokens: int, first_token: int = 0) -> None:
+    plan = plan_reshard(src, dst, num_kv_heads, num_tokens, first_token)
     src_holds = {s: _owned(src, s, num_kv_heads, num_tokens) for s in range(src.num_ranks)}
     for d in range(dst.num_ranks):
         received: list[tuple[int, int]] = []
@@ -53,7 +54,8 @@ def _check(src: CacheLayout, dst: CacheLayout, num_kv_heads: int, num_tokens: in
             assert starts == sorted(starts) and all(b > a for a, b in move.ranges)
             assert all(b1 < a2 for (_, b1), (a2, _) in zip(move.ranges, move.ranges[1:])), "runs not merged"
         assert len(received) == len(set(received)), f"rank {d} receives a row twice"
-        assert set(received) == _owned(dst, d, num_kv_heads, num_tokens), f"rank {d} misses or gets foreign rows"
+        assert set(received) == _owned(dst, d, num_kv_heads, num_tokens, first_token), \
+            f"rank {d} misses or gets foreign rows"
 
 
 @pytest.mark.parametrize("num_kv_heads", [1, 2, 4])
@@ -69,6 +71,16 @@ def test_block_sizes_differ():
     dst = CacheLayout(dims=ParallelDims(tp=2, dcp=2), interleave=1, block_size=4)
     for n in (1, 37, 100):
         _check(src, dst, 2, n)
+
+
+def test_a_prefix_hit_on_the_consumer_moves_only_the_rest():
+    """Positions before first_token are the consumer's own prefix-cache hit (whole blocks of its layout)."""
+    layouts = list(_layouts(2))
+    for src, dst in itertools.product(layouts[::3], layouts[::3]):
+        for first_token, num_tokens in ((8, 13), (16, 40), (40, 40)):
+            _check(src, dst, 2, num_tokens, first_token)
+    with pytest.raises(ValueError, match=r"first_token must be an integer in \[0, num_tokens=4\], got 5"):
+        plan_reshard(src, dst, 2, 4, 5)
 
 
 def test_pcp2_to_one_rank_is_two_interleaved_streams():

@@ -92,9 +92,10 @@ def check_disagg(config) -> None:
     if config.parallel.data_parallel_size != 1:
         raise ValueError(f"kv_transfer_config with data_parallel_size={config.parallel.data_parallel_size}: run "
                          "one instance per replica (each has its own kv_port)")
-    if config.speculative_config is not None:
-        raise ValueError(f"kv_transfer_config ({kv.kv_role}) with speculative_config: a draft model's K/V is not "
-                         "transferred")
+    spec = config.speculative_config
+    if spec is not None and spec.method != "ngram":  # prompt lookup keeps no cache: it drafts from the tokens
+        raise ValueError(f"kv_transfer_config ({kv.kv_role}) with speculative_config method={spec.method!r}: a "
+                         "draft model's K/V is not transferred (method 'ngram' is allowed)")
     if state_layer_indices(config.model):
         raise ValueError("kv_transfer_config with a model whose layers keep a per-request state (linear "
                          "attention): only K/V rows are transferred")

@@ -39,9 +39,12 @@ class PullOp:
     request_id: str = ""
     """The consumer's request (its scheduler id), which a failed pull ends."""
     num_tokens: int
-    """Positions [0, num_tokens) are pulled: every prompt position but the last, which the step computes."""
+    """Positions [first_token, num_tokens) are pulled: every prompt position but the last, which the step computes,
+    and but those of the consumer's own prefix-cache hit."""
     block_table: tuple[int, ...]
     """The consumer's virtual block table the rows land in."""
+    first_token: int = 0
+    """Positions before it are the consumer's prefix-cache hit (whole blocks of its own), not pulled."""
 
 
 def remote_prefill(params: dict | None) -> RemotePrefill | None:

@@ -99,7 +99,7 @@ class RankTransfer:
     def _pull_op(self, op: PullOp) -> None:
         """The moves of one op, asked of their producer ranks at once (one thread each), written as they come."""
         src = self.remote_layout(op.remote)
-        moves = plan_reshard(src, self.layout, self.num_kv_heads, op.num_tokens).to(self.rank)
+        moves = plan_reshard(src, self.layout, self.num_kv_heads, op.num_tokens, op.first_token).to(self.rank)
         if not moves:
             return
         # the producer still holds the blocks (a stale pull would read blocks given to another request)

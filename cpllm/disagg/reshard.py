@@ -100,7 +100,7 @@ class ReshardPlan:
     """Every move of one request's K/V from the producer's layout to the consumer's."""
 
     num_tokens: int
-    """Positions [0, num_tokens) move."""
+    """Positions [first_token, num_tokens) move."""
     moves: tuple[Move, ...]
     """Ordered by (dst_rank, src_rank, first head)."""
 
@@ -111,19 +111,25 @@ class ReshardPlan:
     def sent_by(self, src_rank: int) -> tuple[Move, ...]:
         return tuple(m for m in self.moves if m.src_rank == src_rank)
 
+    first_token: int = 0
+    """The first position that moves (those before it the consumer holds already: its own prefix-cache hit)."""
 
-def plan_reshard(src: CacheLayout, dst: CacheLayout, num_kv_heads: int, num_tokens: int) -> ReshardPlan:
-    """The moves of positions [0, num_tokens) of a request from `src`'s ranks to `dst`'s owners.
+
+def plan_reshard(src: CacheLayout, dst: CacheLayout, num_kv_heads: int, num_tokens: int,
+                 first_token: int = 0) -> ReshardPlan:
+    """The moves of positions [first_token, num_tokens) of a request from `src`'s ranks to `dst`'s owners.
 
     Where several producer ranks hold a (position, head) (KV heads replicated over TP, the replicated KV layout),
     consumer rank d takes it from the d-th of them (mod their count), so copies spread the sending."""
     if not isinstance(num_tokens, int) or num_tokens < 0:
         raise ValueError(f"num_tokens must be an integer >= 0, got {num_tokens!r}")
+    if not isinstance(first_token, int) or not 0 <= first_token <= num_tokens:
+        raise ValueError(f"first_token must be an integer in [0, num_tokens={num_tokens}], got {first_token!r}")
     if not isinstance(num_kv_heads, int) or num_kv_heads < 1:
         raise ValueError(f"num_kv_heads must be an integer >= 1, got {num_kv_heads!r}")
     runs: dict[tuple[int, int, int, int], list[list[int]]] = {}
     assignments: dict[tuple[int, int], list[tuple[int, int, range]]] = {}
-    pos = 0
+    pos = first_token
     while pos < num_tokens:
         # both owners are constant up to the next multiple of either interleave
         end = min(num_tokens, (pos // src.interleave + 1) * src.interleave,
@@ -140,7 +146,7 @@ def plan_reshard(src: CacheLayout, dst: CacheLayout, num_kv_heads: int, num_toke
         pos = end
     moves = tuple(Move(src_rank=s, dst_rank=d, heads=range(h0, h1), ranges=tuple((a, b) for a, b in r))
                   for (d, s, h0, h1), r in sorted(runs.items()))
-    return ReshardPlan(num_tokens=num_tokens, moves=moves)
+    return ReshardPlan(num_tokens=num_tokens, moves=moves, first_token=first_token)
 
 
 def _assign(src: CacheLayout, dst: CacheLayout, num_kv_heads: int, src_shard: int,

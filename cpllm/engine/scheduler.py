@@ -147,8 +147,8 @@ class Scheduler:
                 break
             if self.uses_state and not self.free_state_slots:
                 break  # every state slot is held (max_num_seqs bounds it first when slots = max_num_seqs)
+            num_hit_tokens = self._use_prefix_cache(request)  # a pulled prompt pulls what comes after its hit
             pulled = self._use_remote_prefill(request)
-            num_hit_tokens = self._use_prefix_cache(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget, self._chunk_cap(request))
             if not self._allocate(request, self._blocks_needed(request, num_new)):
                 self._release(request)  # the prefix hits too: they are looked up again next step
@@ -161,7 +161,8 @@ class Scheduler:
             chunks.append(self._chunk(request, num_new))
             if pulled is not None:
                 self._pulls.append(PullOp(remote=request.kv_pull, request_id=request.request_id,
-                                          num_tokens=pulled, block_table=chunks[-1].block_table))
+                                          num_tokens=pulled, block_table=chunks[-1].block_table,
+                                          first_token=num_hit_tokens))
                 request.kv_pull = None
             self.num_prefix_hit_tokens += num_hit_tokens
             if request.num_cached_tokens is None:
@@ -358,10 +359,11 @@ class Scheduler:
 
     def _use_remote_prefill(self, request: Request) -> int:
         """A request whose prompt a prefill instance computed starts after all of it but its last token, which
-        this step computes (so the first token is sampled here); the ranks pull those positions' K/V before the
-        step's forward. Returns the positions pulled (a one-token prompt: 0, the pull then only releases the
-        producer's blocks), None for a request computed here."""
-        if request.kv_pull is None or request.num_computed_tokens:
+        this step computes (so the first token is sampled here); the ranks pull those positions' K/V, past the
+        request's own prefix-cache hit, before the step's forward. Returns the end of the positions pulled (a
+        one-token prompt: 0, the pull then only releases the producer's blocks), None for a request computed
+        here."""
+        if request.kv_pull is None:
             return None
         request.num_computed_tokens = request.num_prompt_tokens - 1
         return request.num_computed_tokens
