@@ -103,16 +103,19 @@ def test_preemption_keeps_every_request(tiny):
 
 
 def test_unbuilt_layouts_are_refused(tiny):
-    """Speculative decoding is not built: refused at configuration time, naming the option; TP, TP x DCP and PCP
-    (both KV layouts, every prefill strategy) are accepted."""
+    """A draft model is not built: refused at configuration time, naming the option; prompt lookup
+    (tests/test_sparse_mla_spec.py), TP, TP x DCP and PCP (both KV layouts, every prefill strategy) are accepted."""
     name, folder, _, _ = tiny
     if name != "v32":
         pytest.skip("a config rule: one family suffices")
     config = read_hf_config(folder)
     short = SchedulerConfig(max_model_len=64)
-    with pytest.raises(ValueError, match="speculative_config with a sparse-MLA model"):
+    with pytest.raises(ValueError, match="method='draft_model' with a sparse-MLA model"):
         EngineConfig(model_path=folder, model=config, scheduler=short,
-                     speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=2))
+                     speculative_config=SpeculativeConfig(method="draft_model", model=folder,
+                                                          num_speculative_tokens=2))
+    EngineConfig(model_path=folder, model=config, scheduler=short,
+                 speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=2))
     built = [ParallelConfig(tensor_parallel_size=2),
              ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=2),
              ParallelConfig(tensor_parallel_size=2, prefill_context_parallel_size=2, decode_context_parallel_size=2,

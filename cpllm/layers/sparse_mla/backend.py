@@ -4,8 +4,10 @@ the absorbed attention of queries over only their selected latent rows, read in 
 The cache of a layer is (latent pool [slots, 1, r + rope], index pool [slots, 1, index_head_dim]); the latent
 pool's protocol methods are MLA's backend's, inherited. Attention is the absorbed MLA form (the layer folds W_UK
 into the queries and applies W_UV after), in float32:
-- `attend_selected`: each row's own selected slots [L, K] gathered from the pool (K <= index_topk rows, never the
-  whole context): decode steps;
+- `attend_selected`: each row's own selected slots [L, K] (K <= index_topk rows, never the whole context): decode
+  steps. The C decode kernel MLA's dense decode runs (cpllm/kernels/decode_attention.c) reads those rows in place
+  from the pool, through a slot table of each row's selected slots; where it does not apply, the selected rows
+  (only they) are gathered and attended in torch;
 - `attend_masked`: rows against one key set [T] with a [L, T] mask of what each row selected: a prompt chunk's
   rows, which share their keys.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from cpllm.kernels import decode_attention
 from cpllm.layers.mla.backend import MLAPagedBackend
 
 
@@ -28,6 +31,19 @@ def _absorbed(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scale:
     probs = torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))  # 0 where unseen
     out = torch.einsum("lhk,kr->lhr" if shared else "lhk,lkr->lhr", probs, keys[..., :width])
     return out, lse
+
+
+def _selected_in_place(q, latent_pool, slots, visible, scale: float, width: int):
+    # The C decode kernel (cpllm/kernels/decode_attention.c, MLA's dense decode) over each row's visible selected
+    # slots, moved to the front of its slot list: the pool read in place, one KV head whose keys and values are
+    # the latent rows; None where the kernel does not apply (the caller gathers the rows)
+    if not decode_attention.applies(q, latent_pool) or not latent_pool.is_contiguous():
+        return None
+    order = torch.argsort((~visible).to(torch.uint8), dim=-1, stable=True)  # visible first, in selection order
+    table = slots.gather(-1, order).contiguous()
+    lengths = visible.sum(dim=-1)
+    out, lse = decode_attention.paged_decode_attention(q.float(), latent_pool, latent_pool, table, lengths, scale)
+    return out[..., :width], lse
 
 
 class SparseMLABackend(MLAPagedBackend):
@@ -53,6 +69,9 @@ class SparseMLABackend(MLAPagedBackend):
                         scale: float, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """q [L, H, W] against each row's own selected slots [L, K] (visible [L, K]: which are real) read from the
         pool -> (out [L, H, width], lse [L, H]) float32: the value columns and the partial's log-sum-exp."""
+        in_place = _selected_in_place(q, latent_pool, slots, visible, scale, width)
+        if in_place is not None:
+            return in_place
         rows = latent_pool[slots.reshape(-1), 0].view(*slots.shape, latent_pool.shape[-1])  # [L, K, W]
         return _absorbed(q, rows, visible, scale, width)
 
