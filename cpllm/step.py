@@ -38,6 +38,12 @@ class ScheduledChunk:
     state_slot: int = -1
     """The request's slot in the pools of layers that keep a fixed-size state per request (cpllm/layers/cache_spec.py
     STATE), given at admission and kept until it finishes or is preempted; -1: the model has no such layer."""
+    state_restore: int = -1
+    """A prefix hit of a model with state layers: before the forward, every state pool's slot `state_slot` is set
+    from this snapshot slot (the states after the hit's last block, cpllm/engine/state_snapshots.py); -1: none."""
+    state_save: int = -1
+    """The chunk ends at a block boundary whose states are kept: after the forward, every state pool's slot
+    `state_slot` is copied into this snapshot slot; -1: none."""
     block_tables: tuple[tuple[int, ...], ...] = ()
     """One table per KV group, in cpllm/kv_groups.py order (group 0's is `block_table`), all of the same length:
     entry i is virtual block i of that group's pool, or FREED_BLOCK where a windowed group has freed it (a prefix

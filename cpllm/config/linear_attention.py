@@ -94,18 +94,17 @@ class LinearAttentionConfig:
         )
 
 
-def check_hybrid_options(*, prefix_caching: bool, speculative: bool, compile_decode: bool, tp: int,
+def check_hybrid_options(*, speculative: bool, compile_decode: bool, tp: int, pcp: int,
                          linear: LinearAttentionConfig) -> None:
     """Refuse, naming the option, what the hybrids do not run yet (never a silent wrong answer). PCP runs: a prompt
     chunk split over PCP ranks goes through the state scan (cpllm/layers/gated_delta/pcp_prefill.py), with every
-    prefill strategy and KV layout of the full layers."""
-    if prefix_caching:
-        raise ValueError("enable_prefix_caching=True with a linear-attention hybrid: a prefix hit would need a "
-                         "state snapshot at the block boundary, which is not built; leave it unset (a hybrid's "
-                         "default is off) or pass enable_prefix_caching=False (--no-enable-prefix-caching)")
-    if speculative:
-        raise ValueError("speculative_config with a linear-attention hybrid: rolling a recurrent state back past "
-                         "rejected drafts is not built; run without speculative decoding")
+    prefill strategy and KV layout of the full layers. Prefix caching runs from state snapshots at block
+    boundaries (cpllm/engine/state_snapshots.py), speculative decoding keeps the states through a verify chunk's
+    known tokens only (cpllm/engine/scheduler.py `_drafts`)."""
+    if speculative and pcp > 1:
+        raise ValueError(f"speculative_config with a linear-attention hybrid under "
+                         f"prefill_context_parallel_size={pcp}: a verify chunk split over PCP ranks would need the state scan to stop before its drafts, "
+                         "which is not built; run speculative decoding with PCP = 1 (TP and DCP run it)")
     if compile_decode:
         raise ValueError("compile_decode=True with a linear-attention hybrid: its state layers run eager only")
     if linear.num_key_heads % tp:

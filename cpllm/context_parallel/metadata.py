@@ -58,6 +58,9 @@ class RequestAttention:
     """Per PCP rank: (row, new_start, length) runs of this request's new tokens on that rank."""
     state_slot: int = -1
     """The request's slot in the per-request state pools (ScheduledChunk.state_slot; -1: none)."""
+    num_draft_tokens: int = 0
+    """Of the new tokens, the last this many are drafts (ScheduledChunk.num_draft_tokens): a state layer keeps
+    its state through the tokens before them only, since a rejected draft's update could not be taken back."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -352,6 +355,7 @@ def _request_attention(chunk, runs, layout: KVLayout, pcp_rank: int, num_rows: i
         pcp_rows=tuple((rr[0][0], rr[-1][0] + rr[-1][2]) if rr else (0, 0) for rr in runs),
         source_rank_rows=tuple(tuple(rr) for rr in runs),
         state_slot=chunk.state_slot,
+        num_draft_tokens=chunk.num_draft_tokens,
     )
 
 

@@ -31,6 +31,7 @@ from cpllm.config.engine import CacheConfig, EngineConfig, ParallelConfig
 from cpllm.engine.kv_blocks import BlockPool
 from cpllm.engine.request import Request, RequestStatus
 from cpllm.engine.sampler import make_generator, restricted_probs
+from cpllm.layers.registry import state_layer_indices
 from cpllm.model.loaders.loader import open_weights
 from cpllm.step import ScheduledChunk, SchedulerOutput
 
@@ -45,8 +46,12 @@ def draft_engine_config(target: EngineConfig) -> EngineConfig:
     """The draft model's config: the target's block size, max_model_len, batching limits and dtypes, one rank,
     eager (no compiled step, no CUDA graphs), no prefix cache; its KV bytes are set by its runner."""
     path = target.speculative_config.model
+    model = open_weights(path).config
+    if state_layer_indices(model):  # its chunks carry no state slot: its runner would read another request's
+        raise ValueError(f"speculative_config model={path!r} keeps a state per request ({model.architecture}): a "
+                         "draft model with state layers is not built; draft with a model of K/V layers only")
     return EngineConfig(
-        model_path=path, model=open_weights(path).config, dtype=target.dtype, seed=target.seed,
+        model_path=path, model=model, dtype=target.dtype, seed=target.seed,
         parallel=ParallelConfig(distributed_timeout_s=target.parallel.distributed_timeout_s),
         cache=CacheConfig(block_size=target.cache.block_size, enable_prefix_caching=False,
                           kv_cache_dtype=target.cache.kv_cache_dtype),

@@ -121,6 +121,19 @@ def allocate_states(specs: list[CacheSpec], num_slots: int, device: torch.device
                   for pool in spec.pools) for spec in specs]
 
 
+def copy_state_slots(caches: list[tuple[torch.Tensor, ...]], layers, pairs: list[tuple[int, int]]) -> None:
+    """For each (source, destination) slot pair, every state pool of `layers` (indices into `caches`) gets the
+    source slot's state in the destination slot: a prefix hit's snapshot into the request's slot, or a request's
+    states into a snapshot slot (cpllm/engine/state_snapshots.py). Kind-free: a state is whatever its pools hold."""
+    if not pairs:
+        return
+    src = torch.tensor([a for a, _ in pairs], dtype=torch.long)
+    dst = torch.tensor([b for _, b in pairs], dtype=torch.long)
+    for layer in layers:
+        for pool in caches[layer]:
+            pool.index_copy_(0, dst.to(pool.device), pool.index_select(0, src.to(pool.device)))
+
+
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor whose zeros cost nothing up front.
 

@@ -117,7 +117,11 @@ class GatedDeltaNet(torch.nn.Module):
             pcp_prefill(self, prompts, mixed, g, beta, state, core)
         for request in prompts if self.pcp.size == 1 else ():
             for run in request.local_chunks:
-                self._chunk(request, run.row, run.length, mixed, g, beta, state, core)
+                known = run.length - request.num_draft_tokens  # a verify chunk's drafts leave the state as it was
+                self._chunk(request, run.row, known, mixed, g, beta, state, core)
+                if request.num_draft_tokens:
+                    self._chunk(request, run.row + known, request.num_draft_tokens, mixed, g, beta, state, core,
+                                fresh=False, commit=False)
         out = self.norm(core.to(hidden.dtype), z.reshape(n, hv, dv)).reshape(n, hv * dv)
         return self.out_proj(out)
 
@@ -148,19 +152,27 @@ class GatedDeltaNet(torch.nn.Module):
         conv_pool.index_copy_(0, slots, taps[..., 1:])
         delta_pool.index_copy_(0, slots, matrix.reshape(len(requests), self.hv, -1))
 
-    def _chunk(self, request, row: int, length: int, mixed, g, beta, state, core) -> None:
-        """A prompt chunk of one request: the convolution over its window and tokens, the chunked delta rule."""
+    def _chunk(self, request, row: int, length: int, mixed, g, beta, state, core, *, fresh: bool | None = None,
+               commit: bool = True) -> None:
+        """`length` new tokens of one request from row `row`: the convolution over its window and tokens, the
+        chunked delta rule. `fresh`: start from zeros (default: the chunk starts at position 0); `commit`: leave
+        the state after them in the slot (False for a verify chunk's drafts: their rows are scored from the state
+        of the known tokens, which stays, so a rejected draft leaves no trace; docs/context_parallel.md,
+        "Speculative decoding on hybrids")."""
         conv_pool, delta_pool = state
         slot, keep = request.state_slot, self.linear.conv_kernel - 1
+        fresh = not request.start_pos if fresh is None else fresh
         x = mixed[row : row + length].float().transpose(0, 1)  # [C, T]
-        window = conv_pool[slot] if request.start_pos else torch.zeros_like(conv_pool[slot])
+        window = torch.zeros_like(conv_pool[slot]) if fresh else conv_pool[slot]
         taps = torch.cat([window, x], dim=-1)  # [C, K - 1 + T]
         conv = F.conv1d(taps.unsqueeze(0), self.conv_weight.float().unsqueeze(1), groups=self.conv_channels)[0]
         q, k, v = self._heads(F.silu(conv).transpose(0, 1).to(mixed.dtype))
         matrix = delta_pool[slot].view(self.hv, self.dk, self.dv)
-        if not request.start_pos:
+        if fresh:
             matrix = torch.zeros_like(matrix)
         out, matrix = chunked_delta_rule(q, k, v, g[row : row + length], beta[row : row + length], matrix)
         core[row : row + length] = out
+        if not commit:
+            return
         conv_pool[slot] = taps[:, taps.shape[1] - keep:]
         delta_pool[slot] = matrix.reshape(self.hv, -1)
