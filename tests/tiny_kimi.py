@@ -90,3 +90,24 @@ def save_tiny_kimi(folder: str, *, seed: int = 0, **overrides: Any) -> str:
     make_tiny_kimi(seed=seed, **overrides).save_pretrained(folder)
     tiny_hf_tokenizer().save_pretrained(folder)
     return folder
+
+
+@torch.no_grad()
+def hf_greedy_cached(model, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], list[float], list[float]]:
+    """As reference.hf_greedy (tokens, their logprobs, prompt logprobs of positions 1..), but one prompt forward and
+    then one token per forward through transformers' cache (its recurrent KDA step and its MLA cache): the full
+    re-forwards of hf_greedy run transformers' per-token Python loop of the chunked KDA each time, minutes here."""
+    out = model(torch.tensor([prompt_ids]), use_cache=True)
+    cache = out.cache
+    lp = torch.log_softmax(out.logits[0].double(), dim=-1)
+    prompt_lp = [lp[i, prompt_ids[i + 1]].item() for i in range(len(prompt_ids) - 1)]
+    tokens, logprobs = [], []
+    for step in range(max_tokens):
+        token = int(lp[-1].argmax())
+        tokens.append(token)
+        logprobs.append(lp[-1, token].item())
+        if step + 1 < max_tokens:
+            out = model(torch.tensor([[token]]), cache=cache, use_cache=True)
+            cache = out.cache
+            lp = torch.log_softmax(out.logits[0].double(), dim=-1)
+    return tokens, logprobs, prompt_lp
