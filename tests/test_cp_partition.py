@@ -5,6 +5,7 @@ import math
 import pytest
 
 from cpllm.context_parallel.partition import (
+    joined_key_runs,
     head_tail_chunks,
     rank_num_tokens,
     rank_token_indices,
@@ -96,3 +97,16 @@ def test_invalid_arguments():
         head_tail_chunks(-1, 2)
     with pytest.raises(ValueError, match="pcp_rank=2"):
         rank_token_ranges(4, 2, 2)
+
+
+def test_joined_key_runs_join_a_run_to_the_keys_just_before_it():
+    # block rows: [chunk 0 (tokens 0..3), chunk 3 (tokens 12..15)], as PCP rank 0 of 2 holds them
+    own_block = [(0, 0, 4), (4, 12, 4)]
+    assert joined_key_runs(own_block, 0) == [(slice(0, 4), 0)]  # chunk 0: itself, square causal
+    assert joined_key_runs(own_block, 12) == [(slice(0, 8), 4)]  # chunk 3: chunk 0 then itself, one call
+    other_block = [(0, 4, 4), (4, 8, 4)]  # rank 1's chunks 1 and 2: wholly before chunk 3, after chunk 0
+    assert joined_key_runs(other_block, 12) == [(slice(0, 8), None)]
+    assert joined_key_runs(other_block, 0) == []
+    # keys before the run but not adjacent to it in the block stay their own unmasked call
+    gap = [(0, 0, 4), (4, 20, 2), (6, 12, 4)]
+    assert joined_key_runs(gap, 12) == [(slice(0, 4), None), (slice(6, 10), 0)]

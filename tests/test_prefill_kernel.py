@@ -4,7 +4,7 @@ aside.
 Engine and layout tests run it wherever it builds; these check the kernel alone: causal (top-left, as the flash
 kernel's flag) and not, query counts that do not fill a tile of 64 rows, more queries than keys and fewer, grouped
 queries (1, 3 and 4 heads per KV head), head sizes 32, 64 and 128, q read in place inside the fused q|k|v rows,
-one and two threads; and that other dtypes and head sizes go back to PyTorch's kernel. Its bf16 variant (on CPUs with
+one and two threads, a causal offset (a run behind earlier keys, in one call); and that other dtypes and head sizes go back to PyTorch's kernel. Its bf16 variant (on CPUs with
 AVX-512 BF16) is checked against float64 attention on the operands it rounds, and elsewhere must be the float32
 kernel itself.
 """
@@ -64,6 +64,36 @@ def test_matches_float64_attention(length, keys, hq, hkv, d, causal, threads):
     want_out, want_lse = _reference(q, k, v, d**-0.5, causal)
     torch.testing.assert_close(out.double(), want_out, rtol=0, atol=2e-5)
     torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=2e-5)
+
+
+def _offset_mask(length: int, keys: int, offset: int) -> torch.Tensor:
+    return torch.arange(keys)[None, :] <= torch.arange(length)[:, None] + offset  # [L, S] keep-mask
+
+
+@pytest.mark.parametrize("length, offset", [(130, 70), (64, 1), (5, 200), (1, 9)])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_causal_offset_is_a_run_behind_earlier_keys(length, offset, bf16):
+    if bf16 and not has_bf16_products():
+        pytest.skip("no AVX-512 BF16 on this machine")
+    keys = length + offset
+    q, k, v = _qkv(length, keys, 9, 3, 64, seed=5)
+    out, lse = prefill_attention(q, k, v, 0.125, True, bf16_products=bf16, causal_offset=offset)
+    operands = (_bf16(q * 0.125), _bf16(k), _bf16(v), 1.0) if bf16 else (q, k, v, 0.125)
+    want_out, want_lse = reference_attention(*(t.transpose(0, 1)[None] for t in operands[:3]), scale=operands[3],
+                                             mask=_offset_mask(length, keys, offset))
+    atol = 2 ** -8 * float(v.abs().max()) if bf16 else 2e-5
+    torch.testing.assert_close(out.double(), want_out[0].transpose(0, 1), rtol=0, atol=atol)
+    torch.testing.assert_close(lse.double(), want_lse[0].transpose(0, 1), rtol=0, atol=1e-4 if bf16 else 2e-5)
+    if not bf16:  # attend's fallback (float64: PyTorch's kernel with a keep-mask) takes the same offset
+        fallback = attend(q.double(), k.double(), v.double(), 0.125, True, causal_offset=offset)
+        torch.testing.assert_close(fallback[0], want_out[0].transpose(0, 1))
+        torch.testing.assert_close(fallback[1].double(), want_lse[0].transpose(0, 1), rtol=0, atol=1e-5)
+
+
+def test_causal_offset_outside_the_keys_is_refused():
+    q, k, v = _qkv(4, 6, 2, 1, 64)
+    with pytest.raises(ValueError, match="causal_offset 6 outside"):
+        prefill_attention(q, k, v, 0.1, True, causal_offset=6)
 
 
 def test_attend_takes_the_kernel_and_agrees_with_torch_flash():

@@ -35,7 +35,7 @@ from cpllm.context_parallel.backend import AttentionBackend
 from cpllm.context_parallel.merge import accumulate as _accumulate
 from cpllm.context_parallel.merge import accumulator_dtype, apply_sinks, merge_attention_partials, merge_two
 from cpllm.context_parallel.metadata import AttentionMetadata, RequestAttention
-from cpllm.context_parallel.partition import key_runs
+from cpllm.context_parallel.partition import joined_key_runs, key_runs
 from cpllm.context_parallel.pass_q import pass_q_attention
 from cpllm.context_parallel.plan import StepPath
 from cpllm.distributed.comm import all_gather, all_to_all, ring_exchange
@@ -78,6 +78,8 @@ class PagedCPAttention(torch.nn.Module):
         """The layer's score modifier (cpllm/layers/window/modifier.py `ScoreMods`: a window, a soft-cap), asked
         which keys each piece keeps and how to attend it; None: the plain paths."""
         self._decode_kwargs = {} if mods is None else mods.decode_kwargs
+        self.causal_offsets = getattr(self.backend, "causal_offsets", False)
+        """The backend's `attend` takes `causal_offset=`: a run and the keys just before it go in one call."""
 
     def forward(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -200,11 +202,17 @@ class PagedCPAttention(torch.nn.Module):
                 self._new_token_attention(q, k_all, v_all, request, out, lse)
 
     def _new_token_attention(self, q, k_all, v_all, request: RequestAttention, out, lse) -> None:
-        """Each local run [s, s+n) sees new keys [0, s) unmasked plus itself causally (head-tail safe)."""
+        """Each local run [s, s+n) sees new keys [0, s) unmasked plus itself causally (head-tail safe): one call with
+        a causal offset where the backend takes one, else two calls merged."""
         if self.mods is not None:
             return self._new_token_pieces(q, k_all, v_all, request, out, lse)
         for chunk in request.local_chunks:
             rows = slice(chunk.row, chunk.row + chunk.length)
+            if self.causal_offsets:
+                keys = request.new_kv_rows[: chunk.new_start + chunk.length]
+                out[rows], lse[rows] = self.backend.attend(q[rows], k_all[keys], v_all[keys], self.scale, True,
+                                                           causal_offset=chunk.new_start)
+                continue
             own = request.new_kv_rows[chunk.new_start : chunk.new_start + chunk.length]
             out[rows], lse[rows] = self.backend.attend(q[rows], k_all[own], v_all[own], self.scale, causal=True)
             if chunk.new_start > 0:
@@ -236,11 +244,14 @@ class PagedCPAttention(torch.nn.Module):
             self.backend.store_kv(k_pool, v_pool, meta.write_slots[mine], k_block, v_block, rows)
             for request in meta.requests:
                 if request.num_new > 1:
-                    self._ring_pair(q, k_block, v_block, source, request, out, lse)
+                    self._ring_pair(q, k_block, v_block, source, request, out, lse, first=step == 0)
             if transfer is not None:
                 block = transfer.wait()
 
-    def _ring_pair(self, q, k_block, v_block, source: int, request: RequestAttention, out, lse) -> None:
+    def _ring_pair(self, q, k_block, v_block, source: int, request: RequestAttention, out, lse,
+                   first: bool = False) -> None:
+        """The calls of each local run against the block of PCP rank `source`; `first`: step 0, this rank's own
+        block, whose first call for a run is the run's first partial (written, not merged: exactly the merge's result)."""
         if self.mods is not None:  # the window trims (or skips) each key run
             for chunk in request.local_chunks:
                 for piece in self.mods.new_key_pieces(request.source_rank_rows[source], chunk.new_start,
@@ -251,9 +262,17 @@ class PagedCPAttention(torch.nn.Module):
             return
         for chunk in request.local_chunks:
             rows = slice(chunk.row, chunk.row + chunk.length)
-            for keys, causal in key_runs(request.source_rank_rows[source], chunk.new_start):
-                _accumulate(out, lse, rows,
-                            *self.backend.attend(q[rows], k_block[keys], v_block[keys], self.scale, causal))
+            source_rows = request.source_rank_rows[source]
+            calls = (joined_key_runs(source_rows, chunk.new_start) if self.causal_offsets
+                     else [(keys, 0 if causal else None) for keys, causal in key_runs(source_rows, chunk.new_start)])
+            for call, (keys, offset) in enumerate(calls):
+                kwargs = {"causal_offset": offset} if offset else {}  # None: unmasked, 0: square causal
+                part = self.backend.attend(q[rows], k_block[keys], v_block[keys], self.scale, offset is not None,
+                                           **kwargs)
+                if first and call == 0:  # the run's first partial: its rows still hold (0, -inf), nothing to merge
+                    out[rows], lse[rows] = part
+                else:
+                    _accumulate(out, lse, rows, *part)
 
     def _decode_context(self, q_all, k_pool, v_pool, meta: AttentionMetadata, o_part, lse_part,
                         num_pieces: int) -> None:

@@ -35,7 +35,9 @@ class AttentionBackend(Protocol):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Query rows against a key set (causal: square, query i sees keys 0..i) -> out [N, Hq, D] (q's dtype or
-        wider), lse [N, Hq] float32; a row that sees no key gets (0, -inf)."""
+        wider), lse [N, Hq] float32; a row that sees no key gets (0, -inf). A backend with `causal_offsets = True`
+        (a class attribute; absent means False) also takes `causal_offset=c`: query i sees keys 0..i + c, so the
+        layer attends a query run and the keys just before it in one call instead of two merged."""
 
     def rows_to_move(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """What PCP moves of a step's new rows (all-gather, the pass-KV ring, pass-Q's returned rows): the tensors

@@ -9,7 +9,8 @@ keys). Cutting the new tokens into `2 * pcp_size` equal chunks and giving rank
 Worked example, `T = 10`, `pcp_size = 2`: chunk length 3, chunks
 `[0,3) [3,6) [6,9) [9,10)`; rank 0 computes tokens 0-2 and 9, rank 1 tokens 3-8.
 
-`key_runs` turns one rank's runs into the attention calls a query run makes against them (ring and pass-Q).
+`key_runs` turns one rank's runs into the attention calls a query run makes against them (ring and pass-Q);
+`joined_key_runs` joins a causal run to the keys just before it where the backend takes a causal offset.
 """
 
 from __future__ import annotations
@@ -88,4 +89,18 @@ def key_runs(source_rows, query_start: int) -> list[tuple[slice, bool]]:
                 calls[-1] = (slice(last[0].start, key_row + key_len), False)
             else:
                 calls.append((slice(key_row, key_row + key_len), False))
+    return calls
+
+
+def joined_key_runs(source_rows, query_start: int) -> list[tuple[slice, int | None]]:
+    """`key_runs` for a backend whose causal calls take an offset: the unmasked call just before the query run's own
+    rows in the block joins it, as one call whose queries see its first `offset` keys and then themselves causally
+    (one kernel call, one online softmax and one merge fewer). Each call: (keys, causal offset), None unmasked."""
+    calls: list[tuple[slice, int | None]] = []
+    for keys, causal in key_runs(source_rows, query_start):
+        last = calls[-1] if calls else None
+        if causal and last is not None and last[1] is None and last[0].stop == keys.start:
+            calls[-1] = (slice(last[0].start, keys.stop), keys.start - last[0].start)
+        else:
+            calls.append((keys, 0 if causal else None))
     return calls

@@ -1,8 +1,10 @@
 /* Prefill attention: many query positions against a run of keys, causal or not, float32, with the log-sum-exp.
  *
  * q[i, h, :] sits at q + i * q_stride + h * d (heads contiguous inside a row), k/v[j, g, :] at k + j * kv_stride +
- * g * d; query head h reads KV head h / (hq / hkv). Causal (top-left aligned, as PyTorch's flash kernel's flag): query
- * i sees keys j <= i; otherwise it sees every key. out [n_q, hq, d] and lse [n_q, hq] are contiguous.
+ * g * d; query head h reads KV head h / (hq / hkv). With causal_offset c >= 0, query i sees keys j <= i + c (c = 0:
+ * top-left aligned, as PyTorch's flash kernel's flag; c = n_k - n_q: bottom-right, a run of queries after c earlier
+ * keys seeing those and itself causally, in one call and one online softmax); c < 0: every key.
+ * out [n_q, hq, d] and lse [n_q, hq] are contiguous.
  *
  * Work item: one KV head and 64 "rows", a row being one (query position, query head of the group) pair; the rows
  * of the group's heads at neighbouring positions share every key they read. Everything runs transposed, rows in
@@ -33,7 +35,7 @@ enum { PAIR_TILE_BYTES = (MAX_D / 2 + BLOCK_KEYS / 2) * ROWS * 4 };
 typedef struct {
     const float *q, *k, *v;
     int64_t q_stride, kv_stride;
-    int n_q, n_k, hq, hkv, d, causal;
+    int n_q, n_k, hq, hkv, d, causal_offset;
     float scale;
     float *out, *lse;
 } Problem;
@@ -43,7 +45,7 @@ typedef struct {
     float st[BLOCK_KEYS][ROWS];     /* one block's scores, then its probabilities: [key][row] */
     float ot[MAX_D][ROWS];          /* unnormalised output, transposed */
     float m[ROWS], l[ROWS];         /* running max and sum of exp per row */
-    int32_t pos[ROWS];              /* last key each row may see (causal), or n_k - 1 */
+    int32_t pos[ROWS];              /* last key each row may see (causal), at most n_k - 1 */
 } Tile __attribute__((aligned(64)));
 
 /* Row r of a tile of KV head g: query position r / group, head g * group + r % group; its q row, or NULL past the
@@ -55,7 +57,8 @@ static const float *tile_row(const Problem *p, int g, int row, Tile *t, int r) {
         return NULL;
     }
     const int i = row / group, h = g * group + row % group;
-    t->pos[r] = p->causal ? i : p->n_k - 1;
+    const int64_t last = p->causal_offset >= 0 ? (int64_t)i + p->causal_offset : p->n_k - 1;
+    t->pos[r] = last < p->n_k - 1 ? (int32_t)last : p->n_k - 1;
     return p->q + i * p->q_stride + (int64_t)h * p->d;
 }
 
@@ -244,19 +247,20 @@ static int run_items(const Problem *p, const Packed *packed, TileRun run, int th
 }
 
 static Problem make_problem(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
-                            int n_q, int n_k, int hq, int hkv, int d, float scale, int causal, float *out,
-                            float *lse) {
+                            int n_q, int n_k, int hq, int hkv, int d, float scale, int causal_offset,
+                            float *out, float *lse) {
     const Problem p = {.q = q, .k = k, .v = v, .q_stride = q_stride, .kv_stride = kv_stride, .n_q = n_q,
-                       .n_k = n_k, .hq = hq, .hkv = hkv, .d = d, .causal = causal,
+                       .n_k = n_k, .hq = hq, .hkv = hkv, .d = d, .causal_offset = causal_offset,
                        .scale = scale, .out = out, .lse = lse};
     return p;
 }
 
 int cpllm_prefill_attention(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
-                            int n_q, int n_k, int hq, int hkv, int d, float scale, int causal,
+                            int n_q, int n_k, int hq, int hkv, int d, float scale, int causal_offset,
                             int threads, float *out, float *lse) {
     if (d > MAX_D || d % 4 || hq % hkv || n_k <= 0) return 1;
-    const Problem p = make_problem(q, q_stride, k, v, kv_stride, n_q, n_k, hq, hkv, d, scale, causal, out, lse);
+    const Problem p =
+        make_problem(q, q_stride, k, v, kv_stride, n_q, n_k, hq, hkv, d, scale, causal_offset, out, lse);
     return run_items(&p, NULL, run_tile_f32, threads);
 }
 
@@ -409,11 +413,12 @@ static void run_tile_bf16(const Problem *p, const Packed *packed, int g, int r0,
 
 /* As cpllm_prefill_attention, on bf16 dot products (see above); 2 where not built with AVX-512 BF16. */
 int cpllm_prefill_attention_bf16(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
-                                 int n_q, int n_k, int hq, int hkv, int d, float scale, int causal,
+                                 int n_q, int n_k, int hq, int hkv, int d, float scale, int causal_offset,
                                  int threads, float *out, float *lse) {
 #if defined(__AVX512BF16__)
     if (d > MAX_D || d % 4 || hq % hkv || n_k <= 0) return 1;
-    const Problem p = make_problem(q, q_stride, k, v, kv_stride, n_q, n_k, hq, hkv, d, scale, causal, out, lse);
+    const Problem p =
+        make_problem(q, q_stride, k, v, kv_stride, n_q, n_k, hq, hkv, d, scale, causal_offset, out, lse);
     const int64_t pairs = (n_k + 1) / 2;
     Packed packed = {.kb = aligned_alloc(64, ((size_t)hkv * n_k * d * sizeof(uint16_t) + 63) / 64 * 64),
                      .vp = aligned_alloc(64, ((size_t)hkv * pairs * d * sizeof(uint32_t) + 63) / 64 * 64)};
@@ -427,20 +432,20 @@ int cpllm_prefill_attention_bf16(const float *q, int64_t q_stride, const float *
     return status;
 #else
     (void)q, (void)q_stride, (void)k, (void)v, (void)kv_stride, (void)n_q, (void)n_k, (void)hq, (void)hkv, (void)d;
-    (void)scale, (void)causal, (void)threads, (void)out, (void)lse;
+    (void)scale, (void)causal_offset, (void)threads, (void)out, (void)lse;
     return 2;
 #endif
 }
 
 #else
 int cpllm_prefill_attention_bf16(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
-                                 int n_q, int n_k, int hq, int hkv, int d, float scale, int causal,
+                                 int n_q, int n_k, int hq, int hkv, int d, float scale, int causal_offset,
                                  int threads, float *out, float *lse) {
     return 2;  /* no AVX-512 on this machine: the caller runs its torch path */
 }
 
 int cpllm_prefill_attention(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
-                            int n_q, int n_k, int hq, int hkv, int d, float scale, int causal,
+                            int n_q, int n_k, int hq, int hkv, int d, float scale, int causal_offset,
                             int threads, float *out, float *lse) {
     return 2;  /* no AVX-512 on this machine: the caller runs its torch path */
 }

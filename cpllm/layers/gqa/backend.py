@@ -51,6 +51,9 @@ class GQAPagedBackend:
     decode_context = staticmethod(local_attention.gather_decode_context)
     attend_gathered_decode = staticmethod(local_attention.attend_gathered_decode)
     decode_form = staticmethod(local_attention.decode_form)
+    causal_offsets = True
+    """`attend` takes `causal_offset=`: a query run and the keys before it in one kernel call (the CP layer's
+    joined calls, cpllm/context_parallel/partition.py `joined_key_runs`)."""
     bf16_products = False
     """Prefill attention runs on bf16 dot products (`use_bf16_products`); False: float32, exact to its rounding."""
 
