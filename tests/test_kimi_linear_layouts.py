@@ -1,5 +1,5 @@
-"""Kimi Linear under TP, TP x DCP, PCP (both KV layouts) and TP x PCP x DCP against the single-rank engine on the same tiny weights
-(tests/tiny_kimi.py; tests/test_kimi_linear_vs_hf.py holds the single rank to transformers).
+"""Kimi Linear under TP, TP x DCP, PCP (both KV layouts) and TP x PCP x DCP against the single-rank engine on the
+same tiny weights (tests/tiny_kimi.py; tests/test_kimi_linear_vs_hf.py holds the single rank to transformers).
 
 Each rank holds num_heads / TP whole heads of every Kimi delta attention layer and those heads' states; the MLA
 layer's latent rows are replicated over TP, sharded over DCP (every TP rank of a DCP group holds the same heads'
