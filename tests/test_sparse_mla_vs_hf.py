@@ -142,3 +142,22 @@ def test_unbuilt_config_fields_are_refused(tiny):
         IndexerConfig.from_hf_config({**cfg, "index_head_dim": 8}, 16)
     with pytest.raises(ValueError, match="index_topk=0"):
         dataclasses.replace(IndexerConfig.from_hf_config(cfg, 16), index_topk=0)
+
+
+def test_glm5_gguf_is_refused_by_name(tmp_path):
+    """The gguf package names GLM-5's architecture (`glm-dsa`); cpllm does not read it yet and says so by name."""
+    import gguf
+    import numpy as np
+
+    from cpllm.model.loaders.gguf_file import GGUFFile
+    from cpllm.model.loaders.gguf_source import gguf_model_config
+
+    path = str(tmp_path / "glm5.gguf")
+    writer = gguf.GGUFWriter(path, "glm-dsa")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="'glm-dsa' \\(GLM-5, DeepSeek sparse attention\\) is not read yet"):
+        gguf_model_config(GGUFFile(path), {"token_embd.weight": (8, 4)})

@@ -150,6 +150,11 @@ def _rope_scaling(reader: GGUFFile, arch: str, names: set[str]) -> dict[str, Any
     return scaling
 
 
+NOT_READ_SPARSE_GGUF = {"glm-dsa": "GLM-5"}
+"""GGUF architectures of sparse-MLA models the `gguf` package names but cpllm does not read (it names no
+DeepSeek-V3.2 architecture), refused by name."""
+
+
 def gguf_model_config(reader: GGUFFile, tensor_shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
     """ModelConfig from GGUF metadata; `tensor_shapes` (GGUF names, HF order) supply vocab and tying."""
     arch = _meta(reader, "general.architecture")
@@ -159,6 +164,9 @@ def gguf_model_config(reader: GGUFFile, tensor_shapes: dict[str, tuple[int, ...]
     if arch == GPT_OSS_GGUF_ARCH:  # sinks, windows, the GPT-OSS MoE: read as the config.json it stands for
         rope_scaling = _rope_scaling(reader, arch, set(tensor_shapes))
         return ModelConfig.from_hf_config(gpt_oss_hf_config(meta, tensor_shapes, _eos_ids(reader), rope_scaling))
+    if arch in NOT_READ_SPARSE_GGUF:  # the gguf package names it; its converter's layout is not checked here
+        raise ValueError(f"GGUF architecture {arch!r} ({NOT_READ_SPARSE_GGUF[arch]}, DeepSeek sparse attention) is "
+                         "not read yet: load its Hugging Face safetensors folder instead")
     hf_arch = hf_architecture(arch, meta) or GGUF_ARCHITECTURES.get(arch)
     if hf_arch is None:
         raise ValueError(
