@@ -169,3 +169,23 @@ def test_refused_options(tiny):
     with pytest.raises(ValueError, match="tensor_parallel_size=2 must divide linear_num_heads=3"):
         EngineConfig(**{**plain, "model": odd}, parallel=ParallelConfig(tensor_parallel_size=2))
     EngineConfig(**plain, parallel=ParallelConfig(prefill_context_parallel_size=2))  # the state scan runs it
+
+
+def test_gguf_refused_by_name(tmp_path):
+    """The `gguf` package names kimi-linear; its converter's layout is not read yet, and a file says so by name."""
+    import gguf
+    import numpy as np
+
+    from cpllm.model.loaders.gguf_source import GGUFSource
+
+    assert gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.KIMI_LINEAR] == "kimi-linear"
+    path = str(tmp_path / "kimi.gguf")
+    writer = gguf.GGUFWriter(path, "kimi-linear")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="'kimi-linear'"):
+        GGUFSource(path)
