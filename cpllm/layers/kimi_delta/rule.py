@@ -6,8 +6,10 @@ per key channel, learning rate beta) does S <- diag(exp(g)) S; S <- S + k (beta 
 the gated delta rule (cpllm/layers/gated_delta/rule.py) with the head's scalar decay replaced by a diagonal one, so
 every update is still S <- P_t S + k_t u_t^T, affine in S (the PCP state scan applies unchanged). Over a block of
 C tokens with G = cumsum(g) per channel, the decay between tokens i >= j is exp(G_i - G_j) per channel, so the
-block's pairwise products are sums over channels of the decayed terms (a [C, C, dk] tensor per head: the
-differences are taken before the exponential, as transformers does, so nothing overflows); then the same WY form:
+block's pairwise products are sums over channels of decayed terms (`_pairwise`). exp(G_i) and exp(-G_j) apart
+would overflow; G falls along the block, so each sub-block of SUB tokens factors them about its first token r:
+exp(G_i - G_r) for its rows and exp(G_r - G_j) for every earlier column, both <= 1, one matrix product; only the
+SUB x SUB pairs inside a sub-block take the explicit [SUB, SUB, dk] differences. Then the same WY form:
 solve (I + L) u = beta v and (I + L) w = beta k exp(G), L the strictly lower part of sum_c beta_i k_ic k_jc
 exp(G_ic - G_jc); v' = u - w S, out = (q exp(G)) S + (sum_c q_ic k_jc exp(G_ic - G_jc), lower) v',
 S <- diag(exp(G_C)) S + (k exp(G_C - G))^T v'.
@@ -20,6 +22,8 @@ import torch.nn.functional as F
 
 CHUNK = 64
 """Tokens per block of the chunked form (transformers' chunk size)."""
+SUB = 8
+"""Tokens per sub-block of a block's pairwise products (a divisor of CHUNK)."""
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -43,21 +47,40 @@ def chunked_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
     q, k, v, g, beta = (blocks(x) for x in (q, k, v, g, beta))
     cum = g.cumsum(-2)  # [H, n, C, dk]
-    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
     out = torch.empty_like(v)
     for i in range(n):  # each block reads the state the previous one left
         qi, ki, vi, gi, bi = q[:, i], k[:, i], v[:, i], cum[:, i], beta[:, i].unsqueeze(-1)
-        decay = (gi.unsqueeze(-2) - gi.unsqueeze(-3)).masked_fill(upper[..., None], float("-inf")).exp()
         k_beta = ki * bi
-        system = (k_beta.unsqueeze(-2) * ki.unsqueeze(-3) * decay).sum(-1)  # [H, C, C]: its strictly lower part is L
+        # [H, C, C] each: the system's strictly lower part is L; intra is lower with the diagonal
+        system, intra = _pairwise((k_beta, qi), ki, gi)
         u = torch.linalg.solve_triangular(system, vi * bi, upper=False, unitriangular=True)
         w = torch.linalg.solve_triangular(system, k_beta * gi.exp(), upper=False, unitriangular=True)
-        intra = (qi.unsqueeze(-2) * ki.unsqueeze(-3) * decay).sum(-1)  # lower with the diagonal
         v_new = u - w @ state
         out[:, i] = (qi * gi.exp()) @ state + intra @ v_new
         last = gi[:, -1:]  # [H, 1, dk]
         state = state * last.transpose(-1, -2).exp() + (ki * (last - gi).exp()).transpose(-1, -2) @ v_new
     return out.reshape(out.shape[0], n * chunk, -1)[:, :t].transpose(0, 1), state
+
+
+def _pairwise(rows: tuple[torch.Tensor, ...], cols: torch.Tensor, cum: torch.Tensor,
+              sub: int = SUB) -> list[torch.Tensor]:
+    """For each x of `rows` [H, C, dk]: P[i, j] = sum_c x_ic cols_jc exp(cum_ic - cum_jc) for j <= i, 0 above
+    (cum [H, C, dk] non-increasing along C) -> [H, C, C] each."""
+    h, c, _ = cols.shape
+    sub = min(sub, c)
+    upper = torch.ones(sub, sub, dtype=torch.bool, device=cols.device).triu(1)
+    outs = [cols.new_zeros(h, c, c) for _ in rows]
+    for a in range(0, c, sub):
+        mine, ref = slice(a, a + sub), cum[:, a : a + 1]  # the sub-block's rows, its first token's cumulative decay
+        inside = (cum[:, mine].unsqueeze(-2) - cum[:, mine].unsqueeze(-3)).masked_fill(upper[..., None],
+                                                                                    float("-inf")).exp()
+        down = (cum[:, mine] - ref).exp()  # [H, sub, dk], <= 1
+        earlier = (cols[:, :a] * (ref - cum[:, :a]).exp()).transpose(-1, -2) if a else None  # [H, dk, a], <= 1
+        for x, out in zip(rows, outs):
+            out[:, mine, mine] = (x[:, mine].unsqueeze(-2) * cols[:, mine].unsqueeze(-3) * inside).sum(-1)
+            if earlier is not None:
+                out[:, mine, :a] = (x[:, mine] * down) @ earlier
+    return outs
 
 
 def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
