@@ -151,6 +151,7 @@ def test_preemption_recomputes_the_state(tiny, caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert any(f"layers 0-1, 3 (3): recurrent state (conv 192x3 + delta 4x256 values per request, "
                f"{LAYER_STATE_BYTES} bytes)" in line for line in lines), lines
+    assert any("per token and layer, 1 layers: 160 bytes per token stored on a rank" in line for line in lines), lines
 
 
 def test_refused_options(tiny):

@@ -154,9 +154,14 @@ class LLMEngine:
             p.cp_kv_cache_layout, dims.kv_shard_size, self.kv_capacity_tokens,
         )
         if self.config.model.mla is not None:  # MLA: replicated over TP unless DCP shards it
-            logger.info("%s", latent_cache_line(self.config.model.mla, self.config.model.num_hidden_layers, kv.bytes,
+            model = self.config.model
+            states = state_layer_specs(model, p.tensor_parallel_size)  # Kimi Linear: its KDA layers hold no latents
+            slots = sum(state_slot_counts(has_states=bool(states), max_num_seqs=self.config.scheduler.max_num_seqs,
+                                          prefix_caching=self.config.cache.enable_prefix_caching))
+            latent_bytes = kv.bytes - slots * sum(spec.bytes_per_request for spec in states.values())
+            logger.info("%s", latent_cache_line(model.mla, model.num_hidden_layers - len(states), latent_bytes,
                                                 num_blocks * self.config.cache.block_size, dims.kv_shard_size,
-                                                self.kv_capacity_tokens, indexer=self.config.model.indexer))
+                                                self.kv_capacity_tokens, indexer=model.indexer))
         if p.prefill_context_parallel_size > 1:
             per_rank = num_blocks * self.config.cache.block_size
             logger.info("KV capacity by layout with these blocks: sharded %d tokens (over PCP x DCP = %d ranks), "
