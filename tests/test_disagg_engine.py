@@ -122,8 +122,15 @@ def test_one_rank_producer_to_tp2_dcp2_consumer(folders):
     with LLM(folders["kv1"], block_size=8, enable_prefix_caching=False,
              kv_transfer_config=transfer("kv_producer", p_port), **COMMON) as producer, \
          LLM(folders["kv1"], tensor_parallel_size=2, decode_context_parallel_size=2, block_size=4,
-             kv_transfer_config=transfer("kv_consumer", c_port), **COMMON) as consumer:
+             kv_transfer_config=transfer("kv_consumer", c_port, transfer_timeout_s=5.0), **COMMON) as consumer:
         disaggregated(producer, consumer, producer, kv_heads=1)
+        # then the producer's row server dies: both consumer ranks fail their pull and agree to end the request
+        first = prefill(producer, PROMPTS["len13"])
+        producer.engine.executor._runner.kv_transfer.server.close()
+        with pytest.raises(RuntimeError, match="could not be pulled from the prefill instance"):
+            consumer.generate({"prompt_token_ids": PROMPTS["len13"]},
+                              greedy(kv_transfer_params=first.kv_transfer_params))
+        assert_pull_failure_left_nothing(consumer, producer)
 
 
 def test_prefix_hit_on_the_consumer_pulls_only_the_rest(folders):
