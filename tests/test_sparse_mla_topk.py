@@ -95,3 +95,15 @@ def test_shard_partials_merge_to_one_attention_over_the_selection():
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-6)
     none, none_lse = backend.attend_selected(q, pool, slots[selected], torch.zeros(2, k, dtype=torch.bool), scale, r)
     assert torch.equal(none, torch.zeros_like(none)) and torch.isneginf(none_lse).all()  # no key: (0, -inf)
+
+
+def test_candidates_travel_exactly():
+    """The candidates' one gather carries the int32 positions' bits in float32 lanes: back exact, -1 and large
+    positions included (on one rank the gather is the identity; the layouts test runs it over gloo)."""
+    from cpllm.layers.sparse_mla.attention import _exchange_candidates
+
+    scores = torch.tensor([[2.5, NEG_INF, 0.0], [1.0, 1.0, -3.0]])
+    positions = torch.tensor([[7, -1, 2**31 - 1], [0, 5, 123456789]], dtype=torch.int32)
+    got_scores, got_pos = _exchange_candidates(scores, positions, None)
+    assert torch.equal(got_scores, scores) and got_pos.dtype == torch.long
+    assert got_pos.tolist() == positions.tolist()

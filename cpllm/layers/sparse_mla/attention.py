@@ -11,7 +11,7 @@ The cache is (latent pool, index pool) (spec.py). Every step stores the rows thi
 request, over the KV-shard group (DCP: the ranks one request's cache is divided over; a group of one on one rank):
 1. each rank scores the index keys it holds (its share of the whole prefix: chunked prefill and prefix hits read
    the cached part from the pool) and keeps its own top-k (score, position) per query row;
-2. the candidates are all-gathered and every rank takes the same global top-k of them by the same tie rule (the
+2. the candidates are all-gathered (one gather, 8 bytes a candidate) and every rank takes the same global top-k of them by the same tie rule (the
    one-rank path is this with a group of one, so the rule is the same everywhere);
 3. the queries of the group's heads are all-gathered (every rank's heads must meet every rank's latents), each
    rank attends its selected latent rows (a decode row gathers only its <= index_topk selected rows from the
@@ -74,6 +74,17 @@ class RequestKeys:
     single: bool
     """A single new token (a decode row; under PCP its copies on several PCP ranks): its rows read only their
     selected latent rows from the pool."""
+
+
+def _exchange_candidates(scores: torch.Tensor, positions: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's candidates, scores [N, k] float32 and positions [N, k] int32, in one all-gather of 8 bytes a
+    candidate (the positions' bits ride in float32 lanes: a gather copies bytes, so they come back exact) ->
+    (scores [N, G k], positions [N, G k] long), the group's candidates of each row."""
+    rows, k = scores.shape
+    gathered = all_gather(torch.cat((scores, positions.view(torch.float32)), dim=1), group, dim=1)  # [N, G 2k]
+    per_rank = gathered.view(rows, -1, 2, k)
+    positions = per_rank[:, :, 1].contiguous().view(torch.int32).reshape(rows, -1).long()
+    return per_rank[:, :, 0].reshape(rows, -1), positions
 
 
 class SparseMLAAttention(MLAAttention):
@@ -188,7 +199,7 @@ class SparseMLAAttention(MLAAttention):
             return {}
         k, num_rows = self.index_topk, iq.shape[0]
         cand_scores = torch.full((num_rows, k), NEG_INF, dtype=torch.float32, device=iq.device)
-        cand_pos = torch.full((num_rows, k), -1, dtype=torch.long, device=iq.device)
+        cand_pos = torch.full((num_rows, k), -1, dtype=torch.int32, device=iq.device)  # positions < 2**31
         for i in sparse:
             keys = requests[i]
             if keys.key_slots.numel() == 0:
@@ -199,8 +210,8 @@ class SparseMLAAttention(MLAAttention):
                                              query_pos, self.index.scale)  # [l, T_local], the pool read in place
                 best, at = top_k(scores, keys.key_pos, k)
                 cand_scores[rows, :best.shape[1]] = best
-                cand_pos[rows, :at.shape[1]] = at
-        cand_scores, cand_pos = all_gather(cand_scores, group, dim=1), all_gather(cand_pos, group, dim=1)
+                cand_pos[rows, :at.shape[1]] = at.to(torch.int32)
+        cand_scores, cand_pos = _exchange_candidates(cand_scores, cand_pos, group)
         return {i: top_k(cand_scores[requests[i].rows], cand_pos[requests[i].rows], k) for i in sparse}
 
     def _attend(self, q_all, requests: list[RequestKeys], chosen: dict, shard: KeyShard, latent_pool):
