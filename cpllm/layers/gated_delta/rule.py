@@ -25,41 +25,35 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """One request's new tokens from `state`: q, k [T, H, dk] (normalised, q scaled), v [T, H, dv], g, beta
-    [T, H], state [H, dk, dv], all float32 -> (out [T, H, dv], the state after the last token).
-
-    Everything that does not read the state runs batched over all blocks; the scan over blocks is then three
-    small matrix products per block (out = A + Q' S, v' = u - w S, S <- decay S + K'^T v', with A = intra u and
-    Q' = exp(G) q - intra w precomputed), on block-major tensors so that each block is one contiguous slice."""
+    [T, H], state [H, dk, dv], all float32 -> (out [T, H, dv], the state after the last token)."""
     t = q.shape[0]
     pad = (-t) % chunk
+    # padded tokens have beta = 0 and g = 0: they write nothing and decay nothing
+    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
     n = (t + pad) // chunk
 
-    def blocks(x):  # [T, H, ...] -> [n, H, C, ...], padded tokens (beta = 0, g = 0) write and decay nothing
-        x = F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad))
-        return x.view(n, chunk, *x.shape[1:]).transpose(1, 2).contiguous()
+    def blocks(x):  # [T, H, ...] -> [H, n, C, ...]
+        return x.transpose(0, 1).reshape(x.shape[1], n, chunk, *x.shape[2:])
 
     q, k, v, g, beta = (blocks(x) for x in (q, k, v, g, beta))
-    cum = g.cumsum(-1)  # [n, H, C]
+    cum = g.cumsum(-1)  # [H, n, C]
     upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()  # [n, H, C, C]
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()  # [H, n, C, C]
     k_beta = k * beta.unsqueeze(-1)
     system = (k_beta @ k.transpose(-1, -2)) * decay  # its strictly lower part is L
-    dv = v.shape[-1]
-    rhs = torch.cat([v * beta.unsqueeze(-1), k_beta * cum.exp().unsqueeze(-1)], dim=-1)  # one solve for u and w
-    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    u, w = solved[..., :dv], solved[..., dv:]
-    intra = (q @ k.transpose(-1, -2)) * decay  # [n, H, C, C], lower with the diagonal
-    base = intra @ u  # the outputs' part that does not read the state
-    q_state = q * cum.exp().unsqueeze(-1) - intra @ w  # what each output reads of the block's initial state
-    k_decayed = (k * (cum[..., -1:] - cum).exp().unsqueeze(-1)).transpose(-1, -2).contiguous()  # [n, H, dk, C]
-    block_decay = cum[..., -1].exp()[..., None, None]  # [n, H, 1, 1]
-    u, w = u.contiguous(), w.contiguous()
-    out = torch.empty_like(base)
+    u = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * decay  # [H, n, C, C], lower with the diagonal
+    q_decayed = q * cum.exp().unsqueeze(-1)
+    k_decayed = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    block_decay = cum[..., -1].exp()[..., None, None]  # [H, n, 1, 1]
+    out = torch.empty_like(u)
     for i in range(n):  # the scan over blocks: each reads the state the previous one left
-        out[i] = torch.baddbmm(base[i], q_state[i], state)
-        v_new = torch.baddbmm(u[i], w[i], state, alpha=-1)
-        state = torch.baddbmm(state * block_decay[i], k_decayed[i], v_new)
-    return out.transpose(1, 2).reshape(n * chunk, *out.shape[1:2], dv)[:t], state
+        v_new = u[:, i] - w[:, i] @ state
+        out[:, i] = q_decayed[:, i] @ state + intra[:, i] @ v_new
+        state = state * block_decay[:, i] + k_decayed[:, i].transpose(-1, -2) @ v_new
+    return out.reshape(out.shape[0], n * chunk, -1)[:, :t].transpose(0, 1), state
 
 
 def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
