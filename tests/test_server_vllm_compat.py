@@ -525,6 +525,16 @@ def test_a_dropped_stream_is_logged_499(server, http):
     assert f"{line}499" in server.log(), [entry for entry in server.log().splitlines() if line in entry]
 
 
+def test_a_completion_without_a_prompt_gets_vllms_sentence(http):
+    # vLLM's clients send prompt_embeds=[] beside prompt=None; both mean "nothing given", not "embeddings refused"
+    for body in ({"prompt": None, "prompt_embeds": [], "max_tokens": 1}, {"max_tokens": 1}):
+        reply = http.post("/v1/completions", json=body)
+        assert reply.status_code == 400 and error_param(reply) == "prompt", reply.text
+        assert "Either prompt or prompt_embeds must be provided and non-empty" in reply.json()["error"]["message"]
+    embeds = http.post("/v1/completions", json={"prompt_embeds": "AAAA", "max_tokens": 1})
+    assert embeds.status_code == 400 and error_param(embeds) == "prompt_embeds", embeds.text
+
+
 def test_prompt_messages(http):
     empty = http.post("/v1/completions", json={"prompt": [], "max_tokens": 1})
     assert error_param(empty) == "prompt" and "prompt or prompt_embeds" in empty.json()["error"]["message"]

@@ -163,9 +163,23 @@ class SamplingFields(BaseModel):
         return self
 
 
+NO_PROMPT = ("Either prompt or prompt_embeds must be provided and non-empty (this server takes no prompt_embeds: "
+             "give prompt, text or token ids)")
+"""vLLM's sentence for a completion without a prompt, which its clients match, then what this server takes."""
+
+
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     """Text, token ids, or a batch of either; each prompt gets n choices."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _require_prompt(cls, data: Any) -> Any:
+        # Before field validation, so a missing or null prompt gets vLLM's message rather than pydantic's "Field
+        # required"; embeddings that are there are left for normalise_body to refuse by name.
+        if isinstance(data, dict) and data.get("prompt") is None and data.get("prompt_embeds") in (None, [], "", {}):
+            raise FieldError(NO_PROMPT, "prompt")
+        return data
     max_tokens: int | None = 16
     logprobs: Annotated[int, Field(ge=-1)] | None = None
     """Logprobs of the sampled token plus this many alternatives (up to --max-logprobs; -1 = the vocabulary)."""
@@ -178,8 +192,7 @@ class CompletionRequest(SamplingFields):
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             return [prompt]
         if not prompt:
-            raise ValueError("prompt is empty: give prompt (text or token ids, non-empty); this server takes no "
-                             "prompt_embeds, so prompt or prompt_embeds means prompt here")
+            raise ValueError(f"prompt is empty. {NO_PROMPT}")
         return list(prompt)
 
 

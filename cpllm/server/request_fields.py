@@ -33,6 +33,8 @@ def normalise_body(data: Any, known: set[str]) -> Any:
     if not isinstance(data, dict):
         return data
     data = {k: v for k, v in data.items() if v is not None}
+    if data.get("prompt_embeds") in ([], "", {}):  # no embeddings given (vLLM's clients send []): as if absent
+        del data["prompt_embeds"]
     for name, (accepted, reason) in REFUSED.items():
         if name in data and data[name] != accepted and not (name == "suffix" and data[name] == ""):
             raise FieldError(f"{name}: {reason}", name)
