@@ -218,12 +218,22 @@ def _names(code: types.CodeType) -> set[str]:
     return names
 
 
-def _stub_uses(function, module_globals: dict) -> set[str]:
+def _stub_uses(function, module_globals: dict, seen: set | None = None) -> set[str]:
+    """The stubs `function` reaches: names in its code, and through the test module's own helper functions
+    (`get_vocab_size()` building vLLM's ModelConfig, `_assemble()` calling vLLM's message assembly)."""
     code = getattr(getattr(function, "__wrapped__", function), "__code__", None)
-    if code is None:
+    seen = set() if seen is None else seen
+    if code is None or code in seen:
         return set()
-    return {name for name in _names(code) if getattr(module_globals.get(name), _STUB_MARK, False)
-            or isinstance(module_globals.get(name), _StubModule)}
+    seen.add(code)
+    used = set()
+    for name in _names(code):
+        value = module_globals.get(name)
+        if getattr(value, _STUB_MARK, False) or isinstance(value, _StubModule):
+            used.add(name)
+        elif isinstance(value, types.FunctionType) and value.__globals__ is module_globals:
+            used |= _stub_uses(value, module_globals, seen)
+    return used
 
 
 def pytest_collection_modifyitems(config, items) -> None:
