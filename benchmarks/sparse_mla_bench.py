@@ -6,7 +6,7 @@ hidden 7168, 128 heads, q_lora_rank 1536, latent 512 + 64, an indexer of 64 head
     python benchmarks/mla_bench.py --shape v3.2 --layers 1 --vocab 8192 --max-positions 8192 --part prefill \
         --lengths 2560 --rounds 2 --threads 2 --out benchmarks/results/sparse_mla_prefill.json
     python benchmarks/mla_bench.py --shape v3.2 --layers 1 --vocab 8192 --max-positions 8192 --part dcp \
-        --context 4096 --chunk 1024 --rounds 3 --steps 4 --out benchmarks/results/sparse_mla_dcp.json
+        --context 4096 --chunk 2048 --rounds 3 --steps 4 --out benchmarks/results/sparse_mla_dcp.json
 
 This file's part: batch-1 decode of one sparse-MLA layer (layer 0's checkpoint weights) over random latent and
 index pools holding each context, three ways taking turns in every round:
