@@ -58,7 +58,12 @@ def add_plan_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--explain", action="store_true",
                         help="split the recommended layout's predicted TTFT into compute, exposed transfer, latency "
-                        "and kernel launches")
+                        "and kernel launches (with --disaggregated: prefill compute, K/V transfer, latency)")
+    parser.add_argument("--disaggregated", action="store_true",
+                        help="predict a prefill instance feeding a decode instance (each its own devices) instead "
+                        "of listing one cluster's layouts; needs --prefill-layout and --decode-layout")
+    parser.add_argument("--prefill-layout", default=None, help="with --disaggregated: TPxPCPxDCP, e.g. 1x8x1")
+    parser.add_argument("--decode-layout", default=None, help="with --disaggregated: TPxPCPxDCP, e.g. 8x1x8")
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -86,6 +91,10 @@ def run_plan(args: argparse.Namespace) -> int:
     cost = CostModel(model, hw, precision)
     request = PlanRequest(context=args.context, prefix_hit=args.prefix_hit, ttft_slo_s=args.ttft_slo,
                           batch=args.batch)
+    if args.disaggregated or args.prefill_layout or args.decode_layout:
+        from cpllm.planner.disagg_cli import run_disaggregated
+
+        return run_disaggregated(args, cost, request, weights)
     devices = args.nodes * hw.devices_per_node
     predictions, best = plan(cost, devices, request)
     if args.json:

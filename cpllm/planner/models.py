@@ -31,6 +31,18 @@ BUILTIN_MODELS: dict[str, dict] = {
                              rope_scaling={"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
                                            "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32,
                                            "beta_slow": 1}),
+    # DeepSeek-V3 (config.json of deepseek-ai/DeepSeek-V3): 61 layers, hidden 7168, 128 MLA heads (queries through
+    # a rank-1536 latent, KV latent 512 + rope 64, nope 128, value 128), the first 3 layers dense (18432), the rest
+    # 256 routed experts of 2048 with 8 active (8 groups, top 4) and 1 shared.
+    "deepseek-v3": dict(architectures=["DeepseekV3ForCausalLM"], vocab_size=129280, hidden_size=7168,
+                        intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+                        num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+                        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=256,
+                        num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=3, moe_layer_freq=1,
+                        topk_method="noaux_tc", n_group=8, topk_group=4, routed_scaling_factor=2.5,
+                        norm_topk_prob=True, max_position_embeddings=163840, rope_theta=10000.0,
+                        rope_scaling={"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                                      "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}),
     "smollm2-135m": dict(architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576,
                          intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True,
