@@ -60,11 +60,6 @@ class SparseMLABackend(MLAPagedBackend):
         index_pool.index_copy_(0, slots, keys.index_select(0, rows).to(index_pool.dtype))
 
     @staticmethod
-    def index_keys(index_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """The index keys of `slots` [T] -> [T, D] float32 (every key is scored)."""
-        return index_pool.index_select(0, slots)[:, 0].float()
-
-    @staticmethod
     def attend_selected(q: torch.Tensor, latent_pool: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
                         scale: float, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """q [L, H, W] against each row's own selected slots [L, K] (visible [L, K]: which are real) read from the
