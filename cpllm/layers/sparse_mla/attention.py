@@ -11,8 +11,9 @@ The cache is (latent pool, index pool) (spec.py). Every step stores the rows thi
 request, over the KV-shard group (DCP: the ranks one request's cache is divided over; a group of one on one rank):
 1. each rank scores the index keys it holds (its share of the whole prefix: chunked prefill and prefix hits read
    the cached part from the pool) and keeps its own top-k (score, position) per query row;
-2. the candidates are all-gathered (one gather, 8 bytes a candidate) and every rank takes the same global top-k of them by the same tie rule (the
-   one-rank path is this with a group of one, so the rule is the same everywhere);
+2. the candidates are all-gathered (one gather, 8 bytes a candidate) and every rank takes the same global top-k
+   of them by the same tie rule (the one-rank path is this with a group of one, so the rule is the same
+   everywhere);
 3. the queries of the group's heads are all-gathered (every rank's heads must meet every rank's latents), each
    rank attends its selected latent rows (a decode row gathers only its <= index_topk selected rows from the
    pool; a prompt chunk's rows share one key set with a mask), and an all-to-all brings each rank the partials of
