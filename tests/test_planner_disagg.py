@@ -116,6 +116,8 @@ def test_cli_prints_the_split_and_json(capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["disaggregated"]["kv_bytes"] == 131072 * 61 * 576 * 2
     assert report["explain"]["ttft_s"] == pytest.approx(12.46, rel=0.01)
+    assert main(base + ["--ttft-slo", "10s"]) == 0
+    assert "misses the TTFT objective of 10 s" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--decode-layout"):
         main(base[:-2])
     with pytest.raises(SystemExit, match="need --disaggregated"):

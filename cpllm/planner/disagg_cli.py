@@ -36,13 +36,17 @@ def run_disaggregated(args: argparse.Namespace, cost: CostModel, request: PlanRe
     if args.json:
         report = {"hardware": dataclasses.asdict(cost.hw), "model": args.model,
                   "request": dataclasses.asdict(request), "precision": dataclasses.asdict(cost.precision),
-                  "disaggregated": prediction.row()}
+                  "disaggregated": prediction.row(),
+                  "meets_slo": request.ttft_slo_s is None or prediction.ttft_s <= request.ttft_slo_s}
         if args.explain:
             report["explain"] = prediction.explain()
         json.dump(report, sys.stdout, indent=2)
         print()
         return 0
     print(summary(args.model, cost, request, weights, prediction))
+    if request.ttft_slo_s is not None:
+        verdict = "meets" if prediction.ttft_s <= request.ttft_slo_s else "misses"
+        print(f"{verdict} the TTFT objective of {request.ttft_slo_s:.4g} s")
     if args.explain:
         print(explain_line(prediction))
     return 0
