@@ -45,7 +45,8 @@ def test_mla_prompt_moves_one_latent_row_per_layer_and_token_spread_over_every_n
 
 @pytest.mark.parametrize("model,src,dst", [
     ("llama3-8b", "2x2x1", "4x1x1"), ("llama3-8b", "1x2x1", "1x1x1"), ("llama3-8b", "4x1x1", "2x2x1-repl"),
-    ("deepseek-v2-lite", "1x4x1", "4x1x4"), ("deepseek-v2-lite", "2x2x1", "4x1x2"), ("deepseek-v2-lite", "1x8x1", "8x1x8")])
+    ("deepseek-v2-lite", "1x4x1", "4x1x4"), ("deepseek-v2-lite", "2x2x1", "4x1x2"),
+    ("deepseek-v2-lite", "1x8x1", "8x1x8")])
 def test_scaled_period_matches_the_whole_prompts_plan(model, src, dst):
     """The period's plan, scaled, gives the bytes of the plan of the whole prompt: in all and on the busiest NIC."""
     cost = cost_of(model, "h100", Precision())
