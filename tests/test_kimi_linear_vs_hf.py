@@ -8,7 +8,7 @@ Then a batch of prompts of mixed lengths (1 token to two delta-rule blocks) with
 chunked-prefill budget (chunks continue from the saved convolution window and state, decode rows beside prompt
 chunks); a KV cache too small for the batch (requests preempted and recomputed from a zero state); the state's
 accounting (spec, capacity log, the planner); config.json in the original checkpoints' spelling; the options
-refused.
+refused (prefix caching and speculative decoding: tests/test_kimi_linear_prefix_spec.py).
 """
 
 from __future__ import annotations
@@ -160,10 +160,8 @@ def test_refused_options(tiny):
     short = SchedulerConfig(max_model_len=256)
     plain = dict(model_path=folder, model=model, scheduler=short)
     assert EngineConfig(**plain).cache.enable_prefix_caching is False  # off when left unset
-    with pytest.raises(ValueError, match="enable_prefix_caching=True with Kimi Linear"):
-        EngineConfig(**plain, cache=CacheConfig(enable_prefix_caching=True))
-    with pytest.raises(ValueError, match="speculative_config with Kimi Linear"):
-        EngineConfig(**plain, speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=2))
+    EngineConfig(**plain, cache=CacheConfig(enable_prefix_caching=True))  # tests/test_kimi_linear_prefix_spec.py
+    EngineConfig(**plain, speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=2))
     with pytest.raises(ValueError, match="compile_decode"):
         EngineConfig(**plain, compile_decode=True)
     odd = dataclasses.replace(model, kimi_delta=dataclasses.replace(model.kimi_delta, num_heads=3))

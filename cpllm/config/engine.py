@@ -367,9 +367,9 @@ class EngineConfig:
                                  tp=self.parallel.tensor_parallel_size,
                                  pcp=self.parallel.prefill_context_parallel_size, linear=self.model.linear_attention)
         if self.model.kimi_delta is not None:
-            check_kimi_options(prefix_caching=self.cache.enable_prefix_caching,
-                               speculative=self.speculative_config is not None, compile_decode=self.compile_decode,
-                               tp=self.parallel.tensor_parallel_size, kda=self.model.kimi_delta)
+            check_kimi_options(speculative=self.speculative_config is not None, compile_decode=self.compile_decode,
+                               tp=self.parallel.tensor_parallel_size,
+                               pcp=self.parallel.prefill_context_parallel_size, kda=self.model.kimi_delta)
         if self.compile_decode:
             _check_compile_decode(self.parallel, self.model)
             check_compile_decode_attention(self.model, self.scheduler.max_model_len)

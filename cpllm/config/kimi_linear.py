@@ -140,16 +140,16 @@ def kimi_moe_config(cfg: dict[str, Any]) -> MoEConfig:
                      deepseek_router=routing)
 
 
-def check_kimi_options(*, prefix_caching: bool, speculative: bool, compile_decode: bool, tp: int,
-                       kda: KimiDeltaConfig) -> None:
-    """Refuse, naming the option, what Kimi Linear does not run yet (never a silent wrong answer)."""
-    if prefix_caching:
-        raise ValueError("enable_prefix_caching=True with Kimi Linear: a prefix hit would need a snapshot of its "
-                         "Kimi delta attention states at the block boundary, which is not built; leave it unset "
-                         "(its default is off) or pass enable_prefix_caching=False (--no-enable-prefix-caching)")
-    if speculative:
-        raise ValueError("speculative_config with Kimi Linear: rolling its Kimi delta attention states back past "
-                         "rejected drafts is not built; run without speculative decoding")
+def check_kimi_options(*, speculative: bool, compile_decode: bool, tp: int, pcp: int, kda: KimiDeltaConfig) -> None:
+    """Refuse, naming the option, what Kimi Linear does not run yet (never a silent wrong answer). As on the gated
+    DeltaNet hybrids (cpllm/config/linear_attention.py `check_hybrid_options`), prefix caching runs from the
+    kind-free state snapshots (cpllm/engine/state_snapshots.py) and speculative decoding keeps the states through
+    a verify chunk's known tokens only (cpllm/layers/kimi_delta/layer.py); a draft model with states is refused
+    where every draft model is read (cpllm/engine/draft_model.py)."""
+    if speculative and pcp > 1:
+        raise ValueError(f"speculative_config with Kimi Linear under prefill_context_parallel_size={pcp}: a verify "
+                         "chunk split over PCP ranks would need the state scan to stop before its drafts, which is "
+                         "not built; run speculative decoding with PCP = 1 (TP and DCP run it)")
     if compile_decode:
         raise ValueError("compile_decode=True with Kimi Linear: its state layers run eager only")
     if kda.num_heads % tp:

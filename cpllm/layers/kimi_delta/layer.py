@@ -13,7 +13,9 @@ Heads split over TP: a rank holds num_heads / TP whole heads (their rows of q/k/
 g_b_proj, b_proj, dt_bias and A_log); the low-rank f_a_proj and g_a_proj (hidden -> d) and the norm's weight are
 replicated, so no collective runs inside the layer but the output projection's all-reduce. Each request's state
 lives in this layer's pools at its state slot (`RequestAttention.state_slot`), as the gated DeltaNet kind's does:
-a chunk at position 0 starts from zeros, any other chunk from the slot's state, and leaves its own state there.
+a chunk at position 0 starts from zeros, any other chunk from the slot's state (a prefix hit's restored
+snapshot included), and leaves its own state there; a verify chunk leaves the state after its known tokens only,
+its drafts scored from it and their updates dropped (`RequestAttention.num_draft_tokens`).
 Under PCP a prompt chunk split over the PCP ranks goes through the gated DeltaNet kind's state scan
 (cpllm/layers/gated_delta/pcp_prefill.py, with this layer's rule); single tokens run on every PCP rank alike.
 """
@@ -109,7 +111,11 @@ class KimiDeltaAttention(torch.nn.Module):
             pcp_prefill(self, prompts, mixed, g, beta, state, core)
         for request in prompts if self.pcp.size == 1 else ():
             for run in request.local_chunks:
-                self._chunk(request, run.row, run.length, mixed, g, beta, state, core)
+                known = run.length - request.num_draft_tokens  # a verify chunk's drafts leave the state as it was
+                self._chunk(request, run.row, known, mixed, g, beta, state, core)
+                if request.num_draft_tokens:
+                    self._chunk(request, run.row + known, request.num_draft_tokens, mixed, g, beta, state, core,
+                                fresh=False, commit=False)
         gate = self.g_b_proj(g_a).view(n, hv, d)
         out = self.o_norm(core.to(hidden.dtype), gate).reshape(n, hv * d)
         return self.o_proj(out)
@@ -142,19 +148,27 @@ class KimiDeltaAttention(torch.nn.Module):
         conv_pool.index_copy_(0, slots, taps[..., 1:])
         delta_pool.index_copy_(0, slots, matrix.reshape(len(requests), self.hv, -1))
 
-    def _chunk(self, request, row: int, length: int, mixed, g, beta, state, core) -> None:
-        """A prompt chunk of one request: the convolution over its window and tokens, the chunked rule."""
+    def _chunk(self, request, row: int, length: int, mixed, g, beta, state, core, *, fresh: bool | None = None,
+               commit: bool = True) -> None:
+        """`length` new tokens of one request from row `row`: the convolution over its window and tokens, the
+        chunked rule. `fresh`: start from zeros (default: the chunk starts at position 0); `commit`: leave the
+        state after them in the slot (False for a verify chunk's drafts: they are scored from the state after the
+        known tokens, which stays, so a rejected draft leaves no trace; docs/context_parallel.md, "Speculative
+        decoding on hybrids")."""
         conv_pool, delta_pool = state
         slot, keep = request.state_slot, self.linear.conv_kernel - 1
+        fresh = not request.start_pos if fresh is None else fresh
         x = mixed[row : row + length].float().transpose(0, 1)  # [C, T]
-        window = conv_pool[slot] if request.start_pos else torch.zeros_like(conv_pool[slot])
+        window = torch.zeros_like(conv_pool[slot]) if fresh else conv_pool[slot]
         taps = torch.cat([window, x], dim=-1)  # [C, K - 1 + T]
         conv = F.conv1d(taps.unsqueeze(0), self.conv_weight.float().unsqueeze(1), groups=self.conv_channels)[0]
         q, k, v = self._heads(F.silu(conv).transpose(0, 1).to(mixed.dtype))
         matrix = delta_pool[slot].view(self.hv, self.dk, self.dv)
-        if not request.start_pos:
+        if fresh:
             matrix = torch.zeros_like(matrix)
         out, matrix = chunked_kda(q, k, v, g[row : row + length], beta[row : row + length], matrix)
         core[row : row + length] = out
+        if not commit:
+            return
         conv_pool[slot] = taps[:, taps.shape[1] - keep:]
         delta_pool[slot] = matrix.reshape(self.hv, -1)
