@@ -360,7 +360,7 @@ class EngineConfig:
             object.__setattr__(self, "kv_transfer_config", kv_transfer_config(self.kv_transfer_config))
             check_disagg(self)
         if self.cache.enable_prefix_caching is None:  # the default: on wherever a prefix hit can be exact
-            exact = self.model.linear_attention is None and self.model.kimi_delta is None  # no state snapshots yet
+            exact = self.model.linear_attention is None and self.model.kimi_delta is None  # snapshots cost states
             object.__setattr__(self, "cache", dataclasses.replace(self.cache, enable_prefix_caching=exact))
         if self.model.linear_attention is not None:
             check_hybrid_options(speculative=self.speculative_config is not None, compile_decode=self.compile_decode,
