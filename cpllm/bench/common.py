@@ -102,6 +102,7 @@ def machine_info() -> dict[str, Any]:
 
     info: dict[str, Any] = {
         "cpu": _cpu_name(),
+        "cpu_family_model": _cpu_family_model(),
         "cores": os.cpu_count(),
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "python": platform.python_version(),
@@ -126,3 +127,22 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def _cpu_family_model() -> str | None:
+    """"family F model M" from /proc/cpuinfo: a virtual machine's model name may say only the vendor's line ("AMD
+    EPYC"), while two generations of it differ 2x in bf16 matmul rate."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("cpu family", "model") and key.strip() not in fields:
+                    fields[key.strip()] = value.strip()
+                if not line.strip():
+                    break  # the first processor's block is enough
+    except OSError:
+        return None
+    if len(fields) < 2:
+        return None
+    return f"family {fields['cpu family']} model {fields['model']}"

@@ -1,0 +1,108 @@
+"""PCP=2 prefill efficiency on the default weights: wall and CPU seconds of one rank against PCP=2.
+
+    python benchmarks/pcp_efficiency.py --tokens 4096 --rounds 3 --json benchmarks/results/pcp_efficiency.json
+
+One thread per rank, SmolLM2 with `--quantization auto` (the GGUF's int4 weights as stored). Each layout is built
+once, warmed up, then prefills `--rounds` fresh prompts; the fastest round is its TTFT. Efficiency is
+TTFT(1 rank) / (2 TTFT(PCP=2)). Beside the wall time it reports the CPU seconds (user + system) of every process
+of the engine, read from /proc: on a busy machine those move far less than the wall time, and their sum against
+the one rank's says how much work PCP adds (merges, collectives, Python) apart from waiting.
+
+To compare two commits, run the script of the newer one with `PYTHONPATH` set to a worktree of the older one
+(both import their own `cpllm`), alternating, and give each run its own `--json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from cpllm.bench.common import BenchLayout, machine_info, random_prompt
+from cpllm.bench.engines import build_llm, model_config_of
+from cpllm.bench.prefill import WARMUP_TOKENS, time_prefill
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every descendant (the rank processes)."""
+    pids = [pid]
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                children = f.read().split()
+        except OSError:
+            children = []
+        for child in children:
+            pids += process_tree(int(child))
+    return pids
+
+
+def cpu_seconds(pids: list[int]) -> dict[int, float]:
+    """User + system seconds of each live process."""
+    out = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[pid] = (int(fields[11]) + int(fields[12])) / TICK
+    return out
+
+
+def measure(pcp: int, strategy: str, tokens: int, rounds: int) -> dict:
+    config = model_config_of(None)
+    layout = BenchLayout.of(tp=1, pcp=pcp, threads_per_rank=1)
+    llm, _ = build_llm(None, layout, strategy=strategy if pcp > 1 else None, threads_per_rank=1,
+                       context_tokens=tokens + 16, batch_tokens=tokens + 16,
+                       engine_options={"quantization": "auto"})
+    try:
+        time_prefill(llm, random_prompt(WARMUP_TOKENS, config.vocab_size, seed=-1))
+        pids = process_tree(os.getpid())
+        runs = []
+        for r in range(rounds):
+            before, start = cpu_seconds(pids), time.perf_counter()
+            time_prefill(llm, random_prompt(tokens, config.vocab_size, seed=r))
+            wall, after = time.perf_counter() - start, cpu_seconds(pids)
+            per_process = sorted((after[p] - before[p] for p in after if p in before), reverse=True)
+            runs.append({"wall_s": round(wall, 3), "cpu_s": round(sum(per_process), 3),
+                         "cpu_s_per_process": [round(x, 3) for x in per_process if x > 0.05]})
+    finally:
+        llm.shutdown()
+    return {"pcp": pcp, "strategy": strategy if pcp > 1 else "-", "tokens": tokens, "runs": runs,
+            "ttft_s": min(run["wall_s"] for run in runs)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--strategies", default="ring", help="PCP=2 strategies, comma-separated")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    rows = [measure(1, "-", args.tokens, args.rounds)]
+    rows += [measure(2, s, args.tokens, args.rounds) for s in args.strategies.split(",")]
+    for row in rows[1:]:
+        row["efficiency"] = round(rows[0]["ttft_s"] / (2 * row["ttft_s"]), 3)
+        row["cpu_ratio"] = round(min(r["cpu_s"] for r in rows[0]["runs"]) / min(r["cpu_s"] for r in row["runs"]), 3)
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    payload = {"command": "pcp_efficiency", "argv": sys.argv, "cpllm": os.path.dirname(
+        __import__("cpllm").__file__), "machine": {**machine_info(), "load_average_start": load_start},
+        "results": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=1)
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()
