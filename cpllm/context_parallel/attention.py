@@ -251,7 +251,8 @@ class PagedCPAttention(torch.nn.Module):
     def _ring_pair(self, q, k_block, v_block, source: int, request: RequestAttention, out, lse,
                    first: bool = False) -> None:
         """The calls of each local run against the block of PCP rank `source`; `first`: step 0, this rank's own
-        block, whose first call for a run is the run's first partial (written, not merged: exactly the merge's result)."""
+        block, whose first call for a run is the run's first partial (written, not merged: exactly the merge's
+        result)."""
         if self.mods is not None:  # the window trims (or skips) each key run
             for chunk in request.local_chunks:
                 for piece in self.mods.new_key_pieces(request.source_rank_rows[source], chunk.new_start,
