@@ -5,8 +5,8 @@ Engine and layout tests run it wherever it builds; these check the kernel alone:
 kernel's flag) and not, query counts that do not fill a tile of 64 rows, more queries than keys and fewer, grouped
 queries (1, 3 and 4 heads per KV head), head sizes 32, 64 and 128, q read in place inside the fused q|k|v rows,
 one and two threads, a causal offset (a run behind earlier keys, in one call); and that other dtypes and head sizes
-go back to PyTorch's kernel. Its bf16 variant (on CPUs with AVX-512 BF16) is checked against float64 attention on the operands it rounds, and elsewhere must be the float32
-kernel itself.
+go back to PyTorch's kernel. Its bf16 variant (on CPUs with AVX-512 BF16) is checked against float64 attention on
+the operands it rounds, and elsewhere must be the float32 kernel itself.
 """
 
 from __future__ import annotations
