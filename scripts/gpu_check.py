@@ -141,6 +141,7 @@ class Chunk:
     sample: bool = True
     prompt_logits: bool = False
     state_slot: int = -1  # a recurrent-state kind's slot (-1: the request keeps no state)
+    num_draft_tokens: int = 0  # of the new tokens, the last this many are speculative drafts
 
     @property
     def end_pos(self) -> int:
