@@ -126,7 +126,7 @@ def test_one_rank_producer_to_tp2_dcp2_consumer(folders):
         disaggregated(producer, consumer, producer, kv_heads=1)
         # then the producer's row server dies: both consumer ranks fail their pull and agree to end the request
         first = prefill(producer, PROMPTS["len13"])
-        producer.engine.executor._runner.kv_transfer.server.close()
+        producer.engine.executor.close_kv_row_server()
         with pytest.raises(RuntimeError, match="could not be pulled from the prefill instance"):
             consumer.generate({"prompt_token_ids": PROMPTS["len13"]},
                               greedy(kv_transfer_params=first.kv_transfer_params))
@@ -250,7 +250,7 @@ def test_a_producer_that_dies_mid_transfer_fails_only_the_request(folders):
          LLM(folders["kv2"], block_size=8, kv_transfer_config=transfer("kv_consumer", free_ports(2),
                                                                          transfer_timeout_s=1.0), **COMMON) as consumer:
         first = prefill(producer, PROMPTS["len13"])
-        producer.engine.executor._runner.kv_transfer.server.close()  # the rows' server dies, the control port lives
+        producer.engine.executor.close_kv_row_server()  # the rows' server dies, the control port lives
         with pytest.raises(RuntimeError, match="could not be pulled from the prefill instance.*no answer from "
                                                "127.0.0.1:.* to 'rows' within 1.0 s"):
             consumer.generate({"prompt_token_ids": PROMPTS["len13"]},

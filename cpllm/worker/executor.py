@@ -54,6 +54,13 @@ class Executor:
         transfer = self._runner.kv_transfer
         return dict(transfer.failed) if transfer is not None else {}
 
+    def close_kv_row_server(self) -> None:
+        """The driver rank's K/V row server (cpllm/disagg) stops answering while its control port lives: what a
+        prefill instance that loses its rank mid-transfer looks like to a consumer (the fault tests' drill)."""
+        if self._runner.kv_transfer is None:
+            raise ValueError("close_kv_row_server: this instance has no --kv-transfer-config")
+        self._runner.kv_transfer.server.close()
+
     def _watch(self):
         """Turns a dead spawned worker into an error naming its rank (torchrun watches its own processes)."""
         return self.workers.watch() if self.workers is not None else contextlib.nullcontext()

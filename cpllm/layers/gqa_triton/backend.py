@@ -118,6 +118,9 @@ class TritonPagedBackend:
     them in place (see the module)."""
 
     name = "gqa-triton"
+    causal_offsets = False
+    """Its prefill kernel's causal form is square only: the CP layer attends a run and the keys before it in two
+    calls and merges them."""
     store_kv = staticmethod(_GQA.store_kv)  # index_copy_: one launch per pool, capturable in a CUDA graph
     attend = staticmethod(_attend)
     context_keys = staticmethod(_context_keys)
