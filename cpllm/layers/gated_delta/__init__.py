@@ -8,5 +8,5 @@ from cpllm.layers.kind import LayerKind
 KIND = LayerKind(name="gated_delta", serves=serves, cache_spec=row_spec, state_layers=state_layers,
                  state_spec=state_spec)
 
-PUBLIC_MODULES = ("spec", "layer", "rule", "pcp_prefill")
+PUBLIC_MODULES = ("spec", "layer", "rule", "pcp_prefill", "state_updates")
 """Modules other packages may import."""

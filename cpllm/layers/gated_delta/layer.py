@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from cpllm.config.linear_attention import LinearAttentionConfig
-from cpllm.layers.gated_delta.pcp_prefill import pcp_prefill
 from cpllm.layers.gated_delta.rule import chunked_delta_rule, l2norm, recurrent_step
+from cpllm.layers.gated_delta.state_updates import DeltaStateUpdates
 from cpllm.distributed.parallel_context import GroupComm, ParallelContext
 from cpllm.model.layers import ColumnParallelLinear, RowParallelLinear, RowRange
 
@@ -65,11 +65,13 @@ class GatedRMSNorm(torch.nn.Module):
         return (normed * F.silu(gate.float())).to(x.dtype)
 
 
-class GatedDeltaNet(torch.nn.Module):
+class GatedDeltaNet(DeltaStateUpdates, torch.nn.Module):
     """hidden [N, hidden] -> [N, hidden]; reads and writes each request's state in the layer's pools."""
 
     chunk_rule = staticmethod(chunked_delta_rule)
-    """The chunked rule pcp_prefill.py runs each run through."""
+    """The chunked rule, for prompt chunks (state_updates.py) and the PCP state scan (pcp_prefill.py)."""
+    step_rule = staticmethod(recurrent_step)
+    """The recurrent step, for single tokens (state_updates.py)."""
 
     def __init__(self, linear: LinearAttentionConfig, hidden: int, eps: float, prefix: str,
                  parallel: ParallelContext, dtype: torch.dtype, quantization: str):
@@ -109,19 +111,7 @@ class GatedDeltaNet(torch.nn.Module):
         beta = b.sigmoid().float()  # [N, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [N, Hv], log decay <= 0
         core = torch.zeros(n, hv, dv, dtype=torch.float32, device=hidden.device)
-        singles = [r for r in meta.requests if r.local_chunks and r.num_new == 1]
-        if singles:
-            self._step(singles, mixed, g, beta, state, core)
-        prompts = [r for r in meta.requests if r.num_new > 1]
-        if prompts and self.pcp.size > 1:  # every PCP rank calls it alike: its collectives follow the metadata
-            pcp_prefill(self, prompts, mixed, g, beta, state, core)
-        for request in prompts if self.pcp.size == 1 else ():
-            for run in request.local_chunks:
-                known = run.length - request.num_draft_tokens  # a verify chunk's drafts leave the state as it was
-                self._chunk(request, run.row, known, mixed, g, beta, state, core)
-                if request.num_draft_tokens:
-                    self._chunk(request, run.row + known, request.num_draft_tokens, mixed, g, beta, state, core,
-                                fresh=False, commit=False)
+        self._update_states(meta, mixed, g, beta, state, core)
         out = self.norm(core.to(hidden.dtype), z.reshape(n, hv, dv)).reshape(n, hv * dv)
         return self.out_proj(out)
 
@@ -134,45 +124,3 @@ class GatedDeltaNet(torch.nn.Module):
         q = l2norm(q.unflatten(-1, (hk, dk))).repeat_interleave(repeat, dim=-2) * dk**-0.5
         k = l2norm(k.unflatten(-1, (hk, dk))).repeat_interleave(repeat, dim=-2)
         return q, k, v.unflatten(-1, (self.hv, self.dv))
-
-    def _step(self, requests, mixed, g, beta, state, core) -> None:
-        """Single new tokens of several requests: one convolution tap window and one recurrent step each."""
-        conv_pool, delta_pool = state
-        rows = torch.tensor([r.local_chunks[0].row for r in requests], device=mixed.device)
-        slots = torch.tensor([r.state_slot for r in requests], device=mixed.device)
-        fresh = torch.tensor([r.start_pos == 0 for r in requests], device=mixed.device)
-        window = conv_pool.index_select(0, slots).masked_fill(fresh[:, None, None], 0.0)  # [B, C, K - 1]
-        taps = torch.cat([window, mixed.index_select(0, rows).float().unsqueeze(-1)], dim=-1)  # [B, C, K]
-        x = F.silu((taps * self.conv_weight.float()).sum(-1)).to(mixed.dtype)  # [B, C]
-        q, k, v = self._heads(x)
-        matrix = delta_pool.index_select(0, slots).masked_fill(fresh[:, None, None], 0.0)
-        matrix = matrix.view(len(requests), self.hv, self.dk, self.dv)
-        out, matrix = recurrent_step(q, k, v, g.index_select(0, rows), beta.index_select(0, rows), matrix)
-        core.index_copy_(0, rows, out)
-        conv_pool.index_copy_(0, slots, taps[..., 1:])
-        delta_pool.index_copy_(0, slots, matrix.reshape(len(requests), self.hv, -1))
-
-    def _chunk(self, request, row: int, length: int, mixed, g, beta, state, core, *, fresh: bool | None = None,
-               commit: bool = True) -> None:
-        """`length` new tokens of one request from row `row`: the convolution over its window and tokens, the
-        chunked delta rule. `fresh`: start from zeros (default: the chunk starts at position 0); `commit`: leave
-        the state after them in the slot (False for a verify chunk's drafts: their rows are scored from the state
-        of the known tokens, which stays, so a rejected draft leaves no trace; docs/context_parallel.md,
-        "Speculative decoding on hybrids")."""
-        conv_pool, delta_pool = state
-        slot, keep = request.state_slot, self.linear.conv_kernel - 1
-        fresh = not request.start_pos if fresh is None else fresh
-        x = mixed[row : row + length].float().transpose(0, 1)  # [C, T]
-        window = torch.zeros_like(conv_pool[slot]) if fresh else conv_pool[slot]
-        taps = torch.cat([window, x], dim=-1)  # [C, K - 1 + T]
-        conv = F.conv1d(taps.unsqueeze(0), self.conv_weight.float().unsqueeze(1), groups=self.conv_channels)[0]
-        q, k, v = self._heads(F.silu(conv).transpose(0, 1).to(mixed.dtype))
-        matrix = delta_pool[slot].view(self.hv, self.dk, self.dv)
-        if fresh:
-            matrix = torch.zeros_like(matrix)
-        out, matrix = chunked_delta_rule(q, k, v, g[row : row + length], beta[row : row + length], matrix)
-        core[row : row + length] = out
-        if not commit:
-            return
-        conv_pool[slot] = taps[:, taps.shape[1] - keep:]
-        delta_pool[slot] = matrix.reshape(self.hv, -1)
