@@ -38,6 +38,7 @@ SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
                           for name in ("cpllm_prefill_attention", "cpllm_prefill_attention_bf16")},
     "index_scores": {"cpllm_index_scores": (
         [_p, _i64, _p, _i, _i, _i, _p, _i, _i64, _i64, _p, _p, _i64, _p, _f, _i, _p], _i)},
+    "index_topk": {"cpllm_index_topk": ([_p, _i64, _p, _i, _i64, _i64, _i64, _i64, _i, _p, _p], _i)},
     "decode_layer": {"cpllm_decode_layer": _layer_call, "cpllm_decode_layer_tp": _layer_call,
                      "cpllm_f32_available": ([], _i), "cpllm_team_barrier": ([_p], _i),
                      "cpllm_f32_matmul_cols": ([_p, _i64, _i64, _p, _i64, _i64, _i64, _p, _i64, _i], _i),

@@ -3,11 +3,17 @@
 Tie rule: a higher score first; between equal scores, the lower position first. Keys may come in any order
 (a rank's own positions, or candidates gathered from several ranks): the rule reads positions, not columns, so
 the top-k of a union of candidate lists, each already cut to its own top-k by the same rule, equals the top-k of
-the whole set (a key beaten by k others in its own list is beaten by the same k in the union)."""
+the whole set (a key beaten by k others in its own list is beaten by the same k in the union).
+
+`top_k` runs the C kernel (cpllm/kernels/index_topk.c, the same selection bit for bit, ties and -inf included)
+where it applies and this torch form (`torch_top_k`) where it does not (kernels off or not built, another
+device)."""
 
 from __future__ import annotations
 
 import torch
+
+from cpllm.kernels.index_topk import index_top_k
 
 
 def top_k(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -21,6 +27,13 @@ def top_k(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torch.
         positions = positions.unsqueeze(0).expand(rows, width)
     if positions.shape != scores.shape:
         raise ValueError(f"top-k: positions {tuple(positions.shape)} do not match scores {tuple(scores.shape)}")
+    chosen = index_top_k(scores, positions, k)
+    return torch_top_k(scores, positions, k) if chosen is None else chosen
+
+
+def torch_top_k(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`top_k` in torch (its fallback, and the kernel's reference): scores and positions [L, T], k >= 1."""
+    width = scores.shape[1]
     # order by position first, then a stable sort by score keeps that order among equal scores
     by_position = positions.argsort(dim=-1, stable=True)  # [L, T]
     pos = positions.gather(-1, by_position)
