@@ -4,13 +4,15 @@
   [in, out], q|k|v and gate|up packed) on 1,024 rows, at the rank's thread count; without one, the best square
   float32 matmul (bench.ceiling.matmul_gflops). A 2048-square matmul runs faster than SmolLM2's thin layers, and
   the prediction is only as good as the rate of the shapes it multiplies.
-- attention_flops and attention_row_overhead: the CPU flash-attention kernel (with log-sum-exp, as cpllm calls
-  it) with the model's heads on causal prompts of 1,024 and 4,096 tokens, solved for a rate per kept query-key
-  pair and the extra work per query row of the diagonal's blocks;
+- attention_flops and attention_row_overhead: the prefill attention a GQA layer runs (cpllm's C kernel in
+  float32 where it is built, else PyTorch's CPU flash kernel; with log-sum-exp, as cpllm calls it) with the
+  model's heads on causal prompts of 1,024 and 4,096 tokens, solved for a rate per kept query-key pair and the
+  extra work per query row of the diagonal's blocks;
 - elementwise_bw: one layer's norms, residual adds, rope, layout copies, gated activation and K/V store on 1,024
   rows, in bytes/s as the cost model counts their bytes;
 - busy_node_fraction: the projections' rate in two processes computing at once (this machine's cores share
-  memory bandwidth and clocks), over the rate alone; it applies to layouts of more than one device;
+  memory bandwidth and clocks), over the rate alone measured just before it, the median of rounds; it applies
+  to layouts of more than one device;
 - memory_bw: matrix-vector streaming rate (bench.ceiling.matvec_gbps);
 - intra/inter-node bandwidth and latency: gloo point-to-point between two processes on this machine, the
   transfer the pass-KV and pass-Q rings make (8 MiB messages for bandwidth, 4-byte ones for latency);
@@ -31,7 +33,7 @@ import torch
 
 from cpllm.bench.ceiling import matmul_gflops, matvec_gbps
 from cpllm.config.engine import ModelConfig
-from cpllm.context_parallel.sdpa import attention_with_lse
+from cpllm.layers.gqa.local_attention import attend
 from cpllm.planner.calibrate_pair import pair_figures
 from cpllm.planner.hardware import HardwareSpec
 
@@ -90,9 +92,9 @@ def linear_gflops(threads: int, shapes: Shapes | None) -> float:
 
 
 def _attention_seconds(tokens: int, heads: int, kv_heads: int, dim: int) -> float:
-    q = torch.randn(1, heads, tokens, dim)
-    k, v = torch.randn(1, kv_heads, tokens, dim), torch.randn(1, kv_heads, tokens, dim)
-    return _typical(lambda: attention_with_lse(q, k, v, scale=dim**-0.5, causal=True), repeats=3)
+    # the call a GQA layer's prefill makes: cpllm's C kernel where it runs, else PyTorch's flash kernel
+    q, k, v = torch.randn(tokens, heads, dim), torch.randn(tokens, kv_heads, dim), torch.randn(tokens, kv_heads, dim)
+    return _typical(lambda: attend(q, k, v, dim**-0.5, True), repeats=3)
 
 
 def attention_figures(threads: int, shapes: Shapes | None = None, *, sizes: tuple[int, int] = (1024, 4096)
@@ -158,7 +160,7 @@ def _shape_model(sh: Shapes) -> ModelConfig:
 
 def calibrate(threads_per_rank: int = 1, model: ModelConfig | None = None) -> HardwareSpec:
     shapes = Shapes.of(model)
-    bandwidth, latency, busy = pair_figures(threads_per_rank, shapes, linear_gflops)
+    bandwidth, latency, busy_share = pair_figures(threads_per_rank, shapes, linear_gflops)
     alone = linear_gflops(threads_per_rank, shapes)
     attention, overhead = attention_figures(threads_per_rank, shapes)
     cores = os.cpu_count() or 1
@@ -166,7 +168,7 @@ def calibrate(threads_per_rank: int = 1, model: ModelConfig | None = None) -> Ha
         name=f"calibrated-{threads_per_rank}t", peak_flops=alone * 1e9,
         attention_flops=attention * 1e9, attention_row_overhead=overhead,
         elementwise_bw=elementwise_gbps(threads_per_rank, shapes) * 1e9,
-        busy_node_fraction=min(1.0, busy / alone), memory_bytes=_memory_bytes(),
+        busy_node_fraction=busy_share, memory_bytes=_memory_bytes(),
         memory_bw=matvec_gbps(threads_per_rank) * 1e9, intra_node_bw=bandwidth, inter_node_bw=bandwidth,
         devices_per_node=max(1, cores // threads_per_rank), intra_node_latency_s=latency,
         inter_node_latency_s=latency,

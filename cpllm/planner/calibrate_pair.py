@@ -1,14 +1,21 @@
 """The calibration steps that need two processes of this machine: gloo point-to-point bandwidth and latency,
-and the projections' rate while both processes compute at once."""
+and the share of the projections' rate a process keeps while both compute at once.
+
+The share is measured in rounds: rank 0 alone (rank 1 waits in a barrier), then both at once, and the share is
+the median over rounds of (slower rank's rate together) / (rate alone). A shared host's speed drifts by a
+quarter within seconds, so a rate alone taken at another moment than the rate together would put that drift
+into the share; taken back to back, both sides see the same moment."""
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
 
 BANDWIDTH_BYTES = 8 * 2**20
 REPEATS = 5
+BUSY_ROUNDS = 5
 
 
 def _p2p(rank: int) -> dict[str, float]:
@@ -36,15 +43,21 @@ def _pair_rank(rank: int, port: int, threads: int, shapes, linear_gflops, result
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         out = _p2p(rank)
-        dist.barrier()  # both start computing together
-        out["busy_gflops"] = linear_gflops(threads, shapes)
+        out["alone_gflops"], out["busy_gflops"] = [], []
+        for _ in range(BUSY_ROUNDS):
+            dist.barrier()
+            if rank == 0:
+                out["alone_gflops"].append(linear_gflops(threads, shapes))
+            dist.barrier()  # both start computing together
+            out["busy_gflops"].append(linear_gflops(threads, shapes))
         results.put((rank, out))
     finally:
         dist.destroy_process_group()
 
 
 def pair_figures(threads: int, shapes, linear_gflops) -> tuple[float, float, float]:
-    """(point-to-point bytes/s, latency s, projections' GFLOP/s per process with both busy); `linear_gflops`
+    """(point-to-point bytes/s, latency s, the share of its projections' rate a process keeps with both busy);
+    `linear_gflops`
     (threads, shapes) -> GFLOP/s is the caller's measurement of the projections (a module-level function: it
     travels to the spawned pair by reference)."""
     import torch.multiprocessing as mp
@@ -63,8 +76,9 @@ def pair_figures(threads: int, shapes, linear_gflops) -> tuple[float, float, flo
         for proc in procs:
             proc.join(30)
     latency = outs[0]["latency"]
-    busy = min(out["busy_gflops"] for out in outs.values())  # the slower rank sets a PCP step's pace
-    return BANDWIDTH_BYTES / max(outs[0]["bandwidth"] - latency, 1e-9), latency, busy
+    together = [min(pair) for pair in zip(outs[0]["busy_gflops"], outs[1]["busy_gflops"])]  # the slower rank
+    share = statistics.median(t / a for t, a in zip(together, outs[0]["alone_gflops"]))  # sets a PCP step's pace
+    return BANDWIDTH_BYTES / max(outs[0]["bandwidth"] - latency, 1e-9), latency, min(1.0, share)
 
 
 def _collect(results, procs, timeout_s: float) -> list:
