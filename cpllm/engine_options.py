@@ -157,6 +157,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("max_num_seqs", int, "scheduler.max_num_seqs", help="requests running at once"),
     EngineOption("enable_prefix_caching", bool, "cache.enable_prefix_caching",
                  help="reuse the KV blocks of a prompt prefix computed before"),
+    EngineOption("state_snapshots", int, "cache.state_snapshots", default=None,
+                 help="a hybrid's snapshot slots under prefix caching: the states after that many prefixes, each "
+                      "one request's states out of the KV budget (default: --max-num-seqs)"),
     EngineOption("kv_cache_memory_bytes", int, "cache.kv_cache_memory_bytes", parse=parse_bytes,
                  help="KV cache bytes per rank, e.g. 512MiB (default: 20%% of available memory, at most what "
                       "max_num_seqs requests of max_model_len tokens can fill)"),

@@ -27,6 +27,7 @@ CHANGED: dict[str, tuple[list[str], object, dict]] = {
     "max_num_batched_tokens": (["--max-num-batched-tokens", "512"], 512, {}),
     "max_num_seqs": (["--max-num-seqs", "3"], 3, {}),
     "enable_prefix_caching": (["--no-enable-prefix-caching"], False, {}),
+    "state_snapshots": (["--state-snapshots", "4"], 4, {}),  # the tiny Llama has no state layers: refused
     "kv_cache_memory_bytes": (["--kv-cache-memory-bytes", "1MiB"], 2**20, {}),
     "kv_cache_dtype": (["--kv-cache-dtype", "float16"], "float16", {}),
     "seed": (["--seed", "7"], 7, {}),
@@ -98,6 +99,10 @@ def test_every_option_reaches_the_engine_from_the_cli_and_from_llm(folder, name)
         with pytest.raises(TypeError, match=name):
             build_engine_config(folder, **{name: value})
         return
+    if name == "state_snapshots":  # reaches the config, which refuses it on a model without state layers
+        with pytest.raises(ValueError, match="state_snapshots=4 applies .* no state layers"):
+            build_engine_config(folder, **{name: value})
+        return  # filled on a hybrid: tests/test_qwen3_5_prefix_spec.py
     config = build_engine_config(folder, **needs, **{name: value})
     section, field = option.fills.split(".")
     filled = config if section == "engine" else getattr(config, section)

@@ -85,6 +85,28 @@ def test_prefix_hits_match_no_cache(folders, family):
     assert counts == dict(hit_tokens=172, saved=4, restored=5)
 
 
+def test_one_snapshot_slot_keeps_fewer_hits_and_the_same_output(folders):
+    """--state-snapshots 1: one slot, so each snapshot replaces the one before (a prompt takes one at its branch
+    point, then one at its last boundary): only the first prompt of the second round resumes, at 16 from the
+    snapshot the shorter prefix took last; output unchanged."""
+    prompts = shared_prompts()
+    expected, _ = run_one_by_one(folders["qwen3_5"], prompts, enable_prefix_caching=False)
+    outputs, counts = run_one_by_one(folders["qwen3_5"], prompts, enable_prefix_caching=True, state_snapshots=1)
+    assert_same(outputs, expected)
+    assert [o.num_cached_tokens for o in outputs] == [0, 0, 0, 0, 16, 0, 0, 0]
+    assert counts == dict(hit_tokens=16, saved=9, restored=1)
+
+
+def test_state_snapshots_is_refused_where_it_means_nothing(folders):
+    folder = folders["qwen3_5"]
+    base = dict(model_path=folder, model=read_hf_config(folder), scheduler=SchedulerConfig(max_model_len=128))
+    with pytest.raises(ValueError, match="state_snapshots must be an integer >= 1"):
+        CacheConfig(enable_prefix_caching=True, state_snapshots=0)
+    with pytest.raises(ValueError, match="state_snapshots=2 applies .* prefix caching off"):
+        EngineConfig(**base, cache=CacheConfig(enable_prefix_caching=False, state_snapshots=2))
+    EngineConfig(**base, cache=CacheConfig(enable_prefix_caching=True, state_snapshots=2))  # accepted
+
+
 def test_prefix_hits_under_pcp2(folders):
     prompts = shared_prompts()[:3] + shared_prompts()[4:7]
     expected, _ = run_one_by_one(folders["qwen3_5"], prompts, enable_prefix_caching=False)
@@ -160,6 +182,13 @@ def test_capacity_log_counts_the_snapshots(folders, caplog):
     per_request = 6 * LAYER_STATE_BYTES
     line = (f"state snapshots for prefix hits: 3 slots x {per_request / 2**10:.1f} KiB per rank "
             f"({3 * per_request / 2**20:.2f} MiB, out of the KV budget)")
+    assert any(r.getMessage().startswith(line) for r in caplog.records), [r.getMessage() for r in caplog.records]
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        with LLM(folders["qwen3_5"], max_model_len=64, block_size=4, quantization="none", max_num_seqs=3,
+                 enable_prefix_caching=True, state_snapshots=1):
+            pass
+    line = f"state snapshots for prefix hits: 1 slots x {per_request / 2**10:.1f} KiB per rank"
     assert any(r.getMessage().startswith(line) for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 

@@ -278,6 +278,10 @@ class CacheConfig:
     where it is asked for explicitly: their hits start from state snapshots at block boundaries, max_num_seqs more
     per-request states out of the KV budget (cpllm/engine/state_snapshots.py). EngineConfig resolves it to a
     bool."""
+    state_snapshots: int | None = None
+    """Snapshot slots of a model with state layers under prefix caching: the states after that many prefixes
+    (least recently used reused first), each one request's states of every state layer out of the KV budget
+    (the capacity log gives the bytes). None: max_num_seqs. Fewer cost less and keep fewer prefix hits."""
     kv_cache_dtype: str = "auto"
     """dtype K/V are stored in, one of KV_CACHE_DTYPES: auto = the model's dtype; a narrower one (bfloat16 or
     float16 under a float32 model) doubles the tokens the cache holds, and attention computes in the model's dtype."""
@@ -289,6 +293,9 @@ class CacheConfig:
             raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.state_snapshots is not None and (not isinstance(self.state_snapshots, int) or self.state_snapshots < 1):
+            raise ValueError(f"state_snapshots must be an integer >= 1 (none at all: turn prefix caching off), got "
+                             f"{self.state_snapshots!r}")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -359,9 +366,13 @@ class EngineConfig:
         if self.kv_transfer_config is not None:
             object.__setattr__(self, "kv_transfer_config", kv_transfer_config(self.kv_transfer_config))
             check_disagg(self)
-        if self.cache.enable_prefix_caching is None:  # the default: on wherever a prefix hit can be exact
-            exact = self.model.linear_attention is None and self.model.kimi_delta is None  # snapshots cost states
-            object.__setattr__(self, "cache", dataclasses.replace(self.cache, enable_prefix_caching=exact))
+        has_states = self.model.linear_attention is not None or self.model.kimi_delta is not None  # state layers
+        if self.cache.enable_prefix_caching is None:  # the default: on wherever a hit costs no state snapshots
+            object.__setattr__(self, "cache", dataclasses.replace(self.cache, enable_prefix_caching=not has_states))
+        if self.cache.state_snapshots is not None and not (has_states and self.cache.enable_prefix_caching):
+            raise ValueError(f"state_snapshots={self.cache.state_snapshots} applies to prefix caching on a model with "
+                             "state layers (a linear-attention hybrid); this engine has "
+                             f"{'prefix caching off' if has_states else 'no state layers'}")
         if self.model.linear_attention is not None:
             check_hybrid_options(speculative=self.speculative_config is not None, compile_decode=self.compile_decode,
                                  tp=self.parallel.tensor_parallel_size,

@@ -90,7 +90,8 @@ class LLMEngine:
         # snapshot slots (cpllm/state_slots.py: the ranks' pools hold both)
         state_slots, snapshots = state_slot_counts(has_states=bool(state_layer_indices(config.model)),
                                                    max_num_seqs=config.scheduler.max_num_seqs,
-                                                   prefix_caching=config.cache.enable_prefix_caching)
+                                                   prefix_caching=config.cache.enable_prefix_caching,
+                                                   snapshots=config.cache.state_snapshots)
         self.scheduler = Scheduler(scheduler_config, self.pools, self.tokens_per_block, self.kv_groups, state_slots,
                                    snapshots)
         if snapshots:
@@ -157,7 +158,8 @@ class LLMEngine:
             model = self.config.model
             states = state_layer_specs(model, p.tensor_parallel_size)  # Kimi Linear: its KDA layers hold no latents
             slots = sum(state_slot_counts(has_states=bool(states), max_num_seqs=self.config.scheduler.max_num_seqs,
-                                          prefix_caching=self.config.cache.enable_prefix_caching))
+                                          prefix_caching=self.config.cache.enable_prefix_caching,
+                                          snapshots=self.config.cache.state_snapshots))
             latent_bytes = kv.bytes - slots * sum(spec.bytes_per_request for spec in states.values())
             logger.info("%s", latent_cache_line(model.mla, model.num_hidden_layers - len(states), latent_bytes,
                                                 num_blocks * self.config.cache.block_size, dims.kv_shard_size,

@@ -67,7 +67,7 @@ class ModelRunner:
         """Layer index -> the spec of its per-request state (cpllm/layers/cache_spec.py STATE), for such layers."""
         state_slots = sum(state_slot_counts(  # the scheduler's live slots and snapshot slots, the same count
             has_states=bool(self.state_specs), max_num_seqs=config.scheduler.max_num_seqs,
-            prefix_caching=config.cache.enable_prefix_caching))
+            prefix_caching=config.cache.enable_prefix_caching, snapshots=config.cache.state_snapshots))
         self.group_blocks = self._count_blocks(state_bytes(list(self.state_specs.values()), state_slots))
         self.num_blocks = self.group_blocks[0]
         group_specs = [layer_cache_spec(config, self.num_kv_heads, self.kv_dtype, g) for g in self.kv_groups]
