@@ -57,9 +57,8 @@ def _pair_rank(rank: int, port: int, threads: int, shapes, linear_gflops, result
 
 def pair_figures(threads: int, shapes, linear_gflops) -> tuple[float, float, float]:
     """(point-to-point bytes/s, latency s, the share of its projections' rate a process keeps with both busy);
-    `linear_gflops`
-    (threads, shapes) -> GFLOP/s is the caller's measurement of the projections (a module-level function: it
-    travels to the spawned pair by reference)."""
+    `linear_gflops` (threads, shapes) -> GFLOP/s is the caller's measurement of the projections (a module-level
+    function: it travels to the spawned pair by reference)."""
     import torch.multiprocessing as mp
 
     from cpllm.distributed.launch import find_free_port
