@@ -12,8 +12,8 @@
    time other processes took meanwhile and skips (saying so) when they took more than QUIET_CORES of a core,
    already after a first calibration when the machine is busy then (about 8 s); where it runs alone it asserts
    (about 4 minutes). On a 2-core cloud host single errors spread by +-20% (the host's own speed, not the
-   model): at 1,024 tokens (2-4 s prefills) a median landed just past the bound (-15.2%), hence 2,048. It is a timing check, so it runs only when
-   asked (CPLLM_TIMING_TESTS=1): the suite asserts behaviour, and a CI machine's speed is not the model's.
+   model): at 1,024 tokens (2-4 s prefills) a median landed just past the bound (-15.2%), hence 2,048. It is a
+   timing check, so it runs only when asked (CPLLM_TIMING_TESTS=1): the suite asserts behaviour, and a CI machine's speed is not the model's.
 """
 
 from __future__ import annotations
