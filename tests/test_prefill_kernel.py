@@ -5,8 +5,9 @@ Engine and layout tests run it wherever it builds; these check the kernel alone:
 kernel's flag) and not, query counts that do not fill a tile of 64 rows, more queries than keys and fewer, grouped
 queries (1, 3 and 4 heads per KV head), head sizes 32, 64 and 128, q read in place inside the fused q|k|v rows,
 one and two threads, a causal offset (a run behind earlier keys, in one call); and that other dtypes and head sizes
-go back to PyTorch's kernel. Its bf16 variant (on CPUs with AVX-512 BF16) is checked against float64 attention on
-the operands it rounds, and elsewhere must be the float32 kernel itself.
+go back to PyTorch's kernel. Each bf16 way the machine runs (AMX tiles, vdpbf16ps) is checked against float64
+attention on the operands it rounds; a way that does not run here, or a head size it does not take, must be the
+float32 kernel itself; the start-up choice between the ways is checked on given rates.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from cpllm.layers.gqa.local_attention import attend
 from cpllm.context_parallel.sdpa import reference_attention
 from cpllm.kernels import library
-from cpllm.kernels.prefill_attention import has_bf16_products, prefill_attention
+from cpllm.kernels.prefill_attention import BF16_WAYS, built_ways, has_bf16_products, pick_way, prefill_attention
 
 
 def _kernel_runs() -> bool:
@@ -70,14 +71,19 @@ def _offset_mask(length: int, keys: int, offset: int) -> torch.Tensor:
     return torch.arange(keys)[None, :] <= torch.arange(length)[:, None] + offset  # [L, S] keep-mask
 
 
+def _skip_unless_built(way: str | None) -> None:
+    if way is not None and way not in built_ways():
+        pytest.skip(f"the {way} way does not run on this machine")
+
+
 @pytest.mark.parametrize("length, offset", [(130, 70), (64, 1), (5, 200), (1, 9)])
-@pytest.mark.parametrize("bf16", [False, True])
-def test_causal_offset_is_a_run_behind_earlier_keys(length, offset, bf16):
-    if bf16 and not has_bf16_products():
-        pytest.skip("no AVX-512 BF16 on this machine")
+@pytest.mark.parametrize("way", [None, *BF16_WAYS])
+def test_causal_offset_is_a_run_behind_earlier_keys(length, offset, way):
+    _skip_unless_built(way)
+    bf16 = way is not None
     keys = length + offset
     q, k, v = _qkv(length, keys, 9, 3, 64, seed=5)
-    out, lse = prefill_attention(q, k, v, 0.125, True, bf16_products=bf16, causal_offset=offset)
+    out, lse = prefill_attention(q, k, v, 0.125, True, bf16_products=bf16, causal_offset=offset, bf16_way=way)
     operands = (_bf16(q * 0.125), _bf16(k), _bf16(v), 1.0) if bf16 else (q, k, v, 0.125)
     want_out, want_lse = reference_attention(*(t.transpose(0, 1)[None] for t in operands[:3]), scale=operands[3],
                                              mask=_offset_mask(length, keys, offset))
@@ -118,23 +124,27 @@ def _bf16(t: torch.Tensor) -> torch.Tensor:
     return t.bfloat16().double()
 
 
-@pytest.mark.skipif(not has_bf16_products(), reason="no AVX-512 BF16 on this machine")
 @pytest.mark.parametrize("length, keys, hq, hkv, d, causal", [
     (1, 1, 4, 1, 64, True),
     (5, 5, 9, 3, 64, True),
     (130, 131, 16, 4, 64, False),  # an odd key count: the last value pair has no partner
     (200, 120, 4, 2, 64, True),
     (97, 97, 8, 8, 128, True),
-    (33, 33, 6, 2, 36, True),  # a head size that is no multiple of 16 (masked conversions)
+    (300, 300, 9, 3, 64, True),  # keys past a block that fill no whole tile (AMX: the tail's padding)
+    (33, 33, 6, 2, 36, True),  # a head size that is no multiple of 16 (masked conversions; AMX: float32)
 ])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_bf16_products_are_attention_on_the_rounded_operands(length, keys, hq, hkv, d, causal, threads):
+@pytest.mark.parametrize("way", BF16_WAYS)
+def test_bf16_products_are_attention_on_the_rounded_operands(length, keys, hq, hkv, d, causal, threads, way):
+    _skip_unless_built(way)
+    if way == "amx" and d % 32:
+        pytest.skip("AMX tiles take head sizes that are multiples of 32 (test_amx_elsewhere_is_the_float32_kernel)")
     q, k, v = _qkv(length, keys, hq, hkv, d, seed=3)
     scale = d**-0.5
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out, lse = prefill_attention(q, k, v, scale, causal, bf16_products=True)
+        out, lse = prefill_attention(q, k, v, scale, causal, bf16_products=True, bf16_way=way)
     finally:
         torch.set_num_threads(previous)
     # q is scaled before rounding; scores, softmax and sums are float32, the probabilities rounded to bf16 once
@@ -146,10 +156,38 @@ def test_bf16_products_are_attention_on_the_rounded_operands(length, keys, hq, h
     assert float((out.double() - exact_out).abs().max()) > 0  # it did round: this is not the float32 kernel
 
 
-def test_bf16_products_elsewhere_are_the_float32_kernel():
+@pytest.mark.parametrize("way, d", [("amx", 36), ("amx", 64), ("avx512_bf16", 64)])
+def test_amx_elsewhere_is_the_float32_kernel(way, d):
+    """A way that does not run here, or AMX on a head size that is no multiple of 32, runs the float32 kernel."""
+    if way in built_ways() and d % 32 == 0:
+        pytest.skip(f"the {way} way runs here (test_bf16_products_are_attention_on_the_rounded_operands)")
+    q, k, v = _qkv(70, 70, 6, 2, d, seed=4)
+    fast, exact = (prefill_attention(q, k, v, d**-0.5, True, bf16_products=flag, bf16_way=way) for flag in (True, False))
+    assert torch.equal(fast[0], exact[0]) and torch.equal(fast[1], exact[1])
+
+
+def test_bf16_products_without_a_way_that_pays_are_the_float32_kernel():
     q, k, v = _qkv(70, 70, 9, 3, 64, seed=4)
     fast, exact = (prefill_attention(q, k, v, 0.125, True, bf16_products=flag) for flag in (True, False))
     if has_bf16_products():
         torch.testing.assert_close(fast[1], exact[1], rtol=0, atol=0.05)
+        assert not torch.equal(fast[0], exact[0])
     else:
         assert torch.equal(fast[0], exact[0]) and torch.equal(fast[1], exact[1])
+
+
+@pytest.mark.parametrize("gflops, way", [
+    ({"float32": 100.0, "amx": 230.0, "avx512_bf16": 74.0}, "amx"),  # Sapphire Rapids: vdpbf16ps slower than float32
+    ({"float32": 100.0, "avx512_bf16": 140.0}, "avx512_bf16"),  # no AMX
+    ({"float32": 100.0, "amx": 105.0, "avx512_bf16": 140.0}, "avx512_bf16"),  # tiles that did not pay
+    ({"float32": 100.0, "avx512_bf16": 110.0}, ""),  # rounding to bf16 for a gain within the noise
+    ({"float32": 100.0}, ""),
+])
+def test_the_start_up_choice_takes_the_preferred_way_that_pays(gflops, way):
+    assert pick_way(gflops) == way
+
+
+def test_an_unknown_bf16_way_is_refused():
+    q, k, v = _qkv(4, 4, 2, 1, 64)
+    with pytest.raises(ValueError, match="bf16_way 'tiles'"):
+        prefill_attention(q, k, v, 0.1, True, bf16_products=True, bf16_way="tiles")

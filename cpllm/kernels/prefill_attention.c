@@ -409,6 +409,156 @@ static void run_tile_bf16(const Problem *p, const Packed *packed, int g, int r0,
     }
     store_tile(p, g, r0, t);
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* The AMX variant: the bf16 variant's tiles, pairs and online softmax, with both products on AMX tiles
+ * (tdpbf16ps: a 16 x 16 float32 tile += a 16 x 32 bf16 tile times a 32 x 16 one, float32 accumulation).
+ * The bf16 variant's transposed layout is what the tiles want: scores^T [key][row] = K [key][d] times the q pairs
+ * [d / 2][row] (AMX's B operand holds consecutive pairs of its inner dimension in one 32-bit word), and out^T
+ * [d][row] += V^T [d][key] times the probability pairs [key / 2][row]. Every tile is 16 rows of 64 bytes. K is
+ * packed as the bf16 variant's kb and V transposed (vt [hkv][d][keys]), both padded with zeros to a whole block of
+ * keys so that a tile never reads past them; the head size must be a multiple of 32 (one A tile's width). */
+enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18, TILE_KEYS = 16, STEP_KEYS = 32 };
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Linux hands a process the AMX tile state only when asked (once per process; oneDNN asks the same way). */
+static int amx_permitted(void) {
+    static int state = 0;  /* 0 not asked, 1 granted, -1 refused */
+    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+static void configure_tiles(void) {
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        config.colsb[i] = 64;
+        config.rows[i] = 16;
+    }
+    _tile_loadconfig(&config);
+}
+
+static int64_t padded_keys(int n_k) { return ((int64_t)n_k + BLOCK_KEYS - 1) / BLOCK_KEYS * BLOCK_KEYS; }
+
+/* kb [hkv][padded][d] and vt [hkv][d][padded], bf16, zeros past n_k; items of BLOCK_KEYS keys of one KV head. */
+static void pack_kv_amx(const Problem *p, uint16_t *kb, uint16_t *vt, int threads) {
+    const int64_t padded = padded_keys(p->n_k), blocks = padded / BLOCK_KEYS;
+    const int d = p->d;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t item = 0; item < (int64_t)p->hkv * blocks; item++) {
+        const int g = (int)(item / blocks), j0 = (int)(item % blocks) * BLOCK_KEYS;
+        for (int j = j0; j < j0 + BLOCK_KEYS; j++) {
+            const float *k_row = p->k + (int64_t)j * p->kv_stride + (int64_t)g * d;
+            const float *v_row = p->v + (int64_t)j * p->kv_stride + (int64_t)g * d;
+            uint16_t *kb_row = kb + ((int64_t)g * padded + j) * d;
+            uint16_t *vt_col = vt + (int64_t)g * d * padded + j;
+            for (int c = 0; c < d; c++) {
+                kb_row[c] = j < p->n_k ? (uint16_t)bf16_of(k_row[c]) : 0;
+                vt_col[c * padded] = j < p->n_k ? (uint16_t)bf16_of(v_row[c]) : 0;
+            }
+        }
+    }
+}
+
+/* st[j][row] = k_{k0 + j} . q_row for j < count rounded up to whole tiles (the extra keys' scores go unread). */
+static void block_scores_amx(const Problem *p, const uint16_t *kb, int k0, int count, const PairTile *pt, Tile *t) {
+    for (int j = 0; j < count; j += TILE_KEYS) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int c = 0; c < p->d / 32; c++) {
+            _tile_loadd(4, kb + (int64_t)(k0 + j) * p->d + 32 * c, p->d * 2);
+            _tile_loadd(5, &pt->qp[16 * c][0], ROWS * 4);
+            _tile_loadd(6, &pt->qp[16 * c][16], ROWS * 4);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(7, &pt->qp[16 * c][32], ROWS * 4);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(5, &pt->qp[16 * c][48], ROWS * 4);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+        _tile_stored(0, &t->st[j][0], ROWS * 4);
+        _tile_stored(1, &t->st[j][16], ROWS * 4);
+        _tile_stored(2, &t->st[j][32], ROWS * 4);
+        _tile_stored(3, &t->st[j][48], ROWS * 4);
+    }
+}
+
+/* ot[c][row] += sum_j v_{k0 + j}[c] p[j][row], STEP_KEYS keys per product; pairs past count are zeroed first (the
+ * padded keys' values are zeros, the real ones past count must meet a zero probability). */
+static void block_values_amx(const Problem *p, const uint16_t *vt, int k0, int count, PairTile *pt, Tile *t) {
+    const int steps = (count + STEP_KEYS - 1) / STEP_KEYS;
+    const int64_t padded = padded_keys(p->n_k);
+    for (int j2 = (count + 1) / 2; j2 < steps * STEP_KEYS / 2; j2++) memset(pt->pp[j2], 0, sizeof pt->pp[j2]);
+    for (int c = 0; c < p->d; c += 16) {
+        _tile_loadd(0, &t->ot[c][0], ROWS * 4);
+        _tile_loadd(1, &t->ot[c][16], ROWS * 4);
+        _tile_loadd(2, &t->ot[c][32], ROWS * 4);
+        _tile_loadd(3, &t->ot[c][48], ROWS * 4);
+        for (int s = 0; s < steps; s++) {
+            const int pair = s * STEP_KEYS / 2;
+            _tile_loadd(4, vt + (int64_t)c * padded + k0 + s * STEP_KEYS, padded * 2);
+            _tile_loadd(5, &pt->pp[pair][0], ROWS * 4);
+            _tile_loadd(6, &pt->pp[pair][16], ROWS * 4);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(7, &pt->pp[pair][32], ROWS * 4);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(5, &pt->pp[pair][48], ROWS * 4);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+        _tile_stored(0, &t->ot[c][0], ROWS * 4);
+        _tile_stored(1, &t->ot[c][16], ROWS * 4);
+        _tile_stored(2, &t->ot[c][32], ROWS * 4);
+        _tile_stored(3, &t->ot[c][48], ROWS * 4);
+    }
+}
+
+/* Packed.kb is the padded kb and Packed.vp holds vt (bf16) for this variant. */
+static void run_tile_amx(const Problem *p, const Packed *packed, int g, int r0, Tile *t) {
+    PairTile *pt = (PairTile *)((char *)t + ((sizeof(Tile) + 63) / 64) * 64);
+    const int64_t padded = padded_keys(p->n_k);
+    configure_tiles();  /* per thread: OpenMP's threads each hold their own tile state */
+    load_tile_bf16(p, g, r0, t, pt);
+    int end, lowest;
+    tile_keys(p, r0, t, &end, &lowest);
+    const uint16_t *kb = packed->kb + (int64_t)g * padded * p->d;
+    const uint16_t *vt = (const uint16_t *)packed->vp + (int64_t)g * p->d * padded;
+    for (int k0 = 0; k0 < end; k0 += BLOCK_KEYS) {
+        const int count = end - k0 < BLOCK_KEYS ? end - k0 : BLOCK_KEYS;
+        block_scores_amx(p, kb, k0, count, pt, t);
+        block_softmax(p, k0, count, k0 + count - 1 > lowest, t);
+        pack_probabilities(count, t, pt);
+        block_values_amx(p, vt, k0, count, pt, t);
+    }
+    _tile_release();
+    store_tile(p, g, r0, t);
+}
+
+static int prefill_attention_amx(const Problem *p, int threads) {
+    const int64_t padded = padded_keys(p->n_k);
+    const size_t bytes = ((size_t)p->hkv * padded * p->d * sizeof(uint16_t) + 63) / 64 * 64;
+    Packed packed = {.kb = aligned_alloc(64, bytes), .vp = aligned_alloc(64, bytes)};
+    int status = 3;
+    if (packed.kb != NULL && packed.vp != NULL) {
+        pack_kv_amx(p, packed.kb, (uint16_t *)packed.vp, threads);
+        status = run_items(p, &packed, run_tile_amx, threads);
+    }
+    free(packed.kb);
+    free(packed.vp);
+    return status;
+}
+#endif
 #endif
 
 /* As cpllm_prefill_attention, on bf16 dot products (see above); 2 where not built with AVX-512 BF16. */
@@ -437,6 +587,24 @@ int cpllm_prefill_attention_bf16(const float *q, int64_t q_stride, const float *
 #endif
 }
 
+/* As cpllm_prefill_attention_bf16, both products on AMX tiles; 2 where it does not apply: not built with AMX,
+ * the OS refused the tile state, or a head size that is no multiple of 32. */
+int cpllm_prefill_attention_amx(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
+                                int n_q, int n_k, int hq, int hkv, int d, float scale, int causal_offset,
+                                int threads, float *out, float *lse) {
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (d > MAX_D || d % 4 || hq % hkv || n_k <= 0) return 1;
+    if (d % 32 || !amx_permitted()) return 2;
+    const Problem p =
+        make_problem(q, q_stride, k, v, kv_stride, n_q, n_k, hq, hkv, d, scale, causal_offset, out, lse);
+    return prefill_attention_amx(&p, threads);
+#else
+    (void)q, (void)q_stride, (void)k, (void)v, (void)kv_stride, (void)n_q, (void)n_k, (void)hq, (void)hkv, (void)d;
+    (void)scale, (void)causal_offset, (void)threads, (void)out, (void)lse;
+    return 2;
+#endif
+}
+
 #else
 int cpllm_prefill_attention_bf16(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
                                  int n_q, int n_k, int hq, int hkv, int d, float scale, int causal_offset,
@@ -448,5 +616,11 @@ int cpllm_prefill_attention(const float *q, int64_t q_stride, const float *k, co
                             int n_q, int n_k, int hq, int hkv, int d, float scale, int causal_offset,
                             int threads, float *out, float *lse) {
     return 2;  /* no AVX-512 on this machine: the caller runs its torch path */
+}
+
+int cpllm_prefill_attention_amx(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
+                                int n_q, int n_k, int hq, int hkv, int d, float scale, int causal_offset,
+                                int threads, float *out, float *lse) {
+    return 2;
 }
 #endif
