@@ -156,6 +156,22 @@ def test_bf16_products_are_attention_on_the_rounded_operands(length, keys, hq, h
     assert float((out.double() - exact_out).abs().max()) > 0  # it did round: this is not the float32 kernel
 
 
+@pytest.mark.parametrize("boost", [(64, 6.0), (128, 0.2), (200, 30.0)])  # (first key scaled, by)
+@pytest.mark.parametrize("way", BF16_WAYS)
+def test_bf16_products_follow_a_max_that_jumps_or_falls_between_blocks(boost, way):
+    """Keys from a later block on scaled up (their scores pass the running max by far more than the AMX way's lazy
+    margin, so the output accumulated so far is rescaled) or down (the max never moves again)."""
+    _skip_unless_built(way)
+    first, by = boost
+    q, k, v = _qkv(260, 260, 9, 3, 64, seed=8)
+    k = k.clone()
+    k[first:] *= by
+    out, lse = prefill_attention(q, k, v, 0.125, True, bf16_products=True, bf16_way=way)
+    want_out, want_lse = _reference(_bf16(q * 0.125), _bf16(k), _bf16(v), 1.0, True)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=1e-4)
+    torch.testing.assert_close(out.double(), want_out, rtol=0, atol=2 ** -8 * float(v.abs().max()))
+
+
 @pytest.mark.parametrize("way, d", [("amx", 36), ("amx", 64), ("avx512_bf16", 64)])
 def test_amx_elsewhere_is_the_float32_kernel(way, d):
     """A way that does not run here, or AMX on a head size that is no multiple of 32, runs the float32 kernel."""

@@ -420,7 +420,10 @@ static void run_tile_bf16(const Problem *p, const Packed *packed, int g, int r0,
  * [d / 2][row] (AMX's B operand holds consecutive pairs of its inner dimension in one 32-bit word), and out^T
  * [d][row] += V^T [d][key] times the probability pairs [key / 2][row]. Every tile is 16 rows of 64 bytes. K is
  * packed as the bf16 variant's kb and V transposed (vt [hkv][d][keys]), both padded with zeros to a whole block of
- * keys so that a tile never reads past them; the head size must be a multiple of 32 (one A tile's width). */
+ * keys so that a tile never reads past them; the head size must be a multiple of 32 (one A tile's width). With the
+ * products on tiles the softmax is most of the time left, so it has its own form here: e raised through 2^x and a
+ * degree-5 polynomial, the probabilities converted straight into their pairs, and a running max that moves only
+ * by more than LAZY_MAX (1.6x faster than block_softmax + pack_probabilities, SmolLM2's heads at 8K keys). */
 enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18, TILE_KEYS = 16, STEP_KEYS = 32 };
 
 typedef struct {
@@ -469,58 +472,145 @@ static void pack_kv_amx(const Problem *p, uint16_t *kb, uint16_t *vt, int thread
     }
 }
 
-/* st[j][row] = k_{k0 + j} . q_row for j < count rounded up to whole tiles (the extra keys' scores go unread). */
-static void block_scores_amx(const Problem *p, const uint16_t *kb, int k0, int count, const PairTile *pt, Tile *t) {
-    for (int j = 0; j < count; j += TILE_KEYS) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int c = 0; c < p->d / 32; c++) {
-            _tile_loadd(4, kb + (int64_t)(k0 + j) * p->d + 32 * c, p->d * 2);
-            _tile_loadd(5, &pt->qp[16 * c][0], ROWS * 4);
-            _tile_loadd(6, &pt->qp[16 * c][16], ROWS * 4);
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_loadd(7, &pt->qp[16 * c][32], ROWS * 4);
-            _tile_dpbf16ps(1, 4, 6);
-            _tile_loadd(5, &pt->qp[16 * c][48], ROWS * 4);
-            _tile_dpbf16ps(2, 4, 7);
-            _tile_dpbf16ps(3, 4, 5);
-        }
-        _tile_stored(0, &t->st[j][0], ROWS * 4);
-        _tile_stored(1, &t->st[j][16], ROWS * 4);
-        _tile_stored(2, &t->st[j][32], ROWS * 4);
-        _tile_stored(3, &t->st[j][48], ROWS * 4);
-    }
+/* Both products run 2 x 2 blocks of tiles: accumulators 0-3 are C[a][b] (a: the A operand's tile 4 + a, b: the B
+ * operand's tile 6 + b), so each loaded tile feeds two products and no tile is reloaded while a product still
+ * reads it (the tile registers are not renamed). */
+static inline void dp_2x2(void) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
 }
 
-/* ot[c][row] += sum_j v_{k0 + j}[c] p[j][row], STEP_KEYS keys per product; pairs past count are zeroed first (the
- * padded keys' values are zeros, the real ones past count must meet a zero probability). */
+/* st[j][row] = k_{k0 + j} . q_row for j < count rounded up to 32 keys (the extra keys' scores go unread): per step
+ * 32 keys (tiles 4, 5) times 32 rows (q pairs in tiles 6, 7). */
+static void block_scores_amx(const Problem *p, const uint16_t *kb, int k0, int count, const PairTile *pt, Tile *t) {
+    for (int j = 0; j < count; j += 2 * TILE_KEYS)
+        for (int r = 0; r < ROWS; r += 32) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int c = 0; c < p->d / 32; c++) {
+                _tile_loadd(4, kb + (int64_t)(k0 + j) * p->d + 32 * c, p->d * 2);
+                _tile_loadd(6, &pt->qp[16 * c][r], ROWS * 4);
+                _tile_loadd(5, kb + (int64_t)(k0 + j + TILE_KEYS) * p->d + 32 * c, p->d * 2);
+                _tile_loadd(7, &pt->qp[16 * c][r + 16], ROWS * 4);
+                dp_2x2();
+            }
+            _tile_stored(0, &t->st[j][r], ROWS * 4);
+            _tile_stored(1, &t->st[j][r + 16], ROWS * 4);
+            _tile_stored(2, &t->st[j + TILE_KEYS][r], ROWS * 4);
+            _tile_stored(3, &t->st[j + TILE_KEYS][r + 16], ROWS * 4);
+        }
+}
+
+/* ot[c][row] += sum_j v_{k0 + j}[c] p[j][row], STEP_KEYS keys per product: per step 32 output dimensions (V^T in
+ * tiles 4, 5) times 32 rows (probability pairs in tiles 6, 7); pairs past count are zeroed first (the padded keys'
+ * values are zeros, the real ones past count must meet a zero probability). */
 static void block_values_amx(const Problem *p, const uint16_t *vt, int k0, int count, PairTile *pt, Tile *t) {
     const int steps = (count + STEP_KEYS - 1) / STEP_KEYS;
     const int64_t padded = padded_keys(p->n_k);
     for (int j2 = (count + 1) / 2; j2 < steps * STEP_KEYS / 2; j2++) memset(pt->pp[j2], 0, sizeof pt->pp[j2]);
-    for (int c = 0; c < p->d; c += 16) {
-        _tile_loadd(0, &t->ot[c][0], ROWS * 4);
-        _tile_loadd(1, &t->ot[c][16], ROWS * 4);
-        _tile_loadd(2, &t->ot[c][32], ROWS * 4);
-        _tile_loadd(3, &t->ot[c][48], ROWS * 4);
-        for (int s = 0; s < steps; s++) {
-            const int pair = s * STEP_KEYS / 2;
-            _tile_loadd(4, vt + (int64_t)c * padded + k0 + s * STEP_KEYS, padded * 2);
-            _tile_loadd(5, &pt->pp[pair][0], ROWS * 4);
-            _tile_loadd(6, &pt->pp[pair][16], ROWS * 4);
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_loadd(7, &pt->pp[pair][32], ROWS * 4);
-            _tile_dpbf16ps(1, 4, 6);
-            _tile_loadd(5, &pt->pp[pair][48], ROWS * 4);
-            _tile_dpbf16ps(2, 4, 7);
-            _tile_dpbf16ps(3, 4, 5);
+    for (int c = 0; c < p->d; c += 32)
+        for (int r = 0; r < ROWS; r += 32) {
+            _tile_loadd(0, &t->ot[c][r], ROWS * 4);
+            _tile_loadd(1, &t->ot[c][r + 16], ROWS * 4);
+            _tile_loadd(2, &t->ot[c + 16][r], ROWS * 4);
+            _tile_loadd(3, &t->ot[c + 16][r + 16], ROWS * 4);
+            for (int s = 0; s < steps; s++) {
+                const int pair = s * STEP_KEYS / 2;
+                const uint16_t *v_cols = vt + (int64_t)c * padded + k0 + s * STEP_KEYS;
+                _tile_loadd(4, v_cols, padded * 2);
+                _tile_loadd(6, &pt->pp[pair][r], ROWS * 4);
+                _tile_loadd(5, v_cols + 16 * padded, padded * 2);
+                _tile_loadd(7, &pt->pp[pair][r + 16], ROWS * 4);
+                dp_2x2();
+            }
+            _tile_stored(0, &t->ot[c][r], ROWS * 4);
+            _tile_stored(1, &t->ot[c][r + 16], ROWS * 4);
+            _tile_stored(2, &t->ot[c + 16][r], ROWS * 4);
+            _tile_stored(3, &t->ot[c + 16][r + 16], ROWS * 4);
         }
-        _tile_stored(0, &t->ot[c][0], ROWS * 4);
-        _tile_stored(1, &t->ot[c][16], ROWS * 4);
-        _tile_stored(2, &t->ot[c][32], ROWS * 4);
-        _tile_stored(3, &t->ot[c][48], ROWS * 4);
+}
+
+/* 2^x for x <= 0 on 16 lanes: 2^n times a degree-5 Taylor polynomial of e^(f ln2), f = x - n in [-1/2, 1/2]
+ * (relative error below 3e-6; the probabilities are rounded to bf16, 4e-3, right after). */
+static inline __m512 exp2_16_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 e = _mm512_set1_ps(1.33335581e-3f);
+    e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(9.61812911e-3f));
+    e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(5.55041087e-2f));
+    e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(2.40226507e-1f));
+    e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(6.93147181e-1f));
+    e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(e, n);
+}
+
+/* The 16 words (bf16 of lo[r], bf16 of hi[r] << 16), rounded to nearest even, from one conversion and a shuffle. */
+static inline __m512i bf16_pair_words(__m512 lo, __m512 hi) {
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+/* The running max moves only where a block's max passes it by more than this: the terms are then at most
+ * e^5.5 = 2^8, far inside float32 and bf16's range, and most blocks leave the output unscaled (the final division
+ * by the sum is exact whichever max the terms were taken against). */
+#define LAZY_MAX 5.55f
+
+/* e^(s - m) = 2^(s log2(e) - m log2(e)): one fused multiply-subtract, then exp2_16_nonpositive. */
+static inline __m512 exp_from(const float *scores, __m512 m_log2) {
+    return exp2_16_nonpositive(_mm512_fmsub_ps(_mm512_load_ps(scores), _mm512_set1_ps(1.44269504f), m_log2));
+}
+
+/* block_softmax for the AMX variant: a lazily moved max, e raised through 2^x, the probabilities written straight
+ * into their bf16 pairs pp (never back to st). */
+static void block_softmax_amx(const Problem *p, int k0, int count, int masked, Tile *t, PairTile *pt) {
+    const int pairs = (count + 1) / 2;
+    for (int b = 0; b < VECS; b++) {
+        const __m512i last = _mm512_load_si512((const void *)&t->pos[16 * b]);
+        const __m512 m_old = _mm512_load_ps(&t->m[16 * b]);
+        /* four running maxima: one would chain every key's max behind the previous one's latency */
+        __m512 tops[4];
+        for (int a = 0; a < 4; a++) tops[a] = _mm512_set1_ps(-INFINITY);
+        for (int j = 0; j < count; j += 4)
+            for (int a = 0; a < 4 && j + a < count; a++) {
+                const __mmask16 seen =
+                    masked ? _mm512_cmple_epi32_mask(_mm512_set1_epi32(k0 + j + a), last) : 0xFFFF;
+                tops[a] = _mm512_mask_max_ps(tops[a], seen, tops[a], _mm512_load_ps(&t->st[j + a][16 * b]));
+            }
+        const __m512 top = _mm512_max_ps(_mm512_max_ps(tops[0], tops[1]), _mm512_max_ps(tops[2], tops[3]));
+        /* Every row sees key 0, so the first block moves every lane (m_old + LAZY_MAX is -inf there). */
+        const __mmask16 moved =
+            _mm512_cmp_ps_mask(top, _mm512_add_ps(m_old, _mm512_set1_ps(LAZY_MAX)), _CMP_GT_OQ);
+        const __m512 m_new = _mm512_mask_blend_ps(moved, m_old, top);
+        const __m512 m_log2 = _mm512_mul_ps(m_new, _mm512_set1_ps(1.44269504f));
+        __m512 sum = _mm512_setzero_ps();
+        for (int j2 = 0; j2 < pairs; j2++) {
+            const int j = 2 * j2;
+            const __mmask16 seen0 = masked ? _mm512_cmple_epi32_mask(_mm512_set1_epi32(k0 + j), last) : 0xFFFF;
+            const __mmask16 seen1 = j + 1 >= count ? 0
+                                    : masked       ? _mm512_cmple_epi32_mask(_mm512_set1_epi32(k0 + j + 1), last)
+                                                   : 0xFFFF;
+            const __m512 e0 = _mm512_maskz_mov_ps(seen0, exp_from(&t->st[j][16 * b], m_log2));
+            const __m512 e1 = _mm512_maskz_mov_ps(seen1, exp_from(&t->st[j + 1][16 * b], m_log2));
+            sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+            _mm512_store_si512((void *)&pt->pp[j2][16 * b], bf16_pair_words(e0, e1));
+        }
+        /* 1 exactly where the max did not move (2^0 through the polynomial); 0 on the first block */
+        const __m512 alpha =
+            exp2_16_nonpositive(_mm512_mul_ps(_mm512_sub_ps(m_old, m_new), _mm512_set1_ps(1.44269504f)));
+        const __m512 zero_first = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_old, _mm512_set1_ps(-INFINITY),
+                                                                          _CMP_EQ_OQ),
+                                                       alpha, _mm512_setzero_ps());
+        _mm512_store_ps(&t->l[16 * b], _mm512_fmadd_ps(_mm512_load_ps(&t->l[16 * b]), zero_first, sum));
+        _mm512_store_ps(&t->m[16 * b], m_new);
+        if (moved == 0) continue;
+        for (int c = 0; c < p->d; c++)
+            _mm512_store_ps(&t->ot[c][16 * b], _mm512_mul_ps(_mm512_load_ps(&t->ot[c][16 * b]), zero_first));
     }
 }
 
@@ -537,8 +627,7 @@ static void run_tile_amx(const Problem *p, const Packed *packed, int g, int r0, 
     for (int k0 = 0; k0 < end; k0 += BLOCK_KEYS) {
         const int count = end - k0 < BLOCK_KEYS ? end - k0 : BLOCK_KEYS;
         block_scores_amx(p, kb, k0, count, pt, t);
-        block_softmax(p, k0, count, k0 + count - 1 > lowest, t);
-        pack_probabilities(count, t, pt);
+        block_softmax_amx(p, k0, count, k0 + count - 1 > lowest, t, pt);
         block_values_amx(p, vt, k0, count, pt, t);
     }
     _tile_release();

@@ -58,8 +58,8 @@ class GQAPagedBackend:
     """Prefill attention runs on bf16 dot products (`use_bf16_products`); False: float32, exact to its rounding."""
 
     def use_bf16_products(self) -> bool:
-        """Prefill attention on bf16 dot products from now on, where this CPU has them (AVX-512 BF16); whether it
-        does. For a model whose attention weights already run an approximate format (the caller's decision: the
+        """Prefill attention on bf16 products from now on, where a bf16 way pays on this CPU (AMX tiles or AVX-512
+        BF16, measured once: kernels/prefill_attention.py `bf16_choice`); whether it does. For a model whose attention weights already run an approximate format (the caller's decision: the
         float32 path stays exact)."""
         if not has_bf16_products():
             return False

@@ -20,6 +20,7 @@ from cpllm.context_parallel.metadata import AttentionMetadata
 from cpllm.distributed.comm import low_latency
 from cpllm.distributed.parallel_context import ParallelContext
 from cpllm.kernels.decode_rows import rope_qk_, silu_mul
+from cpllm.kernels.prefill_attention import bf16_choice
 from cpllm.layers.gqa_triton.choice import kind_for
 from cpllm.layers.registry import attention_backend
 from cpllm.layers.window.modifier import score_mods
@@ -258,7 +259,7 @@ class LlamaForCausalLM(torch.nn.Module):
         # a hybrid's state layers have no self_attn (their own projections are not attention's)
         projections = [getattr(getattr(layer, "self_attn", None), "qkv_proj", None) for layer in self.layers]
         if any(p is not None and set(weight_bytes(p)) - {"float"} for p in projections):
-            how = "bf16 dot products" if use() else "float32 (no AVX-512 BF16 here)"
+            how = f"bf16 products ({bf16_choice().way})" if use() else "float32 (no bf16 way pays here)"
             logger.info("prefill attention: %s, the attention projections being approximate formats", how)
 
     def eager_decode_reason(self) -> str | None:
