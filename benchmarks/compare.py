@@ -5,7 +5,13 @@
 
 Measurements are interleaved (for each thread count and length, every system in turn), so a change
 in machine load touches every system alike. llama.cpp is skipped, with a note in the JSON, when
-llama-cpp-python is not installed (it is an optional extra: it compiles for ~15 minutes here).
+llama-cpp-python is not installed (it is an optional extra: it compiles for ~5-15 minutes here). Build it for the
+CPU's own instructions; on a CPU with AMX, 0.3.36 with `GGML_NATIVE=ON` segfaults in its AMX int8 matmul on
+SmolLM2's Q4_1 file, so there its AVX-512 paths are named and AMX left off:
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+        -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+        -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" pip install llama-cpp-python==0.3.36
 """
 
 from __future__ import annotations

@@ -193,4 +193,73 @@ def pcp_section(results: Results, images: str, rel: str) -> list[str]:
     return lines
 
 
-INT4_SECTIONS = [int4_section, tiles_section, pcp_section]
+AMX_INTRO = (
+    "On a CPU with AMX (an Intel Xeon of the Sapphire Rapids kind) the same default path runs on its tiles: oneDNN "
+    "runs the int4 layers' bf16 GEMMs (weight tiles dequantized per call, cpllm/kernels/int4_gemm.py) on AMX, and "
+    "prefill attention takes the kernel's AMX way (cpllm/kernels/prefill_attention.c, tdpbf16ps for both products), "
+    "chosen at start-up over vdpbf16ps, which measured slower than float32 on this core. Decode keeps the VNNI "
+    "integer kernel. llama.cpp (llama-cpp-python 0.3.36) was built for this CPU's AVX-512 (F, VNNI, BF16, VBMI) "
+    "with its AMX code off: built with `GGML_NATIVE=ON` its AMX int8 matmul (`ggml_backend_amx_mul_mat`) "
+    "segfaulted on this Q4_1 file at every batch above one token.")
+
+
+def _attention_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"prompt tokens": row["prompt_tokens"], "system": row["system"], "ms": row["ms"],
+             "GFLOP/s": row["gflops"]} for row in data["results"]]
+
+
+def amx_section(results: Results, images: str, rel: str) -> list[str]:
+    lines = ["## Default prefill on AMX tiles (issue 43, Intel Xeon with AMX)", "", AMX_INTRO, ""]
+    compare, before_after = results.get("compare_amx"), results.get("int4_amx")
+    if compare is None:
+        return lines + _missing("compare_amx")
+    machine = (before_after or compare)["machine"]
+    said = _flags(machine) if "cpu_flags" in machine else f"{machine.get('cpu')}, {machine.get('cores')} cores"
+    lines += [f"Machine: {said}. Load average at start {compare['machine'].get('load_average_start')}.",
+              "", "Targets: benchmarks/compare.py as above (one process, the systems in turn, fastest of 2 rounds); "
+              "the bf16 matmul rate is `cpllm bench ceiling` on the same thread count (ceiling_amx.json).", ""]
+    lines += md_table(_target_rows(compare, results.get("ceiling_amx")))
+    ceiling = results.get("ceiling_amx")
+    if ceiling is not None:
+        lines += ["", "This machine's matmul rates (`cpllm bench ceiling`; bf16 and int8 at a side of 1,024, which "
+                  "is too small to keep two cores' tiles busy: the 2-thread bf16 rate came out below one thread's, so "
+                  "the 2-thread rows' fractions above overstate; against twice the one-thread rate they are 0.45 "
+                  "and 0.46):", ""] + md_table(ceiling["results"])
+    lines += ["", "What bounds the 0.6 target (missed: 0.49 at 2K on one core): a torch.profiler run of one "
+              "8,000-token prefill on one core spent 56% in prefill attention (the AMX way at ~470 GFLOP/s: the "
+              "softmax's vector work, not the tiles, is its limit), 18% in the bf16 GEMMs (~1,200 GFLOP/s, at the "
+              "machine's rate) and 21% in the casts around them (each GEMM's input to bf16 and its output back to "
+              "float32, memory-bound: gate_up's [8000, 3072] output alone took 23 ms a layer). Closing it needs "
+              "bf16 activations between a layer's GEMMs (gate_up's output into silu·up and down without float32) "
+              "and a softmax on AVX-512 FP16's 32 lanes; neither is built."]
+    for name, title in (("attention_ways", "after"), ("attention_ways_before", "before: 704c467, the first AMX way")):
+        data = results.get(name)
+        if data is not None:
+            lines += ["", f"Prefill attention alone, SmolLM2's heads, one thread (benchmarks/prefill_attention_ways.py, "
+                      f"{title}):", ""] + md_table(_attention_rows(data))
+    pcp = results.get("pcp_efficiency_amx")
+    if pcp is not None:
+        rows = [{"layout": "one rank" if row["pcp"] == 1 else f"PCP=2 ({row['strategy']})", "ttft s": row["ttft_s"],
+                 "rounds s": ", ".join(str(run["wall_s"]) for run in row["runs"]),
+                 "efficiency": row.get("efficiency", ""), "cpu ratio": row.get("cpu_ratio", "")}
+                for row in pcp["results"]]
+        lines += ["", f"PCP=2 on the default weights at {pcp['results'][0]['tokens']} tokens, one thread per rank "
+                  "(benchmarks/pcp_efficiency.py):", ""] + md_table(rows)
+    if before_after is not None:
+        lines += ["", f"Before and after (benchmarks/int4_before_after.py --before {before_after['before']}, "
+                  f"{before_after['rounds']} round, {before_after['threads']} thread):", ""]
+        lines += md_table(_rows(before_after))
+        lines += ["", "Decode runs the same VNNI integer kernel on both sides (this change touched prefill only): its "
+                  "after / before of 0.95-0.96 is one round each, and `none` and transformers, whose decode did not "
+                  "change either, moved by 0.97-0.98 between the sides' runs."]
+    quality = results.get("quality_amx")
+    if quality is not None:
+        lines += ["", "Quality against `none` (benchmarks/quality.py; the last two columns over a 2,048-token text):",
+                  ""]
+        lines += md_table([{k: row.get(k) for k in ("system", "identical_completions", "agreement",
+                                                    "mean_abs_logprob_diff", "mean_abs_logprob_diff_2048",
+                                                    "max_abs_logprob_diff_2048")} for row in quality["rows"]])
+    return lines
+
+
+INT4_SECTIONS = [int4_section, tiles_section, pcp_section, amx_section]
