@@ -59,8 +59,9 @@ class GQAPagedBackend:
 
     def use_bf16_products(self) -> bool:
         """Prefill attention on bf16 products from now on, where a bf16 way pays on this CPU (AMX tiles or AVX-512
-        BF16, measured once: kernels/prefill_attention.py `bf16_choice`); whether it does. For a model whose attention weights already run an approximate format (the caller's decision: the
-        float32 path stays exact)."""
+        BF16, measured once: kernels/prefill_attention.py `bf16_choice`); whether it does. For a model whose
+        attention weights already run an approximate format (the caller's decision: the float32 path stays
+        exact)."""
         if not has_bf16_products():
             return False
         self.attend = local_attention.attend_bf16  # shadows the class's function for this instance only
