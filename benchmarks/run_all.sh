@@ -32,7 +32,8 @@ for step in "${steps[@]}"; do
     # issue 10: approximate formats against fp32, and the decode step against the commit before the decode work
     quality) python benchmarks/quality.py --threads 2 --formats auto,int8,int4 --out "$R/quality.json" ;;
     attention) python benchmarks/decode_attention.py --json "$R/decode_attention.json"
-               python benchmarks/prefill_attention.py --json "$R/prefill_attention.json" ;;
+               python benchmarks/prefill_attention.py --json "$R/prefill_attention.json"
+               python benchmarks/prefill_attention_ways.py --json "$R/attention_ways.json" ;;
     int4) python benchmarks/int4_kernel.py --json "$R/int4_kernel.json" ;;
     profile) python benchmarks/profile_before_after.py --before e89de9e --threads 2 --pairs 2 \
                --out "$R/decode_profile.json" ;;
