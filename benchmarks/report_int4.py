@@ -108,6 +108,14 @@ def _target_rows(compare: dict[str, Any], ceiling: dict[str, Any] | None) -> lis
     return rows
 
 
+def _quality_2048(quality: dict[str, Any]) -> list[dict[str, Any]]:
+    """quality.py's rows: greedy agreement with `none` and the logprob differences, over the chat prompts and over a
+    2,048-token text."""
+    return [{k: row.get(k) for k in ("system", "identical_completions", "agreement", "mean_abs_logprob_diff",
+                                     "mean_abs_logprob_diff_2048", "max_abs_logprob_diff_2048")}
+            for row in quality["rows"]]
+
+
 def tiles_section(results: Results, images: str, rel: str) -> list[str]:
     lines = ["## Default prefill on bf16 dot products (issue 43, AVX-512 BF16)", "", TILES_INTRO, ""]
     compare, before_after = results.get("compare_bf16"), results.get("int4_bf16")
@@ -144,9 +152,7 @@ def tiles_section(results: Results, images: str, rel: str) -> list[str]:
         lines += ["", "The 8 chat prompts are generated in one call: their first step holds about 280 rows, past the "
                   "bf16 GEMMs' threshold, so their first tokens ran in bf16 and one completion of 48 tokens parted "
                   "from `none`'s; each scored text runs alone.", ""]
-        lines += md_table([{k: row.get(k) for k in ("system", "identical_completions", "agreement",
-                                                    "mean_abs_logprob_diff", "mean_abs_logprob_diff_2048",
-                                                    "max_abs_logprob_diff_2048")} for row in quality["rows"]])
+        lines += md_table(_quality_2048(quality))
     for source in (compare, before_after or {}, quality or {}):
         for note in source.get("notes", []):
             lines += ["", f"Note: {note}."]
@@ -256,9 +262,7 @@ def amx_section(results: Results, images: str, rel: str) -> list[str]:
     if quality is not None:
         lines += ["", "Quality against `none` (benchmarks/quality.py; the last two columns over a 2,048-token text):",
                   ""]
-        lines += md_table([{k: row.get(k) for k in ("system", "identical_completions", "agreement",
-                                                    "mean_abs_logprob_diff", "mean_abs_logprob_diff_2048",
-                                                    "max_abs_logprob_diff_2048")} for row in quality["rows"]])
+        lines += md_table(_quality_2048(quality))
     return lines
 
 

@@ -115,6 +115,11 @@ static void block_scores(const Problem *p, int g, int k0, int count, Tile *t) {
     }
 }
 
+/* The lanes whose rows see key `key` (every lane where the block needs no mask). */
+static inline __mmask16 seen_by(int masked, int key, __m512i last) {
+    return masked ? _mm512_cmple_epi32_mask(_mm512_set1_epi32(key), last) : 0xFFFF;
+}
+
 /* Online softmax over one block: masks keys past each row's last position, turns st into probabilities against
  * the new running max, rescales the sum and the output accumulated so far. */
 static void block_softmax(const Problem *p, int k0, int count, int masked, Tile *t) {
@@ -124,14 +129,14 @@ static void block_softmax(const Problem *p, int k0, int count, int masked, Tile 
         const __m512 m_old = _mm512_load_ps(&t->m[16 * b]);
         __m512 m_new = m_old;
         for (int j = 0; j < count; j++) {
-            const __mmask16 seen = masked ? _mm512_cmple_epi32_mask(_mm512_set1_epi32(k0 + j), last) : 0xFFFF;
+            const __mmask16 seen = seen_by(masked, k0 + j, last);
             m_new = _mm512_mask_max_ps(m_new, seen, m_new, _mm512_load_ps(&t->st[j][16 * b]));
         }
         /* Every row sees key 0 (its own position at least), so m_new is finite after the first block. */
         const __m512 alpha = exp16_nonpositive(_mm512_sub_ps(m_old, m_new));
         __m512 sum = _mm512_setzero_ps();
         for (int j = 0; j < count; j++) {
-            const __mmask16 seen = masked ? _mm512_cmple_epi32_mask(_mm512_set1_epi32(k0 + j), last) : 0xFFFF;
+            const __mmask16 seen = seen_by(masked, k0 + j, last);
             const __m512 e = _mm512_maskz_mov_ps(
                 seen, exp16_nonpositive(_mm512_sub_ps(_mm512_load_ps(&t->st[j][16 * b]), m_new)));
             _mm512_store_ps(&t->st[j][16 * b], e);  /* exactly 0 for a key the row does not see */
@@ -534,21 +539,6 @@ static void block_values_amx(const Problem *p, const uint16_t *vt, int k0, int c
         }
 }
 
-/* 2^x for x <= 0 on 16 lanes: 2^n times a degree-5 Taylor polynomial of e^(f ln2), f = x - n in [-1/2, 1/2]
- * (relative error below 3e-6; the probabilities are rounded to bf16, 4e-3, right after). */
-static inline __m512 exp2_16_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 e = _mm512_set1_ps(1.33335581e-3f);
-    e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(9.61812911e-3f));
-    e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(5.55041087e-2f));
-    e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(2.40226507e-1f));
-    e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(6.93147181e-1f));
-    e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(e, n);
-}
-
 /* The 16 words (bf16 of lo[r], bf16 of hi[r] << 16), rounded to nearest even, from one conversion and a shuffle. */
 static inline __m512i bf16_pair_words(__m512 lo, __m512 hi) {
     const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
@@ -560,10 +550,11 @@ static inline __m512i bf16_pair_words(__m512 lo, __m512 hi) {
  * e^5.5 = 2^8, far inside float32 and bf16's range, and most blocks leave the output unscaled (the final division
  * by the sum is exact whichever max the terms were taken against). */
 #define LAZY_MAX 5.55f
+#define LOG2E 1.44269504f
 
 /* e^(s - m) = 2^(s log2(e) - m log2(e)): one fused multiply-subtract, then exp2_16_nonpositive. */
 static inline __m512 exp_from(const float *scores, __m512 m_log2) {
-    return exp2_16_nonpositive(_mm512_fmsub_ps(_mm512_load_ps(scores), _mm512_set1_ps(1.44269504f), m_log2));
+    return exp2_16_nonpositive(_mm512_fmsub_ps(_mm512_load_ps(scores), _mm512_set1_ps(LOG2E), m_log2));
 }
 
 /* block_softmax for the AMX variant: a lazily moved max, e raised through 2^x, the probabilities written straight
@@ -578,8 +569,7 @@ static void block_softmax_amx(const Problem *p, int k0, int count, int masked, T
         for (int a = 0; a < 4; a++) tops[a] = _mm512_set1_ps(-INFINITY);
         for (int j = 0; j < count; j += 4)
             for (int a = 0; a < 4 && j + a < count; a++) {
-                const __mmask16 seen =
-                    masked ? _mm512_cmple_epi32_mask(_mm512_set1_epi32(k0 + j + a), last) : 0xFFFF;
+                const __mmask16 seen = seen_by(masked, k0 + j + a, last);
                 tops[a] = _mm512_mask_max_ps(tops[a], seen, tops[a], _mm512_load_ps(&t->st[j + a][16 * b]));
             }
         const __m512 top = _mm512_max_ps(_mm512_max_ps(tops[0], tops[1]), _mm512_max_ps(tops[2], tops[3]));
@@ -587,14 +577,12 @@ static void block_softmax_amx(const Problem *p, int k0, int count, int masked, T
         const __mmask16 moved =
             _mm512_cmp_ps_mask(top, _mm512_add_ps(m_old, _mm512_set1_ps(LAZY_MAX)), _CMP_GT_OQ);
         const __m512 m_new = _mm512_mask_blend_ps(moved, m_old, top);
-        const __m512 m_log2 = _mm512_mul_ps(m_new, _mm512_set1_ps(1.44269504f));
+        const __m512 m_log2 = _mm512_mul_ps(m_new, _mm512_set1_ps(LOG2E));
         __m512 sum = _mm512_setzero_ps();
         for (int j2 = 0; j2 < pairs; j2++) {
             const int j = 2 * j2;
-            const __mmask16 seen0 = masked ? _mm512_cmple_epi32_mask(_mm512_set1_epi32(k0 + j), last) : 0xFFFF;
-            const __mmask16 seen1 = j + 1 >= count ? 0
-                                    : masked       ? _mm512_cmple_epi32_mask(_mm512_set1_epi32(k0 + j + 1), last)
-                                                   : 0xFFFF;
+            const __mmask16 seen0 = seen_by(masked, k0 + j, last);
+            const __mmask16 seen1 = j + 1 < count ? seen_by(masked, k0 + j + 1, last) : 0;
             const __m512 e0 = _mm512_maskz_mov_ps(seen0, exp_from(&t->st[j][16 * b], m_log2));
             const __m512 e1 = _mm512_maskz_mov_ps(seen1, exp_from(&t->st[j + 1][16 * b], m_log2));
             sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
@@ -602,7 +590,7 @@ static void block_softmax_amx(const Problem *p, int k0, int count, int masked, T
         }
         /* 1 exactly where the max did not move (2^0 through the polynomial); 0 on the first block */
         const __m512 alpha =
-            exp2_16_nonpositive(_mm512_mul_ps(_mm512_sub_ps(m_old, m_new), _mm512_set1_ps(1.44269504f)));
+            exp2_16_nonpositive(_mm512_mul_ps(_mm512_sub_ps(m_old, m_new), _mm512_set1_ps(LOG2E)));
         const __m512 zero_first = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_old, _mm512_set1_ps(-INFINITY),
                                                                           _CMP_EQ_OQ),
                                                        alpha, _mm512_setzero_ps());
