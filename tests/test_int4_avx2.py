@@ -123,6 +123,20 @@ def test_layer_switches_to_the_gemms_at_its_threshold_and_keeps_running_with_ker
 
 
 @needs_avx2
+def test_native_output_is_the_gemms_own_dtype_with_the_same_values():
+    """`native` keeps a bf16 GEMM's output as it is (the float32 result is its exact widening); below the threshold,
+    or on float32 GEMMs, it is the float32 result; `input_dtype` names what each call rounds its input to."""
+    layer = Int4Linear(_groups(96, 576, seed=8), backend="avx2")
+    few, many = (torch.randn(n, 576, generator=torch.Generator().manual_seed(n)) for n in (7, 8))
+    for gemm_dtype in ("float32", "bfloat16"):
+        layer.gemm_from_rows, layer.gemm_dtype = 8, gemm_dtype
+        narrow = layer(many, native=True)
+        assert narrow.dtype == int4_gemm.GEMM_DTYPES[gemm_dtype] and torch.equal(narrow.float(), layer(many))
+        assert layer(few, native=True).dtype == torch.float32 and torch.equal(layer(few, native=True), layer(few))
+        assert layer.input_dtype(8) == int4_gemm.GEMM_DTYPES[gemm_dtype] and layer.input_dtype(7) is None
+
+
+@needs_avx2
 @pytest.mark.parametrize("rows", [3, 40])
 def test_compiled_graph_calls_the_same_kernel(rows):
     layer = Int4Linear(_groups(48, 128, seed=5), backend="avx2")

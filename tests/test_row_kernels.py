@@ -97,7 +97,24 @@ def test_silu_mul_matches_torch(rows):
     gate_up = torch.randn(rows, 200, generator=gen) * 6
     gate, up = gate_up.split(100, dim=-1)
     torch.testing.assert_close(silu_mul(gate_up, 100), F.silu(gate) * up, rtol=1e-6, atol=1e-7)
-    assert silu_mul(gate_up.to(torch.bfloat16), 100) is None
+    assert silu_mul(gate_up.to(torch.float16), 100) is None
+
+
+@pytest.mark.parametrize("rows", [1, 300])
+def test_silu_mul_on_bf16_rows_gives_the_float32_kernels_bits(rows):
+    """bf16 gate | up (a bf16 GEMM's output): in float32 the float32 kernel's bits on the widened rows, in bf16
+    those rounded as torch rounds (to nearest even, NaN kept), through the vector body and the scalar tail."""
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = (torch.randn(rows, 200, generator=gen) * 6).to(torch.bfloat16)
+    gate_up[0, 3], gate_up[0, 150] = float("nan"), float("inf")
+    wide = silu_mul(gate_up.float(), 100)
+    torch.testing.assert_close(silu_mul(gate_up, 100), wide, rtol=0, atol=0, equal_nan=True)
+    narrow = silu_mul(gate_up, 100, torch.bfloat16)
+    bits = lambda t: t.view(torch.int16)  # noqa: E731
+    number = ~wide.isnan()
+    assert narrow.dtype == torch.bfloat16 and wide.isnan().any()
+    assert torch.equal(bits(narrow)[number], bits(wide.to(torch.bfloat16))[number]) and narrow[~number].isnan().all()
+    assert silu_mul(gate_up.float(), 100, torch.bfloat16) is None  # float32 rows are not rounded here
 
 
 def _f32_matmul(lib, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, c0: int, c1: int, threads: int) -> None:

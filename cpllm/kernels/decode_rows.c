@@ -102,3 +102,50 @@ void cpllm_silu_mul(const float *gate_up, int64_t batch, int64_t inter, float *o
         for (; i < inter; i++) o[i] = silu(g[i]) * u[i];
     }
 }
+
+#if defined(__AVX512F__)
+static inline __m512 bf16x16_to_f32(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline __m256i f32x16_to_bf16(__m512 f) {  /* to_bf16 on 16 lanes */
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+}
+#endif
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* cpllm_silu_mul on bfloat16 gate | up rows (a bf16 GEMM's output, widened exactly), out in float32 or, with
+ * out_bf16, rounded to bfloat16 as torch rounds: the bits the float32 kernel followed by torch's cast give. */
+void cpllm_silu_mul_bf16(const uint16_t *gate_up, int64_t batch, int64_t inter, void *out, int out_bf16,
+                         int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (batch * inter >= 65536)
+    for (int64_t b = 0; b < batch; b++) {
+        const uint16_t *g = gate_up + b * 2 * inter, *u = g + inter;
+        float *o32 = (float *)out + b * inter;
+        uint16_t *o16 = (uint16_t *)out + b * inter;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= inter; i += 16) {
+            const __m512 y = _mm512_mul_ps(silu16(bf16x16_to_f32(g + i)), bf16x16_to_f32(u + i));
+            if (out_bf16) _mm256_storeu_si256((__m256i *)(o16 + i), f32x16_to_bf16(y));
+            else _mm512_storeu_ps(o32 + i, y);
+        }
+#endif
+        for (; i < inter; i++) {
+            const float y = silu(bf16_to_f32(g[i])) * bf16_to_f32(u[i]);
+            if (out_bf16) o16[i] = to_bf16(y);
+            else o32[i] = y;
+        }
+    }
+}

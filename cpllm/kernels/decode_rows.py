@@ -66,14 +66,24 @@ def store_rows_(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, rows: 
     return True
 
 
-def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor | None:
-    """silu(gate) * up for gate_up [N, 2 * inter] float32 (gate | up), or None where the kernel does not apply."""
-    if (torch.compiler.is_compiling() or gate_up.dtype != torch.float32 or gate_up.device.type != "cpu"
-            or gate_up.dim() != 2 or gate_up.shape[1] != 2 * inter or not gate_up.is_contiguous()):
+def silu_mul(gate_up: torch.Tensor, inter: int, out_dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """silu(gate) * up for gate_up [N, 2 * inter] (gate | up) in float32, or in bfloat16 (a bf16 GEMM's output,
+    widened exactly), computed in float32 and returned in `out_dtype` (bfloat16 from bfloat16 rows only: rounded as
+    torch rounds); None where the kernel does not apply."""
+    if (torch.compiler.is_compiling() or gate_up.device.type != "cpu" or gate_up.dim() != 2
+            or gate_up.shape[1] != 2 * inter or not gate_up.is_contiguous()):
+        return None
+    narrow = gate_up.dtype == torch.bfloat16
+    if not (gate_up.dtype == torch.float32 and out_dtype == torch.float32
+            or narrow and out_dtype in (torch.float32, torch.bfloat16)):
         return None
     lib = load("decode_rows")
     if lib is None:
         return None
-    out = torch.empty(gate_up.shape[0], inter, dtype=torch.float32)
-    lib.cpllm_silu_mul(gate_up.data_ptr(), gate_up.shape[0], inter, out.data_ptr(), torch.get_num_threads())
+    out = torch.empty(gate_up.shape[0], inter, dtype=out_dtype)
+    if narrow:
+        lib.cpllm_silu_mul_bf16(gate_up.data_ptr(), gate_up.shape[0], inter, out.data_ptr(),
+                                int(out_dtype == torch.bfloat16), torch.get_num_threads())
+    else:
+        lib.cpllm_silu_mul(gate_up.data_ptr(), gate_up.shape[0], inter, out.data_ptr(), torch.get_num_threads())
     return out

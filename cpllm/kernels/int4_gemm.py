@@ -6,9 +6,11 @@ runs. `dequantize` writes w = d q + m (cpllm/kernels/int4_avx2.c, from the store
 to bfloat16 for that dtype) into a transient scratch of at most `SCRATCH_BYTES`: it lives for one call, so the
 weight bytes per rank do not grow. `linear` picks the integer kernel ("vnni", int4_matmul.c, or "avx2",
 int4_avx2.c) below `gemm_from_rows` rows and the GEMMs from there, as the start-up measurement chose
-(int4_choice.py); it is a torch custom op under torch.compile. Results are float32 either way (a bfloat16 GEMM's
-output is rounded to bfloat16 first, its accumulation is float32). Bad widths or output counts raise ValueError
-naming both.
+(int4_choice.py); it is a torch custom op under torch.compile. Results are float32 (a bfloat16 GEMM's output is
+rounded to bfloat16 first, its accumulation is float32), or with `native` the GEMM's own bfloat16: the same values
+without the widening copy, for a consumer that reads bf16 (the MLP's silu(gate) * up; at 8K rows that copy of
+SmolLM2's gate|up output cost as much as a fifth of the GEMM). Bad widths or output counts raise ValueError naming
+both.
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ def dequantize(packed: torch.Tensor, out_features: int, first_block: int = 0, en
 
 
 def dequantized_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """y [M, out_features] float32 = x [M, in] W^T through GEMMs in `dtype` on tiles of W dequantized in turn."""
+                       dtype: torch.dtype = torch.float32, native: bool = False) -> torch.Tensor:
+    """y [M, out_features] = x [M, in] W^T through GEMMs in `dtype` on tiles of W dequantized in turn; float32, or
+    in `dtype` with `native`."""
     xg = x if x.dtype == dtype and x.is_contiguous() else x.to(dtype).contiguous()
     int4_avx2.check_shapes(xg.shape[1], packed, out_features)
     blocks, width = packed.shape[0], xg.shape[1]
@@ -65,22 +68,28 @@ def dequantized_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int,
         rows = min(end * BLOCK_ROWS, out_features) - first * BLOCK_ROWS
         w = dequantize(packed, out_features, first, end, out=scratch[: rows * width].view(rows, -1), dtype=dtype)
         torch.mm(xg, w.t(), out=y[:, first * BLOCK_ROWS: first * BLOCK_ROWS + rows])
-    return y.float()
+    return y if native else y.float()
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, integer: str, gemm_from_rows: int,
-           gemm_dtype: str) -> torch.Tensor:
+           gemm_dtype: str, native: bool = False) -> torch.Tensor:
     """The `integer` kernel below `gemm_from_rows` rows, `dequantized_matmul` in `gemm_dtype` from there; a custom
-    op under torch.compile."""
+    op under torch.compile (float32 there: `native` asks, it does not oblige)."""
     if torch.compiler.is_compiling():
         return int4_linear_op(x, packed, out_features, integer, gemm_from_rows, gemm_dtype)
-    return _linear(x, packed, out_features, integer, gemm_from_rows, gemm_dtype)
+    return _linear(x, packed, out_features, integer, gemm_from_rows, gemm_dtype, native)
+
+
+def gemm_dtype_for(rows: int, gemm_from_rows: int, gemm_dtype: str) -> torch.dtype | None:
+    """The dtype `linear` rounds its input to for `rows` rows: the GEMMs' from `gemm_from_rows`, None below (the
+    integer kernels quantize float32 input themselves)."""
+    return GEMM_DTYPES[gemm_dtype] if rows >= gemm_from_rows else None
 
 
 def _linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, integer: str, gemm_from_rows: int,
-            gemm_dtype: str) -> torch.Tensor:
+            gemm_dtype: str, native: bool = False) -> torch.Tensor:
     if x.shape[0] >= gemm_from_rows:
-        return dequantized_matmul(x, packed, out_features, GEMM_DTYPES[gemm_dtype])
+        return dequantized_matmul(x, packed, out_features, GEMM_DTYPES[gemm_dtype], native)
     return INTEGER_KERNELS[integer](x, packed, out_features)
 
 

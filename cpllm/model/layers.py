@@ -62,9 +62,9 @@ class ColumnParallelLinear(torch.nn.Module):
             )
             offset += rows
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x [N, in] -> [N, out]
-        return self.method.matmul(x, self.bias)
+    def forward(self, x: torch.Tensor, native: bool = False) -> torch.Tensor:
+        # x [N, in] -> [N, out]; `native`: in the dtype the format rounded the product to (LinearMethod.matmul_native)
+        return self.method.matmul_native(x, self.bias) if native else self.method.matmul(x, self.bias)
 
     def fused_spec(self) -> FusedWeight | None:
         """The weight as the fused decode layer reads it (which adds no bias), or None."""
@@ -104,6 +104,10 @@ class RowParallelLinear(torch.nn.Module):
         # x [N, in / TP] -> [N, out], summed over TP (or this rank's partial, without `reduce`)
         partial = self.method.matmul(x)
         return self.tp.all_reduce(partial) if self.reduce else partial
+
+    def input_dtype(self, rows: int) -> torch.dtype | None:
+        """The dtype `rows` rows of input are rounded to first (LinearMethod.input_dtype), or None."""
+        return self.method.input_dtype(rows)
 
     def fused_spec(self) -> FusedWeight | None:
         """The shard as the fused decode layer reads it, or None."""

@@ -139,8 +139,16 @@ class LlamaMLP(torch.nn.Module):
         # the step's plan says whether the MLPs split (plan.py `StepPlan.mlp_split`: same rows on every PCP rank)
         if meta is not None and meta.plan.mlp_split and self.decode_split is not None:
             return self.decode_split(x)
-        gate_up = self.gate_up_proj(x)
-        act = silu_mul(gate_up, self.shard)  # one C call on eager CPU float32 steps (as the fused decode layer)
+        gate_up = self.gate_up_proj(x, native=True)  # float32, or a bf16 GEMM's own bf16 output
+        act = None
+        if gate_up.dtype != x.dtype:
+            # rounded to bf16 here where down_proj would round it anyway: the values through float32, without
+            # two wide copies
+            narrow = self.down_proj.input_dtype(x.shape[0]) == gate_up.dtype
+            act = silu_mul(gate_up, self.shard, gate_up.dtype if narrow else x.dtype)
+            gate_up = gate_up.to(x.dtype) if act is None else gate_up
+        if act is None:
+            act = silu_mul(gate_up, self.shard)  # one C call on eager CPU float32 steps (as the fused decode layer)
         if act is None:
             gate, up = gate_up.split(self.shard, dim=-1)
             act = F.silu(gate) * up

@@ -37,6 +37,16 @@ class LinearMethod(torch.nn.Module):
         """x [N, in] -> x W^T (+ bias) [N, out]."""
         raise NotImplementedError
 
+    def matmul_native(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`matmul`, returned in the dtype the product was rounded to where that is narrower than x's (a bfloat16
+        GEMM's output, not widened back), for a consumer that reads it as it is; by default `matmul` itself."""
+        return self.matmul(x, bias)
+
+    def input_dtype(self, rows: int) -> torch.dtype | None:
+        """The dtype a `matmul` of `rows` rows rounds its input to before any arithmetic (so a producer may round
+        to it itself, sparing a wide intermediate), or None where the input is read as given (the default)."""
+        return None
+
     def describe(self) -> str:
         """What this method runs, for logs (e.g. "float32 [576, 1536]", "int4, VNNI kernel")."""
         raise NotImplementedError

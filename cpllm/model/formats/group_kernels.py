@@ -73,17 +73,26 @@ class Int4Linear(torch.nn.Module):
         self.register_buffer("packed", packed)  # uint8 [padded out, in / 2]
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(KERNEL_DTYPE).contiguous())
 
+    def input_dtype(self, rows: int) -> torch.dtype | None:
+        """The dtype a call of `rows` rows rounds its input to before any arithmetic, or None where it reads it as
+        given: a caller may hand it that dtype directly and get the same result."""
+        if self.backend in ("vnni", "avx2"):
+            return int4_gemm.gemm_dtype_for(rows, self.gemm_from_rows, self.gemm_dtype)
+        return KERNEL_DTYPE
+
     @classmethod
     def from_int8(cls, groups: Int8Groups) -> "Int4Linear":
         """An 8-bit grouped weight, exactly (up to the bfloat16 scale), as two 4-bit halves."""
         return cls(groups.as_int4_halves(), repeat_input=2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x [N, in] -> [N, out] in x.dtype
+    def forward(self, x: torch.Tensor, native: bool = False) -> torch.Tensor:
+        # x [N, in] -> [N, out] in x.dtype; with `native`, in the dtype the product was rounded to (bfloat16 where
+        # the GEMMs run in it: see input_dtype)
         if self.backend in ("vnni", "avx2"):
             xk = x.repeat(1, self.repeat_input) if self.repeat_input > 1 else x
-            return int4_gemm.linear(xk, self.packed, self.out_features, self.backend, self.gemm_from_rows,
-                                    self.gemm_dtype).to(x.dtype)
+            y = int4_gemm.linear(xk, self.packed, self.out_features, self.backend, self.gemm_from_rows,
+                                 self.gemm_dtype, native)
+            return y if native else y.to(x.dtype)
         xk = x.to(KERNEL_DTYPE)
         xk = xk.repeat(1, self.repeat_input) if self.repeat_input > 1 else xk.contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xk, self.packed, QUANT_GROUP, self.scales_and_zeros)

@@ -22,6 +22,12 @@ class GroupedWeight(LinearMethod):
         y = self.kernel(x)
         return y + bias if bias is not None else y
 
+    def matmul_native(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.kernel(x, native=True) if bias is None else self.matmul(x, bias)
+
+    def input_dtype(self, rows: int) -> torch.dtype | None:
+        return self.kernel.input_dtype(rows)
+
     def describe(self) -> str:
         halves = ", two 4-bit halves" if self.kernel.repeat_input == 2 else ""
         return (f"{self.weight_format} groups of 32{halves}, {self.kernel.backend} kernel "
