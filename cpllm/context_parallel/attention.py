@@ -209,14 +209,14 @@ class PagedCPAttention(torch.nn.Module):
         for chunk in request.local_chunks:
             rows = slice(chunk.row, chunk.row + chunk.length)
             if self.causal_offsets:
-                keys = request.new_kv_rows[: chunk.new_start + chunk.length]
+                keys = _new_keys(request, 0, chunk.new_start + chunk.length)
                 out[rows], lse[rows] = self.backend.attend(q[rows], k_all[keys], v_all[keys], self.scale, True,
                                                            causal_offset=chunk.new_start)
                 continue
-            own = request.new_kv_rows[chunk.new_start : chunk.new_start + chunk.length]
+            own = _new_keys(request, chunk.new_start, chunk.new_start + chunk.length)
             out[rows], lse[rows] = self.backend.attend(q[rows], k_all[own], v_all[own], self.scale, causal=True)
             if chunk.new_start > 0:
-                before = request.new_kv_rows[: chunk.new_start]
+                before = _new_keys(request, 0, chunk.new_start)
                 _accumulate(out, lse, rows,
                             *self.backend.attend(q[rows], k_all[before], v_all[before], self.scale, False))
 
@@ -378,3 +378,11 @@ class PagedCPAttention(torch.nn.Module):
         packed = all_gather(torch.cat((o_part.float(), lse_part.unsqueeze(-1)), dim=-1), self.cp.group)
         packed = packed.view(self.cp.size, *q.shape[:2], q.shape[2] + 1)  # [C, N, Hq, D + 1]
         return merge_attention_partials(packed[..., :-1], packed[..., -1])  # float32
+
+
+def _new_keys(request: RequestAttention, start: int, end: int) -> slice | torch.Tensor:
+    """Rows of the gathered new K/V for the request's new tokens [start, end): a slice where they are one run
+    (read in place, no copy), else their indices."""
+    if request.new_kv_first is not None:
+        return slice(request.new_kv_first + start, request.new_kv_first + end)
+    return request.new_kv_rows[start:end]

@@ -50,6 +50,9 @@ class RequestAttention:
     """This rank's runs of new tokens; attention among new tokens covers these (only when num_new > 1)."""
     new_kv_rows: torch.Tensor | None
     """[num_new] rows of the PCP-gathered new K/V buffer, in token order (None when num_new == 1)."""
+    new_kv_first: int | None = None
+    """Where `new_kv_rows` is one ascending run (one rank, or the whole request on one PCP rank): its first row, so
+    that the new keys are read as a slice of the buffer in place; None otherwise."""
     context_slots: torch.Tensor
     """[num_local_context] this rank's pool slots of positions < context_len, in local order."""
     pcp_rows: tuple[tuple[int, int], ...]
@@ -333,24 +336,37 @@ def build_step_batch(chunks, layout: KVLayout, pcp_size: int, pcp_rank: int, out
     return to_device(batch, device, non_blocking=non_blocking)
 
 
+def _one_run(pieces: list[tuple[int, int, int]]) -> int | None:
+    """The first gathered row where (new_start, gathered row, length) pieces, in token order, follow each other
+    in the buffer as one run; else None."""
+    for (start, row, length), (next_start, next_row, _) in zip(pieces, pieces[1:]):
+        if next_row - row != length or next_start - start != length:
+            return None
+    return pieces[0][1] if pieces else None
+
+
 def _request_attention(chunk, runs, layout: KVLayout, pcp_rank: int, num_rows: int) -> RequestAttention:
     num_new = len(chunk.token_ids)
     # A single new token is not split: every PCP rank holds it, its owner stores it first, and it then
     # attends to the cached context including itself (docs/context_parallel.md, "Decode").
     context_len = chunk.start_pos + (1 if num_new == 1 else 0)
     block_table = torch.tensor(chunk.block_table, dtype=torch.long)
-    new_kv_rows = None
+    new_kv_rows, new_kv_first = None, None
     if num_new > 1:
         new_kv_rows = torch.empty(num_new, dtype=torch.long)
+        pieces = []
         for p, rank_runs in enumerate(runs):
             for row, new_start, length in rank_runs:
                 new_kv_rows[new_start : new_start + length] = torch.arange(length) + p * num_rows + row
+                pieces.append((new_start, p * num_rows + row, length))
+        new_kv_first = _one_run(sorted(pieces))
     return RequestAttention(
         num_new=num_new,
         start_pos=chunk.start_pos,
         context_len=context_len,
         local_chunks=tuple(LocalChunk(row=r, new_start=s, length=n) for r, s, n in runs[pcp_rank]),
         new_kv_rows=new_kv_rows,
+        new_kv_first=new_kv_first,
         context_slots=local_context_slots(context_len, block_table, layout),
         pcp_rows=tuple((rr[0][0], rr[-1][0] + rr[-1][2]) if rr else (0, 0) for rr in runs),
         source_rank_rows=tuple(tuple(rr) for rr in runs),

@@ -8,6 +8,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "kernel_status.h"
 #include "vector_exp.h"
 
@@ -39,13 +40,6 @@ int cpllm_rope_qk(float *q, int q_heads, int64_t q_stride, float *k, int k_heads
         rotate_heads(k + t * k_stride, k_heads, head_dim, c, s);
     }
     return 0;
-}
-
-static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch's conversion */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 /* rows[i] of src (row_elems floats at src + rows[i] * src_stride, rows[i] < src_rows) into slot slots[i] of the pool
@@ -118,13 +112,6 @@ static inline __m256i f32x16_to_bf16(__m512 f) {  /* to_bf16 on 16 lanes */
 }
 #endif
 
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 /* cpllm_silu_mul on bfloat16 gate | up rows (a bf16 GEMM's output, widened exactly), out in float32 or, with
  * out_bf16, rounded to bfloat16 as torch rounds: the bits the float32 kernel followed by torch's cast give. */
 void cpllm_silu_mul_bf16(const uint16_t *gate_up, int64_t batch, int64_t inter, void *out, int out_bf16,
@@ -143,7 +130,7 @@ void cpllm_silu_mul_bf16(const uint16_t *gate_up, int64_t batch, int64_t inter, 
         }
 #endif
         for (; i < inter; i++) {
-            const float y = silu(bf16_to_f32(g[i])) * bf16_to_f32(u[i]);
+            const float y = silu(from_bf16(g[i])) * from_bf16(u[i]);
             if (out_bf16) o16[i] = to_bf16(y);
             else o32[i] = y;
         }

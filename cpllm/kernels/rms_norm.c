@@ -7,10 +7,13 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "bf16.h"
+
 enum { LANES = 16 };
 
-static void norm_row(const float *restrict x, const float *restrict w, float eps, int64_t width,
-                     float *restrict out) {
+/* 1 / sqrt(mean(x^2) + eps), not inlined: every entry point below gets the same bits for the same row (the sum's
+ * contraction into fused multiply-adds is decided once, here). */
+__attribute__((noinline)) static float row_scale(const float *restrict x, float eps, int64_t width) {
     float lanes[LANES] = {0};
     int64_t i = 0;
     for (; i + LANES <= width; i += LANES)
@@ -18,7 +21,12 @@ static void norm_row(const float *restrict x, const float *restrict w, float eps
     float sum = 0.0f;
     for (int l = 0; l < LANES; l++) sum += lanes[l];
     for (; i < width; i++) sum += x[i] * x[i];
-    const float scale = 1.0f / sqrtf(sum / (float)width + eps);
+    return 1.0f / sqrtf(sum / (float)width + eps);
+}
+
+static void norm_row(const float *restrict x, const float *restrict w, float eps, int64_t width,
+                     float *restrict out) {
+    const float scale = row_scale(x, eps, width);
     for (int64_t j = 0; j < width; j++) out[j] = w[j] * (x[j] * scale);
 }
 
@@ -29,4 +37,35 @@ void cpllm_rms_norm(const float *x, const float *w, float eps, int64_t rows, int
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows > 64)
     for (int64_t r = 0; r < rows; r++)
         norm_row(x + (r / groups) * stride + (r % groups) * width, w, eps, width, out + r * width);
+}
+
+/* The residual add and the next norm in one pass over contiguous rows [rows, width]: sum = x + delta (delta float32,
+ * or bf16 with delta_bf16: a bf16 GEMM's output, widened exactly; NULL: sum is x and is not written), then
+ * out = w * (sum / sqrt(mean(sum^2) + eps)) in float32, or rounded to bf16 with out_bf16 (as torch rounds): the
+ * bits of torch's add, cpllm_rms_norm and torch's cast, without the two intermediates. */
+void cpllm_add_rms_norm(const float *x, const void *delta, int delta_bf16, const float *w, float eps, int64_t rows,
+                        int64_t width, float *sum, void *out, int out_bf16, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows > 64)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * width;
+        if (delta != NULL) {
+            float *sr = sum + r * width;
+            if (delta_bf16) {
+                const uint16_t *dr = (const uint16_t *)delta + r * width;
+                for (int64_t j = 0; j < width; j++) sr[j] = xr[j] + from_bf16(dr[j]);
+            } else {
+                const float *dr = (const float *)delta + r * width;
+                for (int64_t j = 0; j < width; j++) sr[j] = xr[j] + dr[j];
+            }
+            xr = sr;
+        }
+        const float scale = row_scale(xr, eps, width);
+        if (out_bf16) {
+            uint16_t *o = (uint16_t *)out + r * width;
+            for (int64_t j = 0; j < width; j++) o[j] = to_bf16(w[j] * (xr[j] * scale));
+        } else {
+            float *o = (float *)out + r * width;
+            for (int64_t j = 0; j < width; j++) o[j] = w[j] * (xr[j] * scale);
+        }
+    }
 }

@@ -40,3 +40,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     lib.cpllm_rms_norm(x.data_ptr(), weight.data_ptr(), eps, x.numel() // width if width else 0, width, *layout,
                        out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(sum, norm): sum = x + delta (x float32, delta float32 or a bf16 GEMM's bfloat16 output; None: sum is x)
+    and `rms_norm` of it in `out_dtype` (float32, or bfloat16 rounded as torch rounds), in one pass over
+    contiguous [N, width] rows; None where the kernel does not apply. The bits of x + delta, `rms_norm` and a cast."""
+    if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2
+            or not x.is_contiguous() or not weight.is_contiguous() or torch.compiler.is_compiling()
+            or out_dtype not in (torch.float32, torch.bfloat16)):
+        return None
+    if delta is not None and (delta.shape != x.shape or delta.dtype not in (torch.float32, torch.bfloat16)
+                              or not delta.is_contiguous()):
+        return None
+    lib = load("rms_norm")
+    if lib is None:
+        return None
+    rows, width = x.shape
+    if weight.numel() != width:
+        raise ValueError(f"RMSNorm kernel: weight {tuple(weight.shape)} does not match the rows' width {width}")
+    total = torch.empty_like(x) if delta is not None else x
+    out = torch.empty(rows, width, dtype=out_dtype)
+    lib.cpllm_add_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(),
+                           int(delta is not None and delta.dtype == torch.bfloat16), weight.data_ptr(), eps, rows,
+                           width, total.data_ptr(), out.data_ptr(), int(out_dtype == torch.bfloat16),
+                           torch.get_num_threads())
+    return total, out

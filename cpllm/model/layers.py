@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from cpllm.distributed.parallel_context import GroupComm, ParallelContext
-from cpllm.kernels.rms_norm import rms_norm
+from cpllm.kernels.rms_norm import add_rms_norm, rms_norm
 from cpllm.model.formats.methods import (EmbeddingRows, FloatHead, FloatRows, FloatWeight, FusedWeight, HeadMethod,
                                          LinearMethod, load_embedding, load_head, load_linear)
 from cpllm.model.formats.plan import WeightPlan
@@ -37,7 +37,7 @@ class ColumnParallelLinear(torch.nn.Module):
     def __init__(self, in_features: int, parts: list[RowRange], bias: bool, dtype: torch.dtype,
                  quantization: str = "none"):
         super().__init__()
-        self.parts, self.quantization = parts, quantization
+        self.parts, self.quantization, self.dtype = parts, quantization, dtype
         out_features = sum(p.end - p.start for p in parts)
         self.method: LinearMethod = FloatWeight.empty(in_features, out_features, dtype)
         """The weight in its format (unloaded float until `load`)."""
@@ -63,8 +63,14 @@ class ColumnParallelLinear(torch.nn.Module):
             offset += rows
 
     def forward(self, x: torch.Tensor, native: bool = False) -> torch.Tensor:
-        # x [N, in] -> [N, out]; `native`: in the dtype the format rounded the product to (LinearMethod.matmul_native)
-        return self.method.matmul_native(x, self.bias) if native else self.method.matmul(x, self.bias)
+        # x [N, in] (the model's dtype, or what input_dtype names) -> [N, out] in the model's dtype; `native`: in
+        # the dtype the format rounded the product to (LinearMethod.matmul_native)
+        y = self.method.matmul_native(x, self.bias)
+        return y if native else y.to(self.dtype)
+
+    def input_dtype(self, rows: int) -> torch.dtype | None:
+        """As RowParallelLinear.input_dtype."""
+        return self.method.input_dtype(rows)
 
     def fused_spec(self) -> FusedWeight | None:
         """The weight as the fused decode layer reads it (which adds no bias), or None."""
@@ -88,6 +94,8 @@ class RowParallelLinear(torch.nn.Module):
         the MoE blocks' shared experts ride in the experts' sum)."""
         super().__init__()
         self.name, self.tp, self.quantization, self.reduce = name, parallel.comm("tp"), quantization, reduce
+        self.dtype = dtype
+        """The model's dtype: every output but a `native` one is in it."""
         self.shard = in_features // self.tp.size
         self.method: LinearMethod = FloatWeight.empty(self.shard, out_features, dtype)
         """This rank's input shard of the weight in its format (unloaded float until `load`)."""
@@ -100,9 +108,14 @@ class RowParallelLinear(torch.nn.Module):
                                          self.quantization)
         self.plans = [(name, plans[0])]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x [N, in / TP] -> [N, out], summed over TP (or this rank's partial, without `reduce`)
-        partial = self.method.matmul(x)
+    def forward(self, x: torch.Tensor, native: bool = False) -> torch.Tensor:
+        # x [N, in / TP] -> [N, out], summed over TP (or this rank's partial, without `reduce`); `native`: in the
+        # dtype the format rounded the product to where nothing is summed over ranks (a sum of bf16 partials would
+        # round differently)
+        y = self.method.matmul_native(x)
+        if native and self.tp.size == 1 and self.reduce:
+            return y
+        partial = y.to(self.dtype)
         return self.tp.all_reduce(partial) if self.reduce else partial
 
     def input_dtype(self, rows: int) -> torch.dtype | None:
@@ -236,3 +249,15 @@ class RMSNorm(torch.nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor | None,
+                     out_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, its norm in `out_dtype`) for a float32 residual x (delta None: x itself), the norm rounded
+        to bfloat16 here for a consumer that rounds its input to it first (out_dtype; None: x's dtype), in one
+        pass where the kernel runs (cpllm/kernels/rms_norm.c): the bits of the add, this norm and the cast."""
+        out_dtype = x.dtype if out_dtype is None else out_dtype
+        fused = add_rms_norm(x, delta, self.weight, self.eps, out_dtype) if x.dtype == torch.float32 else None
+        if fused is not None:
+            return fused
+        total = x if delta is None else x + delta
+        return total, self(total).to(out_dtype)

@@ -81,8 +81,14 @@ class LlamaAttention(torch.nn.Module):
             self.q_norm = RMSNorm(f"{prefix}.q_norm.weight", d, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(f"{prefix}.k_norm.weight", d, config.rms_norm_eps, dtype)
 
-    def forward(self, hidden, rope_tables, kv_cache, meta: AttentionMetadata, keep: torch.Tensor | None = None):
-        """`keep`: the rows whose output is needed (every row's K/V is still stored and attended); None: all."""
+    def input_dtype(self, rows: int) -> torch.dtype | None:
+        """The dtype `rows` rows of input are rounded to first (only qkv_proj reads them), or None."""
+        return self.qkv_proj.input_dtype(rows)
+
+    def forward(self, hidden, rope_tables, kv_cache, meta: AttentionMetadata, keep: torch.Tensor | None = None,
+                native: bool = False):
+        """`keep`: the rows whose output is needed (every row's K/V is still stored and attended); None: all.
+        `native`: the output in the dtype o_proj rounded it to (RowParallelLinear.forward)."""
         n, d = hidden.shape[0], self.head_dim
         qkv = self.qkv_proj(hidden)  # [N, (Hq + 2 Hkv) * D]
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
@@ -98,7 +104,7 @@ class LlamaAttention(torch.nn.Module):
             if keep.numel() == 0:
                 return out[:0]  # no row wanted: no projection (nor its all-reduce) on any rank
             out = out.index_select(0, keep)
-        return self.o_proj(out)
+        return self.o_proj(out, native=native)
 
 
 class LlamaMLP(torch.nn.Module):
@@ -135,24 +141,36 @@ class LlamaMLP(torch.nn.Module):
             if not self.decode_split.usable:
                 self.decode_split = None
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
+    def input_dtype(self, rows: int, meta: AttentionMetadata | None = None) -> torch.dtype | None:
+        """The dtype `rows` rows of input are rounded to first, or None (the decode split reads float32)."""
+        return None if self._splits(meta) else self.gate_up_proj.input_dtype(rows)
+
+    def _splits(self, meta: AttentionMetadata | None) -> bool:
         # the step's plan says whether the MLPs split (plan.py `StepPlan.mlp_split`: same rows on every PCP rank)
-        if meta is not None and meta.plan.mlp_split and self.decode_split is not None:
+        return meta is not None and meta.plan.mlp_split and self.decode_split is not None
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
+        if self._splits(meta):
             return self.decode_split(x)
-        gate_up = self.gate_up_proj(x, native=True)  # float32, or a bf16 GEMM's own bf16 output
-        act = None
-        if gate_up.dtype != x.dtype:
-            # rounded to bf16 here where down_proj would round it anyway: the values through float32, without
-            # two wide copies
-            narrow = self.down_proj.input_dtype(x.shape[0]) == gate_up.dtype
-            act = silu_mul(gate_up, self.shard, gate_up.dtype if narrow else x.dtype)
-            gate_up = gate_up.to(x.dtype) if act is None else gate_up
-        if act is None:
-            act = silu_mul(gate_up, self.shard)  # one C call on eager CPU float32 steps (as the fused decode layer)
+        gate_up = self.gate_up_proj(x, native=True)  # the model's dtype, or a bf16 GEMM's own bf16 output
+        return self.down_proj(self._activation(gate_up, x.shape[0]))
+
+    def _activation(self, gate_up: torch.Tensor, rows: int) -> torch.Tensor:
+        """silu(gate) * up: one C call on eager CPU steps (as the fused decode layer) where it applies, else torch's
+        ops. A bf16 GEMM's output is read as it is, and the result rounded to bf16 here where down_proj would
+        round it anyway: the values of the float32 flow, without two wide copies."""
+        dtype = self.down_proj.dtype
+        if gate_up.dtype != dtype:
+            narrow = self.down_proj.input_dtype(rows) == gate_up.dtype
+            act = silu_mul(gate_up, self.shard, gate_up.dtype if narrow else dtype)
+            if act is not None:
+                return act
+            gate_up = gate_up.to(dtype)
+        act = silu_mul(gate_up, self.shard) if dtype == torch.float32 else None
         if act is None:
             gate, up = gate_up.split(self.shard, dim=-1)
             act = F.silu(gate) * up
-        return self.down_proj(act)
+        return act
 
 
 class LlamaDecoderLayer(torch.nn.Module):
@@ -178,12 +196,24 @@ class LlamaDecoderLayer(torch.nn.Module):
             self.mlp = LlamaMLP(config, f"{prefix}.mlp", parallel, dtype, split)
 
     def forward(self, hidden, rope_tables, kv_cache, meta, keep: torch.Tensor | None = None):
-        """`keep`: the rows to compute past attention (the last layer of a step that samples from a few rows)."""
-        attn = self.self_attn(self.input_layernorm(hidden), rope_tables, kv_cache, meta, keep)
+        """`keep`: the rows to compute past attention (the last layer of a step that samples from a few rows).
+
+        Where the projections run bf16 GEMMs (the default path's prefill), each norm is rounded to bf16 as it is
+        written and o_proj's bf16 output is added to the residual as it is (the residual stays float32): the bits
+        of the float32 flow, whose casts the GEMMs would make anyway."""
+        narrow = getattr(self.self_attn, "input_dtype", None)  # an attention that has it takes `native`
+        if narrow is None:
+            attn = self.self_attn(self.input_layernorm(hidden), rope_tables, kv_cache, meta, keep)
+        else:
+            normed = self.input_layernorm.add_and_norm(hidden, None, narrow(hidden.shape[0]))[1]
+            attn = self.self_attn(normed, rope_tables, kv_cache, meta, keep, native=True)
         if keep is not None and keep.numel() == 0:  # no row wanted: the K/V store was all there was to do
             return hidden[:0]
-        hidden = attn + (hidden if keep is None else hidden.index_select(0, keep))
-        return hidden + self.mlp(self.post_attention_layernorm(hidden), meta)
+        residual = hidden if keep is None else hidden.index_select(0, keep)
+        mlp_input = getattr(self.mlp, "input_dtype", None)
+        hidden, normed = self.post_attention_layernorm.add_and_norm(
+            residual, attn, None if mlp_input is None else mlp_input(residual.shape[0], meta))
+        return hidden + self.mlp(normed, meta)
 
 
 def call_layer(layer: LlamaDecoderLayer, hidden, rope_tables, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
