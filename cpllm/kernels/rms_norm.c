@@ -69,3 +69,10 @@ void cpllm_add_rms_norm(const float *x, const void *delta, int delta_bf16, const
         }
     }
 }
+
+/* sum = x + delta over contiguous rows, delta bf16 (a bf16 GEMM's output, widened exactly): the residual add
+ * without widening delta into a float32 copy first; the bits of torch's add. */
+void cpllm_add_bf16_rows(const float *x, const uint16_t *delta, int64_t elements, float *sum, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (elements > 65536)
+    for (int64_t i = 0; i < elements; i++) sum[i] = x[i] + from_bf16(delta[i]);
+}

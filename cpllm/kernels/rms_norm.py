@@ -67,3 +67,17 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
                            width, total.data_ptr(), out.data_ptr(), int(out_dtype == torch.bfloat16),
                            torch.get_num_threads())
     return total, out
+
+
+def add_residual(x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """x + delta for a float32 residual x and a delta in the model's dtype or a bf16 GEMM's bfloat16 (added as it
+    is, in one C pass on the CPU where the kernel runs: the bits of torch's add after widening)."""
+    if (delta.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.device.type == "cpu"
+            and delta.shape == x.shape and x.is_contiguous() and delta.is_contiguous()
+            and not torch.compiler.is_compiling()):
+        lib = load("rms_norm")
+        if lib is not None:
+            out = torch.empty_like(x)
+            lib.cpllm_add_bf16_rows(x.data_ptr(), delta.data_ptr(), x.numel(), out.data_ptr(), torch.get_num_threads())
+            return out
+    return x + delta.to(x.dtype)

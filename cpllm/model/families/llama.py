@@ -20,6 +20,7 @@ from cpllm.context_parallel.metadata import AttentionMetadata
 from cpllm.distributed.comm import low_latency
 from cpllm.distributed.parallel_context import ParallelContext
 from cpllm.kernels.decode_rows import rope_qk_, silu_mul
+from cpllm.kernels.rms_norm import add_residual
 from cpllm.kernels.prefill_attention import bf16_choice
 from cpllm.layers.gqa_triton.choice import kind_for
 from cpllm.layers.registry import attention_backend
@@ -149,11 +150,12 @@ class LlamaMLP(torch.nn.Module):
         # the step's plan says whether the MLPs split (plan.py `StepPlan.mlp_split`: same rows on every PCP rank)
         return meta is not None and meta.plan.mlp_split and self.decode_split is not None
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata | None = None, native: bool = False) -> torch.Tensor:
+        """`native`: the output in the dtype down_proj rounded it to (RowParallelLinear.forward)."""
         if self._splits(meta):
             return self.decode_split(x)
         gate_up = self.gate_up_proj(x, native=True)  # the model's dtype, or a bf16 GEMM's own bf16 output
-        return self.down_proj(self._activation(gate_up, x.shape[0]))
+        return self.down_proj(self._activation(gate_up, x.shape[0]), native=native)
 
     def _activation(self, gate_up: torch.Tensor, rows: int) -> torch.Tensor:
         """silu(gate) * up: one C call on eager CPU steps (as the fused decode layer) where it applies, else torch's
@@ -201,7 +203,7 @@ class LlamaDecoderLayer(torch.nn.Module):
         Where the projections run bf16 GEMMs (the default path's prefill), each norm is rounded to bf16 as it is
         written and o_proj's bf16 output is added to the residual as it is (the residual stays float32): the bits
         of the float32 flow, whose casts the GEMMs would make anyway."""
-        narrow = getattr(self.self_attn, "input_dtype", None)  # an attention that has it takes `native`
+        narrow = getattr(self.self_attn, "input_dtype", None)  # an attention or MLP that has it takes `native`
         if narrow is None:
             attn = self.self_attn(self.input_layernorm(hidden), rope_tables, kv_cache, meta, keep)
         else:
@@ -211,9 +213,12 @@ class LlamaDecoderLayer(torch.nn.Module):
             return hidden[:0]
         residual = hidden if keep is None else hidden.index_select(0, keep)
         mlp_input = getattr(self.mlp, "input_dtype", None)
-        hidden, normed = self.post_attention_layernorm.add_and_norm(
-            residual, attn, None if mlp_input is None else mlp_input(residual.shape[0], meta))
-        return hidden + self.mlp(normed, meta)
+        if mlp_input is None:
+            hidden, normed = self.post_attention_layernorm.add_and_norm(residual, attn, None)
+            return hidden + self.mlp(normed, meta)
+        hidden, normed = self.post_attention_layernorm.add_and_norm(residual, attn,
+                                                                    mlp_input(residual.shape[0], meta))
+        return add_residual(hidden, self.mlp(normed, meta, native=True))
 
 
 def call_layer(layer: LlamaDecoderLayer, hidden, rope_tables, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
