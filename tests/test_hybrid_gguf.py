@@ -100,10 +100,11 @@ def _converted(name: str, t: torch.Tensor, arch: str, config) -> list[tuple[str,
 
 def write_hybrid_gguf(path: str, folder: str, family: str, *, fuse_gate_up: bool = False, arch: str | None = None,
                       skip: tuple[str, ...] = (), extra: dict[str, np.ndarray] | None = None,
-                      overrides: dict | None = None, value_heads: int | None = None) -> None:
-    """The folder's weights as llama.cpp's converter writes them (see the module). Broken files for the refusals:
-    `arch` another architecture name, `skip` GGUF tensors left out, `extra` tensors added, `value_heads` a wrong
-    ssm.time_step_rank."""
+                      overrides: dict | None = None, value_heads: int | None = None,
+                      quantize_as: dict[str, gguf.GGMLQuantizationType] | None = None) -> None:
+    """The folder's weights as llama.cpp's converter writes them (see the module); `quantize_as`: GGUF tensor name
+    (after `blk.N.`) -> a block type to store it in. Broken files for the refusals: `arch` another architecture
+    name, `skip` GGUF tensors left out, `extra` tensors added, `value_heads` a wrong ssm.time_step_rank."""
     config = tiny_hybrid_config(family, **(overrides or {}))
     arch = arch or ARCH[family]
     vocab = tiny_vocab()
@@ -164,8 +165,13 @@ def write_hybrid_gguf(path: str, folder: str, family: str, *, fuse_gate_up: bool
             continue
         tensors.append((f"blk.{layer}.ffn_{proj.split('_')[0]}_exps.weight", stack))
     for gname, t in tensors:
-        if gname not in skip:
+        qtype = (quantize_as or {}).get(gname.split(".", 2)[-1])
+        if gname in skip:
+            continue
+        if qtype is None:
             writer.add_tensor(gname, np.ascontiguousarray(t.numpy()))
+        else:
+            writer.add_tensor(gname, gguf.quants.quantize(t.numpy(), qtype), raw_dtype=qtype)
     for gname, data in (extra or {}).items():
         writer.add_tensor(gname, data)
     writer.write_header_to_file()
@@ -179,16 +185,20 @@ def _prompts(vocab_size: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def case(request, tmp_path_factory):
+def _build(name: str, tmp_path_factory) -> tuple:
     """(case, the HF folder, the GGUF file, prompts, transformers' results on the folder's weights)."""
-    family, overrides, options = CASES[request.param]
-    folder = save_tiny_hybrid(str(tmp_path_factory.mktemp(request.param)), family, seed=1, **overrides)
-    path = str(tmp_path_factory.mktemp("gguf") / f"{request.param}.gguf")
+    family, overrides, options = CASES[name]
+    folder = save_tiny_hybrid(str(tmp_path_factory.mktemp(name)), family, seed=1, **overrides)
+    path = str(tmp_path_factory.mktemp("gguf") / f"{name}.gguf")
     write_hybrid_gguf(path, folder, family, overrides=overrides, **options)
     hf = make_tiny_hybrid(family, seed=1, **overrides)
     prompts = _prompts(hf.config.vocab_size)
-    return request.param, folder, path, prompts, [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    return name, folder, path, prompts, [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory):
+    return _build(request.param, tmp_path_factory)
 
 
 def test_config_read_from_the_file(case):
@@ -236,12 +246,10 @@ def test_gguf_matches_transformers(case):
 
 
 @pytest.mark.timeout(300)
-def test_gguf_under_tp2_matches_transformers(case):
-    """TP = 2 reads each rank's key heads and their value heads back from the tiled order (Qwen3.5), and its
+def test_gguf_under_tp2_matches_transformers(tmp_path_factory):
+    """TP = 2 (the tiled case) reads each rank's key heads and their value heads back from the tiled order, and its
     columns of out_proj."""
-    name, _, path, prompts, refs = case
-    if name != "qwen3_5":
-        pytest.skip("one TP = 2 load: the tiled case")
+    _, _, path, prompts, refs = _build("qwen3_5", tmp_path_factory)
     with LLM(path, **COMMON, tensor_parallel_size=2, threads_per_rank=1, distributed_timeout=60) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     for output, ref in zip(outputs, refs):
@@ -266,3 +274,32 @@ def test_unreadable_file_refused_by_name(broken, message, dense_folder, tmp_path
     write_hybrid_gguf(path, dense_folder, "qwen3_5", **broken)
     with pytest.raises(ValueError, match=message):
         GGUFSource(path)
+
+
+def test_block_quantized_tensors_in_hf_order(dense_folder, tmp_path):
+    """Q8_0 in_proj_qkv / in_proj_z of the tiled case: their rows put back as whole blocks, by get and as int8
+    groups (a TP shard's rows too); out_proj's columns cross its blocks, so it is handed out dequantized (F32). The
+    file runs under quantization=auto (the int8 groups as stored)."""
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    path = str(tmp_path / "q8.gguf")
+    write_hybrid_gguf(path, dense_folder, "qwen3_5",
+                      quantize_as={"attn_qkv.weight": q8, "attn_gate.weight": q8, "ssm_out.weight": q8})
+    source, hf = GGUFSource(path), SafetensorsSource(dense_folder)
+    prefix = "model.layers.4.linear_attn"
+    for name in ("in_proj_qkv", "in_proj_z"):
+        want = hf.get(f"{prefix}.{name}.weight").numpy()
+        want = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(want, q8), q8))  # rows quantize alone
+        assert source.storage_type(f"{prefix}.{name}.weight") == "Q8_0"
+        assert torch.equal(source.get(f"{prefix}.{name}.weight"), want), name
+        groups = source.get_int8_groups(f"{prefix}.{name}.weight", dim=0, start=32, end=64)
+        assert torch.equal((groups.codes.float().reshape(32, 2, 32) * groups.d[..., None]).reshape(32, 64),
+                           want[32:64]), name
+    out_proj = f"{prefix}.out_proj.weight"
+    assert source.storage_type(out_proj) == "F32"
+    assert torch.allclose(source.get(out_proj), hf.get(out_proj), atol=2e-3)
+    with pytest.raises(ValueError, match="F32"):
+        source.get_int8_groups(out_proj)
+    prompts = _prompts(300)[:2]
+    with LLM(path, **{**COMMON, "quantization": "auto"}) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [MAX_TOKENS] * 2
