@@ -102,7 +102,7 @@ class HybridLayout:
 
     def __init__(self, arch: str, config: ModelConfig):
         linear = config.linear_attention
-        self.key_dim = 2 * linear.key_dim  # q and k rows / channels, never reordered
+        self.qk_rows = 2 * linear.key_dim  # q and k rows / channels, never reordered
         self.tiled = arch in TILED_V_HEADS and linear.num_key_heads != linear.num_value_heads
         per_key = linear.num_value_heads // linear.num_key_heads
         self._heads = tiled_order(linear.num_key_heads, per_key, 1)
@@ -113,7 +113,7 @@ class HybridLayout:
         if not self.tiled or ".linear_attn." not in name:
             return None
         if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):  # q | k as they are, then v of each value head
-            return np.concatenate([np.arange(self.key_dim), self.key_dim + self._values])
+            return np.concatenate([np.arange(self.qk_rows), self.qk_rows + self._values])
         if name.endswith("in_proj_z.weight"):
             return self._values
         if name.endswith(("in_proj_b.weight", "in_proj_a.weight", "A_log", "dt_bias")):
