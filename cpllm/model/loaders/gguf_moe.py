@@ -3,7 +3,9 @@
 llama.cpp stores a sparse layer's experts stacked, one tensor per projection (`blk.N.ffn_gate_exps.weight`,
 [E, out, in] in torch order), where a Hugging Face checkpoint has one tensor per expert. The GGUF source offers
 every expert under its per-expert HF name, as a view of its slice of the stack, so the model asks for the same
-names whatever the file format. Mixtral is a llama file with an expert count; its HF names differ
+names whatever the file format. The converter's --fuse-gate-up-exps writes gate and up as one stack
+(`ffn_gate_up_exps`, [E, 2 I, in], each expert's gate rows first): each expert's gate and up are views of its
+halves. Mixtral is a llama file with an expert count; its HF names differ
 (`block_sparse_moe`, w1 / w3 / w2).
 """
 
@@ -29,6 +31,10 @@ _QWEN_NAMES = {"ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
                "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
 _STACKED = {"ffn_gate_exps.weight": 0, "ffn_up_exps.weight": 1, "ffn_down_exps.weight": 2}
 """Stacked expert tensor -> index into MoEConfig.expert_weight_names (gate, up, down)."""
+_GATE_UP_STACK = "ffn_gate_up_exps.weight"
+"""gate and up of every expert in one stack, [E, 2 I, in], gate rows first."""
+ExpertIndex = int | tuple[int, slice] | None
+"""Where an HF tensor lies in its stored one: None (all of it), an expert of a stack, or rows of an expert."""
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 _PER_EXPERT_RE = re.compile(r"ffn_(gate|up|down)\.(\d+)\.weight")
 """Older Mixtral files: one tensor per expert, `blk.N.ffn_gate.E.weight`."""
@@ -60,8 +66,9 @@ def gguf_moe_config(arch: str, meta: Callable[[str, Any], Any], tensor_names: se
     )
 
 
-def moe_hf_names(gguf_name: str, moe: MoEConfig | None) -> list[tuple[str, int | None]]:
-    """(HF name, expert index in the stack or None) for a GGUF tensor this module maps; [] when it maps none."""
+def moe_hf_names(gguf_name: str, moe: MoEConfig | None) -> list[tuple[str, ExpertIndex]]:
+    """(HF name, its index into the stored tensor: None, an expert of the stack, or (expert, its rows)) for a GGUF
+    tensor this module maps; [] when it maps none."""
     match = _LAYER_RE.fullmatch(gguf_name)
     if match is None:
         return []
@@ -75,6 +82,10 @@ def moe_hf_names(gguf_name: str, moe: MoEConfig | None) -> list[tuple[str, int |
     if rest in _STACKED:
         proj = moe.expert_weight_names[_STACKED[rest]]
         return [(f"{layer}.{moe.expert_prefix}.experts.{e}.{proj}.weight", e) for e in range(moe.num_experts)]
+    if rest == _GATE_UP_STACK:
+        rows, (gate, up, _) = moe.intermediate_size, moe.expert_weight_names
+        return [(f"{layer}.{moe.expert_prefix}.experts.{e}.{proj}.weight", (e, slice(lo, lo + rows)))
+                for e in range(moe.num_experts) for proj, lo in ((gate, 0), (up, rows))]
     single = _PER_EXPERT_RE.fullmatch(rest)
     if single is not None:
         proj = moe.expert_weight_names[("gate", "up", "down").index(single.group(1))]

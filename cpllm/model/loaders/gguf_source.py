@@ -11,6 +11,9 @@ Three things differ from a Hugging Face checkpoint:
   "first half, second half" (HF's rotate-half rotary) to interleaved pairs
   (its own rotary). Reading undoes that so the rows match HF again. Qwen2 is
   converted without the reordering.
+Per-family differences live beside this file: gguf_deepseek.py, gguf_gpt_oss.py,
+gguf_gemma.py, gguf_moe.py, gguf_hybrid.py (the gated-DeltaNet hybrids: their rows,
+columns and values moved or transformed by the converter, put back here on read).
 """
 
 from __future__ import annotations
@@ -36,7 +39,16 @@ from cpllm.model.loaders.gguf_gpt_oss import (
     gpt_oss_hf_config,
     gpt_oss_layer_name,
 )
-from cpllm.model.loaders.gguf_moe import gguf_moe_config, hf_architecture, moe_hf_names
+from cpllm.model.loaders.gguf_hybrid import (
+    HYBRID_GGUF_ARCHITECTURES,
+    NOT_READ_HYBRID_GGUF,
+    HybridLayout,
+    hybrid_hf_config,
+    hybrid_layer_name,
+    hybrid_row_views,
+    split_projections,
+)
+from cpllm.model.loaders.gguf_moe import ExpertIndex, gguf_moe_config, hf_architecture, moe_hf_names
 from cpllm.model.loaders.weight_slices import resolve_slice
 from cpllm.model.formats.gguf_blocks import (
     INT4_GGUF_TYPES,
@@ -92,6 +104,7 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     rest = (gemma_layer_name(match.group(2)) if arch in GEMMA_GGUF_ARCHITECTURES else None) \
         or (deepseek_layer_name(match.group(2)) if arch == DEEPSEEK_GGUF_ARCH else None) \
         or (gpt_oss_layer_name(match.group(2)) if arch == GPT_OSS_GGUF_ARCH else None) \
+        or (hybrid_layer_name(match.group(2)) if arch in HYBRID_GGUF_ARCHITECTURES else None) \
         or _LAYER_NAMES.get(match.group(2))
     return None if rest is None else f"model.layers.{match.group(1)}.{rest}"
 
@@ -164,14 +177,22 @@ def gguf_model_config(reader: GGUFFile, tensor_shapes: dict[str, tuple[int, ...]
     if arch == GPT_OSS_GGUF_ARCH:  # sinks, windows, the GPT-OSS MoE: read as the config.json it stands for
         rope_scaling = _rope_scaling(reader, arch, set(tensor_shapes))
         return ModelConfig.from_hf_config(gpt_oss_hf_config(meta, tensor_shapes, _eos_ids(reader), rope_scaling))
+    if arch in HYBRID_GGUF_ARCHITECTURES:  # DeltaNet shapes in ssm.*, partial rotary: read as its config.json
+        rope_scaling = _rope_scaling(reader, arch, set(tensor_shapes))
+        cfg = hybrid_hf_config(arch, meta, tensor_shapes, _eos_ids(reader), rope_scaling)
+        return split_projections(ModelConfig.from_hf_config(cfg))
     if arch in NOT_READ_SPARSE_GGUF:  # the gguf package names it; its converter's layout is not checked here
         raise ValueError(f"GGUF architecture {arch!r} ({NOT_READ_SPARSE_GGUF[arch]}, DeepSeek sparse attention) is "
                          "not read yet: load its Hugging Face safetensors folder instead")
+    if arch in NOT_READ_HYBRID_GGUF:  # likewise: its converter's layout is not checked here
+        raise ValueError(f"GGUF architecture {arch!r} ({NOT_READ_HYBRID_GGUF[arch]}, Kimi delta attention) is not "
+                         "read yet: load its Hugging Face safetensors folder instead")
     hf_arch = hf_architecture(arch, meta) or GGUF_ARCHITECTURES.get(arch)
     if hf_arch is None:
         raise ValueError(
             f"unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(GGUF_ARCHITECTURES))}, "
-            "qwen3, qwen3moe, qwen2moe (and llama with expert_count: Mixtral)"
+            f"qwen3, qwen3moe, qwen2moe (and llama with expert_count: Mixtral), {DEEPSEEK_GGUF_ARCH}, "
+            f"{GPT_OSS_GGUF_ARCH}, {', '.join(HYBRID_GGUF_ARCHITECTURES)}"
         )
     rope_scaling = _rope_scaling(reader, arch, set(tensor_shapes))
     hidden = int(_meta(reader, f"{arch}.embedding_length"))
@@ -224,13 +245,18 @@ class GGUFSource:
         shapes = {t.name: t.shape for t in self._reader.tensors}
         self.config = gguf_model_config(self._reader, shapes)
         self._arch = _meta(self._reader, "general.architecture")
+        self._hybrid = HybridLayout(self._arch, self.config) if self._arch in HYBRID_GGUF_ARCHITECTURES else None
+        """The gated-DeltaNet hybrids' moved rows, columns and stored values (gguf_hybrid.py); None otherwise."""
         self._tensors: dict[str, StoredTensor] = {}
         stacks: dict[tuple[int, str, str], StoredTensor] = {}
         for tensor in self._reader.tensors:
             stack = expert_stack(tensor.name) if self._arch == GPT_OSS_GGUF_ARCH else None
             name = None if stack is not None else hf_name(tensor.name, self._arch)
             # MoE / Qwen3 names; a stacked expert tensor gives one view per expert ([out, in] slice of the stack)
-            names = [(name, None)] if name is not None else moe_hf_names(tensor.name, self.config.moe)
+            names: list[tuple[str, ExpertIndex | np.ndarray]] = \
+                [(name, None)] if name is not None else moe_hf_names(tensor.name, self.config.moe)
+            if not names and self._hybrid is not None:  # Qwen3-Next's fused ssm_ba: its b rows and its a rows
+                names = self._row_views(tensor.name)
             if not names and stack is None:
                 raise ValueError(f"GGUF tensor {tensor.name!r} has no Hugging Face Llama counterpart")
             if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
@@ -241,10 +267,16 @@ class GGUFSource:
             if stack is not None:  # GPT-OSS's split gate / up / down stacks, joined back under HF's names
                 stacks[stack] = tensor
                 continue
-            for name, expert in names:
-                self._tensors[name] = tensor if expert is None else tensor._replace(
-                    data=tensor.data[expert], shape=tensor.shape[1:])
+            for name, index in names:
+                self._tensors[name] = tensor if index is None else _view(tensor, index)
         self._experts = GptOssExpertStacks(stacks) if stacks else None
+
+    def _row_views(self, gguf_name: str) -> list[tuple[str, np.ndarray]]:
+        match = _LAYER_RE.fullmatch(gguf_name)
+        if match is None:
+            return []
+        return [(f"model.layers.{match.group(1)}.{rest}", rows)
+                for rest, rows in hybrid_row_views(match.group(2), self.config)]
 
     def names(self) -> list[str]:
         return sorted([*self._tensors, *(self._experts.names() if self._experts else [])])
@@ -259,7 +291,10 @@ class GGUFSource:
     def storage_type(self, name: str) -> str:
         if self._experts is not None and self._experts.has(name):
             return self._experts.storage_type(name)
-        return self._lookup(name).tensor_type.name
+        stored = self._lookup(name).tensor_type
+        if self._column_order(name) is not None and stored not in (_Q.F32, _Q.F16, _Q.BF16):
+            return _Q.F32.name  # its columns are moved across blocks: dequantized on read, handed out as floats
+        return stored.name
 
     def _lookup(self, name: str) -> StoredTensor:
         if name not in self._tensors:
@@ -268,12 +303,18 @@ class GGUFSource:
 
     def _row_order(self, name: str, rows: int) -> np.ndarray | None:
         """GGUF row of each HF row when llama.cpp reordered them, else None."""
+        if self._hybrid is not None:
+            return self._hybrid.row_order(name)
         match = _QK_RE.fullmatch(name)
         if self._arch != "llama" or match is None:
             return None
         cfg = self.config
         heads = cfg.num_attention_heads if match.group(1) == "q" else cfg.num_key_value_heads
         return llama_rope_row_order(rows, heads)
+
+    def _column_order(self, name: str) -> np.ndarray | None:
+        """GGUF column of each HF column when llama.cpp moved them (a hybrid's out_proj), else None."""
+        return None if self._hybrid is None else self._hybrid.column_order(name)
 
     def get_int4_groups(
         self, name: str, *, dim: int | None = None, start: int = 0, end: int | None = None
@@ -297,7 +338,7 @@ class GGUFSource:
         """The stored blocks of a row or column slice, in HF row order: (raw [rows, bytes], type, the requested
         columns relative to the first block read). A column slice must fall on 32-column boundaries."""
         tensor = self._lookup(name)
-        kind = tensor.tensor_type.name
+        kind = self.storage_type(name)
         shape = tensor.shape  # HF order: (out, in)
         if kind not in kinds or len(shape) != 2:
             raise ValueError(f"{name} is stored as {kind} with shape {shape}; these groups come only from 2-D "
@@ -333,12 +374,31 @@ class GGUFSource:
         tensor = self._lookup(name)
         shape = tensor.shape  # HF order: (out, in)
         span = resolve_slice(name, shape, dim, start, end)
+        columns = self._column_order(name)
+        if columns is not None:  # read the rows asked for, whole, then gather the HF columns
+            columns = columns if span is None or span[0] == 0 else columns[span[1] : span[2]]
+            span = span if span is None or span[0] == 0 else None
         out = _read(tensor, shape, span, self._row_order(name, shape[0]))
+        if columns is not None:
+            out = out[:, columns]
         if self._arch in GEMMA_GGUF_ARCHITECTURES and stores_one_plus_w(name):
             out = out - np.float32(1)  # llama.cpp stored 1 + w (cpllm/model/loaders/gguf_gemma.py)
+        if self._hybrid is not None:
+            out = self._hybrid.values(name, out)  # 1 + w, -exp(A_log), the squeezed conv axis (gguf_hybrid.py)
         if not (out.flags.owndata and out.flags.writeable and out.flags.c_contiguous):
             out = np.array(out)  # detach from the read-only memory map
         return torch.from_numpy(out).to(dtype)
+
+
+def _view(tensor: StoredTensor, index: ExpertIndex | np.ndarray) -> StoredTensor:
+    """Part of a stored tensor as a tensor of its own: an expert of a stack (int), rows of an expert ((int, slice))
+    or rows (an index array, copied: a small tensor). Its rows stay whole blocks, so any storage type slices."""
+    if isinstance(index, np.ndarray):
+        return tensor._replace(data=np.ascontiguousarray(tensor.data[index]), shape=(len(index), *tensor.shape[1:]))
+    if isinstance(index, tuple):
+        expert, rows = index
+        return tensor._replace(data=tensor.data[expert, rows], shape=(rows.stop - rows.start, *tensor.shape[2:]))
+    return tensor._replace(data=tensor.data[index], shape=tensor.shape[1:])
 
 
 def _read(
