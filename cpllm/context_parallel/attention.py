@@ -111,12 +111,11 @@ class PagedCPAttention(torch.nn.Module):
                 raise ValueError("strategy 'pass-q' needs the step's K/V store plan: build the metadata with "
                                  "a plan of strategy 'pass-q' (plan.py `plan_step`)")
             return pass_q_attention(self.parallel, self.backend, self.scale, q, k, v, k_pool, v_pool, meta, self.mods)
-        out = torch.zeros(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device)
-        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         if strategy == "ring" and self.pcp.size > 1 and meta.has_new:
+            out, lse = _empty_partials(q)
             self._ring_new_tokens(q, k, v, k_pool, v_pool, meta, out, lse)
         else:
-            self._gathered_new_tokens(q, k, v, k_pool, v_pool, meta, out, lse)
+            out, lse = self._gathered_new_tokens(q, k, v, k_pool, v_pool, meta)
         if meta.has_context:
             o_ctx, lse_ctx = self._context(q, k_pool, v_pool, meta)
             out, lse = merge_two(out, lse, o_ctx, lse_ctx)
@@ -188,7 +187,9 @@ class PagedCPAttention(torch.nn.Module):
         out, _ = self._replicated_query_context(q, k_pool, v_pool, meta)
         return out.to(q.dtype)
 
-    def _gathered_new_tokens(self, q, k, v, k_pool, v_pool, meta, out, lse) -> None:
+    def _gathered_new_tokens(self, q, k, v, k_pool, v_pool, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every new token's K/V on every PCP rank, stored, and each local run attended to them -> (out, lse);
+        rows of no run (single tokens) stay (0, -inf)."""
         if meta.has_new:
             moved = tuple(all_gather(part, self.pcp.group) for part in self.backend.rows_to_move(k, v))
             k_all, v_all = self.backend.rows_moved(moved)
@@ -197,9 +198,18 @@ class PagedCPAttention(torch.nn.Module):
             k_all, v_all = k, v
             rows = meta.write_rows
         self.backend.store_kv(k_pool, v_pool, meta.write_slots, k_all, v_all, rows)  # in the pools' dtype
+        whole = _one_run_of_all_rows(meta, q.shape[0]) if self.causal_offsets and self.mods is None else None
+        if whole is not None:  # one prompt's run is every row: its call's result is the step's, as it comes
+            request, chunk = whole
+            keys = _new_keys(request, 0, chunk.new_start + chunk.length)
+            out, lse = self.backend.attend(q, k_all[keys], v_all[keys], self.scale, True,
+                                           causal_offset=chunk.new_start)
+            return out.to(accumulator_dtype(q.dtype)), lse.float()
+        out, lse = _empty_partials(q)
         for request in meta.requests:
             if request.num_new > 1:
                 self._new_token_attention(q, k_all, v_all, request, out, lse)
+        return out, lse
 
     def _new_token_attention(self, q, k_all, v_all, request: RequestAttention, out, lse) -> None:
         """Each local run [s, s+n) sees new keys [0, s) unmasked plus itself causally (head-tail safe): one call with
@@ -386,3 +396,17 @@ def _new_keys(request: RequestAttention, start: int, end: int) -> slice | torch.
     if request.new_kv_first is not None:
         return slice(request.new_kv_first + start, request.new_kv_first + end)
     return request.new_kv_rows[start:end]
+
+
+def _empty_partials(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(0, -inf) for every row of q: the partials of no key, which every merge leaves as the other side."""
+    return (torch.zeros(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device),
+            torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device))
+
+
+def _one_run_of_all_rows(meta: AttentionMetadata, rows: int):
+    """(request, chunk) where a step's only local run of new tokens is every one of its `rows` rows, else None."""
+    runs = [(request, chunk) for request in meta.requests if request.num_new > 1 for chunk in request.local_chunks]
+    if len(runs) == 1 and runs[0][1].row == 0 and runs[0][1].length == rows:
+        return runs[0]
+    return None
