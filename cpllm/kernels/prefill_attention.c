@@ -28,6 +28,33 @@
  * and loads, not FMAs, would bound the loop. An empty asm that "changes" the register keeps the one load. */
 #define IN_REGISTER(x) __asm__("" : "+v"(x))
 
+/* r[0..15], the rows of a 16 x 16 matrix of 32-bit words, become its columns: words within 128-bit lanes, then
+ * pairs of words, then the lanes themselves. The kernels' layout changes (q into pairs, V into V^T, the output
+ * back into rows) run through it: element by element they took a fifth of a 2K-token call on AMX. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  /* r[i + k] lane L: column 4 L + k of rows i .. i + 3 */
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int k = 0; k < 4; k++) {
+        const __m512i u0 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x44), u1 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xEE);
+        const __m512i u2 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x44);
+        const __m512i u3 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xEE);
+        t[k] = _mm512_shuffle_i32x4(u0, u2, 0x88);
+        t[4 + k] = _mm512_shuffle_i32x4(u0, u2, 0xDD);
+        t[8 + k] = _mm512_shuffle_i32x4(u1, u3, 0x88);
+        t[12 + k] = _mm512_shuffle_i32x4(u1, u3, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
 enum { ROWS = 64, VECS = ROWS / 16, BLOCK_KEYS = 64, MAX_D = 256 };
 /* bytes of the bf16 variant's per-thread pairs (PairTile): q pairs and probability pairs */
 enum { PAIR_TILE_BYTES = (MAX_D / 2 + BLOCK_KEYS / 2) * ROWS * 4 };
@@ -181,13 +208,26 @@ static void block_values(const Problem *p, int g, int k0, int count, Tile *t) {
 
 static void store_tile(const Problem *p, int g, int r0, const Tile *t) {
     const int group = p->hq / p->hkv, rows_total = p->n_q * group;
-    for (int r = 0; r < ROWS && r0 + r < rows_total; r++) {
+    const int rows = rows_total - r0 < ROWS ? rows_total - r0 : ROWS;
+    float *dst[ROWS], inv[ROWS];
+    for (int r = 0; r < rows; r++) {
         const int i = (r0 + r) / group, h = g * group + (r0 + r) % group;
-        float *dst = p->out + ((int64_t)i * p->hq + h) * p->d;
-        const float inv = 1.0f / t->l[r];
-        for (int c = 0; c < p->d; c++) dst[c] = t->ot[c][r] * inv;
+        dst[r] = p->out + ((int64_t)i * p->hq + h) * p->d;
+        inv[r] = 1.0f / t->l[r];
         p->lse[(int64_t)i * p->hq + h] = t->m[r] + logf(t->l[r]);
     }
+    const int whole = p->d / 16 * 16;  /* ot^T in blocks of 16 x 16, the rest of d word by word */
+    for (int rb = 0; rb < rows; rb += 16)
+        for (int c = 0; c < whole; c += 16) {
+            __m512i block[16];
+            for (int a = 0; a < 16; a++) block[a] = _mm512_castps_si512(_mm512_load_ps(&t->ot[c + a][rb]));
+            transpose16(block);  /* block[r]: row rb + r's outputs c .. c + 15 */
+            for (int r = 0; r < 16 && rb + r < rows; r++)
+                _mm512_storeu_ps(dst[rb + r] + c,
+                                 _mm512_mul_ps(_mm512_castsi512_ps(block[r]), _mm512_set1_ps(inv[rb + r])));
+        }
+    for (int r = 0; r < rows; r++)
+        for (int c = whole; c < p->d; c++) dst[r][c] = t->ot[c][r] * inv[r];
 }
 
 /* The keys a loaded tile reads: [0, *end), and the lowest last visible key of its rows (blocks past it mask). */
@@ -314,12 +354,26 @@ static void pack_kv(const Problem *p, Packed *packed, int threads) {
 }
 
 static void load_tile_bf16(const Problem *p, int g, int r0, Tile *t, PairTile *pt) {
-    for (int r = 0; r < ROWS; r++) {
-        const float *src = tile_row(p, g, r0 + r, t, r);
-        for (int c = 0; c < p->d / 2; c++)
-            pt->qp[c][r] = src == NULL ? 0u
-                                       : bf16_of(src[2 * c] * p->scale) | bf16_of(src[2 * c + 1] * p->scale) << 16;
-    }
+    const float *src[ROWS];
+    for (int r = 0; r < ROWS; r++) src[r] = tile_row(p, g, r0 + r, t, r);
+    const int whole = p->d / 32 * 16;  /* pairs in blocks of 16 pairs x 16 rows, the rest pair by pair */
+    const __m512 scale = _mm512_set1_ps(p->scale);
+    for (int rb = 0; rb < ROWS; rb += 16)
+        for (int c = 0; c < whole; c += 16) {
+            __m512i block[16];  /* block[r]: row rb + r's 16 pairs from c (32 values, in order, as bf16) */
+            for (int r = 0; r < 16; r++) {
+                const float *x = src[rb + r];
+                block[r] = x == NULL ? _mm512_setzero_si512()
+                                     : (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_loadu_ps(x + 2 * c + 16), scale),
+                                                                    _mm512_mul_ps(_mm512_loadu_ps(x + 2 * c), scale));
+            }
+            transpose16(block);
+            for (int a = 0; a < 16; a++) _mm512_store_si512((void *)&pt->qp[c + a][rb], block[a]);
+        }
+    for (int r = 0; r < ROWS; r++)
+        for (int c = whole; c < p->d / 2; c++)
+            pt->qp[c][r] = src[r] == NULL ? 0u : bf16_of(src[r][2 * c] * p->scale)
+                                                     | bf16_of(src[r][2 * c + 1] * p->scale) << 16;
     reset_rows(p, t);
 }
 
@@ -457,7 +511,9 @@ static void configure_tiles(void) {
 
 static int64_t padded_keys(int n_k) { return ((int64_t)n_k + BLOCK_KEYS - 1) / BLOCK_KEYS * BLOCK_KEYS; }
 
-/* kb [hkv][padded][d] and vt [hkv][d][padded], bf16, zeros past n_k; items of BLOCK_KEYS keys of one KV head. */
+/* kb [hkv][padded][d] and vt [hkv][d][padded], bf16, zeros past n_k; items of BLOCK_KEYS keys of one KV head. V^T
+ * is written as the transpose of V's key-pair words (the bf16 variant's vp): row c of vt, read as 32-bit words, is
+ * column c of those words (d is a multiple of 32 here). */
 static void pack_kv_amx(const Problem *p, uint16_t *kb, uint16_t *vt, int threads) {
     const int64_t padded = padded_keys(p->n_k), blocks = padded / BLOCK_KEYS;
     const int d = p->d;
@@ -466,14 +522,28 @@ static void pack_kv_amx(const Problem *p, uint16_t *kb, uint16_t *vt, int thread
         const int g = (int)(item / blocks), j0 = (int)(item % blocks) * BLOCK_KEYS;
         for (int j = j0; j < j0 + BLOCK_KEYS; j++) {
             const float *k_row = p->k + (int64_t)j * p->kv_stride + (int64_t)g * d;
-            const float *v_row = p->v + (int64_t)j * p->kv_stride + (int64_t)g * d;
             uint16_t *kb_row = kb + ((int64_t)g * padded + j) * d;
-            uint16_t *vt_col = vt + (int64_t)g * d * padded + j;
-            for (int c = 0; c < d; c++) {
-                kb_row[c] = j < p->n_k ? (uint16_t)bf16_of(k_row[c]) : 0;
-                vt_col[c * padded] = j < p->n_k ? (uint16_t)bf16_of(v_row[c]) : 0;
-            }
+            for (int c = 0; c < d; c += 16)
+                _mm256_storeu_si256((__m256i *)(kb_row + c), j < p->n_k ? (__m256i)_mm512_cvtneps_pbh(
+                                                                              _mm512_loadu_ps(k_row + c))
+                                                                        : _mm256_setzero_si256());
         }
+        uint32_t *vt_words = (uint32_t *)(vt + (int64_t)g * d * padded);
+        for (int j2 = j0 / 2; j2 < (j0 + BLOCK_KEYS) / 2; j2 += 16)
+            for (int c = 0; c < d; c += 16) {
+                __m512i block[16];  /* block[i]: key pair j2 + i's words (v[2 j], v[2 j + 1]) of dims c .. c + 15 */
+                for (int i = 0; i < 16; i++) {
+                    const int j = 2 * (j2 + i);
+                    const float *v_row = p->v + (int64_t)j * p->kv_stride + (int64_t)g * d + c;
+                    const __m512i lo = j < p->n_k ? bf16_words(0xFFFF, v_row) : _mm512_setzero_si512();
+                    const __m512i hi = j + 1 < p->n_k ? bf16_words(0xFFFF, v_row + p->kv_stride)
+                                                      : _mm512_setzero_si512();
+                    block[i] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+                }
+                transpose16(block);
+                for (int a = 0; a < 16; a++)
+                    _mm512_storeu_si512((void *)(vt_words + (c + a) * padded / 2 + j2), block[a]);
+            }
     }
 }
 
