@@ -369,3 +369,31 @@ def test_smollm2_auto_still_answers_paris(caplog):
     assert "mlp.down_proj: int4 (stored Q4_1, run as stored) x30" in caplog.text
     assert "lm_head: int8 (stored Q8_0, run as stored; the best logits of each row recomputed" in caplog.text
     assert "embed_tokens: int8 (stored Q8_0, rows looked up as stored) x1" in caplog.text
+
+
+@pytest.mark.skipif(not int4_avx2.available(), reason="no AVX2 int4 kernel (its dequantizer runs the GEMM way)")
+def test_bf16_flow_between_the_gemms_gives_the_float32_flows_bits(quantized_gguf, monkeypatch):
+    """With every int4 call on bf16 GEMMs, the layers hand each other bf16 where the next GEMM rounds to it anyway
+    (norms written in bf16, gate|up and o_proj left in bf16, the activation rounded once): outputs are bit for bit
+    those of the float32 flow, in which each GEMM widens its output and the next rounds its input."""
+    from cpllm.kernels import int4_choice
+
+    gemms = int4_choice.Int4Choice(backend="avx2", gemm_from_rows=1, gemm_dtype="bfloat16", decode_gbps=0.0,
+                                   gemm_gflops={}, reason="test: every call on bf16 GEMMs")
+    monkeypatch.setattr(int4_choice, "choose", lambda features=None: gemms)
+    monkeypatch.setattr(int4_choice, "choose_backend", lambda backend: gemms)
+    narrow_outputs, native = [], GroupedWeight.matmul_native
+
+    def counted(self, x, bias=None):
+        y = native(self, x, bias)
+        narrow_outputs.append(y.dtype == torch.bfloat16)
+        return y
+
+    monkeypatch.setattr(GroupedWeight, "matmul_native", counted)
+    narrow = run_engine(quantized_gguf, quantization="auto")
+    assert sum(narrow_outputs) >= len(narrow)  # the flow ran (a single rank runs in this process)
+    monkeypatch.setattr(GroupedWeight, "matmul_native", lambda self, x, bias=None: self.matmul(x, bias))
+    monkeypatch.setattr(GroupedWeight, "input_dtype", lambda self, rows: None)
+    wide = run_engine(quantized_gguf, quantization="auto")
+    for a, b in zip(narrow, wide):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids and prompt_logprobs(a) == prompt_logprobs(b)

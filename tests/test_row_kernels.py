@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from cpllm.kernels import library
 from cpllm.kernels.decode_rows import rope_qk_, silu_mul, store_rows_
-from cpllm.kernels.rms_norm import rms_norm
+from cpllm.kernels.rms_norm import add_residual, add_rms_norm, rms_norm
 from cpllm.model.rope import apply_rope
 
 pytestmark = pytest.mark.skipif(library.load("decode_rows") is None, reason="no C compiler on this machine")
@@ -88,6 +88,31 @@ def test_rms_norm_of_heads_inside_fused_rows():
 def test_rms_norm_leaves_other_dtypes_to_torch():
     x = torch.randn(2, 64, dtype=torch.bfloat16)
     assert rms_norm(x, torch.ones(64, dtype=torch.bfloat16), 1e-5) is None
+
+
+@pytest.mark.parametrize("rows", [1, 300])
+@pytest.mark.parametrize("delta_dtype", [None, torch.float32, torch.bfloat16])
+def test_add_rms_norm_gives_the_bits_of_add_norm_and_cast(rows, delta_dtype):
+    """The residual add and the next norm in one pass: the sum is torch's add (a bf16 delta widened), the norm the
+    unfused kernel's on that sum, in float32 or rounded to bf16 as torch rounds; 300 rows take the threaded path."""
+    gen = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 576, generator=gen), torch.randn(576, generator=gen)
+    delta = None if delta_dtype is None else torch.randn(rows, 576, generator=gen).to(delta_dtype)
+    total_want = x if delta is None else x + delta.float()
+    for out_dtype in (torch.float32, torch.bfloat16):
+        total, normed = add_rms_norm(x, delta, w, 1e-5, out_dtype)
+        assert torch.equal(total, total_want) and normed.dtype == out_dtype
+        assert torch.equal(normed, rms_norm(total_want, w, 1e-5).to(out_dtype))
+    assert add_rms_norm(x, delta, w, 1e-5, torch.float16) is None  # another output dtype: the caller's torch path
+    with pytest.raises(ValueError, match="width 576"):
+        add_rms_norm(x, delta, w[:64], 1e-5, torch.float32)
+
+
+def test_add_residual_widens_a_bf16_delta_as_torch_does():
+    gen = torch.Generator().manual_seed(4)
+    x, delta = torch.randn(300, 576, generator=gen), torch.randn(300, 576, generator=gen).to(torch.bfloat16)
+    assert torch.equal(add_residual(x, delta), x + delta.float())
+    assert torch.equal(add_residual(x, delta.float()), x + delta.float())
 
 
 @pytest.mark.parametrize("rows", [1, 3, 300])
