@@ -12,7 +12,8 @@ keys, sigmoid gating). That config spells the expert groups `num_expert_group`, 
 (it looks for `n_group`): a file carries no expert_group_count, and is ungrouped, as the released model is
 (num_expert_group 1); the main case is built so. A second case writes the groups (a config spelling n_group) and
 kv_b_proj whole, as llama.cpp's loader still accepts. Greedy tokens identical, prompt and sampled-token logprobs
-within 1e-4; the main case also under TP = 2; malformed files refused with the tensor or key named.
+within 1e-4; the main case also under TP = 2; Q8_0 projections and experts read as their blocks; malformed files
+refused with the tensor or key named.
 """
 
 from __future__ import annotations
@@ -129,9 +130,11 @@ def _converted(name: str, t: torch.Tensor, hp: dict, split_kv_b: bool) -> list[t
 
 def write_kimi_gguf(path: str, folder: str, *, write_groups: bool = False, split_kv_b: bool = True,
                     skip: tuple[str, ...] = (), extra: dict[str, np.ndarray] | None = None,
-                    replace: dict[str, np.ndarray] | None = None, head_count_kv=None) -> None:
-    """The folder's weights as llama.cpp's converter writes them (see the module). Broken files for the refusals:
-    `skip` GGUF tensors left out, `extra` added, `replace` stored instead, `head_count_kv` another value."""
+                    replace: dict[str, np.ndarray] | None = None, head_count_kv=None,
+                    quantize_as: dict[str, gguf.GGMLQuantizationType] | None = None) -> None:
+    """The folder's weights as llama.cpp's converter writes them (see the module); `quantize_as`: GGUF tensor name
+    (after `blk.N.`) -> a block type to store it in. Broken files for the refusals: `skip` GGUF tensors left out,
+    `extra` added, `replace` stored instead, `head_count_kv` another value."""
     hp = _original_config(folder)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.KIMI_LINEAR, hp["num_hidden_layers"])
     writer = gguf.GGUFWriter(path, ARCH)
@@ -154,7 +157,12 @@ def write_kimi_gguf(path: str, folder: str, *, write_groups: bool = False, split
         out.append((f"blk.{layer}.ffn_{kind}_exps.weight", torch.stack([experts[e] for e in sorted(experts)])))
     for gname, t in out:
         assert gname is not None
-        if gname not in skip:
+        qtype = (quantize_as or {}).get(gname.split(".", 2)[-1])
+        if gname in skip:
+            continue
+        if qtype is not None:
+            writer.add_tensor(gname, gguf.quants.quantize(t.numpy(), qtype), raw_dtype=qtype)
+        else:
             writer.add_tensor(gname, (replace or {}).get(gname, np.ascontiguousarray(t.numpy())))
     for gname, data in (extra or {}).items():
         writer.add_tensor(gname, data)
@@ -253,3 +261,24 @@ def test_malformed_file_refused_by_name(broken, message, folder, tmp_path):
     write_kimi_gguf(path, folder, **broken)
     with pytest.raises(ValueError, match=message):
         GGUFSource(path)
+
+
+def test_block_quantized_tensors(folder, tmp_path):
+    """Q8_0 KDA projections, MLA query and routed experts (as a quantized file stores them): read back as the
+    dequantized blocks, handed out as int8 groups; the file runs under quantization=auto."""
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    path = str(tmp_path / "q8.gguf")
+    write_kimi_gguf(path, folder, quantize_as={name: q8 for name in (
+        "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate_exps.weight",
+        "ffn_up_exps.weight", "ffn_down_exps.weight")})
+    source, hf = GGUFSource(path), SafetensorsSource(folder)
+    for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.2.self_attn.q_proj.weight",
+                 "model.layers.1.block_sparse_moe.experts.3.w2.weight"):
+        want = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(hf.get(name).numpy(), q8), q8))
+        assert source.storage_type(name) == "Q8_0", name
+        assert torch.equal(source.get(name), want), name
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 17)]
+    with LLM(path, **{**COMMON, "quantization": "auto"}) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [MAX_TOKENS] * 2
