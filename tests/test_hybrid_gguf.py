@@ -7,7 +7,7 @@ dt_bias as `ssm_dt.bias`, the convolution squeezed, experts stacked per projecti
 per family Qwen3-Next's in_proj_qkvz split into attn_qkv / attn_gate (in_proj_ba kept as ssm_ba), Qwen3.5's value
 heads moved from grouped to tiled order when there are fewer key heads than value heads. Greedy tokens identical,
 prompt and sampled-token logprobs within 1e-4; one case under TP = 2; files the loader cannot read are refused with
-their name.
+their name. Kimi Linear's `kimi-linear` files: tests/test_kimi_gguf.py.
 """
 
 from __future__ import annotations
@@ -262,7 +262,8 @@ def dense_folder(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("broken, message", [
-    (dict(arch="kimi-linear"), "'kimi-linear' \\(Kimi Linear, Kimi delta attention\\) is not read yet"),
+    # a hybrid's tensors under Kimi Linear's name: read as Kimi Linear, which wants its per-layer head_count_kv
+    (dict(arch="kimi-linear"), "kimi-linear attention.head_count_kv=2: the converter writes one count per layer"),
     (dict(extra={"blk.0.ssm_in.weight": np.zeros((192, 64), dtype=np.float32)}),
      "GGUF tensor blk.0.ssm_in.weight \\(an unsplit in_proj_qkvz"),
     (dict(value_heads=8), r"blk.0.ssm_a has shape \(4,\); .*ssm.time_step_rank=8"),

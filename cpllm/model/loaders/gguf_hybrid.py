@@ -42,8 +42,6 @@ HYBRID_GGUF_ARCHITECTURES = {"qwen3next": "Qwen3NextForCausalLM", "qwen35": "Qwe
 """GGUF `general.architecture` of a gated-DeltaNet hybrid -> Hugging Face architecture."""
 TILED_V_HEADS = ("qwen35", "qwen35moe")
 """Architectures whose converter moves the value heads to tiled order when key heads < value heads."""
-NOT_READ_HYBRID_GGUF = {"kimi-linear": "Kimi Linear"}
-"""Linear-attention GGUF architectures the `gguf` package names but cpllm does not read, refused by name."""
 NORM_TOPK_DEFAULT = {"qwen3next": True, "qwen35moe": True}
 """Whether the router renormalises its top k when the file has no expert_weights_norm (the HF models' values:
 Qwen3-Next's config sets norm_topk_prob, Qwen3.5-MoE always renormalises)."""

@@ -13,7 +13,8 @@ Three things differ from a Hugging Face checkpoint:
   converted without the reordering.
 Per-family differences live beside this file: gguf_deepseek.py, gguf_gpt_oss.py,
 gguf_gemma.py, gguf_moe.py, gguf_hybrid.py (the gated-DeltaNet hybrids: their rows,
-columns and values moved or transformed by the converter, put back here on read).
+columns and values moved or transformed by the converter, put back here on read),
+gguf_kimi.py (Kimi Linear: its reshaped convolutions and stored -exp(A_log), put back likewise).
 """
 
 from __future__ import annotations
@@ -41,12 +42,18 @@ from cpllm.model.loaders.gguf_gpt_oss import (
 )
 from cpllm.model.loaders.gguf_hybrid import (
     HYBRID_GGUF_ARCHITECTURES,
-    NOT_READ_HYBRID_GGUF,
     HybridLayout,
     hybrid_hf_config,
     hybrid_layer_name,
     hybrid_row_views,
     split_projections,
+)
+from cpllm.model.loaders.gguf_kimi import (
+    KIMI_GGUF_ARCH,
+    kimi_hf_config,
+    kimi_hf_shape,
+    kimi_layer_name,
+    kimi_values,
 )
 from cpllm.model.loaders.gguf_moe import ExpertIndex, gguf_moe_config, hf_architecture, moe_hf_names
 from cpllm.model.loaders.weight_slices import resolve_slice
@@ -102,7 +109,8 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if match is None:
         return None
     rest = (gemma_layer_name(match.group(2)) if arch in GEMMA_GGUF_ARCHITECTURES else None) \
-        or (deepseek_layer_name(match.group(2)) if arch == DEEPSEEK_GGUF_ARCH else None) \
+        or (kimi_layer_name(match.group(2)) if arch == KIMI_GGUF_ARCH else None) \
+        or (deepseek_layer_name(match.group(2)) if arch in (DEEPSEEK_GGUF_ARCH, KIMI_GGUF_ARCH) else None) \
         or (gpt_oss_layer_name(match.group(2)) if arch == GPT_OSS_GGUF_ARCH else None) \
         or (hybrid_layer_name(match.group(2)) if arch in HYBRID_GGUF_ARCHITECTURES else None) \
         or _LAYER_NAMES.get(match.group(2))
@@ -177,6 +185,8 @@ def gguf_model_config(reader: GGUFFile, tensor_shapes: dict[str, tuple[int, ...]
     if arch == GPT_OSS_GGUF_ARCH:  # sinks, windows, the GPT-OSS MoE: read as the config.json it stands for
         rope_scaling = _rope_scaling(reader, arch, set(tensor_shapes))
         return ModelConfig.from_hf_config(gpt_oss_hf_config(meta, tensor_shapes, _eos_ids(reader), rope_scaling))
+    if arch == KIMI_GGUF_ARCH:  # KDA and MLA layers by head_count_kv, the DeepSeek MoE: read as its config.json
+        return ModelConfig.from_hf_config(kimi_hf_config(meta, tensor_shapes, _eos_ids(reader)))
     if arch in HYBRID_GGUF_ARCHITECTURES:  # DeltaNet shapes in ssm.*, partial rotary: read as its config.json
         rope_scaling = _rope_scaling(reader, arch, set(tensor_shapes))
         cfg = hybrid_hf_config(arch, meta, tensor_shapes, _eos_ids(reader), rope_scaling)
@@ -184,15 +194,12 @@ def gguf_model_config(reader: GGUFFile, tensor_shapes: dict[str, tuple[int, ...]
     if arch in NOT_READ_SPARSE_GGUF:  # the gguf package names it; its converter's layout is not checked here
         raise ValueError(f"GGUF architecture {arch!r} ({NOT_READ_SPARSE_GGUF[arch]}, DeepSeek sparse attention) is "
                          "not read yet: load its Hugging Face safetensors folder instead")
-    if arch in NOT_READ_HYBRID_GGUF:  # likewise: its converter's layout is not checked here
-        raise ValueError(f"GGUF architecture {arch!r} ({NOT_READ_HYBRID_GGUF[arch]}, Kimi delta attention) is not "
-                         "read yet: load its Hugging Face safetensors folder instead")
     hf_arch = hf_architecture(arch, meta) or GGUF_ARCHITECTURES.get(arch)
     if hf_arch is None:
         raise ValueError(
             f"unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(GGUF_ARCHITECTURES))}, "
             f"qwen3, qwen3moe, qwen2moe (and llama with expert_count: Mixtral), {DEEPSEEK_GGUF_ARCH}, "
-            f"{GPT_OSS_GGUF_ARCH}, {', '.join(HYBRID_GGUF_ARCHITECTURES)}"
+            f"{GPT_OSS_GGUF_ARCH}, {', '.join(HYBRID_GGUF_ARCHITECTURES)}, {KIMI_GGUF_ARCH}"
         )
     rope_scaling = _rope_scaling(reader, arch, set(tensor_shapes))
     hidden = int(_meta(reader, f"{arch}.embedding_length"))
@@ -267,6 +274,10 @@ class GGUFSource:
             if stack is not None:  # GPT-OSS's split gate / up / down stacks, joined back under HF's names
                 stacks[stack] = tensor
                 continue
+            rest = tensor.name.split(".", 2)[-1]
+            shape = kimi_hf_shape(rest, tensor.shape) if self._arch == KIMI_GGUF_ARCH else None
+            if shape is not None:  # Kimi's convolutions, stored [1, C, 1, K]: offered as HF's [C, 1, K]
+                tensor = tensor._replace(data=tensor.data.reshape(*shape[:-1], tensor.data.shape[-1]), shape=shape)
             for name, index in names:
                 self._tensors[name] = tensor if index is None else _view(tensor, index)
         self._experts = GptOssExpertStacks(stacks) if stacks else None
@@ -385,6 +396,8 @@ class GGUFSource:
             out = out - np.float32(1)  # llama.cpp stored 1 + w (cpllm/model/loaders/gguf_gemma.py)
         if self._hybrid is not None:
             out = self._hybrid.values(name, out)  # 1 + w, -exp(A_log), the squeezed conv axis (gguf_hybrid.py)
+        if self._arch == KIMI_GGUF_ARCH:
+            out = kimi_values(name, out)  # -exp(A_log) (gguf_kimi.py)
         if not (out.flags.owndata and out.flags.writeable and out.flags.c_contiguous):
             out = np.array(out)  # detach from the read-only memory map
         return torch.from_numpy(out).to(dtype)
