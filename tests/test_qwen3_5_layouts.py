@@ -1,4 +1,4 @@
-"""The gated-DeltaNet hybrids under TP, TP x DCP and PCP against transformers on the same tiny weights: each rank
+"""The gated-DeltaNet hybrids under TP, TP x DCP, PCP and TP x PCP x DCP (8 ranks) against transformers on the same tiny weights: each rank
 holds num_key_heads / TP whole key heads of every DeltaNet layer, the value heads they serve and those heads' states
 (DCP shards only the full layers' K/V: the TP ranks of a DCP group hold the same rows, so their states need
 nothing more). Under PCP a prompt chunk is split over the PCP ranks and the states go through the state scan
@@ -33,6 +33,11 @@ LAYOUTS = {
     "qwen3_5_moe-pcp2-passq": ("qwen3_5_moe", dict(prefill_context_parallel_size=2, cp_prefill_strategy="pass-q",
                                                    cp_kv_cache_interleave_size=2), {}),
     "qwen3_next-tp2-pcp2": ("qwen3_next", dict(tensor_parallel_size=2, prefill_context_parallel_size=2), {}),
+    # 8 ranks: the state scan over each TP rank's key head, the full layers' K/V sharded over PCP x DCP (each KV
+    # head on a DCP group of two TP ranks)
+    "qwen3_5-tp4-pcp2-dcp2": ("qwen3_5", dict(tensor_parallel_size=4, prefill_context_parallel_size=2,
+                                              decode_context_parallel_size=2, cp_kv_cache_interleave_size=2),
+                              dict(linear_num_key_heads=4, linear_num_value_heads=8)),
 }
 PCP_OPTIONS = dict(distributed_timeout=60)
 """Every collective of a PCP layout bounded: a broken step fails instead of hanging."""
