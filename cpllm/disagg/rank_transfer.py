@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -105,9 +106,14 @@ class RankTransfer:
         # the producer still holds the blocks (a stale pull would read blocks given to another request)
         call(op.remote.host, op.remote.port, {"op": "lease", "request_id": op.remote.request_id},
              timeout_s=self.config.transfer_timeout_s)
+        start, rows_before = time.perf_counter(), self.rows_pulled
         with ThreadPoolExecutor(max_workers=len(moves), thread_name_prefix="kv-pull") as pool:
             for done in [pool.submit(self._pull_move, op, move) for move in moves]:
                 done.result()  # a failed move fails the pull (TransferError names the peer)
+        # one line per pull, read by benchmarks/disagg_mixed.py (transfer time against the bytes moved)
+        logger.info("kv transfer: rank %d pulled %d tokens of request %s, %d bytes in %.2f ms", self.rank,
+                    op.num_tokens, op.remote.request_id, (self.rows_pulled - rows_before) * self.head_bytes,
+                    (time.perf_counter() - start) * 1e3)
 
     def _pull_move(self, op: PullOp, move: Move) -> None:
         """One move, a message of at most MESSAGE_BYTES at a time: fetched from its producer rank, then stored."""
