@@ -230,6 +230,17 @@ def test_gguf_matches_transformers(built):
         check_against_hf(output, *ref)
 
 
+def test_selection_changes_the_answer(built):
+    """The reference with index_topk above every length (dense MLA) disagrees on the selecting prompts, so the
+    comparison above sees the indexer's weights; the 5-token prompt attends densely either way (its decode steps
+    past 8 tokens select)."""
+    _, _, prompts, refs = built
+    dense = make_tiny_sparse("glm5", seed=1, index_topk=1000, **OVERRIDES)
+    dense_refs = [hf_greedy(dense, p, MAX_TOKENS) for p in prompts]
+    assert dense_refs[0][2] == pytest.approx(refs[0][2], abs=1e-6)
+    assert all(d[2] != r[2] for d, r in zip(dense_refs[1:], refs[1:]))  # prompt logprobs of 17 and 40 tokens
+
+
 @pytest.mark.timeout(300)
 def test_gguf_under_tp2_matches_transformers(built):
     """TP = 2: each rank reads its heads' rows of q_b, o_proj and the split k_b / v_b; the indexer is replicated."""
