@@ -11,8 +11,8 @@ block appended as blk.3 (a whole layer plus nextn.*: GLM-5 checkpoints carry one
 converter keeps unless --no-mtp), with the metadata of TextModel, DeepseekV2Model and GlmMoeDsaModel's
 set_gguf_parameters (block_count counting the MTP block, nextn_predict_layers, the indexer's keys and
 attention.indexer.types). Prompts of 5 tokens attend densely, those of 17 and 40 select 8 keys per query. Greedy
-tokens identical, prompt and sampled-token logprobs within 1e-4, also under TP = 2; malformed files refused with the
-tensor or key named.
+tokens identical, prompt and sampled-token logprobs within 1e-4, also under TP = 2; Q8_0 projections and experts
+read as their blocks; malformed files refused with the tensor or key named.
 """
 
 from __future__ import annotations
@@ -139,9 +139,10 @@ def _converted(name: str, t: torch.Tensor, hp: dict) -> list[tuple[str, torch.Te
 
 def write_glm5_gguf(path: str, folder: str, *, mtp: bool = True, skip: tuple[str, ...] = (),
                     replace: dict[str, np.ndarray] | None = None, indexer_types=None, context: int | None = None,
-                    gating: gguf.ExpertGatingFuncType | None = None) -> None:
+                    gating: gguf.ExpertGatingFuncType | None = None,
+                    quantize_as: dict[str, gguf.GGMLQuantizationType] | None = None) -> None:
     """The folder's weights as llama.cpp's converter writes them (see the module); `mtp=False`: as --no-mtp writes
-    them. Broken files for the refusals: `skip` GGUF tensors left out, `replace` stored instead, `indexer_types`
+    them; `quantize_as`: GGUF tensor name (after `blk.N.`) -> a block type to store it in. Broken files for the refusals: `skip` GGUF tensors left out, `replace` stored instead, `indexer_types`
     another value ("absent": no key), `context` another context_length, `gating` an expert_gating_func."""
     hp = _hparams(folder, mtp)
     blocks = hp["num_hidden_layers"] + hp["num_nextn_predict_layers"]
@@ -165,7 +166,12 @@ def write_glm5_gguf(path: str, folder: str, *, mtp: bool = True, skip: tuple[str
     for name, t in tensors:
         gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gname is not None, name
-        if gname not in skip:
+        qtype = (quantize_as or {}).get(gname.split(".", 2)[-1])
+        if gname in skip:
+            continue
+        if qtype is not None:
+            writer.add_tensor(gname, gguf.quants.quantize(t.numpy(), qtype), raw_dtype=qtype)
+        else:
             writer.add_tensor(gname, (replace or {}).get(gname, np.ascontiguousarray(t.numpy())))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -284,3 +290,25 @@ def test_file_without_indexer_types_is_glm5(folder, tmp_path):
     path = str(tmp_path / "untyped.gguf")
     write_glm5_gguf(path, folder, indexer_types="absent")
     assert GGUFSource(path).config.indexer == read_hf_config(folder).indexer
+
+
+def test_block_quantized_tensors(folder, tmp_path):
+    """Q8_0 MLA, indexer and expert projections (as a quantized file stores them; q_lora_rank 24 leaves q_b and the
+    indexer's wq_b, whose rows are 24 wide, in float32): read back as the dequantized blocks, handed out as int8
+    groups; the file runs under quantization=auto."""
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    path = str(tmp_path / "q8.gguf")
+    write_glm5_gguf(path, folder, quantize_as={name: q8 for name in (
+        "attn_q_a.weight", "attn_kv_a_mqa.weight", "attn_output.weight", "indexer.attn_k.weight",
+        "indexer.proj.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")})
+    source, hf = GGUFSource(path), SafetensorsSource(folder)
+    for name in ("model.layers.1.self_attn.indexer.wk.weight", "model.layers.2.self_attn.indexer.weights_proj.weight",
+                 "model.layers.0.self_attn.o_proj.weight", "model.layers.2.mlp.experts.5.down_proj.weight"):
+        want = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(hf.get(name).numpy(), q8), q8))
+        assert source.storage_type(name) == "Q8_0", name
+        assert torch.equal(source.get(name), want), name
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 17)]
+    with LLM(path, **{**COMMON, "quantization": "auto"}) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [MAX_TOKENS] * 2
