@@ -44,6 +44,9 @@ GLM_52_CONTEXT = 1048576
 """llama.cpp reads a glm-dsa file without attention.indexer.types at this context_length or more as GLM-5.2, whose
 layers mostly share another layer's top-k."""
 
+NO_GATING = 0
+"""llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_NONE, which it reads as sigmoid for this architecture."""
+
 _LAYER_NAMES = {
     "indexer.attn_q_b.weight": "self_attn.indexer.wq_b.weight",
     "indexer.attn_k.weight": "self_attn.indexer.wk.weight",
@@ -98,7 +101,7 @@ def glm_dsa_hf_config(meta: Callable[[str, Any], Any], tensor_shapes: dict[str, 
         raise ValueError(f"{GLM_DSA_GGUF_ARCH} nextn_predict_layers={nextn} must be below block_count={blocks}")
     layers, context = blocks - nextn, int(m("context_length", 4096))
     gating = int(m("expert_gating_func", SIGMOID_GATING))
-    if gating != SIGMOID_GATING:
+    if gating not in (NO_GATING, SIGMOID_GATING):  # llama.cpp scores by sigmoid where the file says none
         raise ValueError(f"{GLM_DSA_GGUF_ARCH} expert_gating_func={gating}: GLM-5's router scores by sigmoid "
                          f"({SIGMOID_GATING})")
     rope = int(m("rope.dimension_count", required=True))
