@@ -144,8 +144,9 @@ def test_unbuilt_config_fields_are_refused(tiny):
         dataclasses.replace(IndexerConfig.from_hf_config(cfg, 16), index_topk=0)
 
 
-def test_glm5_gguf_is_refused_by_name(tmp_path):
-    """The gguf package names GLM-5's architecture (`glm-dsa`); cpllm does not read it yet and says so by name."""
+def test_glm5_gguf_without_its_keys_is_refused_by_name(tmp_path):
+    """GLM-5's `glm-dsa` files are read (tests/test_glm5_gguf.py); one without the keys llama.cpp's converter writes
+    is refused, naming the first one missing."""
     import gguf
     import numpy as np
 
@@ -159,5 +160,5 @@ def test_glm5_gguf_is_refused_by_name(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="'glm-dsa' \\(GLM-5, DeepSeek sparse attention\\) is not read yet"):
+    with pytest.raises(ValueError, match="glm-dsa GGUF file has no glm-dsa.block_count; GLM-5 needs it"):
         gguf_model_config(GGUFFile(path), {"token_embd.weight": (8, 4)})

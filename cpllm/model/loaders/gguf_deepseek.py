@@ -45,13 +45,15 @@ def deepseek_layer_name(rest: str) -> str | None:
     return _LAYER_NAMES.get(rest)
 
 
-def _rope_scaling(meta: Callable[[str, Any], Any]) -> dict[str, Any] | None:
-    key = lambda name: f"{DEEPSEEK_GGUF_ARCH}.rope.scaling.{name}"  # noqa: E731
+def deepseek_rope_scaling(meta: Callable[[str, Any], Any], arch: str = DEEPSEEK_GGUF_ARCH) -> dict[str, Any] | None:
+    """config.json's rope_scaling from an MLA file's `rope.scaling.*` keys (deepseek2's, or another architecture
+    written by the same DeepseekV2Model converter: glm-dsa): none or YaRN."""
+    key = lambda name: f"{arch}.rope.scaling.{name}"  # noqa: E731
     kind = meta(key("type"), None)
     if kind in (None, "none"):
         return None
     if kind != "yarn":
-        raise ValueError(f"deepseek2 GGUF rope scaling type {kind!r}: only yarn is supported")
+        raise ValueError(f"{arch} GGUF rope scaling type {kind!r}: only yarn is supported")
     # llama.cpp's yarn ramp defaults (the converter writes no beta for this architecture)
     scaling = {"rope_type": "yarn", "factor": float(meta(key("factor"), 1.0)),
                "original_max_position_embeddings": int(meta(key("original_context_length"), 4096)),
@@ -87,7 +89,7 @@ def deepseek_hf_config(meta: Callable[[str, Any], Any], tensor_shapes: dict[str,
         topk_group=int(m("expert_group_used_count", 1) or 1),
         first_k_dense_replace=int(m("leading_dense_block_count", 0)),
         rms_norm_eps=float(m("attention.layer_norm_rms_epsilon", 1e-6)), rope_theta=float(m("rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(meta), max_position_embeddings=int(m("context_length", 4096)),
+        rope_scaling=deepseek_rope_scaling(meta), max_position_embeddings=int(m("context_length", 4096)),
         tie_word_embeddings="output.weight" not in tensor_shapes, bos_token_id=None if bos is None else int(bos),
         eos_token_id=list(eos_ids),
     )

@@ -85,7 +85,7 @@ def kimi_values(name: str, out: np.ndarray) -> np.ndarray:
     return np.log(-out) if name.endswith("self_attn.A_log") else out
 
 
-def _decimal(value: float) -> float:
+def float32_decimal(value: float) -> float:
     """A float32 metadata value as the shortest decimal that float32 rounds to it: the config.json value it was
     written from (2.446, not 2.4460000991821289), so the config equals the folder's."""
     return float(str(np.float32(value)))
@@ -130,11 +130,11 @@ def kimi_hf_config(meta: Callable[[str, Any], Any], tensor_shapes: dict[str, tup
         num_experts_per_tok=int(m("expert_used_count", required=True)),
         moe_intermediate_size=int(m("expert_feed_forward_length", required=True)),
         n_shared_experts=int(m("expert_shared_count", 1)),
-        routed_scaling_factor=_decimal(m("expert_weights_scale", 1.0)),
+        routed_scaling_factor=float32_decimal(m("expert_weights_scale", 1.0)),
         norm_topk_prob=bool(m("expert_weights_norm", True)),
         n_group=int(m("expert_group_count", 1) or 1), topk_group=int(m("expert_group_used_count", 1) or 1),
         mlp_layer_types=["dense" if i < dense else "sparse" for i in range(layers)],
-        rms_norm_eps=_decimal(m("attention.layer_norm_rms_epsilon", 1e-5)),
+        rms_norm_eps=float32_decimal(m("attention.layer_norm_rms_epsilon", 1e-5)),
         max_position_embeddings=int(m("context_length", 4096)),
         tie_word_embeddings="output.weight" not in tensor_shapes, bos_token_id=None if bos is None else int(bos),
         eos_token_id=list(eos_ids),

@@ -14,7 +14,8 @@ Three things differ from a Hugging Face checkpoint:
 Per-family differences live beside this file: gguf_deepseek.py, gguf_gpt_oss.py,
 gguf_gemma.py, gguf_moe.py, gguf_hybrid.py (the gated-DeltaNet hybrids: their rows,
 columns and values moved or transformed by the converter, put back here on read),
-gguf_kimi.py (Kimi Linear: its reshaped convolutions and stored -exp(A_log), put back likewise).
+gguf_kimi.py (Kimi Linear: its reshaped convolutions and stored -exp(A_log), put back likewise), gguf_glm_dsa.py
+(GLM-5: DeepSeek's MLA tensors, the indexer's, the multi-token-prediction block left out).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from cpllm.config.rope import yarn_mscale
 from cpllm.model.loaders.gguf_deepseek import DEEPSEEK_GGUF_ARCH, deepseek_hf_config, deepseek_layer_name
 from cpllm.model.loaders.gguf_file import GGUFFile, StoredTensor
 from cpllm.model.loaders.gguf_gemma import GEMMA_GGUF_ARCHITECTURES, gemma_gguf_fields, gemma_layer_name, stores_one_plus_w
+from cpllm.model.loaders.gguf_glm_dsa import GLM_DSA_GGUF_ARCH, glm_dsa_hf_config, glm_dsa_layer_name, is_nextn_tensor
 from cpllm.model.loaders.gguf_gpt_oss import (
     GPT_OSS_GGUF_ARCH,
     GptOssExpertStacks,
@@ -97,6 +99,8 @@ _LAYER_NAMES = {
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+_MLA_GGUF_ARCHITECTURES = (DEEPSEEK_GGUF_ARCH, KIMI_GGUF_ARCH, GLM_DSA_GGUF_ARCH)
+"""Architectures whose MLA tensors carry deepseek2's names (gguf_deepseek.py)."""
 _QK_RE = re.compile(r"model\.layers\.\d+\.self_attn\.([qk])_proj\.(weight|bias)")
 
 
@@ -110,7 +114,8 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
         return None
     rest = (gemma_layer_name(match.group(2)) if arch in GEMMA_GGUF_ARCHITECTURES else None) \
         or (kimi_layer_name(match.group(2)) if arch == KIMI_GGUF_ARCH else None) \
-        or (deepseek_layer_name(match.group(2)) if arch in (DEEPSEEK_GGUF_ARCH, KIMI_GGUF_ARCH) else None) \
+        or (glm_dsa_layer_name(match.group(2)) if arch == GLM_DSA_GGUF_ARCH else None) \
+        or (deepseek_layer_name(match.group(2)) if arch in _MLA_GGUF_ARCHITECTURES else None) \
         or (gpt_oss_layer_name(match.group(2)) if arch == GPT_OSS_GGUF_ARCH else None) \
         or (hybrid_layer_name(match.group(2)) if arch in HYBRID_GGUF_ARCHITECTURES else None) \
         or _LAYER_NAMES.get(match.group(2))
@@ -171,11 +176,6 @@ def _rope_scaling(reader: GGUFFile, arch: str, names: set[str]) -> dict[str, Any
     return scaling
 
 
-NOT_READ_SPARSE_GGUF = {"glm-dsa": "GLM-5"}
-"""GGUF architectures of sparse-MLA models the `gguf` package names but cpllm does not read (it names no
-DeepSeek-V3.2 architecture), refused by name."""
-
-
 def gguf_model_config(reader: GGUFFile, tensor_shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
     """ModelConfig from GGUF metadata; `tensor_shapes` (GGUF names, HF order) supply vocab and tying."""
     arch = _meta(reader, "general.architecture")
@@ -191,15 +191,14 @@ def gguf_model_config(reader: GGUFFile, tensor_shapes: dict[str, tuple[int, ...]
         rope_scaling = _rope_scaling(reader, arch, set(tensor_shapes))
         cfg = hybrid_hf_config(arch, meta, tensor_shapes, _eos_ids(reader), rope_scaling)
         return split_projections(ModelConfig.from_hf_config(cfg))
-    if arch in NOT_READ_SPARSE_GGUF:  # the gguf package names it; its converter's layout is not checked here
-        raise ValueError(f"GGUF architecture {arch!r} ({NOT_READ_SPARSE_GGUF[arch]}, DeepSeek sparse attention) is "
-                         "not read yet: load its Hugging Face safetensors folder instead")
+    if arch == GLM_DSA_GGUF_ARCH:  # MLA + the indexer + the DeepSeek MoE, less the MTP block: as its config.json
+        return ModelConfig.from_hf_config(glm_dsa_hf_config(meta, tensor_shapes, _eos_ids(reader)))
     hf_arch = hf_architecture(arch, meta) or GGUF_ARCHITECTURES.get(arch)
     if hf_arch is None:
         raise ValueError(
             f"unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(GGUF_ARCHITECTURES))}, "
             f"qwen3, qwen3moe, qwen2moe (and llama with expert_count: Mixtral), {DEEPSEEK_GGUF_ARCH}, "
-            f"{GPT_OSS_GGUF_ARCH}, {', '.join(HYBRID_GGUF_ARCHITECTURES)}, {KIMI_GGUF_ARCH}"
+            f"{GPT_OSS_GGUF_ARCH}, {', '.join(HYBRID_GGUF_ARCHITECTURES)}, {KIMI_GGUF_ARCH}, {GLM_DSA_GGUF_ARCH}"
         )
     rope_scaling = _rope_scaling(reader, arch, set(tensor_shapes))
     hidden = int(_meta(reader, f"{arch}.embedding_length"))
@@ -257,6 +256,8 @@ class GGUFSource:
         self._tensors: dict[str, StoredTensor] = {}
         stacks: dict[tuple[int, str, str], StoredTensor] = {}
         for tensor in self._reader.tensors:
+            if self._arch == GLM_DSA_GGUF_ARCH and is_nextn_tensor(tensor.name, self.config.num_hidden_layers):
+                continue  # GLM-5's multi-token-prediction block: transformers and llama.cpp leave it unused too
             stack = expert_stack(tensor.name) if self._arch == GPT_OSS_GGUF_ARCH else None
             name = None if stack is not None else hf_name(tensor.name, self._arch)
             # MoE / Qwen3 names; a stacked expert tensor gives one view per expert ([out, in] slice of the stack)
