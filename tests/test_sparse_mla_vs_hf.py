@@ -77,6 +77,21 @@ def test_batch_matches_transformers(tiny, caplog):
         check_against_hf(output, *ref)
 
 
+@pytest.mark.parametrize("selected_from", [0, 10**9])
+def test_prompt_rows_read_selected_rows_or_mask_alike(tiny, monkeypatch, selected_from):
+    """A prompt chunk's rows attend their selected latent rows read from the pool (as decode rows do) or every key
+    under a mask of the selection, by how many keys the rank holds (SELECTED_FROM x index_topk): both ways match
+    transformers, here with every prompt row forced to one way and then the other."""
+    import cpllm.layers.sparse_mla.attention as sparse_attention
+
+    monkeypatch.setattr(sparse_attention, "SELECTED_FROM", selected_from)
+    _, folder, prompts, refs = tiny
+    with LLM(folder, max_model_len=256, block_size=4, quantization="none") as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    for output, ref in zip(outputs, refs):
+        check_against_hf(output, *ref)
+
+
 def test_chunked_prefill_and_prefix_hits(tiny):
     _, folder, prompts, refs = tiny
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)

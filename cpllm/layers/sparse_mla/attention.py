@@ -55,6 +55,10 @@ SCORE_ROWS = 256
 """Query rows of a prompt chunk scored and cut to their top-k at once (a [rows, T_local] float32 block)."""
 ATTEND_ROWS = 16
 """Query rows of a prompt chunk attended at once (a [rows, heads, T_local] float32 block)."""
+SELECTED_FROM = 2
+"""A prompt chunk's rows read only their selected latent rows (as decode rows do) where this rank holds at least
+this many times index_topk keys of the prefix; below, one masked product over every key it holds costs less
+(docs/benchmarks.md, "DeepSeek sparse attention")."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -236,7 +240,9 @@ class SparseMLAAttention(MLAAttention):
                     scores, positions = (x[start:start + ATTEND_ROWS] for x in chosen[i])
                     mine = (scores > NEG_INF) & shard.owned(positions.clamp(min=0))
                     local = shard.local_index(positions.clamp(min=0)).clamp(max=num_keys - 1)  # [l, K]
-                    if keys.single:  # a decode row: only its selected rows are read from the pool
+                    if keys.single or num_keys >= SELECTED_FROM * self.index_topk:
+                        # a decode row, or a prompt row of a long prefix: only its selected rows are read from the
+                        # pool, not every key this rank holds under a mask
                         o, l = backend.attend_selected(q, latent_pool, keys.key_slots[local], mine, scale, r)
                     else:
                         visible = selected_mask(local, mine, num_keys)
