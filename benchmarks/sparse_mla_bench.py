@@ -117,6 +117,61 @@ def decode_part(folder: str, args) -> list[dict]:
     return rows
 
 
+def chunk_part(folder: str, args) -> list[dict]:
+    """A prompt chunk of --chunk tokens at the end of each context (the last chunk of a chunked prefill): the
+    layer's forward with its rows reading only their selected latent rows (`selected`, SELECTED_FROM = 2, the
+    engine's rule) against every cached key under a mask of the selection (`masked`), in turns."""
+    from cpllm.context_parallel.kv_layout import KVLayout
+    from cpllm.context_parallel.metadata import build_step_batch
+    from cpllm.context_parallel.plan import RankCapabilities, plan_step
+    from cpllm.layers.sparse_mla import attention as sparse_attention
+    from cpllm.step import ScheduledChunk
+
+    torch.set_num_threads(args.threads)
+    rows, n = [], args.chunk
+    for context in parse_int_list(args.contexts, "--contexts"):
+        layer, rope, pool, index, _ = build_layer(folder, context + n)
+        block = 16
+        chunk = ScheduledChunk(request_id="a", token_ids=(1,) * n, start_pos=context,
+                               block_table=tuple(range((context + n) // block + 1)), sample=True, prompt_logits=False)
+        layout = KVLayout(num_shards=1, shard_rank=0, interleave=1, block_size=block)
+        batch = build_step_batch([chunk], layout, 1, 0, lambda c: [], plan=plan_step([chunk], RankCapabilities()))
+        tables = rope.tables(batch.positions, torch.float32)
+        x = _chunk_input(folder, n)
+        outputs = {}
+
+        def way(name: str, selected_from: int):
+            def run():
+                with mock.patch.object(sparse_attention, "SELECTED_FROM", selected_from):
+                    outputs[name] = layer(x, tables, (pool, index), batch.attention)
+            return run
+
+        runs = {"selected": way("selected", 2), "masked": way("masked", 10**9)}
+        wall: dict[str, list[float]] = {k: [] for k in runs}
+        cpu: dict[str, list[float]] = {k: [] for k in runs}
+        with torch.inference_mode():
+            for run in runs.values():
+                run()
+            for r in range(args.rounds):
+                for name in list(runs)[::1 if r % 2 == 0 else -1]:
+                    w, c = timed(runs[name])
+                    wall[name].append(w)
+                    cpu[name].append(c)
+                _log(f"chunk {n} at {context}: round {r}: " + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms"
+                                                                         for k, v in wall.items()))
+        diff = (outputs["selected"] - outputs["masked"]).abs().max().item()
+        for name, s in summary(wall, cpu, "selected").items():
+            rows.append({"form": name, "context_tokens": context, "chunk_tokens": n, "threads": args.threads, **s,
+                         "selected_vs_masked_max_abs_diff": diff})
+        del layer, pool, index
+    return rows
+
+
+def _chunk_input(folder: str, n: int) -> torch.Tensor:
+    from cpllm.model.loaders.safetensors_source import read_hf_config
+    return torch.randn(n, read_hf_config(folder).hidden_size, generator=torch.Generator().manual_seed(n))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=tuple(SHAPES), default="v3.2", help="tiny: a smoke run")
@@ -126,13 +181,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--contexts", default="16384,65536")
+    parser.add_argument("--part", choices=("decode", "chunk"), default="decode")
+    parser.add_argument("--chunk", type=int, default=512, help="chunk: new tokens after each context")
     parser.add_argument("--cache", default="/tmp/cpllm-mla-bench")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     folder = build_folder(args.cache, args.layers, args.vocab, args.max_positions, args.shape)
     machine = machine_info()
     machine["load_average_start"] = machine.pop("load_average")
-    rows = decode_part(folder, args)
+    rows = decode_part(folder, args) if args.part == "decode" else chunk_part(folder, args)
     machine["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     fields = SHAPES[args.shape]
     model = {"shape": args.shape, "layers": args.layers, "vocab": args.vocab,
@@ -140,8 +197,8 @@ def main() -> None:
                                        "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "index_topk",
                                        "index_head_dim", "index_n_heads") if k in fields}}
     with open(args.out, "w") as f:
-        json.dump({"argv": ["python", "benchmarks/sparse_mla_bench.py", *sys.argv[1:]], "part": "decode",
-                   "model": model, "rounds": args.rounds, "machine": machine, "decode": rows}, f, indent=1)
+        json.dump({"argv": ["python", "benchmarks/sparse_mla_bench.py", *sys.argv[1:]], "part": args.part,
+                   "model": model, "rounds": args.rounds, "machine": machine, args.part: rows}, f, indent=1)
     _log(f"wrote {args.out}")
 
 
