@@ -117,18 +117,16 @@ def test_preemption_keeps_every_request(tiny):
         check_against_hf(output, *ref)
 
 
-def test_unbuilt_layouts_are_refused(tiny):
-    """A draft model is not built: refused at configuration time, naming the option; prompt lookup
-    (tests/test_sparse_mla_spec.py), TP, TP x DCP and PCP (both KV layouts, every prefill strategy) are accepted."""
+def test_layouts_and_speculation_are_accepted(tiny):
+    """Prompt lookup and a draft model (tests/test_sparse_mla_spec.py), TP, TP x DCP and PCP (both KV layouts,
+    every prefill strategy) configure."""
     name, folder, _, _ = tiny
     if name != "v32":
         pytest.skip("a config rule: one family suffices")
     config = read_hf_config(folder)
     short = SchedulerConfig(max_model_len=64)
-    with pytest.raises(ValueError, match="method='draft_model' with a sparse-MLA model"):
-        EngineConfig(model_path=folder, model=config, scheduler=short,
-                     speculative_config=SpeculativeConfig(method="draft_model", model=folder,
-                                                          num_speculative_tokens=2))
+    EngineConfig(model_path=folder, model=config, scheduler=short,
+                 speculative_config=SpeculativeConfig(method="draft_model", model=folder, num_speculative_tokens=2))
     EngineConfig(model_path=folder, model=config, scheduler=short,
                  speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=2))
     built = [ParallelConfig(tensor_parallel_size=2),

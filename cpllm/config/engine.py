@@ -18,7 +18,7 @@ from cpllm.config.moe import MOE_ARCHITECTURES, MoEConfig
 from cpllm.config.kimi_linear import (KIMI_LINEAR_ARCHITECTURES, KimiDeltaConfig, check_kimi_options, kimi_fields,
                                       kimi_mla_config, kimi_moe_config)
 from cpllm.config.linear_attention import HYBRID_ARCHITECTURES, LinearAttentionConfig, check_hybrid_options
-from cpllm.config.sparse_mla import SPARSE_MLA_ARCHITECTURES, IndexerConfig, check_sparse_layout
+from cpllm.config.sparse_mla import SPARSE_MLA_ARCHITECTURES, IndexerConfig
 from cpllm.config.speculative import SpeculativeConfig
 from cpllm.disagg.config import KVTransferConfig, check_disagg, kv_transfer_config
 from cpllm.config.rope import resolve_rope_scaling, rope_context_length
@@ -358,8 +358,6 @@ class EngineConfig:
                 f"cp_kv_cache_interleave_size={interleave} must divide block_size={self.cache.block_size}"
             )
         check_quantized_widths(self.model, self.parallel.tensor_parallel_size)
-        if self.model.indexer is not None:
-            check_sparse_layout(self.parallel, self.speculative_config)
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             raise ValueError("speculative_config must be a SpeculativeConfig here (build_engine_config validates "
                              f"the dict), got {type(self.speculative_config).__name__}")

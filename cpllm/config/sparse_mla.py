@@ -53,20 +53,6 @@ class IndexerConfig:
         return cls(**fields, rope_interleave=arch == "GlmMoeDsaForCausalLM")
 
 
-def check_sparse_layout(parallel, speculative) -> None:
-    """Refuse, naming the option, what the sparse-MLA kind does not run exactly. TP, DCP and PCP (both KV layouts,
-    every prefill strategy: the layer all-gathers its own rows over PCP, whatever the strategy) are built
-    (cpllm/layers/sparse_mla/attention.py), and prompt-lookup speculation ("ngram"): a verify chunk's rows reach
-    the layer as decode rows at consecutive positions (or, beside a prompt chunk under PCP or DCP, as a chunk
-    whose rows mask the positions after them), so each verified position selects its own top-k over the prefix
-    up to it, as the token decoded alone would. A draft model is not: its draft runner is not checked against a
-    sparse-MLA target."""
-    if speculative is not None and speculative.method != "ngram":
-        raise ValueError(f"speculative_config method={speculative.method!r} with a sparse-MLA model "
-                         "(DeepSeek-V3.2, GLM-5): only prompt lookup ('ngram') is built; a draft model's "
-                         "verification is not checked against the indexer's selection")
-
-
 def _check_every_layer_indexes(cfg: dict[str, Any]) -> None:
     """GLM-5's layers may reuse the previous layer's top-k ("shared" in indexer_types, "S" in index_topk_pattern,
     or index_topk_freq > 1, as transformers derives them); that is not built: every layer must run its indexer."""
