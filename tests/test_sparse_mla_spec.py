@@ -1,13 +1,12 @@
-"""Speculation on DeepSeek sparse attention (tiny DeepSeek-V3.2, index_topk 8), by prompt lookup and by a draft
-model: greedy with drafts is
-token for token, logprob for logprob (1e-4), the engine without them, on one rank and under TP=2 x DCP=2 and PCP=2
-(real gloo processes). Each verified position selects its own top-k over the prefix up to it: a verify chunk's rows
-reach the layer as decode rows (or, beside a prompt chunk under PCP or DCP, as a chunk masking the positions after
-each row). prompt_lookup_min=1 with fixed draft lengths drafts at almost every step, mostly wrongly, so rejected
-drafts (their latent rows and index keys overwritten by the next step) are many; prompts of 1 token (dense), 13, 31 and
-37 (selecting), a 9-token step budget so verify chunks ride beside prompt chunks. The draft model is the tiny
-Llama of tests/spec_decode_helpers.py whose greedy walk follows a successor map, and the target is set to follow
-the same map, so that its drafts are accepted."""
+"""Speculation on DeepSeek sparse attention (tiny DeepSeek-V3.2, index_topk 8), by prompt lookup and by a draft model:
+greedy with drafts is token for token, logprob for logprob (1e-4), the engine without them, on one rank and under
+TP=2 x DCP=2, PCP=2 (both KV layouts) and TP=2 x PCP=2 x DCP=2 (real gloo processes). Each verified position selects
+its own top-k over the prefix up to it: a verify chunk's rows reach the layer as decode rows (or, beside a prompt
+chunk under PCP or DCP, as a chunk masking the positions after each row). prompt_lookup_min=1 with fixed draft
+lengths drafts at almost every step, mostly wrongly, so rejected drafts (their latent rows and index keys
+overwritten by the next step) are many; prompts of 1 token (dense), 13, 31 and 37 (selecting), a 9-token step budget
+so verify chunks ride beside prompt chunks. The draft model is the tiny Llama of tests/spec_decode_helpers.py whose
+greedy walk follows a successor map, and the target is set to follow the same map, so that its drafts are accepted."""
 
 from __future__ import annotations
 
@@ -27,7 +26,10 @@ MAX_TOKENS = 10
 COMMON = dict(quantization="none", max_model_len=128, block_size=4, max_num_batched_tokens=9,
               kv_cache_memory_bytes=2**20, threads_per_rank=1, distributed_timeout=60)
 LAYOUTS = {"one": {}, "tp2-dcp2": {"tensor_parallel_size": 2, "decode_context_parallel_size": 2},
-           "pcp2": {"prefill_context_parallel_size": 2}}
+           "pcp2": {"prefill_context_parallel_size": 2},
+           "pcp2-replicated": {"prefill_context_parallel_size": 2, "cp_kv_cache_layout": "replicated"},
+           "tp2-pcp2-dcp2": {"tensor_parallel_size": 2, "prefill_context_parallel_size": 2,
+                             "decode_context_parallel_size": 2, "cp_kv_cache_interleave_size": 2}}
 
 
 def run(folder: str, spec: dict | None, **options) -> tuple[dict, int]:
