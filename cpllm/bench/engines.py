@@ -22,6 +22,11 @@ def model_config_of(model: str | None):
     return open_weights(model or default_model_path()).config
 
 
+BENCH_STATE_SLOTS = 4
+"""max_num_seqs of a benchmark engine of a hybrid model (its per-request states take room the K/V budget
+`kv_budget_for` gives does not count)."""
+
+
 def build_llm(
     model: str | None,
     layout: BenchLayout,
@@ -45,6 +50,9 @@ def build_llm(
     config = model_config_of(model)
     if options.get("kv_cache_memory_bytes") is None:
         options["kv_cache_memory_bytes"] = kv_budget_for(config, context_tokens, layout.dims.kv_shard_size)
+    if "max_num_seqs" not in given and getattr(config, "linear_attention", None) is not None:
+        # a hybrid's states are sized per sequence slot, beside that budget: a benchmark runs a few requests
+        options["max_num_seqs"] = BENCH_STATE_SLOTS
     if options.get("max_model_len") is None:
         options["max_model_len"] = min(context_tokens, config.max_position_embeddings)
     if options.get("max_num_batched_tokens") is None:
