@@ -11,7 +11,8 @@ IMG=docs/img
 mkdir -p "$R" "$IMG"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(ceiling prefill comm memory decode tp compare quality attention int4 profile serve chunk decode_layouts dcp transport plan
-                                 breakdown moe structure layer-kinds startup window mla spec faults report)
+                                 breakdown moe structure layer-kinds startup window mla spec faults hybrid sparse-chunk
+                                 disagg report)
 bench() { python -m cpllm --log-level WARNING bench "$@"; }
 
 for step in "${steps[@]}"; do
@@ -94,6 +95,12 @@ for step in "${steps[@]}"; do
     plan) bench plan --lengths 4096,8000 --repeats 3 --quantization none --json "$R/plan_check.json" ;;
     breakdown) python benchmarks/profile_prefill.py --lengths 4096,8000 --repeats 2 \
                  --json "$R/prefill_breakdown.json" ;;
+    hybrid) python benchmarks/hybrid_bench.py --parts bytes,prefill,pcp,decode --lengths 4096,16384 \
+              --pcp-length 16384 --context 32768 --rounds 2 --out "$R/hybrid_bench.json" ;;
+    sparse-chunk) python benchmarks/sparse_mla_bench.py --part chunk --contexts 4096,16384 --chunk 256 --rounds 2 \
+                    --out "$R/sparse_mla_chunk.json" ;;
+    disagg) python benchmarks/disagg_mixed.py --long-tokens 7900 --longs 3 --long-interval-s 12 --chats 4 \
+              --json "$R/disagg_mixed.json" ;;
     report) python benchmarks/make_report.py --results "$R" --out docs/benchmarks.md --images "$IMG" ;;
     *) echo "unknown step: $step" >&2; exit 2 ;;
   esac
