@@ -6,7 +6,9 @@ One thread per rank, SmolLM2 with `--quantization auto` (the GGUF's int4 weights
 once, warmed up, then prefills `--rounds` fresh prompts; the fastest round is its TTFT. Efficiency is
 TTFT(1 rank) / (2 TTFT(PCP=2)). Beside the wall time it reports the CPU seconds (user + system) of every process
 of the engine, read from /proc: on a busy machine those move far less than the wall time, and their sum against
-the one rank's says how much work PCP adds (merges, collectives, Python) apart from waiting.
+the one rank's says how much work PCP adds (merges, collectives, Python) apart from waiting. With --concurrent,
+two independent one-rank engines prefill at once, one per core: one engine alone against them bounds what any
+two-rank layout can reach on this machine, before a single collective.
 
 To compare two commits, run the script of the newer one with `PYTHONPATH` set to a worktree of the older one
 (both import their own `cpllm`), alternating, and give each run its own `--json`.
@@ -79,11 +81,49 @@ def measure(pcp: int, strategy: str, tokens: int, rounds: int) -> dict:
             "ttft_s": min(run["wall_s"] for run in runs)}
 
 
+def _concurrent_one_rank(core: int, tokens: int, rounds: int, barrier, out) -> None:
+    """One one-rank engine pinned to `core`, each round's prefill started with the other's (the barrier)."""
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    config = model_config_of(None)
+    llm, _ = build_llm(None, BenchLayout.of(tp=1, pcp=1, threads_per_rank=1), strategy=None, threads_per_rank=1,
+                       context_tokens=tokens + 16, batch_tokens=tokens + 16, engine_options={"quantization": "auto"})
+    try:
+        time_prefill(llm, random_prompt(WARMUP_TOKENS, config.vocab_size, seed=-1))
+        for r in range(rounds):
+            barrier.wait(timeout=600)
+            out.put((core, r, time_prefill(llm, random_prompt(tokens, config.vocab_size, seed=r))))
+    finally:
+        llm.shutdown()
+
+
+def concurrent_bound(tokens: int, rounds: int) -> dict:
+    """The machine's own bound on PCP=2 efficiency: two independent one-rank engines prefilling at once, one per
+    core. Their TTFT against one engine alone is what running both cores costs each (shared caches, memory,
+    clocks), before any collective."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    barrier, out = context.Barrier(2), context.Queue()
+    workers = [context.Process(target=_concurrent_one_rank, args=(core, tokens, rounds, barrier, out))
+               for core in (0, 1)]
+    for worker in workers:
+        worker.start()
+    results = [out.get(timeout=1800) for _ in range(2 * rounds)]
+    for worker in workers:
+        worker.join(timeout=120)
+    per_round = [max(t for _, r, t in results if r == k) for k in range(rounds)]
+    return {"pcp": "2 x one rank", "strategy": "independent, at once", "tokens": tokens,
+            "runs": [{"wall_s": round(t, 3)} for t in per_round], "ttft_s": round(min(per_round), 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--strategies", default="ring", help="PCP=2 strategies, comma-separated")
+    parser.add_argument("--concurrent", action="store_true",
+                        help="also two independent one-rank engines at once, one per core: the machine's bound")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     load_start = [round(x, 2) for x in os.getloadavg()]
@@ -92,6 +132,10 @@ def main() -> None:
     for row in rows[1:]:
         row["efficiency"] = round(rows[0]["ttft_s"] / (2 * row["ttft_s"]), 3)
         row["cpu_ratio"] = round(min(r["cpu_s"] for r in rows[0]["runs"]) / min(r["cpu_s"] for r in row["runs"]), 3)
+    if args.concurrent:
+        bound = concurrent_bound(args.tokens, args.rounds)
+        bound["bound_on_efficiency"] = round(rows[0]["ttft_s"] / bound["ttft_s"], 3)
+        rows.append(bound)
     for row in rows:
         print(json.dumps(row), flush=True)
     payload = {"command": "pcp_efficiency", "argv": sys.argv, "cpllm": os.path.dirname(
