@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cpllm.kernels.delta_step import delta_step
+
 CHUNK = 64
 """Tokens per block of the chunked form (transformers' chunk size)."""
 SUB = 8
@@ -86,7 +88,15 @@ def _pairwise(rows: tuple[torch.Tensor, ...], cols: torch.Tensor, cum: torch.Ten
 def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of each of B requests: q, k [B, H, dk], v [B, H, dv], g [B, H, dk], beta [B, H], state
-    [B, H, dk, dv] (float32) -> (out [B, H, dv], the new states)."""
+    [B, H, dk, dv] (float32) -> (out [B, H, dv], the new states): the C kernel (cpllm/kernels/delta_step.c, one pass
+    over each state) where it applies, else `recurrent_step_torch`."""
+    fast = delta_step(q, k, v, g, beta, state)
+    return fast if fast is not None else recurrent_step_torch(q, k, v, g, beta, state)
+
+
+def recurrent_step_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`recurrent_step` in torch ops: the fallback, and the kernel's reference in tests."""
     state = state * g.exp().unsqueeze(-1)
     remembered = torch.einsum("bhk,bhkv->bhv", k, state)
     delta = (v - remembered) * beta.unsqueeze(-1)
