@@ -1,0 +1,88 @@
+/* The gated delta rule's chunked form for one request's prompt chunk, per head over its blocks in C: the same WY
+ * form as cpllm/layers/gated_delta/rule.py `chunked_delta_rule_torch` (see its module docstring), with every
+ * block's products done in L1/L2 by delta_gemm.h instead of torch's batched ops and layout copies.
+ *
+ * Per head h and block of c <= CHUNK tokens (the last one may be short; no padding), with G = cumsum(g) inside
+ * the block and the state S [dk, dv]:
+ *   A = beta_i k_i . k_j exp(G_i - G_j) (j < i),  P = q_i . k_j exp(G_i - G_j) (j <= i)    [c, c]
+ *   (I + A) [u | w] = [beta v | beta exp(G) k]   (forward substitution)                    [c, dv + dk]
+ *   v' = u - w S;  out = (exp(G) q) S + P v';  S <- exp(G_c) S + (exp(G_c - G) k)^T v'
+ * q, k [T, H, dk], v [T, H, dv], g, beta [T, H], out [T, H, dv], state_in, state_out [H, dk, dv], all contiguous
+ * float32 (state_out may be state_in). OpenMP splits the heads.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <omp.h>
+
+#include "delta_gemm.h"
+
+enum { CHUNK = 64 };
+
+/* One head over every block; scratch holds (4 dk + 2 CHUNK + 3 dv) * CHUNK + CHUNK floats. */
+static void head_rule(const float *q, const float *k, const float *v, const float *g, const float *beta, float *out,
+                      float *s, int64_t t, int64_t h, int64_t dk, int64_t dv, float *scratch) {
+    const int64_t ldq = h * dk, ldv = h * dv, wide = dv + dk;
+    float *kt = scratch, *qd = kt + dk * CHUNK, *a = qd + CHUNK * dk, *p = a + CHUNK * CHUNK;
+    float *x = p + CHUNK * CHUNK, *ws = x + CHUNK * wide, *vn = ws + CHUNK * dv, *kdt = vn + CHUNK * dv;
+    float *cum = kdt + dk * CHUNK;
+    for (int64_t t0 = 0; t0 < t; t0 += CHUNK) {
+        const int64_t c = t - t0 < CHUNK ? t - t0 : CHUNK;
+        const float *qb = q + t0 * ldq, *kb = k + t0 * ldq, *vb = v + t0 * ldv;
+        float running = 0.0f;
+        for (int64_t i = 0; i < c; i++) cum[i] = running += g[(t0 + i) * h];
+        for (int64_t i = 0; i < c; i++)
+            for (int64_t d = 0; d < dk; d++) kt[d * CHUNK + i] = kb[i * ldq + d];
+        delta_gemm(c, c, dk, kb, ldq, kt, CHUNK, a, CHUNK, 0);  /* k k^T */
+        delta_gemm(c, c, dk, qb, ldq, kt, CHUNK, p, CHUNK, 0);  /* q k^T */
+        for (int64_t i = 0; i < c; i++) {
+            const float bi = beta[(t0 + i) * h], ei = expf(cum[i]);
+            for (int64_t j = 0; j <= i; j++) {
+                const float decay = expf(cum[i] - cum[j]);
+                a[i * CHUNK + j] = bi * a[i * CHUNK + j] * decay;
+                p[i * CHUNK + j] *= decay;
+            }
+            for (int64_t j = i + 1; j < c; j++) p[i * CHUNK + j] = 0.0f;
+            float *xi = x + i * wide;
+            for (int64_t d = 0; d < dv; d++) xi[d] = vb[i * ldv + d] * bi;
+            for (int64_t d = 0; d < dk; d++) xi[dv + d] = kb[i * ldq + d] * bi * ei;
+            for (int64_t d = 0; d < dk; d++) qd[i * dk + d] = qb[i * ldq + d] * ei;
+            for (int64_t j = 0; j < i; j++) {  /* forward substitution: row i of (I + A)^-1 [beta v | ...] */
+                const float aij = a[i * CHUNK + j];
+                const float *restrict xj = x + j * wide;
+                float *restrict xr = xi;
+                for (int64_t d = 0; d < wide; d++) xr[d] -= aij * xj[d];
+            }
+        }
+        delta_gemm(c, dv, dk, x + dv, wide, s, dv, ws, dv, 0);  /* w S */
+        for (int64_t i = 0; i < c; i++)
+            for (int64_t d = 0; d < dv; d++) vn[i * dv + d] = x[i * wide + d] - ws[i * dv + d];
+        float *ob = out + t0 * ldv;
+        delta_gemm(c, dv, dk, qd, dk, s, dv, ob, ldv, 0);  /* exp(G) q S */
+        delta_gemm(c, dv, c, p, CHUNK, vn, dv, ob, ldv, 1);  /* + P v' */
+        const float last = cum[c - 1], block_decay = expf(last);
+        for (int64_t d = 0; d < dk; d++)
+            for (int64_t i = 0; i < c; i++) kdt[d * CHUNK + i] = kt[d * CHUNK + i] * expf(last - cum[i]);
+        for (int64_t e = 0; e < dk * dv; e++) s[e] *= block_decay;
+        delta_gemm(dk, dv, c, kdt, CHUNK, vn, dv, s, dv, 1);  /* + (exp(G_c - G) k)^T v' */
+    }
+}
+
+/* Returns 0, or -1 where the scratch could not be allocated (nothing written). */
+int cpllm_delta_chunk(const float *q, const float *k, const float *v, const float *g, const float *beta,
+                      const float *state_in, float *state_out, float *out, int64_t t, int64_t h, int64_t dk,
+                      int64_t dv, int threads) {
+    const int64_t floats = (4 * dk + 2 * CHUNK + 3 * dv) * CHUNK + CHUNK;
+    if (threads < 1) threads = 1;
+    float *scratch = malloc((size_t)(floats * threads) * sizeof(float));
+    if (scratch == NULL) return -1;
+    if (state_out != state_in) memcpy(state_out, state_in, (size_t)(h * dk * dv) * sizeof(float));
+#pragma omp parallel for num_threads(threads) schedule(static) if (h > 1)
+    for (int64_t head = 0; head < h; head++)
+        head_rule(q + head * dk, k + head * dk, v + head * dv, g + head, beta + head, out + head * dv,
+                  state_out + head * dk * dv, t, h, dk, dv, scratch + floats * omp_get_thread_num());
+    free(scratch);
+    return 0;
+}
