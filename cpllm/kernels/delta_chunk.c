@@ -19,55 +19,61 @@
 
 #include "delta_gemm.h"
 
-enum { CHUNK = 64 };
+enum { CHUNK = 64, SOLVE = 16 };
 
-/* One head over every block; scratch holds (4 dk + 2 CHUNK + 3 dv) * CHUNK + CHUNK floats. */
-static void head_rule(const float *q, const float *k, const float *v, const float *g, const float *beta, float *out,
-                      float *s, int64_t t, int64_t h, int64_t dk, int64_t dv, float *scratch) {
+/* One head's block of c tokens from t0 (q, k, v, g, beta, out at the head's first column); scratch holds
+ * (4 dk + 2 CHUNK + 3 dv) * CHUNK + CHUNK floats. */
+static void head_block(const float *q, const float *k, const float *v, const float *g, const float *beta, float *out,
+                       float *s, int64_t t0, int64_t c, int64_t h, int64_t dk, int64_t dv, float *scratch) {
     const int64_t ldq = h * dk, ldv = h * dv, wide = dv + dk;
     float *kt = scratch, *qd = kt + dk * CHUNK, *a = qd + CHUNK * dk, *p = a + CHUNK * CHUNK;
     float *x = p + CHUNK * CHUNK, *ws = x + CHUNK * wide, *vn = ws + CHUNK * dv, *kdt = vn + CHUNK * dv;
     float *cum = kdt + dk * CHUNK;
-    for (int64_t t0 = 0; t0 < t; t0 += CHUNK) {
-        const int64_t c = t - t0 < CHUNK ? t - t0 : CHUNK;
-        const float *qb = q + t0 * ldq, *kb = k + t0 * ldq, *vb = v + t0 * ldv;
-        float running = 0.0f;
-        for (int64_t i = 0; i < c; i++) cum[i] = running += g[(t0 + i) * h];
-        for (int64_t i = 0; i < c; i++)
-            for (int64_t d = 0; d < dk; d++) kt[d * CHUNK + i] = kb[i * ldq + d];
-        delta_gemm(c, c, dk, kb, ldq, kt, CHUNK, a, CHUNK, 0);  /* k k^T */
-        delta_gemm(c, c, dk, qb, ldq, kt, CHUNK, p, CHUNK, 0);  /* q k^T */
-        for (int64_t i = 0; i < c; i++) {
-            const float bi = beta[(t0 + i) * h], ei = expf(cum[i]);
-            for (int64_t j = 0; j <= i; j++) {
-                const float decay = expf(cum[i] - cum[j]);
-                a[i * CHUNK + j] = bi * a[i * CHUNK + j] * decay;
-                p[i * CHUNK + j] *= decay;
-            }
-            for (int64_t j = i + 1; j < c; j++) p[i * CHUNK + j] = 0.0f;
-            float *xi = x + i * wide;
-            for (int64_t d = 0; d < dv; d++) xi[d] = vb[i * ldv + d] * bi;
-            for (int64_t d = 0; d < dk; d++) xi[dv + d] = kb[i * ldq + d] * bi * ei;
-            for (int64_t d = 0; d < dk; d++) qd[i * dk + d] = qb[i * ldq + d] * ei;
-            for (int64_t j = 0; j < i; j++) {  /* forward substitution: row i of (I + A)^-1 [beta v | ...] */
+    const float *qb = q + t0 * ldq, *kb = k + t0 * ldq, *vb = v + t0 * ldv;
+    float running = 0.0f;
+    for (int64_t i = 0; i < c; i++) cum[i] = running += g[(t0 + i) * h];
+    for (int64_t i = 0; i < c; i++)
+        for (int64_t d = 0; d < dk; d++) kt[d * CHUNK + i] = kb[i * ldq + d];
+    delta_gemm(c, c, dk, kb, ldq, kt, CHUNK, a, CHUNK, 0);  /* k k^T */
+    delta_gemm(c, c, dk, qb, ldq, kt, CHUNK, p, CHUNK, 0);  /* q k^T */
+    for (int64_t i = 0; i < c; i++) {
+        const float bi = beta[(t0 + i) * h], ei = expf(cum[i]);
+        for (int64_t j = 0; j <= i; j++) {
+            const float decay = expf(cum[i] - cum[j]);
+            a[i * CHUNK + j] = bi * a[i * CHUNK + j] * decay;
+            p[i * CHUNK + j] *= decay;
+        }
+        for (int64_t j = i + 1; j < c; j++) p[i * CHUNK + j] = 0.0f;
+        float *xi = x + i * wide;
+        for (int64_t d = 0; d < dv; d++) xi[d] = vb[i * ldv + d] * bi;
+        for (int64_t d = 0; d < dk; d++) xi[dv + d] = kb[i * ldq + d] * bi * ei;
+        for (int64_t d = 0; d < dk; d++) qd[i * dk + d] = qb[i * ldq + d] * ei;
+    }
+    for (int64_t i = 0; i < c; i++)  /* -A, for the substitution's products to accumulate */
+        for (int64_t j = 0; j < i; j++) a[i * CHUNK + j] = -a[i * CHUNK + j];
+    for (int64_t b0 = 0; b0 < c; b0 += SOLVE) {  /* forward substitution, SOLVE rows at a time */
+        const int64_t rows = c - b0 < SOLVE ? c - b0 : SOLVE;
+        delta_gemm(rows, wide, b0, a + b0 * CHUNK, CHUNK, x, wide, x + b0 * wide, wide, 1);  /* earlier rows */
+        for (int64_t i = b0; i < b0 + rows; i++)
+            for (int64_t j = b0; j < i; j++) {  /* within the SOLVE rows */
                 const float aij = a[i * CHUNK + j];
                 const float *restrict xj = x + j * wide;
-                float *restrict xr = xi;
-                for (int64_t d = 0; d < wide; d++) xr[d] -= aij * xj[d];
+                float *restrict xr = x + i * wide;
+                for (int64_t d = 0; d < wide; d++) xr[d] += aij * xj[d];
             }
-        }
-        delta_gemm(c, dv, dk, x + dv, wide, s, dv, ws, dv, 0);  /* w S */
-        for (int64_t i = 0; i < c; i++)
-            for (int64_t d = 0; d < dv; d++) vn[i * dv + d] = x[i * wide + d] - ws[i * dv + d];
-        float *ob = out + t0 * ldv;
-        delta_gemm(c, dv, dk, qd, dk, s, dv, ob, ldv, 0);  /* exp(G) q S */
-        delta_gemm(c, dv, c, p, CHUNK, vn, dv, ob, ldv, 1);  /* + P v' */
-        const float last = cum[c - 1], block_decay = expf(last);
-        for (int64_t d = 0; d < dk; d++)
-            for (int64_t i = 0; i < c; i++) kdt[d * CHUNK + i] = kt[d * CHUNK + i] * expf(last - cum[i]);
-        for (int64_t e = 0; e < dk * dv; e++) s[e] *= block_decay;
-        delta_gemm(dk, dv, c, kdt, CHUNK, vn, dv, s, dv, 1);  /* + (exp(G_c - G) k)^T v' */
     }
+    delta_gemm(c, dv, dk, x + dv, wide, s, dv, ws, dv, 0);  /* w S */
+    for (int64_t i = 0; i < c; i++)
+        for (int64_t d = 0; d < dv; d++) vn[i * dv + d] = x[i * wide + d] - ws[i * dv + d];
+    float *ob = out + t0 * ldv;
+    delta_gemm(c, dv, dk, qd, dk, s, dv, ob, ldv, 0);  /* exp(G) q S */
+    delta_gemm(c, dv, c, p, CHUNK, vn, dv, ob, ldv, 1);  /* + P v' */
+    const float last = cum[c - 1], block_decay = expf(last);
+    for (int64_t i = 0; i < c; i++) cum[i] = expf(last - cum[i]);  /* cum is not read again in this block */
+    for (int64_t d = 0; d < dk; d++)
+        for (int64_t i = 0; i < c; i++) kdt[d * CHUNK + i] = kt[d * CHUNK + i] * cum[i];
+    for (int64_t e = 0; e < dk * dv; e++) s[e] *= block_decay;
+    delta_gemm(dk, dv, c, kdt, CHUNK, vn, dv, s, dv, 1);  /* + (exp(G_c - G) k)^T v' */
 }
 
 /* Returns 0, or -1 where the scratch could not be allocated (nothing written). */
@@ -79,10 +85,20 @@ int cpllm_delta_chunk(const float *q, const float *k, const float *v, const floa
     float *scratch = malloc((size_t)(floats * threads) * sizeof(float));
     if (scratch == NULL) return -1;
     if (state_out != state_in) memcpy(state_out, state_in, (size_t)(h * dk * dv) * sizeof(float));
-#pragma omp parallel for num_threads(threads) schedule(static) if (h > 1)
-    for (int64_t head = 0; head < h; head++)
-        head_rule(q + head * dk, k + head * dk, v + head * dv, g + head, beta + head, out + head * dv,
-                  state_out + head * dk * dv, t, h, dk, dv, scratch + floats * omp_get_thread_num());
+    /* blocks outer, each thread's heads inner: a block's rows of all heads are read while their pages are hot
+     * (heads outer would stride every input by H * d floats per token, one page per row); a static schedule
+     * gives a thread the same heads, so the same states, at every block */
+#pragma omp parallel num_threads(threads) if (h > 1)
+    {
+        float *mine = scratch + floats * omp_get_thread_num();
+        for (int64_t t0 = 0; t0 < t; t0 += CHUNK) {
+            const int64_t c = t - t0 < CHUNK ? t - t0 : CHUNK;
+#pragma omp for schedule(static) nowait
+            for (int64_t head = 0; head < h; head++)
+                head_block(q + head * dk, k + head * dk, v + head * dv, g + head, beta + head, out + head * dv,
+                           state_out + head * dk * dv, t0, c, h, dk, dv, mine);
+        }
+    }
     free(scratch);
     return 0;
 }
