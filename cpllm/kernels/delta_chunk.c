@@ -1,6 +1,6 @@
 /* The gated delta rule's chunked form for one request's prompt chunk, per head over its blocks in C: the same WY
  * form as cpllm/layers/gated_delta/rule.py `chunked_delta_rule_torch` (see its module docstring), with every
- * block's products done in L1/L2 by delta_gemm.h instead of torch's batched ops and layout copies.
+ * block's products done in L1/L2 by delta_gemm.h (delta_block.h: the solve and the state update) instead of torch's batched ops and layout copies.
  *
  * Per head h and block of c <= CHUNK tokens (the last one may be short; no padding), with G = cumsum(g) inside
  * the block and the state S [dk, dv]:
@@ -17,18 +17,18 @@
 
 #include <omp.h>
 
-#include "delta_gemm.h"
+#include "delta_block.h"
 
-enum { CHUNK = 64, SOLVE = 16 };
+enum { CHUNK = DELTA_CHUNK };
 
 /* One head's block of c tokens from t0 (q, k, v, g, beta, out at the head's first column); scratch holds
- * (4 dk + 2 CHUNK + 3 dv) * CHUNK + CHUNK floats. */
+ * (4 dk + 2 CHUNK + 3 dv) * CHUNK + CHUNK + dk floats. */
 static void head_block(const float *q, const float *k, const float *v, const float *g, const float *beta, float *out,
                        float *s, int64_t t0, int64_t c, int64_t h, int64_t dk, int64_t dv, float *scratch) {
     const int64_t ldq = h * dk, ldv = h * dv, wide = dv + dk;
     float *kt = scratch, *qd = kt + dk * CHUNK, *a = qd + CHUNK * dk, *p = a + CHUNK * CHUNK;
     float *x = p + CHUNK * CHUNK, *ws = x + CHUNK * wide, *vn = ws + CHUNK * dv, *kdt = vn + CHUNK * dv;
-    float *cum = kdt + dk * CHUNK;
+    float *cum = kdt + dk * CHUNK, *row_decay = cum + CHUNK;
     const float *qb = q + t0 * ldq, *kb = k + t0 * ldq, *vb = v + t0 * ldv;
     float running = 0.0f;
     for (int64_t i = 0; i < c; i++) cum[i] = running += g[(t0 + i) * h];
@@ -49,38 +49,20 @@ static void head_block(const float *q, const float *k, const float *v, const flo
         for (int64_t d = 0; d < dk; d++) xi[dv + d] = kb[i * ldq + d] * bi * ei;
         for (int64_t d = 0; d < dk; d++) qd[i * dk + d] = qb[i * ldq + d] * ei;
     }
-    for (int64_t i = 0; i < c; i++)  /* -A, for the substitution's products to accumulate */
-        for (int64_t j = 0; j < i; j++) a[i * CHUNK + j] = -a[i * CHUNK + j];
-    for (int64_t b0 = 0; b0 < c; b0 += SOLVE) {  /* forward substitution, SOLVE rows at a time */
-        const int64_t rows = c - b0 < SOLVE ? c - b0 : SOLVE;
-        delta_gemm(rows, wide, b0, a + b0 * CHUNK, CHUNK, x, wide, x + b0 * wide, wide, 1);  /* earlier rows */
-        for (int64_t i = b0; i < b0 + rows; i++)
-            for (int64_t j = b0; j < i; j++) {  /* within the SOLVE rows */
-                const float aij = a[i * CHUNK + j];
-                const float *restrict xj = x + j * wide;
-                float *restrict xr = x + i * wide;
-                for (int64_t d = 0; d < wide; d++) xr[d] += aij * xj[d];
-            }
-    }
-    delta_gemm(c, dv, dk, x + dv, wide, s, dv, ws, dv, 0);  /* w S */
-    for (int64_t i = 0; i < c; i++)
-        for (int64_t d = 0; d < dv; d++) vn[i * dv + d] = x[i * wide + d] - ws[i * dv + d];
-    float *ob = out + t0 * ldv;
-    delta_gemm(c, dv, dk, qd, dk, s, dv, ob, ldv, 0);  /* exp(G) q S */
-    delta_gemm(c, dv, c, p, CHUNK, vn, dv, ob, ldv, 1);  /* + P v' */
+    delta_solve(a, x, c, wide);
     const float last = cum[c - 1], block_decay = expf(last);
     for (int64_t i = 0; i < c; i++) cum[i] = expf(last - cum[i]);  /* cum is not read again in this block */
     for (int64_t d = 0; d < dk; d++)
         for (int64_t i = 0; i < c; i++) kdt[d * CHUNK + i] = kt[d * CHUNK + i] * cum[i];
-    for (int64_t e = 0; e < dk * dv; e++) s[e] *= block_decay;
-    delta_gemm(dk, dv, c, kdt, CHUNK, vn, dv, s, dv, 1);  /* + (exp(G_c - G) k)^T v' */
+    for (int64_t d = 0; d < dk; d++) row_decay[d] = block_decay;
+    delta_block_tail(x, qd, p, kdt, row_decay, s, ws, vn, out + t0 * ldv, ldv, c, dk, dv);
 }
 
 /* Returns 0, or -1 where the scratch could not be allocated (nothing written). */
 int cpllm_delta_chunk(const float *q, const float *k, const float *v, const float *g, const float *beta,
                       const float *state_in, float *state_out, float *out, int64_t t, int64_t h, int64_t dk,
                       int64_t dv, int threads) {
-    const int64_t floats = (4 * dk + 2 * CHUNK + 3 * dv) * CHUNK + CHUNK;
+    const int64_t floats = (4 * dk + 2 * CHUNK + 3 * dv) * CHUNK + CHUNK + dk;
     if (threads < 1) threads = 1;
     float *scratch = malloc((size_t)(floats * threads) * sizeof(float));
     if (scratch == NULL) return -1;
