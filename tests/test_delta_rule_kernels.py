@@ -1,6 +1,6 @@
 """The delta rules' C kernels against their torch forms (cpllm/layers/*_delta/rule.py `*_torch`, the fallbacks):
-the recurrent decode step of both rules (cpllm/kernels/delta_step.c) and the gated delta rule's chunked prefill
-(cpllm/kernels/delta_chunk.c), on random inputs of sizes that are not multiples of 16, a state carried in and
+the recurrent decode step of both rules (cpllm/kernels/delta_step.c) and both rules' chunked prefill
+(cpllm/kernels/delta_chunk.c, kda_chunk.c), on random inputs of sizes that are not multiples of 16, a state carried in and
 out, batch > 1 for the step, prompt lengths not a multiple of the block; and CPLLM_KERNELS=0 runs the torch forms."""
 
 from __future__ import annotations
@@ -49,24 +49,30 @@ def test_step_kernel_matches_torch(rule, b, h, dk, dv):
     _close(new2, want_new2)
 
 
+CHUNKED = {gated: (gated.chunked_delta_rule, gated.chunked_delta_rule_torch),
+           kimi: (kimi.chunked_kda, kimi.chunked_kda_torch)}
+
+
+@pytest.mark.parametrize("rule", [gated, kimi], ids=["gated_delta", "kimi_delta"])
 @pytest.mark.parametrize("t, h, dk, dv", [(1, 3, 16, 16), (64, 2, 128, 128), (100, 5, 40, 24), (257, 3, 17, 33)])
-def test_chunk_kernel_matches_torch(t, h, dk, dv):
+def test_chunk_kernel_matches_torch(rule, t, h, dk, dv):
     gen = torch.Generator().manual_seed(t)
-    q, k, v, g, beta = _inputs((t,), h, dk, dv, False, gen)
+    q, k, v, g, beta = _inputs((t,), h, dk, dv, rule is kimi, gen)
+    chunked, chunked_torch = CHUNKED[rule]
     state = torch.randn(h, dk, dv, generator=gen) * 0.1
     kept = state.clone()
     assert delta_chunk(q, k, v, g, beta, state) is not None
-    out, new = gated.chunked_delta_rule(q, k, v, g, beta, state)
-    want_out, want_new = gated.chunked_delta_rule_torch(q, k, v, g, beta, state)
+    out, new = chunked(q, k, v, g, beta, state)
+    want_out, want_new = chunked_torch(q, k, v, g, beta, state)
     assert out.shape == (t, h, dv) and new.shape == (h, dk, dv)
     _close(out, want_out)
     _close(new, want_new)
     assert torch.equal(state, kept)
     # the state carried out, carried into the next chunk, gives the whole prompt's outputs
     first, rest = t // 2 or 1, slice(t // 2 or 1, None)
-    a, mid = gated.chunked_delta_rule(q[:first], k[:first], v[:first], g[:first], beta[:first], state)
+    a, mid = chunked(q[:first], k[:first], v[:first], g[:first], beta[:first], state)
     if t > first:
-        b, end = gated.chunked_delta_rule(q[rest], k[rest], v[rest], g[rest], beta[rest], mid)
+        b, end = chunked(q[rest], k[rest], v[rest], g[rest], beta[rest], mid)
         a = torch.cat([a, b])
     else:
         end = mid
@@ -74,16 +80,17 @@ def test_chunk_kernel_matches_torch(t, h, dk, dv):
     _close(end, want_new)
 
 
-def test_chunk_kernel_matches_steps():
+@pytest.mark.parametrize("rule", [gated, kimi], ids=["gated_delta", "kimi_delta"])
+def test_chunk_kernel_matches_steps(rule):
     """The chunked kernel over 70 tokens against the step kernel token by token."""
     gen = torch.Generator().manual_seed(7)
     t, h, dk, dv = 70, 3, 24, 40
-    q, k, v, g, beta = _inputs((t,), h, dk, dv, False, gen)
+    q, k, v, g, beta = _inputs((t,), h, dk, dv, rule is kimi, gen)
     state = torch.randn(h, dk, dv, generator=gen) * 0.1
-    out, end = gated.chunked_delta_rule(q, k, v, g, beta, state)
+    out, end = CHUNKED[rule][0](q, k, v, g, beta, state)
     step_state = state[None]
     for i in range(t):
-        o, step_state = gated.recurrent_step(q[i : i + 1], k[i : i + 1], v[i : i + 1], g[i : i + 1],
+        o, step_state = rule.recurrent_step(q[i : i + 1], k[i : i + 1], v[i : i + 1], g[i : i + 1],
                                              beta[i : i + 1], step_state)
         _close(o[0], out[i], 1e-4)
     _close(step_state[0], end, 1e-4)
@@ -102,6 +109,11 @@ def test_kill_switch_runs_the_torch_forms(monkeypatch):
     out, new = gated.chunked_delta_rule(q, k, v, g, beta, state[0])
     want_out, want_new = gated.chunked_delta_rule_torch(q, k, v, g, beta, state[0])
     assert torch.equal(out, want_out) and torch.equal(new, want_new)
+    gk = -torch.rand(2, 3, 20, generator=gen)
+    assert delta_chunk(q, k, v, gk, beta, state[0]) is None
+    out, new = kimi.chunked_kda(q, k, v, gk, beta, state[0])
+    want_out, want_new = kimi.chunked_kda_torch(q, k, v, gk, beta, state[0])
+    assert torch.equal(out, want_out) and torch.equal(new, want_new)
 
 
 def test_kernels_decline_what_they_do_not_read():
@@ -113,19 +125,35 @@ def test_kernels_decline_what_they_do_not_read():
         delta_step(q, k, v[..., :5], g, beta, state)
     with pytest.raises(ValueError):
         delta_chunk(q, k, v, g, beta, state[0, :2])
+    with pytest.raises(ValueError):
+        delta_chunk(q, k, v, -torch.rand(2, 3, 7), beta, state[0])
 
 
-def test_chunk_kernel_threads_split_the_heads():
+@pytest.mark.parametrize("rule", [gated, kimi], ids=["gated_delta", "kimi_delta"])
+def test_chunk_kernel_threads_split_the_heads(rule):
     """Two threads (each its heads' states across every block) give the one-thread bits."""
     gen = torch.Generator().manual_seed(5)
-    q, k, v, g, beta = _inputs((130,), 5, 24, 20, False, gen)
+    q, k, v, g, beta = _inputs((130,), 5, 24, 20, rule is kimi, gen)
     state = torch.randn(5, 24, 20, generator=gen) * 0.1
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = gated.chunked_delta_rule(q, k, v, g, beta, state)
+        one = CHUNKED[rule][0](q, k, v, g, beta, state)
         torch.set_num_threads(2)
-        two = gated.chunked_delta_rule(q, k, v, g, beta, state)
+        two = CHUNKED[rule][0](q, k, v, g, beta, state)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+
+
+@pytest.mark.parametrize("rule", [gated, kimi], ids=["gated_delta", "kimi_delta"])
+def test_chunk_kernel_strong_decays(rule):
+    """Decays of up to e^-15 a token (products down to underflow inside a block) still match the torch form."""
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, g, beta = _inputs((150,), 3, 20, 36, rule is kimi, gen)
+    g = g * 30
+    state = torch.randn(3, 20, 36, generator=gen) * 0.1
+    chunked, chunked_torch = CHUNKED[rule]
+    for got, want in zip(chunked(q, k, v, g, beta, state), chunked_torch(q, k, v, g, beta, state)):
+        assert torch.isfinite(got).all()
+        _close(got, want)

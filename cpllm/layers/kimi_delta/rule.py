@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cpllm.kernels.delta_chunk import delta_chunk
 from cpllm.kernels.delta_step import delta_step
 
 CHUNK = 64
@@ -36,7 +37,15 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def chunked_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """One request's new tokens from `state`: q, k [T, H, dk] (normalised, q scaled), v [T, H, dv], g [T, H, dk],
-    beta [T, H], state [H, dk, dv], all float32 -> (out [T, H, dv], the state after the last token)."""
+    beta [T, H], state [H, dk, dv], all float32 -> (out [T, H, dv], the state after the last token): the C kernel
+    (cpllm/kernels/kda_chunk.c, per head over its blocks of CHUNK) where it applies, else `chunked_kda_torch`."""
+    fast = delta_chunk(q, k, v, g, beta, state) if chunk == CHUNK else None
+    return fast if fast is not None else chunked_kda_torch(q, k, v, g, beta, state, chunk)
+
+
+def chunked_kda_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked_kda` in torch ops: the fallback, and the kernel's reference in tests."""
     t = q.shape[0]
     pad = (-t) % chunk
     # padded tokens have beta = 0 and g = 0: they write nothing and decay nothing
