@@ -157,3 +157,16 @@ def test_chunk_kernel_strong_decays(rule):
     for got, want in zip(chunked(q, k, v, g, beta, state), chunked_torch(q, k, v, g, beta, state)):
         assert torch.isfinite(got).all()
         _close(got, want)
+
+
+@pytest.mark.parametrize("rule", [gated, kimi], ids=["gated_delta", "kimi_delta"])
+def test_step_kernel_overwrites_the_state_it_is_given(rule):
+    """overwrite=True (the layer's gathered copy) writes the new states over `state`: the same values."""
+    gen = torch.Generator().manual_seed(9)
+    q, k, v, g, beta = _inputs((2,), 3, 40, 24, rule is kimi, gen)
+    state = torch.randn(2, 3, 40, 24, generator=gen) * 0.1
+    want_out, want_new = rule.recurrent_step_torch(q, k, v, g, beta, state)
+    out, new = rule.recurrent_step(q, k, v, g, beta, state, overwrite=True)
+    assert new.data_ptr() == state.data_ptr()
+    _close(out, want_out)
+    _close(new, want_new)

@@ -13,9 +13,10 @@ from cpllm.kernels.library import load
 
 
 def delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-               state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+               state: torch.Tensor, overwrite: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """q, k [B, H, dk], v [B, H, dv], g [B, H] (one decay per head) or [B, H, dk] (per key channel), beta [B, H],
-    state [B, H, dk, dv], float32 on the CPU -> (out [B, H, dv], the new states), or None."""
+    state [B, H, dk, dv], float32 on the CPU -> (out [B, H, dv], the new states), or None. With `overwrite` the new
+    states are written over a contiguous `state` (no 4 MiB allocation per layer and step: its pages are hot)."""
     tensors = (q, k, v, g, beta, state)
     if (torch.compiler.is_compiling() or any(x.dtype != torch.float32 or x.device.type != "cpu" for x in tensors)
             or state.dim() != 4):
@@ -29,9 +30,10 @@ def delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
             or g.shape != ((b, h, dk) if per_channel else (b, h))):
         raise ValueError(f"delta step kernel: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"g {tuple(g.shape)}, beta {tuple(beta.shape)} do not match the state {tuple(state.shape)}")
-    q, k, v, g, beta, state = (x.contiguous() for x in tensors)
+    q, k, v, g, beta = (x.contiguous() for x in tensors[:5])
+    new_state = state if overwrite and state.is_contiguous() else torch.empty(b, h, dk, dv, dtype=torch.float32)
+    state = state.contiguous()
     out = torch.empty(b, h, dv, dtype=torch.float32)
-    new_state = torch.empty_like(state)
     if lib.cpllm_delta_step(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), int(per_channel),
                             beta.data_ptr(), state.data_ptr(), new_state.data_ptr(), out.data_ptr(), b * h, dk, dv,
                             torch.get_num_threads()) != 0:

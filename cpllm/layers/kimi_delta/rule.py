@@ -95,11 +95,12 @@ def _pairwise(rows: tuple[torch.Tensor, ...], cols: torch.Tensor, cum: torch.Ten
 
 
 def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                   state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   state: torch.Tensor, overwrite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of each of B requests: q, k [B, H, dk], v [B, H, dv], g [B, H, dk], beta [B, H], state
     [B, H, dk, dv] (float32) -> (out [B, H, dv], the new states): the C kernel (cpllm/kernels/delta_step.c, one pass
-    over each state) where it applies, else `recurrent_step_torch`."""
-    fast = delta_step(q, k, v, g, beta, state)
+    over each state; with `overwrite` it may write the new states over `state`) where it applies, else
+    `recurrent_step_torch`."""
+    fast = delta_step(q, k, v, g, beta, state, overwrite)
     return fast if fast is not None else recurrent_step_torch(q, k, v, g, beta, state)
 
 
