@@ -7,15 +7,59 @@
  * in that order, as cpllm/layers/*_delta/rule.py `recurrent_step` computes it. The first sweep reads S and
  * accumulates S^T k over the decayed rows; the second re-reads S (64 KiB for 128 x 128: from L2), writes the new
  * rows and accumulates S^T q from them, so memory sees one read and one write of the state. state_out may be
- * state_in (in place). The dv loops are written for the compiler to vectorize (16 lanes with AVX-512, 8 with
- * AVX2, scalar otherwise); OpenMP splits the rows.
+ * state_in (in place). With AVX-512 the columns go in panels of 128 (8 vectors, masked at a ragged edge; every
+ * column is its own: a panel's two sweeps need nothing from the others), S^T k, delta and S'^T q in registers;
+ * otherwise loops the compiler vectorizes. OpenMP splits the rows.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 enum { MAX_DV = 1024 };
 
+#if defined(__AVX512F__)
+enum { PANEL = 8 };  /* vectors of 16 columns per panel */
+
+static void step_row(const float *restrict q, const float *restrict k, const float *restrict v, const float *g,
+                     int64_t g_stride, float beta, const float *s_in, float *s_out, float *restrict out, int64_t dk,
+                     int64_t dv) {
+    for (int64_t j0 = 0; j0 < dv; j0 += 16 * PANEL) {
+        __mmask16 m[PANEL];
+        for (int u = 0; u < PANEL; u++) {
+            const int64_t left = dv - j0 - 16 * u;
+            m[u] = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : (__mmask16)0;
+        }
+        __m512 acc[PANEL], o[PANEL];
+        for (int u = 0; u < PANEL; u++) acc[u] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < dk; c++) {  /* remembered = (decayed S)^T k */
+            const __m512 e = _mm512_set1_ps(expf(g[c * g_stride])), kc = _mm512_set1_ps(k[c]);
+            const float *row = s_in + c * dv + j0;
+            for (int u = 0; u < PANEL; u++)
+                acc[u] = _mm512_fmadd_ps(kc, _mm512_mul_ps(_mm512_maskz_loadu_ps(m[u], row + 16 * u), e), acc[u]);
+        }
+        const __m512 b = _mm512_set1_ps(beta);
+        for (int u = 0; u < PANEL; u++) {  /* delta */
+            acc[u] = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m[u], v + j0 + 16 * u), acc[u]), b);
+            o[u] = _mm512_setzero_ps();
+        }
+        for (int64_t c = 0; c < dk; c++) {  /* S' = decayed S + k delta^T; out = S'^T q */
+            const __m512 e = _mm512_set1_ps(expf(g[c * g_stride])), kc = _mm512_set1_ps(k[c]);
+            const __m512 qc = _mm512_set1_ps(q[c]);
+            const float *row = s_in + c * dv + j0;
+            float *new_row = s_out + c * dv + j0;
+            for (int u = 0; u < PANEL; u++) {
+                const __m512 sv = _mm512_fmadd_ps(kc, acc[u], _mm512_mul_ps(_mm512_maskz_loadu_ps(m[u], row + 16 * u), e));
+                _mm512_mask_storeu_ps(new_row + 16 * u, m[u], sv);
+                o[u] = _mm512_fmadd_ps(qc, sv, o[u]);
+            }
+        }
+        for (int u = 0; u < PANEL; u++) _mm512_mask_storeu_ps(out + j0 + 16 * u, m[u], o[u]);
+    }
+}
+#else
 static void step_row(const float *restrict q, const float *restrict k, const float *restrict v, const float *g,
                      int64_t g_stride, float beta, const float *s_in, float *s_out, float *restrict out, int64_t dk,
                      int64_t dv) {
@@ -39,6 +83,7 @@ static void step_row(const float *restrict q, const float *restrict k, const flo
         }
     }
 }
+#endif
 
 /* q, k [rows, dk], v [rows, dv], g [rows] (per_channel = 0) or [rows, dk] (per_channel = 1), beta [rows],
  * state_in, state_out [rows, dk, dv], out [rows, dv], all contiguous float32. Returns 0, or -1 where dv > MAX_DV
