@@ -1,12 +1,13 @@
-"""The gated delta rule on one DeltaNet layer of Qwen3-Next's shape (32 value heads of 128 x 128, TP = 1), in one
-process, the sides taking turns within every round (the side going first rotates): cpllm's chunked rule (the C
-kernel, cpllm/kernels/delta_chunk.c), its torch form (`chunked_delta_rule_torch`: the rule before the kernel, the
-fallback) and transformers' torch path (`torch_chunk_gated_delta_rule`, what it runs without
+"""The gated delta rule on one DeltaNet layer of Qwen3-Next's shape (32 value heads of 128 x 128, TP = 1), in
+one process, the sides taking turns within every round (the side going first rotates): cpllm's chunked rule (the
+C kernel, cpllm/kernels/delta_chunk.c), its torch form (`chunked_delta_rule_torch`: the rule before the kernel,
+the fallback) and transformers' torch path (`torch_chunk_gated_delta_rule`, what it runs without
 flash-linear-attention) on the same q, k, v, decays and betas from a zero state; and one decode token's recurrent
-step at batch 1 (cpllm/kernels/delta_step.c writing over the state as the layer has it, its torch form, transformers' `torch_recurrent_gated_delta_rule`),
-each call on the next of 16 states (64 MiB: from memory, not cache). GFLOP/s of the chunked rule and GB/s of the
-step's state read + write against `cpllm bench ceiling`'s float32 GEMM and matvec rates, measured in the same run
-before and after. Medians of the rounds; outputs compared.
+step at batch 1 (cpllm/kernels/delta_step.c writing over the state as the layer has it, its torch form,
+transformers' `torch_recurrent_gated_delta_rule`), each call on the next of 16 states (32 MiB: past a core's
+2 MiB of L2, in the L3, where a model's states at batch 1 lie). GFLOP/s of the chunked rule and GB/s of the step's
+state read + write against `cpllm bench ceiling`'s float32 GEMM and matvec rates, measured in the same run before
+and after. Medians of the rounds; outputs compared.
 
     python benchmarks/delta_rule_bench.py --tokens 2048 --rounds 5 --threads 1 --out benchmarks/results/delta_rule.json
 """
