@@ -11,6 +11,26 @@
 
 enum { DELTA_CHUNK = 64, DELTA_SOLVE = 16 };
 
+/* c[m, n] (+)= a[m, m] b[m, n] for a lower triangular a (zero above its diagonal): a slab of DELTA_SOLVE rows
+ * reads only the columns of a (rows of b) up to its last row. */
+static void delta_gemm_lower(int64_t m, int64_t n, const float *a, int64_t lda, const float *b, int64_t ldb, float *c,
+                             int64_t ldc, int accumulate) {
+    for (int64_t i0 = 0; i0 < m; i0 += DELTA_SOLVE) {
+        const int64_t rows = m - i0 < DELTA_SOLVE ? m - i0 : DELTA_SOLVE;
+        delta_gemm(rows, n, i0 + rows, a + i0 * lda, lda, b, ldb, c + i0 * ldc, ldc, accumulate);
+    }
+}
+
+/* The lower part of c[m, m] = a[m, k] bt[k, m]: a slab of DELTA_SOLVE rows computes the columns up to its last row
+ * (those right of the diagonal inside the slab too; the caller ignores or zeroes them, and the columns past). */
+static void delta_gemm_to_lower(int64_t m, int64_t k, const float *a, int64_t lda, const float *bt, int64_t ldb,
+                                float *c, int64_t ldc) {
+    for (int64_t i0 = 0; i0 < m; i0 += DELTA_SOLVE) {
+        const int64_t rows = m - i0 < DELTA_SOLVE ? m - i0 : DELTA_SOLVE;
+        delta_gemm(rows, i0 + rows, k, a + i0 * lda, lda, bt, ldb, c + i0 * ldc, ldc, 0);
+    }
+}
+
 /* x [c, wide] <- (I + A)^-1 x, A strictly lower in a [c, DELTA_CHUNK] (its diagonal and upper part are not read):
  * rows DELTA_SOLVE at a time, their products with the rows already solved one GEMM. a is negated in place. */
 static void delta_solve(float *a, float *x, int64_t c, int64_t wide) {
@@ -41,7 +61,7 @@ static void delta_block_tail(const float *x, const float *qd, const float *p, co
     for (int64_t i = 0; i < c; i++)
         for (int64_t d = 0; d < dv; d++) vn[i * dv + d] = x[i * wide + d] - ws[i * dv + d];
     delta_gemm(c, dv, dk, qd, dk, s, dv, out, ldo, 0);       /* qd S */
-    delta_gemm(c, dv, c, p, DELTA_CHUNK, vn, dv, out, ldo, 1);  /* + p v' */
+    delta_gemm_lower(c, dv, p, DELTA_CHUNK, vn, dv, out, ldo, 1);  /* + p v' */
     for (int64_t r = 0; r < dk; r++)
         for (int64_t d = 0; d < dv; d++) s[r * dv + d] *= row_decay[r];
     delta_gemm(dk, dv, c, kdt, DELTA_CHUNK, vn, dv, s, dv, 1);  /* + kdt v' */

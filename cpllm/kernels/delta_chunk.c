@@ -34,8 +34,8 @@ static void head_block(const float *q, const float *k, const float *v, const flo
     for (int64_t i = 0; i < c; i++) cum[i] = running += g[(t0 + i) * h];
     for (int64_t i = 0; i < c; i++)
         for (int64_t d = 0; d < dk; d++) kt[d * CHUNK + i] = kb[i * ldq + d];
-    delta_gemm(c, c, dk, kb, ldq, kt, CHUNK, a, CHUNK, 0);  /* k k^T */
-    delta_gemm(c, c, dk, qb, ldq, kt, CHUNK, p, CHUNK, 0);  /* q k^T */
+    delta_gemm_to_lower(c, dk, kb, ldq, kt, CHUNK, a, CHUNK);  /* k k^T, its lower part */
+    delta_gemm_to_lower(c, dk, qb, ldq, kt, CHUNK, p, CHUNK);  /* q k^T */
     for (int64_t i = 0; i < c; i++) {
         const float bi = beta[(t0 + i) * h], ei = expf(cum[i]);
         for (int64_t j = 0; j <= i; j++) {
