@@ -1,6 +1,7 @@
 /* The steps one block of the delta rules' chunked form shares between the gated delta rule (delta_chunk.c) and
  * Kimi delta attention (kda_chunk.c), after each has its pairwise products and decays:
- * `delta_solve` the WY system by forward substitution, `delta_block_tail` the block's outputs and state update.
+ * `delta_solve` the WY system by forward substitution, `delta_block_tail` the block's outputs and state update;
+ * and the vectorized exps of decay differences both take.
  */
 #ifndef CPLLM_DELTA_BLOCK_H
 #define CPLLM_DELTA_BLOCK_H
@@ -8,6 +9,35 @@
 #include <stdint.h>
 
 #include "delta_gemm.h"
+#include "vector_exp.h"
+
+/* e[d] = exp(x[d] - y[d]) for d < n, every difference <= 0 (y NULL: exp(x[d])); 16 lanes at a time with AVX-512
+ * (vector_exp.h's polynomial: GCC does not vectorize its scalar form), the same polynomial scalar otherwise. */
+static void exp_diff(const float *x, const float *y, float *e, int64_t n) {
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    for (; d < n; d += 16) {
+        const __mmask16 m = n - d >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - d)) - 1);
+        __m512 diff = _mm512_maskz_loadu_ps(m, x + d);
+        if (y != NULL) diff = _mm512_sub_ps(diff, _mm512_maskz_loadu_ps(m, y + d));
+        _mm512_mask_storeu_ps(e + d, m, exp16_nonpositive(diff));
+    }
+#endif
+    for (; d < n; d++) e[d] = exp_nonpositive(y != NULL ? x[d] - y[d] : x[d]);
+}
+
+/* e[j] = exp(x - y[j]) for j < n, every difference <= 0: exp_diff with x broadcast. */
+static void exp_sub(float x, const float *y, float *e, int64_t n) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    for (; j < n; j += 16) {
+        const __mmask16 m = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+        const __m512 diff = _mm512_sub_ps(_mm512_set1_ps(x), _mm512_maskz_loadu_ps(m, y + j));
+        _mm512_mask_storeu_ps(e + j, m, exp16_nonpositive(diff));
+    }
+#endif
+    for (; j < n; j++) e[j] = exp_nonpositive(x - y[j]);
+}
 
 enum { DELTA_CHUNK = 64, DELTA_SOLVE = 16 };
 

@@ -22,13 +22,13 @@
 enum { CHUNK = DELTA_CHUNK };
 
 /* One head's block of c tokens from t0 (q, k, v, g, beta, out at the head's first column); scratch holds
- * (4 dk + 2 CHUNK + 3 dv) * CHUNK + CHUNK + dk floats. */
+ * (4 dk + 2 CHUNK + 3 dv) * CHUNK + 2 CHUNK + dk floats. */
 static void head_block(const float *q, const float *k, const float *v, const float *g, const float *beta, float *out,
                        float *s, int64_t t0, int64_t c, int64_t h, int64_t dk, int64_t dv, float *scratch) {
     const int64_t ldq = h * dk, ldv = h * dv, wide = dv + dk;
     float *kt = scratch, *qd = kt + dk * CHUNK, *a = qd + CHUNK * dk, *p = a + CHUNK * CHUNK;
     float *x = p + CHUNK * CHUNK, *ws = x + CHUNK * wide, *vn = ws + CHUNK * dv, *kdt = vn + CHUNK * dv;
-    float *cum = kdt + dk * CHUNK, *row_decay = cum + CHUNK;
+    float *cum = kdt + dk * CHUNK, *row_decay = cum + CHUNK, *decay = row_decay + dk;
     const float *qb = q + t0 * ldq, *kb = k + t0 * ldq, *vb = v + t0 * ldv;
     float running = 0.0f;
     for (int64_t i = 0; i < c; i++) cum[i] = running += g[(t0 + i) * h];
@@ -38,10 +38,10 @@ static void head_block(const float *q, const float *k, const float *v, const flo
     delta_gemm_to_lower(c, dk, qb, ldq, kt, CHUNK, p, CHUNK);  /* q k^T */
     for (int64_t i = 0; i < c; i++) {
         const float bi = beta[(t0 + i) * h], ei = expf(cum[i]);
+        exp_sub(cum[i], cum, decay, i + 1);  /* exp(G_i - G_j), j <= i */
         for (int64_t j = 0; j <= i; j++) {
-            const float decay = expf(cum[i] - cum[j]);
-            a[i * CHUNK + j] = bi * a[i * CHUNK + j] * decay;
-            p[i * CHUNK + j] *= decay;
+            a[i * CHUNK + j] = bi * a[i * CHUNK + j] * decay[j];
+            p[i * CHUNK + j] *= decay[j];
         }
         for (int64_t j = i + 1; j < c; j++) p[i * CHUNK + j] = 0.0f;
         float *xi = x + i * wide;
@@ -62,7 +62,7 @@ static void head_block(const float *q, const float *k, const float *v, const flo
 int cpllm_delta_chunk(const float *q, const float *k, const float *v, const float *g, const float *beta,
                       const float *state_in, float *state_out, float *out, int64_t t, int64_t h, int64_t dk,
                       int64_t dv, int threads) {
-    const int64_t floats = (4 * dk + 2 * CHUNK + 3 * dv) * CHUNK + CHUNK + dk;
+    const int64_t floats = (4 * dk + 2 * CHUNK + 3 * dv) * CHUNK + 2 * CHUNK + dk;
     if (threads < 1) threads = 1;
     float *scratch = malloc((size_t)(floats * threads) * sizeof(float));
     if (scratch == NULL) return -1;

@@ -18,28 +18,12 @@
 #include <string.h>
 
 #include "delta_block.h"
-#include "vector_exp.h"
 
 enum { CHUNK = DELTA_CHUNK, SUB = 16, LANES = 16 };
 
 /* Floats of one thread's scratch. */
 static int64_t scratch_floats(int64_t dk, int64_t dv) {
     return CHUNK * dk * 5 + 2 * SUB * dk + 2 * CHUNK * CHUNK + CHUNK * (dv + dk) + 2 * CHUNK * dv + 2 * dk;
-}
-
-/* e[d] = exp(x[d] - y[d]) for d < n, every difference <= 0 (y NULL: exp(x[d])); 16 lanes at a time with AVX-512
- * (vector_exp.h's polynomial: GCC does not vectorize its scalar form here), the same polynomial scalar otherwise. */
-static void exp_diff(const float *x, const float *y, float *e, int64_t n) {
-    int64_t d = 0;
-#if defined(__AVX512F__)
-    for (; d < n; d += 16) {
-        const __mmask16 m = n - d >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - d)) - 1);
-        __m512 diff = _mm512_maskz_loadu_ps(m, x + d);
-        if (y != NULL) diff = _mm512_sub_ps(diff, _mm512_maskz_loadu_ps(m, y + d));
-        _mm512_mask_storeu_ps(e + d, m, exp16_nonpositive(diff));
-    }
-#endif
-    for (; d < n; d++) e[d] = exp_nonpositive(y != NULL ? x[d] - y[d] : x[d]);
 }
 
 static void head_block(const float *q, const float *k, const float *v, const float *g, const float *beta, float *out,
