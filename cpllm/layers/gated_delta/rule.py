@@ -1,5 +1,7 @@
-"""The gated delta rule in torch, float32: the chunked form for a prompt chunk (one batched pass per block of
-CHUNK tokens, the blocks scanned in order) and the recurrent step for single tokens.
+"""The gated delta rule, float32: the chunked form for a prompt chunk (one batched pass per block of CHUNK tokens,
+the blocks scanned in order) and the recurrent step for single tokens. Each runs as a C kernel where it applies
+(cpllm/kernels/delta_chunk.c, delta_step.c) and otherwise as its torch form here (`chunked_delta_rule_torch`,
+`recurrent_step_torch`: the fallbacks with CPLLM_KERNELS=0, and the kernels' references in tests).
 
 Per value head, with the state S [dk, dv] (keys in, values out), a token (q, k, v, decay g <= 0 in log space,
 learning rate beta) does S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; out = S^T q. Over a block of C tokens

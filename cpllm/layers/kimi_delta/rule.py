@@ -1,5 +1,7 @@
-"""Kimi delta attention's rule in torch, float32: the chunked form for a prompt chunk (one pass per block of CHUNK
-tokens, in order) and the recurrent step for single tokens.
+"""Kimi delta attention's rule, float32: the chunked form for a prompt chunk (one pass per block of CHUNK tokens, in
+order) and the recurrent step for single tokens. Each runs as a C kernel where it applies (cpllm/kernels/
+kda_chunk.c, delta_step.c) and otherwise as its torch form here (`chunked_kda_torch`, `recurrent_step_torch`: the
+fallbacks with CPLLM_KERNELS=0, and the kernels' references in tests).
 
 Per head, with the state S [dk, dv] (keys in, values out), a token (q, k, v, a decay g [dk] <= 0 in log space, one
 per key channel, learning rate beta) does S <- diag(exp(g)) S; S <- S + k (beta (v - S^T k))^T; out = S^T q. It is
