@@ -1,7 +1,8 @@
 """The delta rules' C kernels against their torch forms (cpllm/layers/*_delta/rule.py `*_torch`, the fallbacks):
 the recurrent decode step of both rules (cpllm/kernels/delta_step.c) and both rules' chunked prefill
-(cpllm/kernels/delta_chunk.c, kda_chunk.c), on random inputs of sizes that are not multiples of 16, a state carried in and
-out, batch > 1 for the step, prompt lengths not a multiple of the block; and CPLLM_KERNELS=0 runs the torch forms."""
+(cpllm/kernels/delta_chunk.c, kda_chunk.c), on random inputs of sizes that are not multiples of 16, a state
+carried in and out, batch > 1 for the step, prompt lengths not a multiple of the block; and CPLLM_KERNELS=0 runs
+the torch forms."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 /* The gated delta rule's chunked form for one request's prompt chunk, per head over its blocks in C: the same WY
  * form as cpllm/layers/gated_delta/rule.py `chunked_delta_rule_torch` (see its module docstring), with every
- * block's products done in L1/L2 by delta_gemm.h (delta_block.h: the solve and the state update) instead of torch's batched ops and layout copies.
+ * block's products done in L1/L2 by delta_gemm.h (delta_block.h: the solve and the state update) instead of
+ * torch's batched ops and layout copies.
  *
  * Per head h and block of c <= CHUNK tokens (the last one may be short; no padding), with G = cumsum(g) inside
  * the block and the state S [dk, dv]:

@@ -3,7 +3,8 @@ cpllm/kernels/delta_chunk.c) and Kimi delta attention's (one per key channel, cp
 
 `delta_chunk` returns None where the kernel does not apply (kernels off with CPLLM_KERNELS=0 or not built, another
 device or dtype, a compiled graph) and the caller runs its torch form (cpllm/layers/gated_delta/rule.py
-`chunked_delta_rule_torch`, cpllm/layers/kimi_delta/rule.py `chunked_kda_torch`; also the tests' references). Shapes that disagree raise ValueError.
+`chunked_delta_rule_torch`, cpllm/layers/kimi_delta/rule.py `chunked_kda_torch`; also the tests' references).
+Shapes that disagree raise ValueError.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ static inline __attribute__((always_inline)) void gemm_tile(int rows, int vecs, 
         }
     for (int64_t p = 0; p < k; p++) {
         __m512 bv[4];
-        for (int v = 0; v < vecs; v++) bv[v] = _mm512_maskz_loadu_ps(v == vecs - 1 ? tail : 0xFFFF, b + p * ldb + 16 * v);
+        for (int v = 0; v < vecs; v++)
+            bv[v] = _mm512_maskz_loadu_ps(v == vecs - 1 ? tail : 0xFFFF, b + p * ldb + 16 * v);
         for (int r = 0; r < rows; r++) {
             const __m512 av = _mm512_set1_ps(a[r * lda + p]);
             for (int v = 0; v < vecs; v++) acc[r][v] = _mm512_fmadd_ps(av, bv[v], acc[r][v]);

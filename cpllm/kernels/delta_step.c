@@ -51,7 +51,8 @@ static void step_row(const float *restrict q, const float *restrict k, const flo
             const float *row = s_in + c * dv + j0;
             float *new_row = s_out + c * dv + j0;
             for (int u = 0; u < PANEL; u++) {
-                const __m512 sv = _mm512_fmadd_ps(kc, acc[u], _mm512_mul_ps(_mm512_maskz_loadu_ps(m[u], row + 16 * u), e));
+                const __m512 decayed = _mm512_mul_ps(_mm512_maskz_loadu_ps(m[u], row + 16 * u), e);
+                const __m512 sv = _mm512_fmadd_ps(kc, acc[u], decayed);
                 _mm512_mask_storeu_ps(new_row + 16 * u, m[u], sv);
                 o[u] = _mm512_fmadd_ps(qc, sv, o[u]);
             }
