@@ -42,6 +42,9 @@ SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
                                        "cpllm_prefill_attention_amx")},
     "index_scores": {"cpllm_index_scores": (
         [_p, _i64, _p, _i, _i, _i, _p, _i, _i64, _i64, _p, _p, _i64, _p, _f, _i, _p], _i)},
+    "delta_chunk": {"cpllm_delta_chunk": ([_p, _p, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i], _i)},
+    "kda_chunk": {"cpllm_kda_chunk": ([_p, _p, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i], _i)},
+    "delta_step": {"cpllm_delta_step": ([_p, _p, _p, _p, _i, _p, _p, _p, _p, _i64, _i64, _i64, _i], _i)},
     "index_topk": {"cpllm_index_topk": ([_p, _i64, _p, _i, _i64, _i64, _i64, _i64, _i, _p, _p], _i)},
     "decode_layer": {"cpllm_decode_layer": _layer_call, "cpllm_decode_layer_tp": _layer_call,
                      "cpllm_f32_available": ([], _i), "cpllm_team_barrier": ([_p], _i),

@@ -1,5 +1,7 @@
-"""The gated delta rule in torch, float32: the chunked form for a prompt chunk (one batched pass per block of
-CHUNK tokens, the blocks scanned in order) and the recurrent step for single tokens.
+"""The gated delta rule, float32: the chunked form for a prompt chunk (one batched pass per block of CHUNK tokens,
+the blocks scanned in order) and the recurrent step for single tokens. Each runs as a C kernel where it applies
+(cpllm/kernels/delta_chunk.c, delta_step.c) and otherwise as its torch form here (`chunked_delta_rule_torch`,
+`recurrent_step_torch`: the fallbacks with CPLLM_KERNELS=0, and the kernels' references in tests).
 
 Per value head, with the state S [dk, dv] (keys in, values out), a token (q, k, v, decay g <= 0 in log space,
 learning rate beta) does S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; out = S^T q. Over a block of C tokens
@@ -13,6 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cpllm.kernels.delta_chunk import delta_chunk
+from cpllm.kernels.delta_step import delta_step
+
 CHUNK = 64
 """Tokens per block of the chunked form (transformers' chunk size)."""
 
@@ -25,7 +30,16 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """One request's new tokens from `state`: q, k [T, H, dk] (normalised, q scaled), v [T, H, dv], g, beta
-    [T, H], state [H, dk, dv], all float32 -> (out [T, H, dv], the state after the last token)."""
+    [T, H], state [H, dk, dv], all float32 -> (out [T, H, dv], the state after the last token): the C kernel
+    (cpllm/kernels/delta_chunk.c, per head over its blocks of CHUNK) where it applies, else
+    `chunked_delta_rule_torch`."""
+    fast = delta_chunk(q, k, v, g, beta, state) if chunk == CHUNK else None
+    return fast if fast is not None else chunked_delta_rule_torch(q, k, v, g, beta, state, chunk)
+
+
+def chunked_delta_rule_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                             state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked_delta_rule` in torch ops: the fallback, and the kernel's reference in tests."""
     t = q.shape[0]
     pad = (-t) % chunk
     # padded tokens have beta = 0 and g = 0: they write nothing and decay nothing
@@ -57,9 +71,18 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
 
 
 def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                   state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   state: torch.Tensor, overwrite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of each of B requests: q, k [B, H, dk], v [B, H, dv], g, beta [B, H], state [B, H, dk, dv]
-    (float32) -> (out [B, H, dv], the new states)."""
+    (float32) -> (out [B, H, dv], the new states): the C kernel (cpllm/kernels/delta_step.c, one pass
+    over each state; with `overwrite` it may write the new states over `state`) where it applies, else
+    `recurrent_step_torch`."""
+    fast = delta_step(q, k, v, g, beta, state, overwrite)
+    return fast if fast is not None else recurrent_step_torch(q, k, v, g, beta, state)
+
+
+def recurrent_step_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`recurrent_step` in torch ops: the fallback, and the kernel's reference in tests."""
     state = state * g.exp()[..., None, None]
     remembered = torch.einsum("bhk,bhkv->bhv", k, state)
     delta = (v - remembered) * beta.unsqueeze(-1)

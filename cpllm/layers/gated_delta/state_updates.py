@@ -51,7 +51,9 @@ class DeltaStateUpdates:
         q, k, v = self._heads(x)
         matrix = matrix_pool.index_select(0, slots).masked_fill(fresh[:, None, None], 0.0)
         matrix = matrix.view(len(requests), self.hv, self.dk, self.dv)
-        out, matrix = self.step_rule(q, k, v, g.index_select(0, rows), beta.index_select(0, rows), matrix)
+        # matrix is this step's gathered copy: the step may write over it
+        out, matrix = self.step_rule(q, k, v, g.index_select(0, rows), beta.index_select(0, rows), matrix,
+                                     overwrite=True)
         core.index_copy_(0, rows, out)
         conv_pool.index_copy_(0, slots, taps[..., 1:])
         matrix_pool.index_copy_(0, slots, matrix.reshape(len(requests), self.hv, -1))

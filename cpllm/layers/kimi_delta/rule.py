@@ -1,5 +1,7 @@
-"""Kimi delta attention's rule in torch, float32: the chunked form for a prompt chunk (one pass per block of CHUNK
-tokens, in order) and the recurrent step for single tokens.
+"""Kimi delta attention's rule, float32: the chunked form for a prompt chunk (one pass per block of CHUNK tokens, in
+order) and the recurrent step for single tokens. Each runs as a C kernel where it applies (cpllm/kernels/
+kda_chunk.c, delta_step.c) and otherwise as its torch form here (`chunked_kda_torch`, `recurrent_step_torch`: the
+fallbacks with CPLLM_KERNELS=0, and the kernels' references in tests).
 
 Per head, with the state S [dk, dv] (keys in, values out), a token (q, k, v, a decay g [dk] <= 0 in log space, one
 per key channel, learning rate beta) does S <- diag(exp(g)) S; S <- S + k (beta (v - S^T k))^T; out = S^T q. It is
@@ -20,6 +22,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cpllm.kernels.delta_chunk import delta_chunk
+from cpllm.kernels.delta_step import delta_step
+
 CHUNK = 64
 """Tokens per block of the chunked form (transformers' chunk size)."""
 SUB = 8
@@ -34,7 +39,15 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def chunked_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """One request's new tokens from `state`: q, k [T, H, dk] (normalised, q scaled), v [T, H, dv], g [T, H, dk],
-    beta [T, H], state [H, dk, dv], all float32 -> (out [T, H, dv], the state after the last token)."""
+    beta [T, H], state [H, dk, dv], all float32 -> (out [T, H, dv], the state after the last token): the C kernel
+    (cpllm/kernels/kda_chunk.c, per head over its blocks of CHUNK) where it applies, else `chunked_kda_torch`."""
+    fast = delta_chunk(q, k, v, g, beta, state) if chunk == CHUNK else None
+    return fast if fast is not None else chunked_kda_torch(q, k, v, g, beta, state, chunk)
+
+
+def chunked_kda_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked_kda` in torch ops: the fallback, and the kernel's reference in tests."""
     t = q.shape[0]
     pad = (-t) % chunk
     # padded tokens have beta = 0 and g = 0: they write nothing and decay nothing
@@ -84,9 +97,18 @@ def _pairwise(rows: tuple[torch.Tensor, ...], cols: torch.Tensor, cum: torch.Ten
 
 
 def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                   state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   state: torch.Tensor, overwrite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of each of B requests: q, k [B, H, dk], v [B, H, dv], g [B, H, dk], beta [B, H], state
-    [B, H, dk, dv] (float32) -> (out [B, H, dv], the new states)."""
+    [B, H, dk, dv] (float32) -> (out [B, H, dv], the new states): the C kernel (cpllm/kernels/delta_step.c, one pass
+    over each state; with `overwrite` it may write the new states over `state`) where it applies, else
+    `recurrent_step_torch`."""
+    fast = delta_step(q, k, v, g, beta, state, overwrite)
+    return fast if fast is not None else recurrent_step_torch(q, k, v, g, beta, state)
+
+
+def recurrent_step_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`recurrent_step` in torch ops: the fallback, and the kernel's reference in tests."""
     state = state * g.exp().unsqueeze(-1)
     remembered = torch.einsum("bhk,bhkv->bhv", k, state)
     delta = (v - remembered) * beta.unsqueeze(-1)
