@@ -66,13 +66,15 @@ def store_rows_(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, rows: 
     return True
 
 
-def silu_mul(gate_up: torch.Tensor, inter: int, out_dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
-    """silu(gate) * up for gate_up [N, 2 * inter] (gate | up) in float32, or in bfloat16 (a bf16 GEMM's output,
-    widened exactly), computed in float32 and returned in `out_dtype` (bfloat16 from bfloat16 rows only: rounded as
-    torch rounds); None where the kernel does not apply."""
+def silu_mul(gate_up: torch.Tensor, inter: int, out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """silu(gate) * up for gate_up [N, 2 * inter] (gate | up) in float32 (out_dtype None or float32), or, asked for
+    by `out_dtype`, in bfloat16 (a bf16 GEMM's output, widened exactly), computed in float32 and returned in
+    `out_dtype` (float32, or bfloat16 rounded as torch rounds); None where the kernel does not apply (a bf16 model's
+    own rows, out_dtype None: its torch ops round as the model does)."""
     if (torch.compiler.is_compiling() or gate_up.device.type != "cpu" or gate_up.dim() != 2
             or gate_up.shape[1] != 2 * inter or not gate_up.is_contiguous()):
         return None
+    out_dtype = torch.float32 if out_dtype is None and gate_up.dtype == torch.float32 else out_dtype
     narrow = gate_up.dtype == torch.bfloat16
     if not (gate_up.dtype == torch.float32 and out_dtype == torch.float32
             or narrow and out_dtype in (torch.float32, torch.bfloat16)):
