@@ -214,6 +214,14 @@ def _attention_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
              "GFLOP/s": row["gflops"]} for row in data["results"]]
 
 
+def _pcp_layout(row: dict[str, Any]) -> str:
+    if row["pcp"] == 1:
+        return "one rank"
+    if row["pcp"] == 2:
+        return f"PCP=2 ({row['strategy']})"
+    return "two one-rank engines at once (the bound)"
+
+
 def amx_section(results: Results, images: str, rel: str) -> list[str]:
     lines = ["## Default prefill on AMX tiles (issue 43, Intel Xeon with AMX)", "", AMX_INTRO, ""]
     compare, before_after = results.get("compare_amx"), results.get("int4_amx")
@@ -228,16 +236,21 @@ def amx_section(results: Results, images: str, rel: str) -> list[str]:
     ceiling = results.get("ceiling_amx")
     if ceiling is not None:
         lines += ["", "This machine's matmul rates (`cpllm bench ceiling`; bf16 and int8 at a side of 1,024, which "
-                  "is too small to keep two cores' tiles busy: the 2-thread bf16 rate came out below one thread's, so "
-                  "the 2-thread rows' fractions above overstate; against twice the one-thread rate they are 0.45 "
-                  "and 0.46):", ""] + md_table(ceiling["results"])
-    lines += ["", "What bounds the 0.6 target (missed: 0.49 at 2K on one core): a torch.profiler run of one "
-              "8,000-token prefill on one core spent 56% in prefill attention (the AMX way at ~470 GFLOP/s: the "
-              "softmax's vector work, not the tiles, is its limit), 18% in the bf16 GEMMs (~1,200 GFLOP/s, at the "
-              "machine's rate) and 21% in the casts around them (each GEMM's input to bf16 and its output back to "
-              "float32, memory-bound: gate_up's [8000, 3072] output alone took 23 ms a layer). Closing it needs "
-              "bf16 activations between a layer's GEMMs (gate_up's output into silu·up and down without float32) "
-              "and a softmax on AVX-512 FP16's 32 lanes; neither is built."]
+                  "is too small to keep two cores' tiles busy: the 2-thread bf16 rate came out barely above one "
+                  "thread's, so the 2-thread rows' fractions above overstate; against twice the one-thread rate they "
+                  "are 0.38 and 0.37):", ""] + md_table(ceiling["results"])
+    lines += ["", "Where a 2,048-token prefill on one core goes now (torch.profiler, 1 thread): prefill attention "
+              "about 45% (the AMX way at ~480 GFLOP/s: its softmax and the tile loads and stores around each block "
+              "bound it, not the tile products), the bf16 GEMMs about 40% (1,400-1,600 GFLOP/s, at the machine's "
+              "rate), and the rest the copies of q, k and v into float32 for rotary and the K/V store, the norms, "
+              "silu·up and the weights' dequantization. Since the first AMX measurement (0.49 of a 1,077 GFLOP/s "
+              "reading), two changes removed the wide copies between the GEMMs (bf16 from each GEMM to the next "
+              "where the next rounds to bf16 anyway: the same bits, casts 240 -> ~50 ms of a 2K prefill) and the "
+              "element-by-element layout changes around the attention's tiles (the AMX way 418 -> 488 GFLOP/s at "
+              "2K). Two further attempts measured no gain and were not kept: a one-pass softmax for blocks after the "
+              "first (the max taken on the way) and the next block's scores issued on the tiles while this block's "
+              "softmax runs. The 0.6 target (0.45 on one core against 1,450 GFLOP/s, the same command's reading "
+              "this time, 35% above the first's) needs the attention itself about twice as fast."]
     for name, title in (("attention_ways", "after"), ("attention_ways_before", "before: 704c467, the first AMX way")):
         data = results.get(name)
         if data is not None:
@@ -245,19 +258,28 @@ def amx_section(results: Results, images: str, rel: str) -> list[str]:
                       f"{title}):", ""] + md_table(_attention_rows(data))
     pcp = results.get("pcp_efficiency_amx")
     if pcp is not None:
-        rows = [{"layout": "one rank" if row["pcp"] == 1 else f"PCP=2 ({row['strategy']})", "ttft s": row["ttft_s"],
+        rows = [{"layout": _pcp_layout(row), "ttft s": row["ttft_s"],
                  "rounds s": ", ".join(str(run["wall_s"]) for run in row["runs"]),
-                 "efficiency": row.get("efficiency", ""), "cpu ratio": row.get("cpu_ratio", "")}
+                 "efficiency": row.get("efficiency", row.get("bound_on_efficiency", "")),
+                 "cpu ratio": row.get("cpu_ratio", "")}
                 for row in pcp["results"]]
         lines += ["", f"PCP=2 on the default weights at {pcp['results'][0]['tokens']} tokens, one thread per rank "
                   "(benchmarks/pcp_efficiency.py):", ""] + md_table(rows)
+        if any(row["pcp"] not in (1, 2) for row in pcp["results"]):
+            lines += ["", "The last row is two independent one-rank engines prefilling at once, one per core "
+                      "(`--concurrent`): as fast as one alone, so the two cores do not slow each other and what PCP=2 "
+                      "misses of 1.0 is its own cost at this size. The one-rank prefill got faster with the bf16 flow "
+                      "and the attention's transposes while what each rank does whole did not shrink: the per-layer "
+                      "Python and dispatch of a step, the weights' dequantization (about 37 ms a prefill on every "
+                      "rank), the K/V exchange (3 MiB a layer), the merges and the waits at each collective. The 0.95 "
+                      "target is missed."]
     if before_after is not None:
         lines += ["", f"Before and after (benchmarks/int4_before_after.py --before {before_after['before']}, "
                   f"{before_after['rounds']} round, {before_after['threads']} thread):", ""]
         lines += md_table(_rows(before_after))
-        lines += ["", "Decode runs the same VNNI integer kernel on both sides (this change touched prefill only): its "
-                  "after / before of 0.95-0.96 is one round each, and `none` and transformers, whose decode did not "
-                  "change either, moved by 0.97-0.98 between the sides' runs."]
+        lines += ["", "Decode runs the same VNNI integer kernel and fused decode layers on both sides (the issue's "
+                  "work touched prefill only); each figure is one round, so its after / before carries this machine's "
+                  "drift (`none` and transformers, whose decode did not change, moved 1.00-1.03 between the sides)."]
     quality = results.get("quality_amx")
     if quality is not None:
         lines += ["", "Quality against `none` (benchmarks/quality.py; the last two columns over a 2,048-token text):",
