@@ -113,8 +113,10 @@ def test_pcp2_producer_to_one_rank_consumer(folders, monkeypatch, kv_layout):
          LLM(folders["kv2"], block_size=8, enable_prefix_caching=False,
              kv_transfer_config=transfer("kv_consumer", c_port), **COMMON) as consumer:
         disaggregated(producer, consumer, consumer, kv_heads=2)
-        # 12 and 36 positions pulled, at most 4 a message
-        assert consumer.engine.executor.rank_stats().kv_messages_pulled >= 12 // 4 + 36 // 4
+        # 12 and 36 positions pulled, at most 4 a message; both instances on this host: every one via /dev/shm
+        stats = consumer.engine.executor.rank_stats()
+        assert stats.kv_messages_pulled >= 12 // 4 + 36 // 4
+        assert stats.kv_messages_by_shm == stats.kv_messages_pulled
 
 
 def test_one_rank_producer_to_tp2_dcp2_consumer(folders):
@@ -122,8 +124,10 @@ def test_one_rank_producer_to_tp2_dcp2_consumer(folders):
     with LLM(folders["kv1"], block_size=8, enable_prefix_caching=False,
              kv_transfer_config=transfer("kv_producer", p_port), **COMMON) as producer, \
          LLM(folders["kv1"], tensor_parallel_size=2, decode_context_parallel_size=2, block_size=4,
-             kv_transfer_config=transfer("kv_consumer", c_port, transfer_timeout_s=5.0), **COMMON) as consumer:
+             kv_transfer_config=transfer("kv_consumer", c_port, transfer_timeout_s=5.0, shared_memory=False),
+             **COMMON) as consumer:
         disaggregated(producer, consumer, producer, kv_heads=1)
+        assert consumer.engine.executor.rank_stats().kv_messages_by_shm == 0  # shared_memory off: TCP
         # then the producer's row server dies: both consumer ranks fail their pull and agree to end the request
         first = prefill(producer, PROMPTS["len13"])
         producer.engine.executor.close_kv_row_server()

@@ -9,7 +9,7 @@ from typing import Any
 
 CONNECTOR = "CpllmConnector"
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
-EXTRA_KEYS = ("transfer_timeout_s", "abort_timeout_s")
+EXTRA_KEYS = ("transfer_timeout_s", "abort_timeout_s", "shared_memory")
 """What `kv_connector_extra_config` may set."""
 KNOWN_KEYS = ("kv_connector", "kv_role", "kv_ip", "kv_port", "engine_id", "kv_connector_extra_config",
               "kv_buffer_device")
@@ -32,6 +32,9 @@ class KVTransferConfig:
     """Longest a consumer waits for one answer of the producer before it fails the pull."""
     abort_timeout_s: float = 120.0
     """A producer frees the blocks of a prefilled request nobody pulled within this many seconds."""
+    shared_memory: bool = True
+    """Rows between a producer and a consumer on one host (the same kernel and /dev/shm) go through /dev/shm
+    instead of TCP (cpllm/disagg/shm_rows.py); False: TCP always."""
 
     def __post_init__(self) -> None:
         if self.kv_role not in ROLES:
@@ -43,6 +46,8 @@ class KVTransferConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a number > 0")
+        if not isinstance(self.shared_memory, bool):
+            raise ValueError(f"shared_memory={self.shared_memory!r} must be true or false")
 
     @property
     def produces(self) -> bool:

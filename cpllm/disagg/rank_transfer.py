@@ -17,6 +17,7 @@ from cpllm.distributed.comm import all_reduce
 from cpllm.disagg.params import PullOp, RemotePrefill
 from cpllm.disagg.reshard import CacheLayout, Move, plan_reshard, split_ranges
 from cpllm.disagg.rows import from_frames, layer_pools, positions_of, read_rows, slots_of, to_frames, write_rows
+from cpllm.disagg.shm_rows import ShmWriter, host_key, mapped_frames
 from cpllm.disagg.wire import Server, TransferError, as_json, call
 
 logger = logging.getLogger(__name__)
@@ -45,8 +46,13 @@ class RankTransfer:
         """Position x head rows this rank pulled, since start."""
         self.messages_pulled = 0
         """Row messages this rank received, since start."""
+        self.messages_by_shm = 0
+        """Of those, the ones whose rows came through /dev/shm (a producer on this host)."""
         self.failed: dict[str, str] = {}
         """The last step's failed pulls on any rank of the replica: consumer request id -> why."""
+        self.host_key = host_key() if config.shared_memory else None
+        """This host's key (shm_rows.host_key): rows to or from a peer with the same key go through /dev/shm."""
+        self.shm = ShmWriter(expiry_s=2 * config.transfer_timeout_s) if config.produces else None
         self.server = (Server(config.kv_ip, config.rank_port(rank), self._serve, f"kv-rows-{rank}")
                        if config.produces else None)
 
@@ -66,6 +72,10 @@ class RankTransfer:
         shapes, data = to_frames(rows)
         self.rows_sent += len(positions) * len(heads)
         dtype = str(self.pools[0].dtype).removeprefix("torch.") if self.pools else "float32"
+        if self.host_key is not None and header.get("host_key") == self.host_key:  # the consumer is on this host
+            name = self.shm.write(data)
+            if name is not None:
+                return {"shapes": shapes, "dtype": dtype, "shm": name, "sizes": [len(f) for f in data]}, []
         return {"shapes": shapes, "dtype": dtype}, data
 
     def remote_layout(self, remote: RemotePrefill) -> CacheLayout:
@@ -120,10 +130,15 @@ class RankTransfer:
         per_message = max(1, MESSAGE_BYTES // max(1, self.head_bytes * len(move.heads)))
         for ranges in split_ranges(move.ranges, per_message):
             header = {"op": "rows", "block_ids": list(op.remote.block_ids), "heads": as_json(move.heads),
-                      "ranges": as_json(ranges), "request_id": op.remote.request_id}
+                      "ranges": as_json(ranges), "request_id": op.remote.request_id, "host_key": self.host_key}
             answer, frames = call(op.remote.host, op.remote.port + 1 + move.src_rank, header,
                                   timeout_s=self.config.transfer_timeout_s)
-            self._store(op, move.heads, ranges, from_frames(answer["shapes"], frames, answer["dtype"]))
+            if "shm" in answer:  # the producer is on this host: the rows wait in /dev/shm
+                with mapped_frames(answer["shm"], answer["sizes"]) as mapped:
+                    self._store(op, move.heads, ranges, from_frames(answer["shapes"], mapped, answer["dtype"]))
+                self.messages_by_shm += 1
+            else:
+                self._store(op, move.heads, ranges, from_frames(answer["shapes"], frames, answer["dtype"]))
 
     def _store(self, op: PullOp, heads: range, ranges, rows: list[torch.Tensor]) -> None:
         positions = positions_of(ranges)
@@ -137,6 +152,8 @@ class RankTransfer:
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
+        if self.shm is not None:
+            self.shm.close()
 
 
 def agree_failures(local: dict[int, str], ops: tuple[PullOp, ...], rank: int, group, device) -> dict[str, str]:

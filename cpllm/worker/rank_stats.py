@@ -75,3 +75,5 @@ class RankStats:
     """Disaggregated decode: (position, KV head) rows this rank pulled from prefill instances (cpllm/disagg)."""
     kv_messages_pulled: int = 0
     """The row messages they came in."""
+    kv_messages_by_shm: int = 0
+    """Of those, the ones read from /dev/shm (a prefill instance on this host; cpllm/disagg/shm_rows.py)."""

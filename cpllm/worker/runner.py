@@ -274,4 +274,5 @@ class ModelRunner:
                          compiled_steps=compiled.steps if compiled is not None else 0,
                          graph_replays=self.decode_graphs.replays if self.decode_graphs is not None else 0,
                          kv_rows_pulled=self.kv_transfer.rows_pulled if self.kv_transfer is not None else 0,
-                         kv_messages_pulled=self.kv_transfer.messages_pulled if self.kv_transfer is not None else 0)
+                         kv_messages_pulled=self.kv_transfer.messages_pulled if self.kv_transfer is not None else 0,
+                         kv_messages_by_shm=self.kv_transfer.messages_by_shm if self.kv_transfer is not None else 0)
