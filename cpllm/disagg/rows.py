@@ -40,7 +40,14 @@ def slots_of(layout: CacheLayout, block_table, positions: torch.Tensor) -> torch
 
 def read_rows(pools: list[torch.Tensor], slots: torch.Tensor, heads: slice) -> list[torch.Tensor]:
     """Each pool's rows at `slots`, local heads `heads`, contiguous on the CPU. [n, h, width] per pool."""
-    return [pool[slots.to(pool.device), heads].contiguous().cpu() for pool in pools]
+    return [_gather(pool, slots.to(pool.device), heads).cpu() for pool in pools]
+
+
+def _gather(pool: torch.Tensor, slots: torch.Tensor, heads: slice) -> torch.Tensor:
+    # every head of the slots: one index_select (advanced indexing with a slice runs several times slower)
+    if heads.start == 0 and heads.stop == pool.shape[1]:
+        return pool.index_select(0, slots)
+    return pool[slots, heads].contiguous()
 
 
 def write_rows(pools: list[torch.Tensor], slots: torch.Tensor, heads: slice, rows: list[torch.Tensor]) -> None:
@@ -52,7 +59,11 @@ def write_rows(pools: list[torch.Tensor], slots: torch.Tensor, heads: slice, row
         want = (len(slots), heads.stop - heads.start, pool.shape[-1])
         if tuple(part.shape) != want:
             raise ValueError(f"rows of shape {tuple(part.shape)} for pool rows {want}: the instances' models differ")
-        pool[slots.to(pool.device), heads] = part.to(device=pool.device, dtype=pool.dtype)
+        part = part.to(device=pool.device, dtype=pool.dtype)
+        if heads.start == 0 and heads.stop == pool.shape[1]:  # every head: one index_copy_
+            pool.index_copy_(0, slots.to(pool.device), part)
+        else:
+            pool[slots.to(pool.device), heads] = part
 
 
 def to_frames(rows: list[torch.Tensor]) -> tuple[list[list[int]], list[memoryview]]:
