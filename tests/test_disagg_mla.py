@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import httpx
 from test_disagg_engine import free_ports
-from test_disagg_router import Router, kv_flag
+from test_disagg_router import Router, assert_router_matches, kv_flag
 from tiny_deepseek import save_tiny_deepseek
 
 from cpllm import LLM, SamplingParams
@@ -33,16 +33,7 @@ def test_mla_pcp2_prefill_to_tp2_dcp2_decode_through_the_router(tmp_path):
     with ServerProcess.running(prefill, timeout_s=300) as p, ServerProcess.running(decode, timeout_s=300) as d:
         router = Router([p.url], [d.url])
         try:
-            for prompt, want in zip(PROMPTS, offline):
-                response = httpx.post(f"{router.url}/v1/completions", timeout=120, json={
-                    "model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
-                    "ignore_eos": True})
-                assert response.status_code == 200, response.text
-                choice = response.json()["choices"][0]
-                assert choice["text"] == want.text
-                got = choice["logprobs"]["token_logprobs"]
-                ref = [lp[t].logprob for lp, t in zip(want.logprobs, want.token_ids)]
-                assert max(abs(a - b) for a, b in zip(got, ref, strict=True)) <= 1e-4
+            assert_router_matches(router.url, PROMPTS, offline, MAX_TOKENS)
             body = httpx.get(f"{router.url}/health", timeout=30).json()
             assert body["prefill"][0]["sent"] == body["decode"][0]["sent"] == len(PROMPTS)
         finally:

@@ -9,10 +9,9 @@ the offline single rank's, logprobs within 1e-4. The pairs here:
 
 from __future__ import annotations
 
-import httpx
 import pytest
 from test_disagg_engine import free_ports
-from test_disagg_router import Router, kv_flag
+from test_disagg_router import Router, assert_router_matches, kv_flag
 from tiny_models import save_tiny_hf_model
 
 from cpllm import LLM, SamplingParams
@@ -52,16 +51,7 @@ def test_pair_through_the_router_equals_one_rank(model, pair):
     with ServerProcess.running(prefill, timeout_s=300) as p, ServerProcess.running(decode, timeout_s=300) as d:
         router = Router([p.url], [d.url])
         try:
-            for prompt, want in zip(PROMPTS, offline):
-                response = httpx.post(f"{router.url}/v1/completions", timeout=120, json={
-                    "model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": 1,
-                    "ignore_eos": True})
-                assert response.status_code == 200, response.text
-                choice = response.json()["choices"][0]
-                assert choice["text"] == want.text, pair
-                got = choice["logprobs"]["token_logprobs"]
-                ref = [lp[t].logprob for lp, t in zip(want.logprobs, want.token_ids)]
-                assert max(abs(a - b) for a, b in zip(got, ref, strict=True)) <= 1e-4, pair
+            assert_router_matches(router.url, PROMPTS, offline, MAX_TOKENS)
             assert "pulled" in d.log()  # the decode side pulled the K/V (rank_transfer's line per pull)
         finally:
             router.close()

@@ -56,6 +56,20 @@ class Router:
         self.process.wait(10)
 
 
+def assert_router_matches(router_url: str, prompts: list[list[int]], offline: list, max_tokens: int) -> None:
+    """Each prompt's greedy completion through the router: the offline answer's text, logprobs within 1e-4."""
+    for prompt, want in zip(prompts, offline):
+        response = httpx.post(f"{router_url}/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 1,
+            "ignore_eos": True})
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        assert choice["text"] == want.text
+        got = choice["logprobs"]["token_logprobs"]
+        ref = [lp[t].logprob for lp, t in zip(want.logprobs, want.token_ids)]
+        assert max(abs(a - b) for a, b in zip(got, ref, strict=True)) <= 1e-4
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     folder = save_tiny_hf_model(str(tmp_path_factory.mktemp("tiny_router")), seed=5, num_key_value_heads=1)
