@@ -30,7 +30,7 @@ from cpllm import LLM, SamplingParams
 from cpllm.model.loaders.gguf_source import GGUFSource
 from cpllm.model.loaders.safetensors_source import SafetensorsSource, read_hf_config
 from reference import check_against_hf, hf_greedy
-from tiny_models import tiny_vocab
+from tiny_models import add_tiny_tokenizer
 from tiny_sparse_mla import make_tiny_sparse, save_tiny_sparse
 
 ARCH = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.GLM_DSA]
@@ -95,18 +95,6 @@ def _metadata(writer: gguf.GGUFWriter, hp: dict, blocks: int, mtp: bool, indexer
         writer.add_array(f"{ARCH}.attention.indexer.types", indexer_types)
 
 
-def _tokenizer(writer: gguf.GGUFWriter) -> None:
-    vocab = tiny_vocab()
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(list(vocab.tokens))
-    writer.add_token_types(list(vocab.token_types))
-    writer.add_token_merges(list(vocab.merges))
-    writer.add_bos_token_id(vocab.bos_token_id)
-    writer.add_eos_token_id(vocab.eos_token_id)
-    writer.add_pad_token_id(vocab.pad_token_id)
-    writer.add_add_bos_token(False)
-
-
 def _checkpoint(folder: str, hp: dict) -> dict[str, torch.Tensor]:
     """The folder's tensors plus, with an MTP block, one past the last layer: a copy of the last layer's and the
     block's own (values are never read; shapes as GLM-5's)."""
@@ -151,7 +139,7 @@ def write_glm5_gguf(path: str, folder: str, *, mtp: bool = True, skip: tuple[str
     _metadata(writer, hp, blocks, mtp, indexer_types, context)
     if gating is not None:
         writer.add_expert_gating_func(gating)
-    _tokenizer(writer)
+    add_tiny_tokenizer(writer, chat_template=False)
     tensors: list[tuple[str, torch.Tensor]] = []
     stacks: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     for name, t in _checkpoint(folder, hp).items():

@@ -26,7 +26,7 @@ from cpllm.model.loaders.gguf_source import GGUFSource
 from cpllm.model.loaders.safetensors_source import SafetensorsSource, read_hf_config
 from reference import check_against_hf, hf_greedy
 from tiny_hybrid import make_tiny_hybrid, save_tiny_hybrid, tiny_hybrid_config
-from tiny_models import TINY_CHAT_TEMPLATE, tiny_vocab
+from tiny_models import add_tiny_tokenizer
 
 MAX_TOKENS = 6
 PROMPT_LENGTHS = (1, 9, 40)
@@ -107,7 +107,6 @@ def write_hybrid_gguf(path: str, folder: str, family: str, *, fuse_gate_up: bool
     name, `skip` GGUF tensors left out, `extra` tensors added, `value_heads` a wrong ssm.time_step_rank."""
     config = tiny_hybrid_config(family, **(overrides or {}))
     arch = arch or ARCH[family]
-    vocab = tiny_vocab()
     writer = gguf.GGUFWriter(path, arch)
     rope = config.rope_parameters
     for add, value in [(writer.add_block_count, config.num_hidden_layers),
@@ -133,15 +132,7 @@ def write_hybrid_gguf(path: str, folder: str, family: str, *, fuse_gate_up: bool
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(list(vocab.tokens))
-    writer.add_token_types(list(vocab.token_types))
-    writer.add_token_merges(list(vocab.merges))
-    writer.add_bos_token_id(vocab.bos_token_id)
-    writer.add_eos_token_id(vocab.eos_token_id)
-    writer.add_pad_token_id(vocab.pad_token_id)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(TINY_CHAT_TEMPLATE)
+    add_tiny_tokenizer(writer)
     stacks: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     tensors: list[tuple[str, torch.Tensor]] = []
     for name, t in load_file(os.path.join(folder, "model.safetensors")).items():

@@ -33,7 +33,7 @@ from cpllm.model.loaders.gguf_source import GGUFSource
 from cpllm.model.loaders.safetensors_source import SafetensorsSource, read_hf_config
 from reference import check_against_hf
 from tiny_kimi import hf_greedy_cached, make_tiny_kimi, save_tiny_kimi
-from tiny_models import TINY_CHAT_TEMPLATE, tiny_vocab
+from tiny_models import add_tiny_tokenizer
 
 ARCH = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.KIMI_LINEAR]
 MAX_TOKENS = 6
@@ -98,19 +98,6 @@ def _metadata(writer: gguf.GGUFWriter, hp: dict, write_groups: bool, head_count_
     writer.add_expert_weights_scale(hp["routed_scaling_factor"])
 
 
-def _tokenizer(writer: gguf.GGUFWriter) -> None:
-    vocab = tiny_vocab()
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(list(vocab.tokens))
-    writer.add_token_types(list(vocab.token_types))
-    writer.add_token_merges(list(vocab.merges))
-    writer.add_bos_token_id(vocab.bos_token_id)
-    writer.add_eos_token_id(vocab.eos_token_id)
-    writer.add_pad_token_id(vocab.pad_token_id)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(TINY_CHAT_TEMPLATE)
-
-
 def _converted(name: str, t: torch.Tensor, hp: dict, split_kv_b: bool) -> list[tuple[str, torch.Tensor]]:
     """One checkpoint tensor as KimiLinearModel.modify_tensors hands it on: [(HF-side name, tensor)]."""
     if name.endswith((".q_conv1d.weight", ".k_conv1d.weight", ".v_conv1d.weight")):
@@ -139,7 +126,7 @@ def write_kimi_gguf(path: str, folder: str, *, write_groups: bool = False, split
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.KIMI_LINEAR, hp["num_hidden_layers"])
     writer = gguf.GGUFWriter(path, ARCH)
     _metadata(writer, hp, write_groups, head_count_kv)
-    _tokenizer(writer)
+    add_tiny_tokenizer(writer)
     dense = hp["first_k_dense_replace"]
     tensors: list[tuple[str, torch.Tensor]] = []
     stacks: dict[tuple[int, str], dict[int, torch.Tensor]] = {}

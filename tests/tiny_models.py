@@ -280,6 +280,21 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+def add_tiny_tokenizer(writer: gguf.GGUFWriter, vocab: TinyVocab | None = None, chat_template: bool = True) -> None:
+    """The tiny BPE vocabulary (and its chat template) as GGUF tokenizer metadata."""
+    vocab = tiny_vocab() if vocab is None else vocab
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(list(vocab.tokens))
+    writer.add_token_types(list(vocab.token_types))
+    writer.add_token_merges(list(vocab.merges))
+    writer.add_bos_token_id(vocab.bos_token_id)
+    writer.add_eos_token_id(vocab.eos_token_id)
+    writer.add_pad_token_id(vocab.pad_token_id)
+    writer.add_add_bos_token(False)
+    if chat_template:
+        writer.add_chat_template(TINY_CHAT_TEMPLATE)
+
+
 def _add_metadata(writer: gguf.GGUFWriter, config: Any, vocab: TinyVocab) -> None:
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -292,15 +307,7 @@ def _add_metadata(writer: gguf.GGUFWriter, config: Any, vocab: TinyVocab) -> Non
     writer.add_rope_dimension_count(config.head_dim)
     _add_rope_scaling(writer, config.rope_parameters)
     writer.add_vocab_size(config.vocab_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(list(vocab.tokens))
-    writer.add_token_types(list(vocab.token_types))
-    writer.add_token_merges(list(vocab.merges))
-    writer.add_bos_token_id(vocab.bos_token_id)
-    writer.add_eos_token_id(vocab.eos_token_id)
-    writer.add_pad_token_id(vocab.pad_token_id)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(TINY_CHAT_TEMPLATE)
+    add_tiny_tokenizer(writer, vocab)
 
 
 def _add_rope_scaling(writer: gguf.GGUFWriter, params: Mapping[str, Any]) -> None:
