@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import mmap
 import struct
-from typing import Any, Collection, NamedTuple
+from typing import Any, Callable, Collection, NamedTuple
 
 import numpy as np
 from gguf import GGMLQuantizationType
@@ -115,3 +115,14 @@ class GGUFFile:
             stored = (*shape[:-1], shape[-1] // block * block_bytes)
             data = whole[start : start + int(np.prod(stored))].reshape(stored)
         return StoredTensor(name=name, tensor_type=tensor_type, shape=shape, data=data)
+
+
+def arch_meta(meta: Callable[[str, Any], Any], arch: str, family: str) -> Callable[..., Any]:
+    """`m(name, default=None, required=False)`: the file's `{arch}.{name}` metadata key, a missing required one
+    refused naming the key and `family` (what needs it)."""
+    def m(name: str, default: Any = None, required: bool = False) -> Any:
+        value = meta(f"{arch}.{name}", default)
+        if required and value is None:
+            raise ValueError(f"{arch} GGUF file has no {arch}.{name}; {family} needs it")
+        return value
+    return m

@@ -37,6 +37,7 @@ import re
 from typing import Any, Callable
 
 from cpllm.model.loaders.gguf_deepseek import deepseek_rope_scaling
+from cpllm.model.loaders.gguf_file import arch_meta
 from cpllm.model.loaders.gguf_kimi import SIGMOID_GATING, float32_decimal
 
 GLM_DSA_GGUF_ARCH = "glm-dsa"
@@ -90,11 +91,7 @@ def glm_dsa_hf_config(meta: Callable[[str, Any], Any], tensor_shapes: dict[str, 
                       eos_ids: tuple[int, ...]) -> dict[str, Any]:
     """The config.json dictionary of a glm-dsa GGUF file (see the module), after checking every layer's tensors
     against it."""
-    def m(name: str, default: Any = None, required: bool = False) -> Any:
-        value = meta(f"{GLM_DSA_GGUF_ARCH}.{name}", default)
-        if required and value is None:
-            raise ValueError(f"{GLM_DSA_GGUF_ARCH} GGUF file has no {GLM_DSA_GGUF_ARCH}.{name}; GLM-5 needs it")
-        return value
+    m = arch_meta(meta, GLM_DSA_GGUF_ARCH, "GLM-5")
 
     blocks, nextn = int(m("block_count", required=True)), int(m("nextn_predict_layers", 0) or 0)
     if not 0 <= nextn < blocks:

@@ -30,7 +30,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from cpllm.model.loaders.gguf_file import StoredTensor
+from cpllm.model.loaders.gguf_file import StoredTensor, arch_meta
 from cpllm.model.loaders.weight_slices import resolve_slice
 from cpllm.model.formats.mxfp4 import BLOCK
 
@@ -120,11 +120,7 @@ def gpt_oss_hf_config(meta: Callable[[str, Any], Any], tensor_shapes: dict[str, 
                       eos_ids: tuple[int, ...], rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
     """The config.json dictionary of a gpt-oss GGUF file (see the module); `rope_scaling` as the shared GGUF
     reader gives it (none, linear or yarn, any other type refused there with its name)."""
-    def m(name: str, default: Any = None, required: bool = False) -> Any:
-        value = meta(f"{GPT_OSS_GGUF_ARCH}.{name}", default)
-        if required and value is None:
-            raise ValueError(f"gpt-oss GGUF file has no {GPT_OSS_GGUF_ARCH}.{name}; GPT-OSS needs it")
-        return value
+    m = arch_meta(meta, GPT_OSS_GGUF_ARCH, "GPT-OSS")
 
     layers, heads = int(m("block_count", required=True)), int(m("attention.head_count", required=True))
     _check_tensors(layers, set(tensor_shapes))

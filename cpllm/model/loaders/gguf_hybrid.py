@@ -36,6 +36,7 @@ from typing import Any, Callable
 import numpy as np
 
 from cpllm.config.engine import ModelConfig
+from cpllm.model.loaders.gguf_file import arch_meta
 
 HYBRID_GGUF_ARCHITECTURES = {"qwen3next": "Qwen3NextForCausalLM", "qwen35": "Qwen3_5ForCausalLM",
                              "qwen35moe": "Qwen3_5MoeForCausalLM"}
@@ -145,11 +146,7 @@ def hybrid_hf_config(arch: str, meta: Callable[[str, Any], Any], tensor_shapes: 
                      eos_ids: tuple[int, ...], rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
     """The config.json dictionary of a hybrid GGUF file (see the module); `rope_scaling` as the shared GGUF reader
     gives it."""
-    def m(name: str, default: Any = None, required: bool = False) -> Any:
-        value = meta(f"{arch}.{name}", default)
-        if required and value is None:
-            raise ValueError(f"{arch} GGUF file has no {arch}.{name}; a gated-DeltaNet hybrid needs it")
-        return value
+    m = arch_meta(meta, arch, "a gated-DeltaNet hybrid")
 
     layers, heads = int(m("block_count", required=True)), int(m("attention.head_count", required=True))
     hidden = int(m("embedding_length", required=True))

@@ -35,6 +35,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from cpllm.model.loaders.gguf_file import arch_meta
+
 KIMI_GGUF_ARCH = "kimi-linear"
 SIGMOID_GATING = 2
 """llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (`expert_gating_func`): Kimi's router scores."""
@@ -95,11 +97,7 @@ def kimi_hf_config(meta: Callable[[str, Any], Any], tensor_shapes: dict[str, tup
                    eos_ids: tuple[int, ...]) -> dict[str, Any]:
     """The config.json dictionary of a kimi-linear GGUF file (see the module), after checking every layer's tensors
     against it."""
-    def m(name: str, default: Any = None, required: bool = False) -> Any:
-        value = meta(f"{KIMI_GGUF_ARCH}.{name}", default)
-        if required and value is None:
-            raise ValueError(f"{KIMI_GGUF_ARCH} GGUF file has no {KIMI_GGUF_ARCH}.{name}; Kimi Linear needs it")
-        return value
+    m = arch_meta(meta, KIMI_GGUF_ARCH, "Kimi Linear")
 
     layers, heads = int(m("block_count", required=True)), int(m("attention.head_count", required=True))
     per_layer = m("attention.head_count_kv", required=True)
