@@ -6,7 +6,10 @@
 #ifndef CPLLM_DELTA_BLOCK_H
 #define CPLLM_DELTA_BLOCK_H
 
+#include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "delta_gemm.h"
 #include "vector_exp.h"
@@ -95,6 +98,39 @@ static void delta_block_tail(const float *x, const float *qd, const float *p, co
     for (int64_t r = 0; r < dk; r++)
         for (int64_t d = 0; d < dv; d++) s[r * dv + d] *= row_decay[r];
     delta_gemm(dk, dv, c, kdt, DELTA_CHUNK, vn, dv, s, dv, 1);  /* + kdt v' */
+}
+
+/* One block of one head's chunked rule: rows [t0, t0 + c) of the head's q, k, v, decay g and beta (rows h heads
+ * apart), its state s updated in place, its output rows written; `scratch` is the thread's own. */
+typedef void (*HeadBlock)(const float *q, const float *k, const float *v, const float *g, const float *beta,
+                          float *out, float *s, int64_t t0, int64_t c, int64_t h, int64_t dk, int64_t dv,
+                          float *scratch);
+
+/* Every head over every DELTA_CHUNK-token block, `g_width` decay values per head and token (1: gated DeltaNet's
+ * scalar, dk: KDA's per channel). Blocks outer, each thread's heads inner: a block's rows of all heads are read
+ * while their pages are hot (heads outer would stride every input by H * d floats per token, one page per row); a
+ * static schedule gives a thread the same heads, so the same states, at every block. Returns 0, or -1 where the
+ * scratch (`per_thread` floats a thread) could not be allocated (nothing written). */
+static int run_blocks(HeadBlock block, int64_t per_thread, int64_t g_width, const float *q, const float *k,
+                      const float *v, const float *g, const float *beta, const float *state_in, float *state_out,
+                      float *out, int64_t t, int64_t h, int64_t dk, int64_t dv, int threads) {
+    if (threads < 1) threads = 1;
+    float *scratch = malloc((size_t)(per_thread * threads) * sizeof(float));
+    if (scratch == NULL) return -1;
+    if (state_out != state_in) memcpy(state_out, state_in, (size_t)(h * dk * dv) * sizeof(float));
+#pragma omp parallel num_threads(threads) if (h > 1)
+    {
+        float *mine = scratch + per_thread * omp_get_thread_num();
+        for (int64_t t0 = 0; t0 < t; t0 += DELTA_CHUNK) {
+            const int64_t c = t - t0 < DELTA_CHUNK ? t - t0 : DELTA_CHUNK;
+#pragma omp for schedule(static) nowait
+            for (int64_t head = 0; head < h; head++)
+                block(q + head * dk, k + head * dk, v + head * dv, g + head * g_width, beta + head, out + head * dv,
+                      state_out + head * dk * dv, t0, c, h, dk, dv, mine);
+        }
+    }
+    free(scratch);
+    return 0;
 }
 
 #endif

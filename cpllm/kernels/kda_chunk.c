@@ -105,23 +105,6 @@ static void head_block(const float *q, const float *k, const float *v, const flo
 int cpllm_kda_chunk(const float *q, const float *k, const float *v, const float *g, const float *beta,
                     const float *state_in, float *state_out, float *out, int64_t t, int64_t h, int64_t dk,
                     int64_t dv, int threads) {
-    const int64_t floats = scratch_floats(dk, dv);
-    if (threads < 1) threads = 1;
-    float *scratch = malloc((size_t)(floats * threads) * sizeof(float));
-    if (scratch == NULL) return -1;
-    if (state_out != state_in) memcpy(state_out, state_in, (size_t)(h * dk * dv) * sizeof(float));
-    /* blocks outer, each thread's heads inner, as delta_chunk.c (the same heads per thread at every block) */
-#pragma omp parallel num_threads(threads) if (h > 1)
-    {
-        float *mine = scratch + floats * omp_get_thread_num();
-        for (int64_t t0 = 0; t0 < t; t0 += CHUNK) {
-            const int64_t c = t - t0 < CHUNK ? t - t0 : CHUNK;
-#pragma omp for schedule(static) nowait
-            for (int64_t head = 0; head < h; head++)
-                head_block(q + head * dk, k + head * dk, v + head * dv, g + head * dk, beta + head, out + head * dv,
-                           state_out + head * dk * dv, t0, c, h, dk, dv, mine);
-        }
-    }
-    free(scratch);
-    return 0;
+    return run_blocks(head_block, scratch_floats(dk, dv), dk, q, k, v, g, beta, state_in, state_out, out, t, h, dk,
+                      dv, threads);
 }
