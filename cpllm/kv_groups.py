@@ -27,7 +27,7 @@ from cpllm.layers.cache_spec import CacheSpec
 from cpllm.layers.registry import kind_of, layer_kind, state_layer_indices
 from cpllm.step import FREED_BLOCK
 
-__all__ = ["FREED_BLOCK", "KVGroupSpec", "kv_groups", "layer_groups", "group_cache_spec", "full_cache_spec", "first_kept_block", "blocks_touched",
+__all__ = ["FREED_BLOCK", "KVGroupSpec", "kv_groups", "layer_groups", "group_cache_spec", "full_cache_spec", "first_key", "first_kept_block", "blocks_touched",
            "window_blocks", "max_chunk", "split_blocks", "group_block_needs", "length_capacity"]
 
 
@@ -83,13 +83,16 @@ def layer_groups(groups: tuple[KVGroupSpec, ...], num_layers: int | None = None)
     return tuple(owner.get(i, 0) for i in range(len(owner) if num_layers is None else num_layers))
 
 
+def first_key(window: int | None, query: int) -> int:
+    """The first key position a query at position `query` reads: 0 for full attention, else query - W + 1 (or 0)."""
+    return 0 if window is None else max(query - window + 1, 0)
+
+
 def first_kept_block(window: int | None, first_query: int, tokens_per_block: int) -> int:
     """Index of the first virtual block a group still needs when its next query is at position `first_query`:
     0 for full attention, else the block of position first_query - W + 1 (every block before it lies wholly out
     of the window of that query and of every later one)."""
-    if window is None:
-        return 0
-    return max(first_query - window + 1, 0) // tokens_per_block
+    return first_key(window, first_query) // tokens_per_block
 
 
 def blocks_touched(first_pos: int, end_pos: int, tokens_per_block: int) -> int:

@@ -90,8 +90,7 @@ def kv_transfer_config(value: Any) -> KVTransferConfig | None:
 
 def check_disagg(config) -> None:
     """What a disaggregated instance cannot do yet, refused at configuration time (`config`: an EngineConfig)."""
-    from cpllm.kv_groups import kv_groups  # the layer registry: imported when a config asks for transfers
-    from cpllm.layers.registry import state_layer_indices
+    from cpllm.layers.registry import state_layer_indices  # imported when a config asks for transfers
 
     kv = config.kv_transfer_config
     if config.parallel.data_parallel_size != 1:
@@ -104,7 +103,3 @@ def check_disagg(config) -> None:
     if state_layer_indices(config.model):
         raise ValueError("kv_transfer_config with a model whose layers keep a per-request state (linear "
                          "attention): only K/V rows are transferred")
-    groups = kv_groups(config.model, config.scheduler.max_model_len)
-    if len(groups) != 1 or groups[0].window is not None:
-        raise ValueError(f"kv_transfer_config with {len(groups)} KV groups ({groups[0].describe()}, ...): sliding-"
-                         "window layers' freed blocks are not transferred yet; one full-attention group only")

@@ -22,10 +22,10 @@ IDLE_RELEASE_S = 0.5
 class EngineTransfer:
     """What one LLMEngine does for kv_transfer_config."""
 
-    def __init__(self, config: KVTransferConfig, layout: CacheLayout, num_kv_heads: int, num_layers: int):
+    def __init__(self, config: KVTransferConfig, layout: CacheLayout, about_model: dict):
+        """`about_model`: what a consumer checks its own model against (model_signature)."""
         self.config = config
-        self._about = {"engine_id": config.engine_id, "layout": layout.to_dict(), "num_kv_heads": num_kv_heads,
-                       "num_layers": num_layers}
+        self._about = {"engine_id": config.engine_id, "layout": layout.to_dict(), **about_model}
         self._lock = threading.Lock()
         self._deadlines: dict[str, float] = {}
         """Held request id -> the monotonic time its blocks are freed unless released before."""
@@ -49,14 +49,15 @@ class EngineTransfer:
             raise ValueError(f"do_remote_decode on an instance with kv_role={self.config.kv_role!r}")
         return remote, hold
 
-    def answer(self, request_id: str, held_tables: list[list[int]] | None) -> dict | None:
-        """The finished producer request's kv_transfer_params (its blocks now held), once; None otherwise."""
+    def answer(self, request_id: str, held_tables: list[list[int]] | None, state_slot: int = -1) -> dict | None:
+        """The finished producer request's kv_transfer_params (its blocks, and its states' held slot, now held),
+        once; None otherwise."""
         if held_tables is None:
             return None
         with self._lock:
             if request_id not in self._deadlines:
                 self._deadlines[request_id] = time.monotonic() + self.config.abort_timeout_s
-        return producer_answer(self.config, request_id, held_tables[0], self._about["layout"]["tp"])
+        return producer_answer(self.config, request_id, held_tables, self._about["layout"]["tp"], state_slot)
 
     def due(self) -> list[str]:
         """Held requests to free now: released by their consumer, or past the abort timeout."""
@@ -126,7 +127,19 @@ def engine_transfer(config) -> EngineTransfer | None:
         return None
     layout = CacheLayout(dims=config.parallel.dims, interleave=config.parallel.cp_kv_cache_interleave_size,
                          block_size=config.cache.block_size)
-    return EngineTransfer(kv, layout, config.model.num_key_value_heads, config.model.num_hidden_layers)
+    return EngineTransfer(kv, layout, model_signature(config))
+
+
+def model_signature(config) -> dict:
+    """What two instances' models must share for rows to move between them (an EngineConfig's): the KV heads,
+    the layers, each KV group's window and layers, and the layers keeping a state."""
+    from cpllm.kv_groups import kv_groups  # the layer registry: torch-free
+    from cpllm.layers.registry import state_layer_indices
+
+    groups = kv_groups(config.model, config.scheduler.max_model_len)
+    return {"num_kv_heads": config.model.num_key_value_heads, "num_layers": config.model.num_hidden_layers,
+            "groups": [[g.window, list(g.layers)] for g in groups],
+            "state_layers": sorted(state_layer_indices(config.model))}
 
 
 def request_marks(transfer: EngineTransfer | None, sampling_params) -> tuple[RemotePrefill | None, bool]:

@@ -4,6 +4,9 @@ Prefill instance: the proxy sends `{"do_remote_decode": true}` (with max_tokens 
 `kv_transfer_params` are `{"do_remote_prefill": true, "do_remote_decode": false, "remote_block_ids": [...],
 "remote_engine_id": ..., "remote_host": ..., "remote_port": ..., "remote_request_id": ...}`. Decode instance: the
 proxy passes those on with the original request; the consumer pulls the prompt's K/V with them, then decodes.
+`remote_block_ids` is one flat table for a model of one KV group and one table per group (vLLM >= 0.11's nesting)
+for a model of several (sliding-window layers beside full ones); a model whose layers keep a state per request also
+names the producer's `remote_state_slot`, where the states after all but the last prompt token wait.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ from cpllm.disagg.config import KVTransferConfig
 class RemotePrefill:
     """Where a prefilled prompt's K/V waits (a consumer request's kv_transfer_params)."""
 
-    block_ids: tuple[int, ...]
-    """The producer's virtual block table of the request (its KV group 0)."""
+    block_tables: tuple[tuple[int, ...], ...]
+    """The producer's virtual block tables of the request, one per KV group (its FREED_BLOCK entries included)."""
     engine_id: str
     """The producer instance (remote_engine_id)."""
     host: str
@@ -28,6 +31,9 @@ class RemotePrefill:
     """The producer's control port (remote_port); its rank r serves rows on port + 1 + r."""
     request_id: str
     """The request's id on the producer (remote_request_id), which its held blocks are filed under."""
+    state_slot: int = -1
+    """The producer's slot holding the request's states after all but its last prompt token (remote_state_slot);
+    -1: the model keeps no state, or the prompt is one token (the consumer starts from a zero state)."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -41,8 +47,10 @@ class PullOp:
     num_tokens: int
     """Positions [first_token, num_tokens) are pulled: every prompt position but the last, which the step computes,
     and but those of the consumer's own prefix-cache hit."""
-    block_table: tuple[int, ...]
-    """The consumer's virtual block table the rows land in."""
+    block_tables: tuple[tuple[int, ...], ...]
+    """The consumer's virtual block tables the rows land in, one per KV group."""
+    state_slot: int = -1
+    """The consumer's state slot the states land in (-1: none to pull)."""
     first_token: int = 0
     """Positions before it are the consumer's prefix-cache hit (whole blocks of its own), not pulled."""
 
@@ -59,13 +67,11 @@ def remote_prefill(params: dict | None) -> RemotePrefill | None:
         raise ValueError("kv_transfer_params with do_remote_prefill lacks 'remote_request_id': cpllm's producer "
                          "answers with it")
     blocks = params["remote_block_ids"]
-    if blocks and isinstance(blocks[0], list):  # vLLM >= 0.11 nests one list per KV group
-        if len(blocks) != 1:
-            raise ValueError(f"remote_block_ids has {len(blocks)} KV groups; CpllmConnector moves one")
-        blocks = blocks[0]
-    return RemotePrefill(block_ids=tuple(int(b) for b in blocks), engine_id=str(params["remote_engine_id"]),
-                         host=str(params["remote_host"]), port=int(params["remote_port"]),
-                         request_id=str(params["remote_request_id"]))
+    tables = blocks if blocks and isinstance(blocks[0], list) else [blocks]  # vLLM >= 0.11 nests one per group
+    return RemotePrefill(block_tables=tuple(tuple(int(b) for b in t) for t in tables),
+                         engine_id=str(params["remote_engine_id"]), host=str(params["remote_host"]),
+                         port=int(params["remote_port"]), request_id=str(params["remote_request_id"]),
+                         state_slot=int(params.get("remote_state_slot", -1)))
 
 
 def wants_remote_decode(params: dict | None) -> bool:
@@ -73,9 +79,14 @@ def wants_remote_decode(params: dict | None) -> bool:
     return bool(params and params.get("do_remote_decode"))
 
 
-def producer_answer(config: KVTransferConfig, request_id: str, block_ids: list[int], tp_size: int) -> dict[str, Any]:
+def producer_answer(config: KVTransferConfig, request_id: str, block_tables: list[list[int]], tp_size: int,
+                    state_slot: int = -1) -> dict[str, Any]:
     """The `kv_transfer_params` a producer returns with a finished remote-decode request (NixlConnector's keys;
     the consumer reads the rest of the producer's layout from its control port, so `tp_size` is informative)."""
-    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": list(block_ids),
-            "remote_engine_id": config.engine_id, "remote_host": config.kv_ip, "remote_port": config.kv_port,
-            "remote_request_id": request_id, "tp_size": tp_size}
+    blocks = list(block_tables[0]) if len(block_tables) == 1 else [list(t) for t in block_tables]
+    answer = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": blocks,
+              "remote_engine_id": config.engine_id, "remote_host": config.kv_ip, "remote_port": config.kv_port,
+              "remote_request_id": request_id, "tp_size": tp_size}
+    if state_slot >= 0:
+        answer["remote_state_slot"] = state_slot
+    return answer

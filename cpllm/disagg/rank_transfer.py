@@ -13,12 +13,14 @@ import torch
 import torch.distributed as dist
 
 from cpllm.disagg.config import KVTransferConfig
+from cpllm.disagg.engine_transfer import model_signature
 from cpllm.distributed.comm import all_reduce
 from cpllm.disagg.params import PullOp, RemotePrefill
 from cpllm.disagg.reshard import CacheLayout, Move, plan_reshard, split_ranges
 from cpllm.disagg.rows import from_frames, layer_pools, positions_of, read_rows, slots_of, to_frames, write_rows
 from cpllm.disagg.shm_rows import ShmWriter, host_key, mapped_frames
 from cpllm.disagg.wire import Server, TransferError, as_json, call
+from cpllm.kv_groups import first_key
 
 logger = logging.getLogger(__name__)
 
@@ -30,20 +32,28 @@ than one message per move of a request in flight."""
 class RankTransfer:
     """The transfer side of one replica rank (built by the runner when kv_transfer_config is set)."""
 
-    def __init__(self, config: KVTransferConfig, layout: CacheLayout, rank: int, num_kv_heads: int,
+    def __init__(self, config: KVTransferConfig, layout: CacheLayout, rank: int, signature: dict,
                  caches: list[tuple[torch.Tensor, ...]]):
-        self.config, self.layout, self.rank, self.num_kv_heads = config, layout, rank, num_kv_heads
-        self.pools = layer_pools(caches)
-        self.num_layers = len(caches)
+        """`signature`: engine_transfer.model_signature of this instance's model (the producer's must match);
+        `caches`: every layer's cache, in layer order."""
+        self.config, self.layout, self.rank, self.signature = config, layout, rank, signature
+        self.num_kv_heads = num_kv_heads = signature["num_kv_heads"]
+        self.windows = [window for window, _ in signature["groups"]]
+        """Each KV group's sliding window (None: full attention): a windowed group moves only its window."""
+        self.group_pools = [layer_pools([caches[i] for i in layers]) for _, layers in signature["groups"]]
+        """Each KV group's pools, every layer's in layer order."""
+        self.pools = [pool for pools in self.group_pools for pool in pools]
         self.first_head = layout.heads(num_kv_heads, rank).start
-        self.head_bytes = sum(p.shape[-1] * p.element_size() for p in self.pools)
-        """Bytes of one (position, KV head) over every layer's pools (this rank's dtype)."""
+        self.head_bytes = [sum(p.shape[-1] * p.element_size() for p in pools) for pools in self.group_pools]
+        """Bytes of one (position, KV head) over each group's pools (this rank's dtype)."""
         self._layouts: dict[tuple[str, int, str], CacheLayout] = {}
         self._write_lock = threading.Lock()
         self.rows_sent = 0
         """Position x head rows this rank served, since start."""
         self.rows_pulled = 0
-        """Position x head rows this rank pulled, since start."""
+        """Position x head rows this rank pulled (over all KV groups), since start."""
+        self.bytes_pulled = 0
+        """Bytes of rows (and states) this rank pulled, since start."""
         self.messages_pulled = 0
         """Row messages this rank received, since start."""
         self.messages_by_shm = 0
@@ -67,11 +77,14 @@ class RankTransfer:
         if len(positions) and any(self.layout.owner(int(p)) != self.layout.shard_rank(self.rank)
                                   for p in positions[:: max(1, len(positions) // 64)]):
             raise ValueError(f"rank {self.rank} was asked for positions it does not own")  # a stale plan
+        pools = self.group_pools[header["group"]]
         slots = slots_of(self.layout, header["block_ids"], positions)
-        rows = read_rows(self.pools, slots, slice(heads.start - mine.start, heads.stop - mine.start))
+        if len(slots) and int(slots.min()) < 0:
+            raise ValueError(f"rank {self.rank} was asked for positions of freed blocks (before a window)")
+        rows = read_rows(pools, slots, slice(heads.start - mine.start, heads.stop - mine.start))
         shapes, data = to_frames(rows)
         self.rows_sent += len(positions) * len(heads)
-        dtype = str(self.pools[0].dtype).removeprefix("torch.") if self.pools else "float32"
+        dtype = str(pools[0].dtype).removeprefix("torch.")
         if self.host_key is not None and header.get("host_key") == self.host_key:  # the consumer is on this host
             name = self.shm.write(data)
             if name is not None:
@@ -86,9 +99,10 @@ class RankTransfer:
             if answer["engine_id"] != remote.engine_id:
                 raise ValueError(f"{remote.host}:{remote.port} is engine {answer['engine_id']!r}, not "
                                  f"{remote.engine_id!r}")
-            if answer["num_kv_heads"] != self.num_kv_heads or answer["num_layers"] != self.num_layers:
-                raise ValueError(f"the producer's model has {answer['num_kv_heads']} KV heads and "
-                                 f"{answer['num_layers']} layers; this one {self.num_kv_heads} and {self.num_layers}")
+            theirs = {k: answer.get(k) for k in self.signature}
+            if theirs != self.signature:
+                raise ValueError(f"the producer's model is {theirs}, this one {self.signature} (KV heads, layers, "
+                                 "KV groups by window under max_model_len, state layers): another model?")
             self._layouts[key] = CacheLayout.from_dict(answer["layout"])
         return self._layouts[key]
 
@@ -110,43 +124,51 @@ class RankTransfer:
     def _pull_op(self, op: PullOp) -> None:
         """The moves of one op, asked of their producer ranks at once (one thread each), written as they come."""
         src = self.remote_layout(op.remote)
-        moves = plan_reshard(src, self.layout, self.num_kv_heads, op.num_tokens, op.first_token).to(self.rank)
+        moves = [(g, move) for g, first in enumerate(self._first_pulled(op))
+                 for move in plan_reshard(src, self.layout, self.num_kv_heads, op.num_tokens, first).to(self.rank)]
         if not moves:
             return
         # the producer still holds the blocks (a stale pull would read blocks given to another request)
         call(op.remote.host, op.remote.port, {"op": "lease", "request_id": op.remote.request_id},
              timeout_s=self.config.transfer_timeout_s)
-        start, rows_before = time.perf_counter(), self.rows_pulled
+        start, bytes_before = time.perf_counter(), self.bytes_pulled
         with ThreadPoolExecutor(max_workers=len(moves), thread_name_prefix="kv-pull") as pool:
-            for done in [pool.submit(self._pull_move, op, move) for move in moves]:
+            for done in [pool.submit(self._pull_move, op, g, move) for g, move in moves]:
                 done.result()  # a failed move fails the pull (TransferError names the peer)
         # one line per pull, read by benchmarks/disagg_mixed.py (transfer time against the bytes moved)
         logger.info("kv transfer: rank %d pulled %d tokens of request %s, %d bytes in %.2f ms", self.rank,
-                    op.num_tokens, op.remote.request_id, (self.rows_pulled - rows_before) * self.head_bytes,
+                    op.num_tokens, op.remote.request_id, self.bytes_pulled - bytes_before,
                     (time.perf_counter() - start) * 1e3)
 
-    def _pull_move(self, op: PullOp, move: Move) -> None:
+    def _first_pulled(self, op: PullOp) -> list[int]:
+        """Each KV group's first pulled position: past the consumer's own prefix hit and, for a windowed group,
+        within the window of the step's query at num_tokens (keys q - W < j <= q)."""
+        return [min(op.num_tokens, max(op.first_token, first_key(w, op.num_tokens))) for w in self.windows]
+
+    def _pull_move(self, op: PullOp, group: int, move: Move) -> None:
         """One move, a message of at most MESSAGE_BYTES at a time: fetched from its producer rank, then stored."""
-        per_message = max(1, MESSAGE_BYTES // max(1, self.head_bytes * len(move.heads)))
+        per_message = max(1, MESSAGE_BYTES // max(1, self.head_bytes[group] * len(move.heads)))
         for ranges in split_ranges(move.ranges, per_message):
-            header = {"op": "rows", "block_ids": list(op.remote.block_ids), "heads": as_json(move.heads),
-                      "ranges": as_json(ranges), "request_id": op.remote.request_id, "host_key": self.host_key}
+            header = {"op": "rows", "group": group, "block_ids": list(op.remote.block_tables[group]),
+                      "heads": as_json(move.heads), "ranges": as_json(ranges), "request_id": op.remote.request_id,
+                      "host_key": self.host_key}
             answer, frames = call(op.remote.host, op.remote.port + 1 + move.src_rank, header,
                                   timeout_s=self.config.transfer_timeout_s)
             if "shm" in answer:  # the producer is on this host: the rows wait in /dev/shm
                 with mapped_frames(answer["shm"], answer["sizes"]) as mapped:
-                    self._store(op, move.heads, ranges, from_frames(answer["shapes"], mapped, answer["dtype"]))
+                    self._store(op, group, move.heads, ranges, from_frames(answer["shapes"], mapped, answer["dtype"]))
                 self.messages_by_shm += 1
             else:
-                self._store(op, move.heads, ranges, from_frames(answer["shapes"], frames, answer["dtype"]))
+                self._store(op, group, move.heads, ranges, from_frames(answer["shapes"], frames, answer["dtype"]))
 
-    def _store(self, op: PullOp, heads: range, ranges, rows: list[torch.Tensor]) -> None:
+    def _store(self, op: PullOp, group: int, heads: range, ranges, rows: list[torch.Tensor]) -> None:
         positions = positions_of(ranges)
-        slots = slots_of(self.layout, op.block_table, positions)
+        slots = slots_of(self.layout, op.block_tables[group], positions)
         h0 = heads.start - self.first_head
         with self._write_lock:  # moves of different producer ranks land from several threads
-            write_rows(self.pools, slots, slice(h0, h0 + len(heads)), rows)
+            write_rows(self.group_pools[group], slots, slice(h0, h0 + len(heads)), rows)
             self.rows_pulled += len(positions) * len(heads)
+            self.bytes_pulled += len(positions) * len(heads) * self.head_bytes[group]
             self.messages_pulled += 1
 
     def close(self) -> None:
@@ -177,4 +199,4 @@ def rank_transfer(config, dims, rank: int, caches: list[tuple[torch.Tensor, ...]
         return None
     layout = CacheLayout(dims=dims, interleave=config.parallel.cp_kv_cache_interleave_size,
                          block_size=config.cache.block_size)
-    return RankTransfer(kv, layout, dims.moe_rank(rank), config.model.num_key_value_heads, caches)
+    return RankTransfer(kv, layout, dims.moe_rank(rank), model_signature(config), caches)

@@ -26,7 +26,7 @@ from cpllm.engine.spec_decode import SpecDecodeTotals, SpeculativeDecoding
 from cpllm.kv_groups import kv_groups, length_capacity, window_blocks
 from cpllm.engine.state_snapshots import snapshot_line
 from cpllm.layers.registry import state_layer_indices, state_layer_specs
-from cpllm.state_slots import state_slot_counts
+from cpllm.state_slots import engine_state_slots
 from cpllm.model.tokenization.tokenizer import Tokenizer
 from cpllm.structured.manager import StructuredOutputManager
 from cpllm.step import SchedulerOutput, output_positions
@@ -88,12 +88,9 @@ class LLMEngine:
         self.pool = self.pools[0]
         # a state slot per running request where layers keep a state per request, and with prefix caching as many
         # snapshot slots (cpllm/state_slots.py: the ranks' pools hold both)
-        state_slots, snapshots = state_slot_counts(has_states=bool(state_layer_indices(config.model)),
-                                                   max_num_seqs=config.scheduler.max_num_seqs,
-                                                   prefix_caching=config.cache.enable_prefix_caching,
-                                                   snapshots=config.cache.state_snapshots)
+        state_slots, snapshots, held = engine_state_slots(config)
         self.scheduler = Scheduler(scheduler_config, self.pools, self.tokens_per_block, self.kv_groups, state_slots,
-                                   snapshots)
+                                   snapshots, held)
         if snapshots:
             per_request = sum(spec.bytes_per_request for spec in
                               state_layer_specs(config.model, config.parallel.tensor_parallel_size).values())
@@ -157,9 +154,7 @@ class LLMEngine:
         if self.config.model.mla is not None:  # MLA: replicated over TP unless DCP shards it
             model = self.config.model
             states = state_layer_specs(model, p.tensor_parallel_size)  # Kimi Linear: its KDA layers hold no latents
-            slots = sum(state_slot_counts(has_states=bool(states), max_num_seqs=self.config.scheduler.max_num_seqs,
-                                          prefix_caching=self.config.cache.enable_prefix_caching,
-                                          snapshots=self.config.cache.state_snapshots))
+            slots = sum(engine_state_slots(self.config))
             latent_bytes = kv.bytes - slots * sum(spec.bytes_per_request for spec in states.values())
             logger.info("%s", latent_cache_line(model.mla, model.num_hidden_layers - len(states), latent_bytes,
                                                 num_blocks * self.config.cache.block_size, dims.kv_shard_size,
@@ -302,7 +297,8 @@ class LLMEngine:
             outputs.append(state.output())
             if state.finished and self.kv_transfer is not None:
                 outputs[-1].kv_transfer_params = self.kv_transfer.answer(
-                    state.request_id, self.scheduler.held.get(state.request_id))
+                    state.request_id, self.scheduler.held.get(state.request_id),
+                    self.scheduler.held_states.get(state.request_id, -1))
             if state.finished:
                 self._forget(state)
         return outputs

@@ -21,7 +21,7 @@ from cpllm.disagg.params import PullOp
 from cpllm.engine.kv_blocks import BlockPool, extend_hashes
 from cpllm.engine.request import Request, RequestStatus
 from cpllm.engine.state_snapshots import StateSnapshots
-from cpllm.kv_groups import FREED_BLOCK, KVGroupSpec, first_kept_block, max_chunk
+from cpllm.kv_groups import FREED_BLOCK, KVGroupSpec, first_key, first_kept_block, max_chunk
 from cpllm.step import ScheduledChunk, SchedulerOutput
 
 FULL_ATTENTION = (KVGroupSpec(window=None, layers=()),)
@@ -32,13 +32,16 @@ class Scheduler:
     """Decides, step by step, which tokens of which requests are computed."""
 
     def __init__(self, config: SchedulerConfig, pool: BlockPool | Sequence[BlockPool], tokens_per_block: int,
-                 groups: tuple[KVGroupSpec, ...] | None = None, state_slots: int = 0, state_snapshots: int = 0):
+                 groups: tuple[KVGroupSpec, ...] | None = None, state_slots: int = 0, state_snapshots: int = 0,
+                 held_state_slots: int = 0):
         """`pool`: the block pool, or one per KV group in `groups` order (None: one full-attention group).
         `state_slots`: slots of the per-request state pools (layers that keep a state per request, not rows per
         position; 0: the model has none): a request takes one at admission and gives it back when it finishes or
         is preempted (it is then recomputed from position 0, whose chunk starts from a zero state).
         `state_snapshots`: snapshot slots after the live ones (prefix caching with state layers:
-        cpllm/engine/state_snapshots.py); without them a model with states gets no prefix hit."""
+        cpllm/engine/state_snapshots.py); without them a model with states gets no prefix hit.
+        `held_state_slots`: slots after the snapshots where a disaggregated producer keeps a prefilled prompt's
+        states after all but its last token (the point a consumer resumes from) until the consumer pulls them."""
         self.config = config
         self.pools: tuple[BlockPool, ...] = (pool,) if isinstance(pool, BlockPool) else tuple(pool)
         self.groups = groups if groups is not None else FULL_ATTENTION
@@ -76,6 +79,17 @@ class Scheduler:
         """Finished prefill-only requests (Request.kv_hold) -> the block tables a decode instance pulls, until
         `release_held` (cpllm/disagg)."""
         self._pulls: list[PullOp] = []
+        first_held = state_slots + state_snapshots
+        self.free_held_slots: list[int] = list(range(first_held + held_state_slots - 1, first_held - 1, -1))
+        """Held state slots no request uses (a producer's; the lowest taken first)."""
+        self._held_slot_of: dict[str, int] = {}
+        """A running producer request (kv_hold, states, a prompt of > 1 token) -> the held slot its states at
+        num_prompt_tokens - 1 are saved into."""
+        self._unfilled: dict[str, dict[int, int]] = {}
+        """A pulled request -> group -> the one block of a windowed group whose positions before the window were
+        not pulled: never registered for prefix hits (a later request could read those positions)."""
+        self.held_states: dict[str, int] = {}
+        """A held request (`held`) -> the held slot of its states, until `release_held`."""
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -96,15 +110,22 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        held_slot = self._held_slot_of.pop(request.request_id, None)
         if request.kv_hold and status is not RequestStatus.FINISHED_ABORTED and request.block_ids:
             self.held[request.request_id] = request.block_tables
             request.block_tables = [[] for _ in self.groups]
+            if held_slot is not None:
+                self.held_states[request.request_id], held_slot = held_slot, None
+        if held_slot is not None:
+            self.free_held_slots.append(held_slot)
         self._free_tables(request)
 
     def release_held(self, request_id: str) -> None:
         """Free a held request's blocks (its consumer pulled them, or nobody did in time)."""
         for pool, table in zip(self.pools, self.held.pop(request_id, [])):
             pool.free(table)
+        if request_id in self.held_states:
+            self.free_held_slots.append(self.held_states.pop(request_id))
 
     def request_blocks(self, request_id: str) -> tuple[int, ...]:
         """Blocks the request holds now in each group's pool (freed entries not counted)."""
@@ -147,6 +168,8 @@ class Scheduler:
                 break
             if self.uses_state and not self.free_state_slots:
                 break  # every state slot is held (max_num_seqs bounds it first when slots = max_num_seqs)
+            if self._needs_held_slot(request) and not self.free_held_slots:
+                break  # prefilled prompts wait for their consumers in every held slot
             num_hit_tokens = self._use_prefix_cache(request)  # a pulled prompt pulls what comes after its hit
             pulled = self._use_remote_prefill(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget, self._chunk_cap(request))
@@ -156,13 +179,16 @@ class Scheduler:
             self.waiting.popleft()
             if self.uses_state:
                 self.state_slot_of[request.request_id] = self.free_state_slots.pop()
+            if self._needs_held_slot(request):
+                self._held_slot_of[request.request_id] = self.free_held_slots.pop()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             chunks.append(self._chunk(request, num_new))
             if pulled is not None:
                 self._pulls.append(PullOp(remote=request.kv_pull, request_id=request.request_id,
-                                          num_tokens=pulled, block_table=chunks[-1].block_table,
-                                          first_token=num_hit_tokens))
+                                          num_tokens=pulled, block_tables=tuple(map(tuple, request.block_tables)),
+                                          first_token=num_hit_tokens,
+                                          state_slot=self.state_slot_of.get(request.request_id, -1)))
                 request.kv_pull = None
             self.num_prefix_hit_tokens += num_hit_tokens
             if request.num_cached_tokens is None:
@@ -240,7 +266,7 @@ class Scheduler:
             block_tables=tables if len(tables) > 1 else (),
             state_slot=self.state_slot_of.get(request.request_id, -1),
             state_restore=self._restore.pop(request.request_id, -1),
-            state_save=self._snapshot_slot(request, end),
+            state_save=self._save_slot(request, end),
         )
 
     def _chunk_cap(self, request: Request) -> int:
@@ -252,7 +278,24 @@ class Scheduler:
         point = self._snapshot_point(request)
         if point is not None:  # the chunk ends where the states are kept
             cap = min(cap, point - start)
+        held_point = request.num_prompt_tokens - 1
+        if request.request_id in self._held_slot_of and start < held_point:  # a producer keeps the states there
+            cap = min(cap, held_point - start)
         return max(cap, 1)
+
+    def _needs_held_slot(self, request: Request) -> bool:
+        """A producer's request whose states a consumer resumes from after all but the last prompt token (a
+        one-token prompt resumes from a zero state) and that holds no held slot yet (a preempted one keeps its)."""
+        return (self.uses_state and request.kv_hold and request.num_prompt_tokens > 1
+                and request.request_id not in self._held_slot_of)
+
+    def _save_slot(self, request: Request, end: int) -> int:
+        """The slot a chunk ending at `end` saves its states into: a producer's held slot where the chunk ends at
+        the prompt's last token, else a prefix snapshot's (-1: none)."""
+        held = self._held_slot_of.get(request.request_id)
+        if held is not None and end == request.num_prompt_tokens - 1:
+            return held
+        return self._snapshot_slot(request, end)
 
     def _snapshot_point(self, request: Request) -> int | None:
         """The next block boundary of the request's prompt whose states are kept (None: none left): where its
@@ -279,15 +322,17 @@ class Scheduler:
             self._branch.pop(request.request_id, None)
         return self.snapshots.take()
 
-    def _blocks_needed(self, request: Request, num_new: int) -> int:
-        """New blocks for the step, the same count in every group (the tables share their indices)."""
+    def _blocks_needed(self, request: Request, num_new: int) -> tuple[int, ...]:
+        """New blocks for the step in each group: the tables share their indices, so each grows to the step's last
+        virtual block (the same count in every group, but after a remote prefill, whose windowed tables start with
+        freed entries)."""
         total = -(-(request.num_computed_tokens + num_new) // self.tokens_per_block)
-        return max(0, total - len(request.block_tables[0]))
+        return tuple(max(0, total - len(table)) for table in request.block_tables)
 
-    def _allocate(self, request: Request, count: int) -> bool:
-        """`count` fresh blocks in every group's pool, or none at all (False) when one of them is short."""
+    def _allocate(self, request: Request, counts: tuple[int, ...]) -> bool:
+        """`counts[g]` fresh blocks in each group's pool, or none at all (False) when one of them is short."""
         taken: list[list[int]] = []
-        for pool in self.pools:
+        for pool, count in zip(self.pools, counts):
             ids = pool.allocate(count)
             if ids is None:
                 for got_pool, got in zip(self.pools, taken):
@@ -334,6 +379,7 @@ class Scheduler:
             self.free_state_slots.append(slot)
         self._restore.pop(request.request_id, None)
         self._branch.pop(request.request_id, None)
+        self._unfilled.pop(request.request_id, None)
 
     def _release(self, request: Request) -> None:
         self._free_tables(request)
@@ -343,12 +389,13 @@ class Scheduler:
     def _slide(self, request: Request) -> None:
         """Give back each windowed group's blocks that lie wholly before the window of the next query (at
         position num_computed_tokens): the same block ids on every rank, each of which frees there its own share
-        of the block's positions (docs/context_parallel.md, "Windowed KV groups")."""
+        of the block's positions (docs/context_parallel.md, "Windowed KV groups"). A producer's request (kv_hold)
+        keeps the window of the query before: its consumer computes the last prompt token again."""
+        query = request.num_computed_tokens - (1 if request.kv_hold else 0)
         for group, pool, table in zip(self.groups, self.pools, request.block_tables):
             if group.window is None:
                 continue
-            first = min(first_kept_block(group.window, request.num_computed_tokens, self.tokens_per_block),
-                        len(table))
+            first = min(first_kept_block(group.window, max(query, 0), self.tokens_per_block), len(table))
             dead = []
             for i in range(first - 1, -1, -1):  # freed entries are a prefix: stop at the first one
                 if table[i] == FREED_BLOCK:
@@ -365,8 +412,18 @@ class Scheduler:
         here."""
         if request.kv_pull is None:
             return None
-        request.num_computed_tokens = request.num_prompt_tokens - 1
-        return request.num_computed_tokens
+        hit, query = request.num_computed_tokens, request.num_prompt_tokens - 1
+        request.num_computed_tokens = query
+        self._restore.pop(request.request_id, None)  # the pulled states cover the prompt: no snapshot to restore
+        self._branch.pop(request.request_id, None)
+        self._slide(request)  # a windowed group's hit blocks that lie before the window of the step's query
+        v = self.tokens_per_block
+        for g, (group, table) in enumerate(zip(self.groups, request.block_tables)):
+            table += [FREED_BLOCK] * max(0, first_kept_block(group.window, query, v) - len(table))  # never held
+            pulled_from = first_key(group.window, query)  # a windowed group pulls only the window (rank_transfer)
+            if pulled_from > hit and pulled_from % v:  # its first block misses the positions before the window
+                self._unfilled.setdefault(request.request_id, {})[g] = pulled_from // v
+        return query
 
     def _use_prefix_cache(self, request: Request) -> int:
         """Start a fresh request after its longest cached prefix of full blocks; returns the tokens skipped."""
@@ -432,9 +489,10 @@ class Scheduler:
         if num_full <= request.num_registered_blocks:
             return
         extend_hashes(request.block_hashes, request.all_token_ids, self.tokens_per_block, num_full)
-        for pool, table in zip(self.pools, request.block_tables):
+        unfilled = self._unfilled.get(request.request_id, {})
+        for g, (pool, table) in enumerate(zip(self.pools, request.block_tables)):
             for i in range(request.num_registered_blocks, num_full):
-                if table[i] != FREED_BLOCK:
+                if table[i] != FREED_BLOCK and unfilled.get(g) != i:
                     pool.register(table[i], request.block_hashes[i])
         request.num_registered_blocks = num_full
 

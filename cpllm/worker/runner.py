@@ -26,7 +26,7 @@ from cpllm.planner.runtime import StepStrategy, device_hardware, engine_cost
 from cpllm.step import SchedulerOutput, output_positions
 from cpllm.model.execution.cuda_graphs import decode_graphs_for
 from cpllm.layers.registry import state_layer_specs
-from cpllm.state_slots import state_slot_counts
+from cpllm.state_slots import engine_state_slots
 from cpllm.worker.kv_cache import (allocate_kv_cache, allocate_states, copy_state_slots, group_block_counts,
                                    layer_bytes_per_block, layer_cache_spec, state_bytes)
 from cpllm.worker.rank_capabilities import rank_capabilities
@@ -65,9 +65,7 @@ class ModelRunner:
         """Layer index -> its group's index (a layer keeping a state per request: 0, for its rows)."""
         self.state_specs = state_layer_specs(config.model, groups.tp_size)
         """Layer index -> the spec of its per-request state (cpllm/layers/cache_spec.py STATE), for such layers."""
-        state_slots = sum(state_slot_counts(  # the scheduler's live slots and snapshot slots, the same count
-            has_states=bool(self.state_specs), max_num_seqs=config.scheduler.max_num_seqs,
-            prefix_caching=config.cache.enable_prefix_caching, snapshots=config.cache.state_snapshots))
+        state_slots = sum(engine_state_slots(config))  # the scheduler's live, snapshot and held slots alike
         self.group_blocks = self._count_blocks(state_bytes(list(self.state_specs.values()), state_slots))
         self.num_blocks = self.group_blocks[0]
         group_specs = [layer_cache_spec(config, self.num_kv_heads, self.kv_dtype, g) for g in self.kv_groups]

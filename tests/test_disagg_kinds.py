@@ -1,0 +1,79 @@
+"""Disaggregated prefill/decode of the cache kinds beyond one full-attention group (cpllm/disagg,
+docs/disaggregated.md "What moves for each cache kind"): sliding-window groups move only the window of the
+consumer's first query, and sparse-MLA layers move their latent rows and their indexer's keys. The consumer's greedy
+tokens must be the single-rank engine's and its logprobs within 1e-4.
+"""
+
+from __future__ import annotations
+
+from cpllm import LLM
+from parallel_helpers import assert_same_greedy, random_prompt
+from test_disagg_engine import COMMON, free_ports, greedy, prefill, transfer
+from tiny_sparse_mla import save_tiny_sparse
+from tiny_window_models import WINDOW, save_tiny_window_model
+
+PROMPTS = {"len1": random_prompt(1, seed=1), "len13": random_prompt(13, seed=13),
+           "len37": random_prompt(37, seed=37)}
+"""Prompts up to 4.6 windows long (and past the indexer's 8 selected tokens)."""
+
+
+def run_pair(producer: LLM, consumer: LLM, reference: LLM, prompts: dict[str, list[int]]) -> list[tuple[int, int]]:
+    """Each prompt: prefill on the producer, decode on the consumer, against `reference`; returns the rows the
+    consumer's driver rank pulled and the consumer's prefix-hit tokens, per prompt. The producer ends holding
+    nothing in any group's pool."""
+    stats, scheduler, pulled = consumer.engine.executor.rank_stats, consumer.engine.scheduler, []
+    for name, prompt in prompts.items():
+        params = prefill(producer, prompt).kv_transfer_params
+        rows, hits = stats().kv_rows_pulled, scheduler.num_prefix_hit_tokens
+        got = consumer.generate({"prompt_token_ids": prompt}, greedy(kv_transfer_params=params))[0]
+        pulled.append((stats().kv_rows_pulled - rows, scheduler.num_prefix_hit_tokens - hits))
+        want = reference.generate({"prompt_token_ids": prompt}, greedy())[0]  # the consumer's: prefix hits too
+        assert_same_greedy(got, want, what=name, prompt_logprobs=False)
+        producer.engine.step()  # takes the consumer's release
+        assert producer.engine.scheduler.held == {}, name
+        assert [p.num_used for p in producer.engine.pools] == [0] * len(producer.engine.pools), name
+    return pulled
+
+
+def window_rows(prompt_len: int) -> int:
+    """Positions a windowed layer group moves for a prompt: those the query at prompt_len - 1 reads, but itself."""
+    return min(prompt_len - 1, WINDOW - 1)
+
+
+def test_full_and_window_groups_from_pcp2_to_one_rank(tmp_path):
+    """Qwen2 with layer 0 full and layers 1-2 sliding: the full group moves every position but the last, the
+    windowed group only its window, from a PCP=2 producer (interleave 2, block 4) to one rank (block 8). Then a
+    prompt sharing 24 positions with a pulled one: the consumer's prefix hit keeps only the window's blocks of the
+    windowed group and pulls the rest."""
+    folder = save_tiny_window_model(str(tmp_path / "qwen2"), "qwen2", seed=1)  # 2 KV heads
+    with LLM(folder, prefill_context_parallel_size=2, cp_kv_cache_interleave_size=2, block_size=4,
+             kv_transfer_config=transfer("kv_producer", free_ports(3)), **COMMON) as producer, \
+         LLM(folder, block_size=8, kv_transfer_config=transfer("kv_consumer", free_ports(2)), **COMMON) as consumer:
+        pulled = run_pair(producer, consumer, consumer, PROMPTS)
+        assert pulled == [(2 * (n - 1 + window_rows(n)), 0) for n in (1, 13, 37)]  # 2 KV heads, both groups
+        second = PROMPTS["len37"][:24] + random_prompt(20, seed=20)
+        [(rows, hits)] = run_pair(producer, consumer, consumer, {"hit": second})
+        assert (rows, hits) == (2 * (len(second) - 1 - 24 + window_rows(len(second))), 24)
+
+
+def test_every_layer_sliding_from_one_rank_to_tp2_dcp2(tmp_path):
+    """Mistral, every layer windowed: the consumer's table starts with freed entries and holds only the window."""
+    folder = save_tiny_window_model(str(tmp_path / "mistral"), "mistral", seed=1, num_key_value_heads=1)
+    with LLM(folder, block_size=4, kv_transfer_config=transfer("kv_producer", free_ports(2)),
+             **COMMON) as producer, \
+         LLM(folder, tensor_parallel_size=2, decode_context_parallel_size=2, cp_kv_cache_interleave_size=2,
+             block_size=8, kv_transfer_config=transfer("kv_consumer", free_ports(3)), **COMMON) as consumer:
+        rows = [r for r, _ in run_pair(producer, consumer, producer, PROMPTS)]
+        assert rows[0] == 0 and 0 < rows[2] < WINDOW  # the driver's share of the window, never the prompt
+
+
+def test_sparse_mla_latents_and_index_keys_to_tp2_dcp2(tmp_path):
+    """DeepSeek-V3.2's layers: each position's latent row and indexer key land on their DCP owner, and the
+    consumer's selection over its shards (13 and 37 positions, 8 selected) picks what one rank picks."""
+    folder = save_tiny_sparse(str(tmp_path / "v32"), "v32", seed=1)
+    with LLM(folder, block_size=4, kv_transfer_config=transfer("kv_producer", free_ports(2)),
+             **COMMON) as producer, \
+         LLM(folder, tensor_parallel_size=2, decode_context_parallel_size=2, block_size=8,
+             kv_transfer_config=transfer("kv_consumer", free_ports(3)), **COMMON) as consumer:
+        rows = [r for r, _ in run_pair(producer, consumer, producer, PROMPTS)]
+        assert rows[1:] == [6, 18]  # one latent row per position, half the positions on the driver (DCP=2)
