@@ -128,6 +128,8 @@ def test_greedy_through_the_router_equals_one_instance(cluster):
                                                                                cluster["narrow"].url]
     assert all(i["sent"] >= 1 and i["in_flight"] == 0 for i in body["prefill"])  # both prefill instances served
     assert body["decode"][0]["sent"] == len(PROMPTS)
+    for instance in body["prefill"] + body["decode"]:  # each server's own /metrics read: idle after the requests
+        assert instance["reported_queue"] == 0 and instance["load"] == 0, instance
 
 
 def test_chat_streams_through_the_router(cluster):

@@ -1,5 +1,6 @@
 """The router's HTTP app: /v1/completions and /v1/chat/completions through a prefill and a decode instance,
-/v1/models from a decode instance, /health over every instance, /metrics of the router's own counts."""
+/v1/models from a decode instance, /health over every instance (with each one's reported queue and load),
+/metrics of the router's own counts."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ FORWARDED_HEADERS = ("authorization", "x-request-id")
 """Client headers passed on to the instances (an API key, the request id)."""
 
 
-def build_router_app(config: RouterConfig) -> FastAPI:
+def build_router_app(config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """`transport`: where the instances' requests go instead of the network (tests' fake instances)."""
     pools = {"prefill": Pool("prefill", config.prefill_urls), "decode": Pool("decode", config.decode_urls)}
     state: dict = {}
 
@@ -26,7 +28,7 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     async def lifespan(_app: FastAPI):
         timeout = httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as client:
             state["client"] = client
             poller = asyncio.create_task(poll_forever(client, list(pools.values()), config.health_interval_s,
                                                       config.health_timeout_s))
@@ -105,12 +107,13 @@ def build_router_app(config: RouterConfig) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         lines = ["# TYPE cpllm_router_in_flight gauge", "# TYPE cpllm_router_healthy gauge",
-                 "# TYPE cpllm_router_requests_sent counter"]
+                 "# TYPE cpllm_router_load gauge", "# TYPE cpllm_router_requests_sent counter"]
         for role, pool in pools.items():
             for i in pool.instances:
                 labels = f'{{role="{role}",url="{i.url}"}}'
                 lines += [f"cpllm_router_in_flight{labels} {i.in_flight}",
                           f"cpllm_router_healthy{labels} {int(i.healthy)}",
+                          f"cpllm_router_load{labels} {i.load}",
                           f"cpllm_router_requests_sent_total{labels} {i.sent}"]
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 

@@ -17,7 +17,8 @@ def add_router_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--request-timeout-s", type=float, default=600.0,
                         help="longest wait for an instance's answer or between two chunks of a stream")
-    parser.add_argument("--health-interval-s", type=float, default=2.0, help="how often every /health is polled")
+    parser.add_argument("--health-interval-s", type=float, default=2.0,
+                        help="how often every /health (and a healthy instance's /metrics) is polled")
 
 
 def run_router(args: argparse.Namespace) -> int:

@@ -18,9 +18,10 @@ class RouterConfig:
     connect_timeout_s: float = 5.0
     """Longest wait to connect to an instance; past it the instance counts as down for this request."""
     health_interval_s: float = 2.0
-    """How often each instance's /health is polled in the background (an instance marked down comes back)."""
+    """How often each instance's /health is polled in the background (an instance marked down comes back), and a
+    healthy one's /metrics for its queue depth."""
     health_timeout_s: float = 2.0
-    """Longest wait for one instance's /health answer."""
+    """Longest wait for one instance's /health answer, and for its /metrics."""
 
     def __post_init__(self) -> None:
         for name in ("prefill_urls", "decode_urls"):
