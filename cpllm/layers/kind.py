@@ -26,6 +26,11 @@ class LayerKind:
     state_spec: Callable[..., CacheSpec] | None = None
     """A state kind: (model_config, *, tp_size) -> one state layer's CacheSpec (kind STATE) on a rank of a TP
     group of `tp_size`."""
+    state_rows: Callable[..., tuple] | None = None
+    """A state kind: (model_config, *, tp_size, tp_rank) -> for each pool of `state_spec`, in order, the global
+    rows of the whole layer (conv channels, value heads) that TP rank `tp_rank` holds, as [start, end) runs in the
+    rank's local order, their lengths summing to the pool's `heads`: what moves a state between TP layouts
+    (cpllm/disagg/state_plan.py). None: the kind's states cannot change layout."""
     backends: dict[str, str] = field(default_factory=dict)
     """Backend name -> "module:Class" of an `AttentionBackend` for this kind's pools, imported on first use (so the
     registry itself imports no torch)."""

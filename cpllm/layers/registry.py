@@ -45,6 +45,21 @@ def state_layer_specs(config, tp_size: int) -> dict:
     return specs
 
 
+def state_layer_rows(config, tp_size: int, tp_rank: int) -> dict:
+    """Layer index -> its state pools' global rows on TP rank `tp_rank` of a TP group of `tp_size` (the kind's
+    `state_rows`), for every layer a state kind claims (empty for a model of row caches only)."""
+    rows = {}
+    for kind in LAYER_KINDS:
+        if kind.state_layers is None or not kind.state_layers(config):
+            continue
+        if kind.state_rows is None:
+            raise ValueError(f"layer kind {kind.name!r} keeps states but gives no state_rows: its states cannot "
+                             "move between parallel layouts")
+        for index in kind.state_layers(config):
+            rows[index] = kind.state_rows(config, tp_size=tp_size, tp_rank=tp_rank)
+    return rows
+
+
 def state_layer_indices(config) -> frozenset[int]:
     """The layers that keep a per-request state (no KV rows)."""
     return frozenset(i for kind in LAYER_KINDS if kind.state_layers is not None for i in kind.state_layers(config))

@@ -7,7 +7,7 @@ state-kind path (allocation, budget, capacity log, planner) reads them alike."""
 from __future__ import annotations
 
 from cpllm.layers.cache_spec import STATE, CacheSpec, PoolSpec
-from cpllm.layers.gated_delta.spec import STATE_ELEMENT_BYTES
+from cpllm.layers.gated_delta.spec import STATE_ELEMENT_BYTES, Runs, check_tp_rank, joined
 
 
 def serves(config) -> bool:
@@ -30,6 +30,19 @@ def state_spec(config, *, tp_size: int) -> CacheSpec:
     return CacheSpec(kind=STATE, element_bytes=STATE_ELEMENT_BYTES, pools=(
         PoolSpec(name="conv", heads=kda.conv_dim // tp_size, width=kda.conv_kernel - 1),
         PoolSpec(name="delta", heads=kda.num_heads // tp_size, width=kda.head_dim * kda.head_dim)))
+
+
+def state_rows(config, *, tp_size: int, tp_rank: int) -> tuple[Runs, ...]:
+    """For each pool of `state_spec`, the layer's global rows TP rank `tp_rank` holds, in its local order: `conv`
+    its heads' rows of q, then of k (H d on), then of v (2 H d on), as KimiDeltaAttention.load concatenates the
+    three convolutions; `delta` its heads. Adjacent runs are joined (one run on a single rank)."""
+    kda = config.kimi_delta
+    check_tp_rank(tp_size, tp_rank)
+    state_spec(config, tp_size=tp_size)  # refuses a TP size that splits the heads unevenly
+    heads, width = kda.num_heads // tp_size, kda.qkv_dim
+    h0, d = tp_rank * heads, kda.head_dim
+    conv = tuple((part * width + h0 * d, part * width + (h0 + heads) * d) for part in range(3))
+    return joined(conv), ((h0, h0 + heads),)
 
 
 def row_spec(config, *, window: int | None, kv_heads: int, element_bytes: int) -> CacheSpec:
