@@ -1,6 +1,7 @@
 """Disaggregated prefill/decode of the cache kinds beyond one full-attention group (cpllm/disagg,
 docs/disaggregated.md "What moves for each cache kind"): sliding-window groups move only the window of the
-consumer's first query, and sparse-MLA layers move their latent rows and their indexer's keys. The consumer's greedy
+consumer's first query, sparse-MLA layers move their latent rows and their indexer's keys, and linear-attention
+layers move the states after all but the last prompt token, re-cut for the consumer's TP. The consumer's greedy
 tokens must be the single-rank engine's and its logprobs within 1e-4.
 """
 
@@ -9,6 +10,8 @@ from __future__ import annotations
 from cpllm import LLM
 from parallel_helpers import assert_same_greedy, random_prompt
 from test_disagg_engine import COMMON, free_ports, greedy, prefill, transfer
+from tiny_hybrid import save_tiny_hybrid
+from tiny_kimi import save_tiny_kimi
 from tiny_sparse_mla import save_tiny_sparse
 from tiny_window_models import WINDOW, save_tiny_window_model
 
@@ -30,8 +33,10 @@ def run_pair(producer: LLM, consumer: LLM, reference: LLM, prompts: dict[str, li
         want = reference.generate({"prompt_token_ids": prompt}, greedy())[0]  # the consumer's: prefix hits too
         assert_same_greedy(got, want, what=name, prompt_logprobs=False)
         producer.engine.step()  # takes the consumer's release
-        assert producer.engine.scheduler.held == {}, name
+        scheduler = producer.engine.scheduler
+        assert scheduler.held == {} and scheduler.held_states == {}, name
         assert [p.num_used for p in producer.engine.pools] == [0] * len(producer.engine.pools), name
+        assert len(scheduler.free_held_slots) == (scheduler.config.max_num_seqs if scheduler.uses_state else 0)
     return pulled
 
 
@@ -77,3 +82,31 @@ def test_sparse_mla_latents_and_index_keys_to_tp2_dcp2(tmp_path):
              kv_transfer_config=transfer("kv_consumer", free_ports(3)), **COMMON) as consumer:
         rows = [r for r, _ in run_pair(producer, consumer, producer, PROMPTS)]
         assert rows[1:] == [6, 18]  # one latent row per position, half the positions on the driver (DCP=2)
+
+
+STATES = dict(COMMON, max_num_seqs=4)  # the tiny hybrids' states: 4 live and 4 held slots in the 1 MiB budget
+
+
+def test_gated_delta_states_from_one_rank_to_tp2_with_prefix_hits(tmp_path):
+    """Qwen3.5 (6 DeltaNet layers, 2 full): the states after P - 1 tokens, saved in a held slot on the producer,
+    land in the consumer's live slot cut for TP=2 (each rank its q, k and v channels of the convolution and its
+    value heads). Both sides cache prefixes (states in snapshots): a consumer hit pulls the rest, and the state."""
+    folder = save_tiny_hybrid(str(tmp_path / "qwen3_5"), "qwen3_5", seed=1)
+    with LLM(folder, block_size=4, enable_prefix_caching=True, kv_transfer_config=transfer("kv_producer", free_ports(2)),
+             **STATES) as producer, \
+         LLM(folder, tensor_parallel_size=2, block_size=8, enable_prefix_caching=True,
+             kv_transfer_config=transfer("kv_consumer", free_ports(3)), **STATES) as consumer:
+        pulled = run_pair(producer, consumer, producer, PROMPTS)
+        assert [rows for rows, _ in pulled] == [0, 12, 36]  # the driver holds 1 of the full layers' 2 KV heads
+        consumer.generate({"prompt_token_ids": PROMPTS["len37"]}, greedy())  # its snapshot at position 32
+        second = PROMPTS["len37"][:32] + random_prompt(12, seed=20)
+        assert run_pair(producer, consumer, producer, {"hit": second}) == [(43 - 32, 32)]  # the rest and the state
+
+
+def test_kda_states_and_mla_latents_from_pcp2_to_one_rank(tmp_path):
+    """Kimi Linear (KDA state layers beside MLA layers): both PCP copies hold the states, the consumer reads one."""
+    folder = save_tiny_kimi(str(tmp_path / "kimi"), seed=1)
+    with LLM(folder, prefill_context_parallel_size=2, cp_kv_cache_interleave_size=2, block_size=4,
+             kv_transfer_config=transfer("kv_producer", free_ports(3)), **STATES) as producer, \
+         LLM(folder, block_size=8, kv_transfer_config=transfer("kv_consumer", free_ports(2)), **STATES) as consumer:
+        run_pair(producer, consumer, consumer, PROMPTS)

@@ -142,3 +142,27 @@ def test_prefix_hits_released_by_a_failed_allocation_are_not_counted():
     (chunk,) = out.chunks
     assert chunk.request_id == "b" and chunk.start_pos == 8
     assert scheduler.num_prefix_hit_tokens == 8
+
+
+def test_a_producer_keeps_its_states_after_all_but_the_last_prompt_token():
+    """Disaggregated producer of a model with states: the prompt's chunk ends before its last token and saves
+    the states into a held slot (after the live slots), which the finished request keeps until its release; a
+    third prompt waits while both held slots are taken."""
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=2, max_model_len=256)
+    scheduler = Scheduler(config, BlockPool(64, False), 4, state_slots=2, held_state_slots=2)
+    for k, rid in enumerate(("a", "b", "c")):
+        r = request(rid, 10, start=10 * k)
+        r.kv_hold = True
+        scheduler.add_request(r)
+    first = run_step(scheduler)
+    assert [(c.request_id, c.start_pos, len(c.token_ids), c.state_save) for c in first.chunks] == [
+        ("a", 0, 9, 2), ("b", 0, 9, 3)]
+    last = run_step(scheduler)
+    assert [(c.start_pos, c.sample, c.state_save) for c in last.chunks] == [(9, True, -1), (9, True, -1)]
+    for rid in ("a", "b"):
+        scheduler.finish(scheduler.requests[rid], RequestStatus.FINISHED_LENGTH)
+    assert scheduler.held_states == {"a": 2, "b": 3} and scheduler.free_held_slots == []
+    assert run_step(scheduler).chunks == ()  # no held slot left for c
+    scheduler.release_held("a")
+    assert scheduler.held_states == {"b": 3}
+    assert [(c.request_id, c.state_save) for c in run_step(scheduler).chunks] == [("c", 2)]

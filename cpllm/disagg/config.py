@@ -90,8 +90,6 @@ def kv_transfer_config(value: Any) -> KVTransferConfig | None:
 
 def check_disagg(config) -> None:
     """What a disaggregated instance cannot do yet, refused at configuration time (`config`: an EngineConfig)."""
-    from cpllm.layers.registry import state_layer_indices  # imported when a config asks for transfers
-
     kv = config.kv_transfer_config
     if config.parallel.data_parallel_size != 1:
         raise ValueError(f"kv_transfer_config with data_parallel_size={config.parallel.data_parallel_size}: run "
@@ -100,6 +98,3 @@ def check_disagg(config) -> None:
     if spec is not None and spec.method != "ngram":  # prompt lookup keeps no cache: it drafts from the tokens
         raise ValueError(f"kv_transfer_config ({kv.kv_role}) with speculative_config method={spec.method!r}: a "
                          "draft model's K/V is not transferred (method 'ngram' is allowed)")
-    if state_layer_indices(config.model):
-        raise ValueError("kv_transfer_config with a model whose layers keep a per-request state (linear "
-                         "attention): only K/V rows are transferred")

@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 from cpllm.disagg.config import KVTransferConfig
 from cpllm.disagg.engine_transfer import model_signature
+from cpllm.disagg.state_plan import StateMove
+from cpllm.disagg.state_transfer import LayerRows, StatePools, layer_batches
 from cpllm.distributed.comm import all_reduce
 from cpllm.disagg.params import PullOp, RemotePrefill
 from cpllm.disagg.reshard import CacheLayout, Move, plan_reshard, split_ranges
@@ -21,6 +23,7 @@ from cpllm.disagg.rows import from_frames, layer_pools, positions_of, read_rows,
 from cpllm.disagg.shm_rows import ShmWriter, host_key, mapped_frames
 from cpllm.disagg.wire import Server, TransferError, as_json, call
 from cpllm.kv_groups import first_key
+from cpllm.layers.registry import state_layer_rows
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +36,10 @@ class RankTransfer:
     """The transfer side of one replica rank (built by the runner when kv_transfer_config is set)."""
 
     def __init__(self, config: KVTransferConfig, layout: CacheLayout, rank: int, signature: dict,
-                 caches: list[tuple[torch.Tensor, ...]]):
+                 caches: list[tuple[torch.Tensor, ...]], layer_rows: LayerRows | None = None):
         """`signature`: engine_transfer.model_signature of this instance's model (the producer's must match);
-        `caches`: every layer's cache, in layer order."""
+        `caches`: every layer's cache, in layer order; `layer_rows`: the state layers' rows by TP rank (a model
+        with state layers)."""
         self.config, self.layout, self.rank, self.signature = config, layout, rank, signature
         self.num_kv_heads = num_kv_heads = signature["num_kv_heads"]
         self.windows = [window for window, _ in signature["groups"]]
@@ -43,6 +47,8 @@ class RankTransfer:
         self.group_pools = [layer_pools([caches[i] for i in layers]) for _, layers in signature["groups"]]
         """Each KV group's pools, every layer's in layer order."""
         self.pools = [pool for pools in self.group_pools for pool in pools]
+        self.states = StatePools({i: caches[i] for i in signature["state_layers"]}, layer_rows)
+        """The state layers' pools (empty for a model without them)."""
         self.first_head = layout.heads(num_kv_heads, rank).start
         self.head_bytes = [sum(p.shape[-1] * p.element_size() for p in pools) for pools in self.group_pools]
         """Bytes of one (position, KV head) over each group's pools (this rank's dtype)."""
@@ -67,6 +73,9 @@ class RankTransfer:
                        if config.produces else None)
 
     def _serve(self, header: dict, frames: list) -> tuple[dict, list]:
+        if header.get("op") == "state":
+            rows = self.states.read(header["slot"], header["layers"], header["pool"], header["runs"])
+            return self._answer(header, rows)
         if header.get("op") != "rows":
             raise ValueError(f"unknown op {header.get('op')!r}")
         heads = range(*header["heads"])
@@ -82,9 +91,13 @@ class RankTransfer:
         if len(slots) and int(slots.min()) < 0:
             raise ValueError(f"rank {self.rank} was asked for positions of freed blocks (before a window)")
         rows = read_rows(pools, slots, slice(heads.start - mine.start, heads.stop - mine.start))
-        shapes, data = to_frames(rows)
         self.rows_sent += len(positions) * len(heads)
-        dtype = str(pools[0].dtype).removeprefix("torch.")
+        return self._answer(header, rows)
+
+    def _answer(self, header: dict, rows: list[torch.Tensor]) -> tuple[dict, list]:
+        """The rows as an answer: through /dev/shm to a consumer on this host, else as the message's frames."""
+        shapes, data = to_frames(rows)
+        dtype = str(rows[0].dtype).removeprefix("torch.") if rows else "float32"
         if self.host_key is not None and header.get("host_key") == self.host_key:  # the consumer is on this host
             name = self.shm.write(data)
             if name is not None:
@@ -124,16 +137,22 @@ class RankTransfer:
     def _pull_op(self, op: PullOp) -> None:
         """The moves of one op, asked of their producer ranks at once (one thread each), written as they come."""
         src = self.remote_layout(op.remote)
-        moves = [(g, move) for g, first in enumerate(self._first_pulled(op))
-                 for move in plan_reshard(src, self.layout, self.num_kv_heads, op.num_tokens, first).to(self.rank)]
-        if not moves:
+        jobs = [(self._pull_move, op, g, move) for g, first in enumerate(self._first_pulled(op))
+                for move in plan_reshard(src, self.layout, self.num_kv_heads, op.num_tokens, first).to(self.rank)]
+        if self.states and op.num_tokens > 0:  # the states after positions 0 .. num_tokens - 1
+            if op.remote.state_slot < 0 or op.state_slot < 0:
+                raise ValueError(f"the producer named no state slot for request {op.remote.request_id} (its "
+                                 "kv_transfer_params lack remote_state_slot), and this model keeps states")
+            jobs += [(self._pull_states, op, layers, move) for layers, move in self.states.moves(src, self.layout,
+                                                                                                  self.rank)]
+        if not jobs:
             return
         # the producer still holds the blocks (a stale pull would read blocks given to another request)
         call(op.remote.host, op.remote.port, {"op": "lease", "request_id": op.remote.request_id},
              timeout_s=self.config.transfer_timeout_s)
         start, bytes_before = time.perf_counter(), self.bytes_pulled
-        with ThreadPoolExecutor(max_workers=len(moves), thread_name_prefix="kv-pull") as pool:
-            for done in [pool.submit(self._pull_move, op, g, move) for g, move in moves]:
+        with ThreadPoolExecutor(max_workers=min(len(jobs), 16), thread_name_prefix="kv-pull") as pool:
+            for done in [pool.submit(*job) for job in jobs]:
                 done.result()  # a failed move fails the pull (TransferError names the peer)
         # one line per pull, read by benchmarks/disagg_mixed.py (transfer time against the bytes moved)
         logger.info("kv transfer: rank %d pulled %d tokens of request %s, %d bytes in %.2f ms", self.rank,
@@ -150,16 +169,32 @@ class RankTransfer:
         per_message = max(1, MESSAGE_BYTES // max(1, self.head_bytes[group] * len(move.heads)))
         for ranges in split_ranges(move.ranges, per_message):
             header = {"op": "rows", "group": group, "block_ids": list(op.remote.block_tables[group]),
-                      "heads": as_json(move.heads), "ranges": as_json(ranges), "request_id": op.remote.request_id,
-                      "host_key": self.host_key}
-            answer, frames = call(op.remote.host, op.remote.port + 1 + move.src_rank, header,
-                                  timeout_s=self.config.transfer_timeout_s)
-            if "shm" in answer:  # the producer is on this host: the rows wait in /dev/shm
-                with mapped_frames(answer["shm"], answer["sizes"]) as mapped:
-                    self._store(op, group, move.heads, ranges, from_frames(answer["shapes"], mapped, answer["dtype"]))
-                self.messages_by_shm += 1
-            else:
-                self._store(op, group, move.heads, ranges, from_frames(answer["shapes"], frames, answer["dtype"]))
+                      "heads": as_json(move.heads), "ranges": as_json(ranges), "request_id": op.remote.request_id}
+            self._store(op, group, move.heads, ranges, self._fetch(op, move.src_rank, header))
+
+    def _pull_states(self, op: PullOp, layers: tuple[int, ...], move: StateMove) -> None:
+        """One state move for `layers`, as many layers a message as MESSAGE_BYTES holds: into the live slot."""
+        layer_bytes = move.num_rows * self.states.row_bytes(layers[0], move.pool)
+        for batch in layer_batches(layers, layer_bytes, MESSAGE_BYTES):
+            header = {"op": "state", "slot": op.remote.state_slot, "layers": batch, "pool": move.pool,
+                      "runs": as_json(move.src_local), "request_id": op.remote.request_id}
+            rows = self._fetch(op, move.src_rank, header)
+            with self._write_lock:
+                self.states.write(op.state_slot, tuple(batch), move, rows)
+                self.bytes_pulled += len(batch) * layer_bytes
+                self.messages_pulled += 1
+
+    def _fetch(self, op: PullOp, src_rank: int, header: dict) -> list[torch.Tensor]:
+        """One message's rows from producer rank `src_rank` (copies: from /dev/shm or from the frames)."""
+        answer, frames = call(op.remote.host, op.remote.port + 1 + src_rank, {**header, "host_key": self.host_key},
+                              timeout_s=self.config.transfer_timeout_s)
+        if "shm" not in answer:
+            return from_frames(answer["shapes"], frames, answer["dtype"])
+        with mapped_frames(answer["shm"], answer["sizes"]) as mapped:  # the producer is on this host
+            rows = from_frames(answer["shapes"], mapped, answer["dtype"])
+        with self._write_lock:
+            self.messages_by_shm += 1
+        return rows
 
     def _store(self, op: PullOp, group: int, heads: range, ranges, rows: list[torch.Tensor]) -> None:
         positions = positions_of(ranges)
@@ -199,4 +234,6 @@ def rank_transfer(config, dims, rank: int, caches: list[tuple[torch.Tensor, ...]
         return None
     layout = CacheLayout(dims=dims, interleave=config.parallel.cp_kv_cache_interleave_size,
                          block_size=config.cache.block_size)
-    return RankTransfer(kv, layout, dims.moe_rank(rank), model_signature(config), caches)
+    model = config.model
+    return RankTransfer(kv, layout, dims.moe_rank(rank), model_signature(config), caches,
+                        lambda tp_size, tp_rank: state_layer_rows(model, tp_size, tp_rank))

@@ -208,7 +208,8 @@ class Scheduler:
             request.num_computed_tokens = chunk.end_pos - chunk.num_draft_tokens
             self._register_full_blocks(request)
             self._slide(request)
-            if chunk.state_save >= 0:  # the ranks wrote the snapshot after the forward: it can be found now
+            if chunk.state_save >= 0 and chunk.state_save != self._held_slot_of.get(request.request_id):
+                # the ranks wrote the snapshot after the forward: it can be found now (a held slot is no snapshot)
                 last_block = chunk.end_pos // self.tokens_per_block - 1
                 self.snapshots.register(chunk.state_save, request.block_hashes[last_block])
             if chunk.state_restore >= 0:
@@ -279,15 +280,18 @@ class Scheduler:
         if point is not None:  # the chunk ends where the states are kept
             cap = min(cap, point - start)
         held_point = request.num_prompt_tokens - 1
-        if request.request_id in self._held_slot_of and start < held_point:  # a producer keeps the states there
+        if self._keeps_states(request) and start < held_point:  # a producer keeps the states there
             cap = min(cap, held_point - start)
         return max(cap, 1)
 
+    def _keeps_states(self, request: Request) -> bool:
+        """A producer's request whose states a consumer resumes from, after all but the last prompt token (a
+        one-token prompt resumes from a zero state)."""
+        return self.uses_state and request.kv_hold and request.num_prompt_tokens > 1
+
     def _needs_held_slot(self, request: Request) -> bool:
-        """A producer's request whose states a consumer resumes from after all but the last prompt token (a
-        one-token prompt resumes from a zero state) and that holds no held slot yet (a preempted one keeps its)."""
-        return (self.uses_state and request.kv_hold and request.num_prompt_tokens > 1
-                and request.request_id not in self._held_slot_of)
+        """One that holds no held slot yet (a preempted one keeps its)."""
+        return self._keeps_states(request) and request.request_id not in self._held_slot_of
 
     def _save_slot(self, request: Request, end: int) -> int:
         """The slot a chunk ending at `end` saves its states into: a producer's held slot where the chunk ends at
