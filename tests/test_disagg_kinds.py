@@ -7,11 +7,14 @@ tokens must be the single-rank engine's and its logprobs within 1e-4.
 
 from __future__ import annotations
 
+import pytest
+
 from cpllm import LLM
 from parallel_helpers import assert_same_greedy, random_prompt
 from test_disagg_engine import COMMON, free_ports, greedy, prefill, transfer
 from tiny_hybrid import save_tiny_hybrid
 from tiny_kimi import save_tiny_kimi
+from tiny_models import save_tiny_hf_model
 from tiny_sparse_mla import save_tiny_sparse
 from tiny_window_models import WINDOW, save_tiny_window_model
 
@@ -110,3 +113,17 @@ def test_kda_states_and_mla_latents_from_pcp2_to_one_rank(tmp_path):
              kv_transfer_config=transfer("kv_producer", free_ports(3)), **STATES) as producer, \
          LLM(folder, block_size=8, kv_transfer_config=transfer("kv_consumer", free_ports(2)), **STATES) as consumer:
         run_pair(producer, consumer, consumer, PROMPTS)
+
+
+def test_a_producer_of_another_model_is_refused_by_its_signature(tmp_path):
+    """A consumer whose KV groups differ from the producer's (every layer windowed there, none here) fails the
+    pull by name before it reads a row, and holds nothing after."""
+    windowed = save_tiny_window_model(str(tmp_path / "mistral"), "mistral", seed=1)
+    full = save_tiny_hf_model(str(tmp_path / "llama"), "llama", seed=1, num_hidden_layers=2)
+    with LLM(windowed, block_size=4, kv_transfer_config=transfer("kv_producer", free_ports(2)),
+             **COMMON) as producer, \
+         LLM(full, block_size=8, kv_transfer_config=transfer("kv_consumer", free_ports(2)), **COMMON) as consumer:
+        params = prefill(producer, PROMPTS["len13"]).kv_transfer_params
+        with pytest.raises(RuntimeError, match="could not be pulled.*another model"):
+            consumer.generate({"prompt_token_ids": PROMPTS["len13"]}, greedy(kv_transfer_params=params))
+        assert consumer.engine.pool.num_used == 0

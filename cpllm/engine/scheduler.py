@@ -294,8 +294,8 @@ class Scheduler:
         return self._keeps_states(request) and request.request_id not in self._held_slot_of
 
     def _save_slot(self, request: Request, end: int) -> int:
-        """The slot a chunk ending at `end` saves its states into: a producer's held slot where the chunk ends at
-        the prompt's last token, else a prefix snapshot's (-1: none)."""
+        """The slot a chunk ending at `end` saves its states into: a producer's held slot where the chunk ends just
+        before the prompt's last token, else a prefix snapshot's (-1: none)."""
         held = self._held_slot_of.get(request.request_id)
         if held is not None and end == request.num_prompt_tokens - 1:
             return held
