@@ -202,13 +202,16 @@ class PagedCPAttention(torch.nn.Module):
         if whole is not None:  # one prompt's run is every row: its call's result is the step's, as it comes
             request, chunk = whole
             keys = _new_keys(request, 0, chunk.new_start + chunk.length)
-            out, lse = self.backend.attend(q, k_all[keys], v_all[keys], self.scale, True,
+            out, lse = self.backend.attend(q, _rows(k_all, keys), _rows(v_all, keys), self.scale, True,
                                            causal_offset=chunk.new_start)
             return out.to(accumulator_dtype(q.dtype)), lse.float()
-        out, lse = _empty_partials(q)
-        for request in meta.requests:
-            if request.num_new > 1:
-                self._new_token_attention(q, k_all, v_all, request, out, lse)
+        runs = [r for r in meta.requests if r.num_new > 1]
+        if self.mods is None and sum(c.length for r in runs for c in r.local_chunks) == q.shape[0]:
+            out, lse = _unset_partials(q)  # the runs write every row (they are disjoint): nothing to clear
+        else:
+            out, lse = _empty_partials(q)
+        for request in runs:
+            self._new_token_attention(q, k_all, v_all, request, out, lse)
         return out, lse
 
     def _new_token_attention(self, q, k_all, v_all, request: RequestAttention, out, lse) -> None:
@@ -220,15 +223,16 @@ class PagedCPAttention(torch.nn.Module):
             rows = slice(chunk.row, chunk.row + chunk.length)
             if self.causal_offsets:
                 keys = _new_keys(request, 0, chunk.new_start + chunk.length)
-                out[rows], lse[rows] = self.backend.attend(q[rows], k_all[keys], v_all[keys], self.scale, True,
-                                                           causal_offset=chunk.new_start)
+                out[rows], lse[rows] = self.backend.attend(q[rows], _rows(k_all, keys), _rows(v_all, keys),
+                                                           self.scale, True, causal_offset=chunk.new_start)
                 continue
             own = _new_keys(request, chunk.new_start, chunk.new_start + chunk.length)
-            out[rows], lse[rows] = self.backend.attend(q[rows], k_all[own], v_all[own], self.scale, causal=True)
+            out[rows], lse[rows] = self.backend.attend(q[rows], _rows(k_all, own), _rows(v_all, own), self.scale,
+                                                       causal=True)
             if chunk.new_start > 0:
                 before = _new_keys(request, 0, chunk.new_start)
-                _accumulate(out, lse, rows,
-                            *self.backend.attend(q[rows], k_all[before], v_all[before], self.scale, False))
+                _accumulate(out, lse, rows, *self.backend.attend(q[rows], _rows(k_all, before), _rows(v_all, before),
+                                                                 self.scale, False))
 
     def _new_token_pieces(self, q, k_all, v_all, request: RequestAttention, out, lse) -> None:
         """`_new_token_attention` with score modifiers: the keys before each run trimmed to the window (skipped
@@ -238,8 +242,8 @@ class PagedCPAttention(torch.nn.Module):
             source = ((0, 0, chunk.new_start), (chunk.new_start, chunk.new_start, chunk.length))
             for piece in self.mods.new_key_pieces(source, chunk.new_start, chunk.length):
                 keys, rows = request.new_kv_rows[piece.keys], piece.rows(chunk.row)
-                _accumulate(out, lse, rows, *self.mods.attend(self.backend, self.scale, q[rows], k_all[keys],
-                                                              v_all[keys], piece))
+                _accumulate(out, lse, rows, *self.mods.attend(self.backend, self.scale, q[rows],
+                                                              _rows(k_all, keys), _rows(v_all, keys), piece))
 
     def _ring_new_tokens(self, q, k, v, k_pool, v_pool, meta, out, lse) -> None:
         """Pass-KV ring: the block of PCP rank (me - i) arrives at step i while step i-1's attention runs."""
@@ -396,6 +400,17 @@ def _new_keys(request: RequestAttention, start: int, end: int) -> slice | torch.
     if request.new_kv_first is not None:
         return slice(request.new_kv_first + start, request.new_kv_first + end)
     return request.new_kv_rows[start:end]
+
+
+def _rows(kv: torch.Tensor, keys: slice | torch.Tensor) -> torch.Tensor:
+    """`kv[keys]`: a view for a slice, one index_select for indices (advanced indexing runs 2-3x slower on the CPU)."""
+    return kv[keys] if isinstance(keys, slice) else kv.index_select(0, keys)
+
+
+def _unset_partials(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised (out, lse) for every row of q, for calls that write each row once."""
+    return (torch.empty(q.shape, dtype=accumulator_dtype(q.dtype), device=q.device),
+            torch.empty(q.shape[:2], dtype=torch.float32, device=q.device))
 
 
 def _empty_partials(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
