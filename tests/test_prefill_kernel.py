@@ -96,6 +96,38 @@ def test_causal_offset_is_a_run_behind_earlier_keys(length, offset, way):
         torch.testing.assert_close(fallback[1].double(), want_lse[0].transpose(0, 1), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("runs", [((0, 70), (210, 70)), ((0, 1), (5, 64), (300, 33)), ((128, 64), (0, 64))])
+@pytest.mark.parametrize("way", [None, *BF16_WAYS])
+def test_per_query_offsets_are_runs_at_their_own_places(runs, way):
+    """A PCP rank's head and tail chunks (new_start, length) of one prompt in one call: each query sees the keys up
+    to its own position, as float64 attention under that mask, the rows of each run wherever they sit."""
+    _skip_unless_built(way)
+    bf16 = way is not None
+    keys = max(start + length for start, length in runs)
+    positions = torch.cat([torch.arange(start, start + length) for start, length in runs])
+    offsets = positions - torch.arange(positions.numel())
+    q, k, v = _qkv(positions.numel(), keys, 9, 3, 64, seed=6)
+    out, lse = prefill_attention(q, k, v, 0.125, True, bf16_products=bf16, causal_offset=offsets, bf16_way=way)
+    mask = torch.arange(keys)[None, :] <= positions[:, None]
+    operands = (_bf16(q * 0.125), _bf16(k), _bf16(v), 1.0) if bf16 else (q, k, v, 0.125)
+    want_out, want_lse = reference_attention(*(t.transpose(0, 1)[None] for t in operands[:3]), scale=operands[3],
+                                             mask=mask)
+    atol = 2 ** -8 * float(v.abs().max()) if bf16 else 2e-5
+    torch.testing.assert_close(out.double(), want_out[0].transpose(0, 1), rtol=0, atol=atol)
+    torch.testing.assert_close(lse.double(), want_lse[0].transpose(0, 1), rtol=0, atol=1e-4 if bf16 else 2e-5)
+    if not bf16:  # attend's fallback takes the same per-query offsets
+        fallback = attend(q.double(), k.double(), v.double(), 0.125, True, causal_offset=offsets)
+        torch.testing.assert_close(fallback[0], want_out[0].transpose(0, 1))
+
+
+def test_per_query_offsets_outside_the_keys_or_of_another_length_are_refused():
+    q, k, v = _qkv(4, 6, 2, 1, 64)
+    with pytest.raises(ValueError, match=r"reach keys \[0, 6\] outside \[0, 6\)"):
+        prefill_attention(q, k, v, 0.1, True, causal_offset=torch.tensor([0, 0, 0, 3]))
+    with pytest.raises(ValueError, match="wants one integer per query"):
+        prefill_attention(q, k, v, 0.1, True, causal_offset=torch.zeros(3, dtype=torch.int64))
+
+
 def test_causal_offset_outside_the_keys_is_refused():
     q, k, v = _qkv(4, 6, 2, 1, 64)
     with pytest.raises(ValueError, match="causal_offset 6 outside"):

@@ -198,12 +198,12 @@ class PagedCPAttention(torch.nn.Module):
             k_all, v_all = k, v
             rows = meta.write_rows
         self.backend.store_kv(k_pool, v_pool, meta.write_slots, k_all, v_all, rows)  # in the pools' dtype
-        whole = _one_run_of_all_rows(meta, q.shape[0]) if self.causal_offsets and self.mods is None else None
-        if whole is not None:  # one prompt's run is every row: its call's result is the step's, as it comes
-            request, chunk = whole
-            keys = _new_keys(request, 0, chunk.new_start + chunk.length)
+        whole = self._one_call(meta, q.shape[0])
+        if whole is not None:  # one prompt's runs are every row: one call's result is the step's, as it comes
+            request, end, offset = whole
+            keys = _new_keys(request, 0, end)
             out, lse = self.backend.attend(q, _rows(k_all, keys), _rows(v_all, keys), self.scale, True,
-                                           causal_offset=chunk.new_start)
+                                           causal_offset=offset)
             return out.to(accumulator_dtype(q.dtype)), lse.float()
         runs = [r for r in meta.requests if r.num_new > 1]
         if self.mods is None and sum(c.length for r in runs for c in r.local_chunks) == q.shape[0]:
@@ -213,6 +213,26 @@ class PagedCPAttention(torch.nn.Module):
         for request in runs:
             self._new_token_attention(q, k_all, v_all, request, out, lse)
         return out, lse
+
+    def _one_call(self, meta: AttentionMetadata, rows: int):
+        """(request, keys read, causal offset) where one backend call attends every row of the step to the first
+        new keys of the request in order, each row seeing its own position's prefix: one run (an int offset) or
+        several runs (a tensor of per-row offsets, where the backend takes one). None where the runs need calls of
+        their own."""
+        if not self.causal_offsets or self.mods is not None:
+            return None
+        found = _runs_of_all_rows(meta, rows)
+        if found is None:
+            return None
+        request, chunks = found
+        end = max(c.new_start + c.length for c in chunks)
+        if len(chunks) == 1:
+            return request, end, chunks[0].new_start
+        if not getattr(self.backend, "row_causal_offsets", False):
+            return None
+        # row r of a run at rows [row, row + length) is new token new_start + (r - row)
+        offsets = torch.cat([torch.full((c.length,), c.new_start - c.row, dtype=torch.int32) for c in chunks])
+        return request, end, offsets
 
     def _new_token_attention(self, q, k_all, v_all, request: RequestAttention, out, lse) -> None:
         """Each local run [s, s+n) sees new keys [0, s) unmasked plus itself causally (head-tail safe): one call with
@@ -419,9 +439,15 @@ def _empty_partials(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device))
 
 
-def _one_run_of_all_rows(meta: AttentionMetadata, rows: int):
-    """(request, chunk) where a step's only local run of new tokens is every one of its `rows` rows, else None."""
-    runs = [(request, chunk) for request in meta.requests if request.num_new > 1 for chunk in request.local_chunks]
-    if len(runs) == 1 and runs[0][1].row == 0 and runs[0][1].length == rows:
-        return runs[0]
-    return None
+def _runs_of_all_rows(meta: AttentionMetadata, rows: int):
+    """(request, its local runs) where a step's local runs of new tokens are one request's and cover its `rows`
+    rows in order (one run, or a PCP rank's head and tail chunks of one prompt), else None."""
+    requests = [request for request in meta.requests if request.num_new > 1]
+    if len(requests) != 1:
+        return None
+    chunks, row = requests[0].local_chunks, 0
+    for chunk in chunks:
+        if chunk.row != row:
+            return None
+        row += chunk.length
+    return (requests[0], chunks) if row == rows else None

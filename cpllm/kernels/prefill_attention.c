@@ -3,7 +3,9 @@
  * q[i, h, :] sits at q + i * q_stride + h * d (heads contiguous inside a row), k/v[j, g, :] at k + j * kv_stride +
  * g * d; query head h reads KV head h / (hq / hkv). With causal_offset c >= 0, query i sees keys j <= i + c (c = 0:
  * top-left aligned, as PyTorch's flash kernel's flag; c = n_k - n_q: bottom-right, a run of queries after c earlier
- * keys seeing those and itself causally, in one call and one online softmax); c < 0: every key.
+ * keys seeing those and itself causally, in one call and one online softmax); c < 0: every key. With row_offsets
+ * (and c >= 0), query i sees keys j <= i + row_offsets[i]: runs of queries at different places in one key order,
+ * as a PCP rank's head and tail chunks of a prompt, in one call whose output needs no merge.
  * out [n_q, hq, d] and lse [n_q, hq] are contiguous.
  *
  * Work item: one KV head and 64 "rows", a row being one (query position, query head of the group) pair; the rows
@@ -55,7 +57,7 @@ static inline void transpose16(__m512i r[16]) {
     for (int i = 0; i < 16; i++) r[i] = t[i];
 }
 
-enum { ROWS = 64, VECS = ROWS / 16, BLOCK_KEYS = 64, MAX_D = 256 };
+enum { ROWS = 64, VECS = ROWS / 16, BLOCK_KEYS = 128, MAX_D = 256 };
 /* bytes of the bf16 variant's per-thread pairs (PairTile): q pairs and probability pairs */
 enum { PAIR_TILE_BYTES = (MAX_D / 2 + BLOCK_KEYS / 2) * ROWS * 4 };
 
@@ -63,6 +65,7 @@ typedef struct {
     const float *q, *k, *v;
     int64_t q_stride, kv_stride;
     int n_q, n_k, hq, hkv, d, causal_offset;
+    const int32_t *row_offsets;  /* NULL, or query i's own causal offset (causal_offset must then be >= 0) */
     float scale;
     float *out, *lse;
 } Problem;
@@ -84,7 +87,8 @@ static const float *tile_row(const Problem *p, int g, int row, Tile *t, int r) {
         return NULL;
     }
     const int i = row / group, h = g * group + row % group;
-    const int64_t last = p->causal_offset >= 0 ? (int64_t)i + p->causal_offset : p->n_k - 1;
+    const int64_t offset = p->row_offsets != NULL ? p->row_offsets[i] : p->causal_offset;
+    const int64_t last = p->causal_offset >= 0 ? (int64_t)i + offset : p->n_k - 1;
     t->pos[r] = last < p->n_k - 1 ? (int32_t)last : p->n_k - 1;
     return p->q + i * p->q_stride + (int64_t)h * p->d;
 }
@@ -293,19 +297,21 @@ static int run_items(const Problem *p, const Packed *packed, TileRun run, int th
 
 static Problem make_problem(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
                             int n_q, int n_k, int hq, int hkv, int d, float scale, int causal_offset,
-                            float *out, float *lse) {
+                            const int32_t *row_offsets, float *out, float *lse) {
     const Problem p = {.q = q, .k = k, .v = v, .q_stride = q_stride, .kv_stride = kv_stride, .n_q = n_q,
                        .n_k = n_k, .hq = hq, .hkv = hkv, .d = d, .causal_offset = causal_offset,
+                       .row_offsets = row_offsets,
                        .scale = scale, .out = out, .lse = lse};
     return p;
 }
 
 int cpllm_prefill_attention(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
                             int n_q, int n_k, int hq, int hkv, int d, float scale, int causal_offset,
-                            int threads, float *out, float *lse) {
+                            const int32_t *row_offsets, int threads, float *out, float *lse) {
     if (d > MAX_D || d % 4 || hq % hkv || n_k <= 0) return 1;
     const Problem p =
-        make_problem(q, q_stride, k, v, kv_stride, n_q, n_k, hq, hkv, d, scale, causal_offset, out, lse);
+        make_problem(q, q_stride, k, v, kv_stride, n_q, n_k, hq, hkv, d, scale, causal_offset, row_offsets, out,
+                     lse);
     return run_items(&p, NULL, run_tile_f32, threads);
 }
 
@@ -711,11 +717,12 @@ static int prefill_attention_amx(const Problem *p, int threads) {
 /* As cpllm_prefill_attention, on bf16 dot products (see above); 2 where not built with AVX-512 BF16. */
 int cpllm_prefill_attention_bf16(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
                                  int n_q, int n_k, int hq, int hkv, int d, float scale, int causal_offset,
-                                 int threads, float *out, float *lse) {
+                                 const int32_t *row_offsets, int threads, float *out, float *lse) {
 #if defined(__AVX512BF16__)
     if (d > MAX_D || d % 4 || hq % hkv || n_k <= 0) return 1;
     const Problem p =
-        make_problem(q, q_stride, k, v, kv_stride, n_q, n_k, hq, hkv, d, scale, causal_offset, out, lse);
+        make_problem(q, q_stride, k, v, kv_stride, n_q, n_k, hq, hkv, d, scale, causal_offset, row_offsets, out,
+                     lse);
     const int64_t pairs = (n_k + 1) / 2;
     Packed packed = {.kb = aligned_alloc(64, ((size_t)hkv * n_k * d * sizeof(uint16_t) + 63) / 64 * 64),
                      .vp = aligned_alloc(64, ((size_t)hkv * pairs * d * sizeof(uint32_t) + 63) / 64 * 64)};
@@ -729,7 +736,7 @@ int cpllm_prefill_attention_bf16(const float *q, int64_t q_stride, const float *
     return status;
 #else
     (void)q, (void)q_stride, (void)k, (void)v, (void)kv_stride, (void)n_q, (void)n_k, (void)hq, (void)hkv, (void)d;
-    (void)scale, (void)causal_offset, (void)threads, (void)out, (void)lse;
+    (void)scale, (void)causal_offset, (void)row_offsets, (void)threads, (void)out, (void)lse;
     return 2;
 #endif
 }
@@ -738,16 +745,17 @@ int cpllm_prefill_attention_bf16(const float *q, int64_t q_stride, const float *
  * the OS refused the tile state, or a head size that is no multiple of 32. */
 int cpllm_prefill_attention_amx(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
                                 int n_q, int n_k, int hq, int hkv, int d, float scale, int causal_offset,
-                                int threads, float *out, float *lse) {
+                                const int32_t *row_offsets, int threads, float *out, float *lse) {
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (d > MAX_D || d % 4 || hq % hkv || n_k <= 0) return 1;
     if (d % 32 || !amx_permitted()) return 2;
     const Problem p =
-        make_problem(q, q_stride, k, v, kv_stride, n_q, n_k, hq, hkv, d, scale, causal_offset, out, lse);
+        make_problem(q, q_stride, k, v, kv_stride, n_q, n_k, hq, hkv, d, scale, causal_offset, row_offsets, out,
+                     lse);
     return prefill_attention_amx(&p, threads);
 #else
     (void)q, (void)q_stride, (void)k, (void)v, (void)kv_stride, (void)n_q, (void)n_k, (void)hq, (void)hkv, (void)d;
-    (void)scale, (void)causal_offset, (void)threads, (void)out, (void)lse;
+    (void)scale, (void)causal_offset, (void)row_offsets, (void)threads, (void)out, (void)lse;
     return 2;
 #endif
 }
@@ -755,19 +763,19 @@ int cpllm_prefill_attention_amx(const float *q, int64_t q_stride, const float *k
 #else
 int cpllm_prefill_attention_bf16(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
                                  int n_q, int n_k, int hq, int hkv, int d, float scale, int causal_offset,
-                                 int threads, float *out, float *lse) {
+                                 const int32_t *row_offsets, int threads, float *out, float *lse) {
     return 2;  /* no AVX-512 on this machine: the caller runs its torch path */
 }
 
 int cpllm_prefill_attention(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
                             int n_q, int n_k, int hq, int hkv, int d, float scale, int causal_offset,
-                            int threads, float *out, float *lse) {
+                            const int32_t *row_offsets, int threads, float *out, float *lse) {
     return 2;  /* no AVX-512 on this machine: the caller runs its torch path */
 }
 
 int cpllm_prefill_attention_amx(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
                                 int n_q, int n_k, int hq, int hkv, int d, float scale, int causal_offset,
-                                int threads, float *out, float *lse) {
+                                const int32_t *row_offsets, int threads, float *out, float *lse) {
     return 2;
 }
 #endif

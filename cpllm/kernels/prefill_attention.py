@@ -53,10 +53,12 @@ class Bf16Choice:
     """Useful GFLOP/s on 1 thread of each measured way ("float32" included) on the PROBE call."""
 
 
-def _call(lib, way: str, q, k, v, scale: float, causal_offset: int, threads: int, out, lse) -> int:
+def _call(lib, way: str, q, k, v, scale: float, causal_offset: int, threads: int, out, lse,
+          row_offsets: torch.Tensor | None = None) -> int:
     return getattr(lib, ENTRIES[way])(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0),
                                       q.shape[0], k.shape[0], q.shape[1], k.shape[1], q.shape[2], scale,
-                                      causal_offset, threads, out.data_ptr(), lse.data_ptr())
+                                      causal_offset, None if row_offsets is None else row_offsets.data_ptr(),
+                                      threads, out.data_ptr(), lse.data_ptr())
 
 
 def built_ways() -> tuple[str, ...]:
@@ -108,19 +110,32 @@ def has_bf16_products() -> bool:
     return bf16_choice().way != ""
 
 
+def _row_offsets(offsets: torch.Tensor, length: int, keys: int) -> torch.Tensor:
+    """Per-query causal offsets as the kernel reads them (int32, contiguous), each query's last key checked."""
+    if offsets.shape != (length,) or offsets.dtype.is_floating_point:
+        raise ValueError(f"prefill attention: causal_offset of shape {tuple(offsets.shape)} and dtype "
+                         f"{offsets.dtype}; wants one integer per query ({length})")
+    last = offsets + torch.arange(length, dtype=offsets.dtype)
+    if int(last.min()) < 0 or int(last.max()) >= keys:
+        raise ValueError(f"prefill attention: per-query causal offsets reach keys [{int(last.min())}, "
+                         f"{int(last.max())}] outside [0, {keys})")
+    return offsets.to(torch.int32).contiguous()
+
+
 def _rows_in_place(x: torch.Tensor) -> bool:
     """[N, H, D] with each row's [H, D] contiguous (rows may sit at any stride, as q inside the fused qkv)."""
     return x.stride(2) == 1 and x.stride(1) == x.shape[2] and x.stride(0) >= x.shape[1] * x.shape[2]
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                      bf16_products: bool = False, causal_offset: int = 0,
+                      bf16_products: bool = False, causal_offset: int | torch.Tensor = 0,
                       bf16_way: str | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """out [L, Hq, D] float32 and lse [L, Hq] float32, or None where the kernel does not apply.
 
     q [L, Hq, D], k and v [S, Hkv, D], L and S > 0; causal: query i sees keys j <= i + causal_offset (0 <=
-    causal_offset <= S - 1); bf16_products: on bf16 products, in `bf16_way` ("amx" or "avx512_bf16"; None: this
-    process's `bf16_choice`) where it runs, else float32 (see the module)."""
+    i + causal_offset <= S - 1), the offset one int or one per query (an int tensor [L]: runs of queries at other
+    places of one key order, in one call); bf16_products: on bf16 products, in `bf16_way` ("amx" or "avx512_bf16";
+    None: this process's `bf16_choice`) where it runs, else float32 (see the module)."""
     length, hq, d = q.shape
     keys, hkv = k.shape[0], k.shape[1]
     if not (q.device.type == k.device.type == v.device.type == "cpu"
@@ -130,7 +145,10 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     lib = load("prefill_attention")
     if lib is None:
         return None
-    if causal and not 0 <= causal_offset < keys:
+    row_offsets = None
+    if isinstance(causal_offset, torch.Tensor):
+        row_offsets, causal_offset = _row_offsets(causal_offset, length, keys), 0
+    elif causal and not 0 <= causal_offset < keys:
         raise ValueError(f"prefill attention: causal_offset {causal_offset} outside [0, {keys}) for {keys} keys")
     if v.shape != k.shape or k.shape[2] != d:
         raise ValueError(f"prefill attention: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} do not "
@@ -144,7 +162,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     way = (bf16_choice().way if bf16_way is None else bf16_way) if bf16_products else ""
     if way and way not in BF16_WAYS:
         raise ValueError(f"prefill attention: bf16_way {way!r}; one of {BF16_WAYS}")
-    args = (q, k, v, scale, causal_offset if causal else -1, torch.get_num_threads(), out, lse)
+    args = (q, k, v, scale, causal_offset if causal else -1, torch.get_num_threads(), out, lse,
+            row_offsets if causal else None)
     with torch.profiler.record_function("cpllm::prefill_flash_attention"):  # named in profiles as an op would be
         status = _call(lib, way, *args) if way else 2
         if status == 2:  # float32 asked for, or that way does not run here (or not for this head size)

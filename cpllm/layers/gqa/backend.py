@@ -54,6 +54,9 @@ class GQAPagedBackend:
     causal_offsets = True
     """`attend` takes `causal_offset=`: a query run and the keys before it in one kernel call (the CP layer's
     joined calls, cpllm/context_parallel/partition.py `joined_key_runs`)."""
+    row_causal_offsets = True
+    """`causal_offset=` may also be an int tensor, one offset per query: a PCP rank's head and tail runs of one
+    prompt in one call against the prompt's keys in order (the CP layer's gathered prefill)."""
     bf16_products = False
     """Prefill attention runs on bf16 dot products (`use_bf16_products`); False: float32, exact to its rounding."""
 

@@ -14,16 +14,19 @@ from cpllm.kernels.prefill_attention import prefill_attention
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-           bf16_products: bool = False, causal_offset: int = 0):
+           bf16_products: bool = False, causal_offset: int | torch.Tensor = 0):
     # q [L, Hq, D], k/v [S, Hkv, D] -> out [L, Hq, D], lse [L, Hq]; causal: query i sees keys j <= i + causal_offset
+    # (one int, or an int tensor [L] of each query's own offset)
     if q.shape[0] and k.shape[0]:
         fast = prefill_attention(q, k, v, scale, causal, bf16_products, causal_offset)  # the C kernel, else None
         if fast is not None:
             return fast
     mask = None
-    if causal and causal_offset:  # SDPA's flag is top-left aligned only: a keep-mask for the offset
+    per_row = isinstance(causal_offset, torch.Tensor)
+    if causal and (per_row or causal_offset):  # SDPA's flag is top-left aligned only: a keep-mask for the offset
         keys, queries = torch.arange(k.shape[0], device=q.device), torch.arange(q.shape[0], device=q.device)
-        mask = keys[None, :] <= queries[:, None] + causal_offset  # [L, S]
+        offsets = causal_offset.to(q.device)[:, None] if per_row else causal_offset
+        mask = keys[None, :] <= queries[:, None] + offsets  # [L, S]
     out, lse = attention_with_lse(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
         scale=scale, causal=causal and mask is None, mask=mask,
@@ -37,7 +40,7 @@ millisecond per layer on one core), so short prompts and short pieces keep float
 
 
 def attend_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                causal_offset: int = 0):
+                causal_offset: int | torch.Tensor = 0):
     """`attend` on bf16 dot products where the C kernel runs them (cpllm/kernels/prefill_attention.py), for
     calls of at least BF16_MIN_PAIRS query-key pairs."""
     return attend(q, k, v, scale, causal, q.shape[0] * k.shape[0] >= BF16_MIN_PAIRS, causal_offset)
