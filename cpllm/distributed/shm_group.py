@@ -120,11 +120,13 @@ class ShmGroup:
     # ---- the one synchronisation primitive ------------------------------------------------------------
 
     def _exchange(self, payload: torch.Tensor | None, what: str) -> list[torch.Tensor]:
-        """Write `payload` (uint8, may be None) to this rank's slot, wait for every member; returns all slots."""
+        """Write `payload` (any dtype and strides, may be None) to this rank's slot, wait for every member; returns
+        all slots (uint8)."""
         self._seq += 1
         seq, parity = self._seq, self._seq % 2
-        if payload is not None:
-            self._slots[parity][self.rank][: payload.numel()].copy_(payload)
+        if payload is not None:  # one copy straight from the payload's strides (a view of fused q|k|v rows)
+            slot = self._slots[parity][self.rank][: payload.numel() * payload.element_size()]
+            slot.view(payload.dtype).view(payload.shape).copy_(payload)
         self._flags[self.rank] = seq
         self._wait(seq, what)
         return self._slots[parity]
@@ -184,9 +186,8 @@ class ShmGroup:
 
     def _parts(self, tensor: torch.Tensor, what: str) -> list[torch.Tensor]:
         """Every member's `tensor` (same shape and dtype on all), as views of the slots, in group-rank order."""
-        flat = tensor.contiguous().reshape(-1)
-        nbytes = flat.numel() * flat.element_size()
-        slots = self._exchange(flat.view(torch.uint8), what)
+        nbytes = tensor.numel() * tensor.element_size()
+        slots = self._exchange(tensor, what)
         return [slots[r][:nbytes].view(tensor.dtype).view(tensor.shape) for r in range(self.size)]
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
