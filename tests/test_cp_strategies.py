@@ -6,9 +6,10 @@ group (the PCP=2 layout is preempted), then the same prompts again (prefix-cache
 interleave 2 and 4. Greedy tokens must equal the single-rank engine's and logprobs (sampled and prompt) agree
 within 1e-4.
 
-`auto` is checked for its choices too: on a roomy step budget a fresh 90-token prompt runs pass-KV (the ring) and
-a 6-token chunk on top of its 88 cached tokens runs pass-Q, both exact; in the chunked workload the first chunk
-of a prompt (nothing cached) takes the ring and the later ones pass-Q.
+`auto` is checked for its choices too: on a roomy step budget a fresh 90-token prompt runs the all-gather (on a
+CPU host its K/V travel through shared memory and each PCP rank attends its runs in one call) and a 6-token chunk
+on top of its 88 cached tokens runs pass-Q, both exact; in the chunked workload the first chunk of a prompt
+(nothing cached) takes the all-gather and the later ones pass-Q.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ LAYOUTS = {  # layout -> model
     AUTO: "kv2",
 }
 LONG = 90
-"""Fresh prompt of the auto check (P = 0: pass-Q would add its all-to-all, so the ring); it becomes the long
-cached context of the follow-up."""
+"""Fresh prompt of the auto check (P = 0: pass-Q would add its all-to-all, the ring a merge: the all-gather); it
+becomes the long cached context of the follow-up."""
 FOLLOW_UP_NEW = 6
 ROOMY_BUDGET = 128
 """Step budget of the auto checks: the 90-token prompt runs in one step."""
@@ -136,8 +137,8 @@ def test_strategy_matches_single_rank(launches, layout):
     assert run.prefix_hits > 0, "pass 2 repeats pass 1's prompts and should hit the prefix cache"
     if layout.strategy == "pass-q":
         assert run.counts_first["pass-q"] > 0 and run.counts_first["ring"] == run.counts_first["allgather"] == 0
-    else:  # auto, chunked: first chunks (nothing cached) on the ring, continuations on pass-Q
-        assert run.counts_first["ring"] > 0 and run.counts_first["pass-q"] > 0, run.counts_first
+    else:  # auto, chunked: first chunks (nothing cached) all-gathered, continuations on pass-Q
+        assert run.counts_first["allgather"] > 0 and run.counts_first["pass-q"] > 0, run.counts_first
 
 
 @pytest.mark.timeout(300)
@@ -147,11 +148,11 @@ def test_small_pool_preempts_under_pass_q(launches):
 
 
 @pytest.mark.timeout(300)
-def test_auto_picks_ring_for_a_fresh_prompt_and_pass_q_for_a_short_chunk_on_a_long_context(launches):
+def test_auto_picks_the_all_gather_for_a_fresh_prompt_and_pass_q_for_a_short_chunk_on_a_long_context(launches):
     reference = launches.reference(LAYOUTS[AUTO])
     choices = launches.run(AUTO).auto
     long_output, long_counts, _ = choices["long"]
-    assert long_counts == {"allgather": 0, "ring": 1, "pass-q": 0}, long_counts
+    assert long_counts == {"allgather": 1, "ring": 0, "pass-q": 0}, long_counts
     assert_same_greedy(long_output, reference["long"], what="auto fresh 90-token prompt", prompt_logprobs=False)
     follow_output, follow_counts, hits = choices["follow_up"]
     assert hits == 88, f"the follow-up should reuse 88 cached tokens, reused {hits}"

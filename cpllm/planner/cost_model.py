@@ -288,6 +288,9 @@ class CostModel:
         blocks, so it costs its bytes plus one call and one hop per peer of latency."""
         if peers <= 0:
             return LinkTime(transfer_s=0.0, latency_s=0.0)
+        if not inter and self.hw.shared_memory_bw is not None:  # one host's collectives through shared memory
+            return LinkTime(transfer_s=nbytes_per_peer * peers / self.hw.shared_memory_bw,
+                            latency_s=self.hw.collective_base_latency_s + peers * self._hop_latency(inter))
         return LinkTime(transfer_s=self._wire_time(nbytes_per_peer * peers, inter),
                         latency_s=self.hw.collective_base_latency_s + peers * self._hop_latency(inter))
 

@@ -62,7 +62,12 @@ class HardwareSpec:
     attention_row_traffic: bool = False
     """Count each query row's memory traffic per attention call at memory_bw (its Q read, its float32 partial and
     log-sum-exp written, and, past a ring's first step, the merge's read and write of the running output): what
-    makes short key blocks per call reach less of peak on GPUs. CPU specs measure attention_row_overhead instead."""
+    makes short key blocks per call reach less of peak on GPUs, and on a CPU what a ring's extra calls and merges
+    cost against the all-gather's one call per rank."""
+    shared_memory_bw: float | None = None
+    """Bytes/s of the all-gathers and all-to-alls between ranks of one node where they go through shared memory
+    (cpllm/distributed/shm_group.py: each rank's part copied into its slot and every part out again); None: they
+    cross the node's links as its point-to-point messages do. The ring's messages stay on intra_node_bw."""
     utilization_source: str = ""
     """What the utilisations were fitted on ("" where they are not fitted); `cpllm plan` prints it."""
     source: str = ""
@@ -85,6 +90,9 @@ class HardwareSpec:
         if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
             raise ValueError(f"hardware {self.name!r}: devices_per_node must be an integer >= 1, "
                              f"got {self.devices_per_node!r}")
+        if self.shared_memory_bw is not None and not self.shared_memory_bw > 0:
+            raise ValueError(f"hardware {self.name!r}: shared_memory_bw must be > 0 or None, "
+                             f"got {self.shared_memory_bw!r}")
         for name in ("intra_node_latency_s", "inter_node_latency_s", "collective_base_latency_s", "kernel_launch_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"hardware {self.name!r}: {name} must be >= 0, got {getattr(self, name)!r}")
@@ -169,9 +177,12 @@ BUILTIN: dict[str, HardwareSpec] = {
                "InfiniBand NIC per GPU (25 GB/s each way)"),
     # This 2-core CPU machine, one rank per core (docs/platform.md "The CPUs"): fp32 matmul ~90 GFLOP/s on one thread,
     # memory copy ~11 GB/s, gloo point-to-point ~810 MiB/s, collective latency ~0.1 ms.
+    # All-gathers and all-to-alls between ranks of one host go through shared memory: about 5 GB/s of a 2K-token
+    # prefill's K/V parts copied in and out on one core (a step's gather profiled, docs/benchmarks.md issue 43).
     "cpu": HardwareSpec(name="cpu", peak_flops=90e9, memory_bytes=16 * GB, memory_bw=11 * GB,
                         intra_node_bw=0.85 * GB, inter_node_bw=0.85 * GB, devices_per_node=2,
                         intra_node_latency_s=100e-6, inter_node_latency_s=100e-6,
+                        attention_row_traffic=True, shared_memory_bw=5 * GB,
                         source="measured on this machine (docs/platform.md)"),
 }
 

@@ -20,8 +20,9 @@ logger = logging.getLogger(__name__)
 COUNTED_STRATEGIES = ("allgather", "ring", "pass-q")
 
 
-def device_hardware(device: torch.device, threads: int) -> HardwareSpec:
-    """The built-in spec of this rank's device: a known GPU by name, else the CPU figures scaled by threads."""
+def device_hardware(device: torch.device, threads: int, shared_memory: bool = True) -> HardwareSpec:
+    """The built-in spec of this rank's device: a known GPU by name, else the CPU figures scaled by threads, their
+    same-host collectives through shared memory unless `shared_memory` is False (`--collective-transport gloo`)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device).lower()
         for key in ("h200", "h100", "h800", "a100"):
@@ -30,7 +31,8 @@ def device_hardware(device: torch.device, threads: int) -> HardwareSpec:
         logger.warning("auto strategy: no built-in figures for GPU %r; using the H100's", name)
         return builtin_hardware("h100")
     cpu = builtin_hardware("cpu")
-    return dataclasses.replace(cpu, peak_flops=cpu.peak_flops * max(threads, 1))
+    return dataclasses.replace(cpu, peak_flops=cpu.peak_flops * max(threads, 1),
+                               shared_memory_bw=cpu.shared_memory_bw if shared_memory else None)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

@@ -58,7 +58,8 @@ class ModelRunner:
         _, self.num_kv_heads = self.parallel.kv_heads(config.model.num_key_value_heads)
         element_bytes = torch.empty((), dtype=self.dtype).element_size()
         self.step_strategy = StepStrategy(config.parallel, engine_cost(
-            config.parallel, config.model, element_bytes, device_hardware(device, torch.get_num_threads())))
+            config.parallel, config.model, element_bytes,
+            device_hardware(device, torch.get_num_threads(), config.parallel.collective_transport == "auto")))
         self.kv_groups = kv_groups(config.model, config.scheduler.max_model_len)
         """The layers' KV groups (cpllm/kv_groups.py): each has its own pools' size and block tables."""
         self.layer_group = layer_groups(self.kv_groups, config.model.num_hidden_layers)
