@@ -175,6 +175,11 @@ def _big(rank: int) -> torch.Tensor:
     return torch.full((SLOT_BYTES // 4 + 8,), float(rank + 1))
 
 
+def _copied(parts):
+    """all_gather_parts' views copied out before the next collective may overwrite them (None stays None)."""
+    return None if parts is None else [tuple(t.clone() for t in part) for part in parts]
+
+
 def _helpers(rank: int, g) -> dict:
     world = comm.group_size(g)
     out = {
@@ -192,6 +197,8 @@ def _helpers(rank: int, g) -> dict:
             input_split_sizes=[_count(rank, j) for j in range(world)],
             output_split_sizes=[_count(i, rank) for i in range(world)],
         ),
+        "parts": _copied(comm.all_gather_parts((_x(rank), _x(rank).transpose(0, 2), torch.arange(3) + rank), g)),
+        "big_parts": comm.all_gather_parts((_x(rank), _big(rank)), g),
         "obj": comm.broadcast_object({"step": 7} if rank == 0 else None, src=0, group=g),
         "big_obj": len(comm.broadcast_object(b"x" * SLOT_BYTES if rank == 1 else None, src=1, group=g)),
     }
@@ -241,6 +248,14 @@ def test_comm_helpers_in_world_of_3(tmp_path):
             torch.testing.assert_close(got["scatter1"], sum(ys)[:, 2 * rank : 2 * rank + 2])
             torch.testing.assert_close(got["a2a"], torch.cat([_rows(i, rank) for i in range(world)]))
             assert got["obj"] == {"step": 7} and got["big_obj"] == SLOT_BYTES, transport
+            assert got["big_parts"] is None, "over a slot: no shared views (the caller gathers otherwise)"
+            if transport == "gloo":
+                assert got["parts"] is None, "only one host's shared slots hand out views"
+            else:  # each rank's tensors as it wrote them, a transposed view included, in group-rank order
+                for r, part in enumerate(got["parts"]):
+                    torch.testing.assert_close(part[0], xs[r])
+                    torch.testing.assert_close(part[1], xs[r].transpose(0, 2))
+                    assert part[2].tolist() == [r, r + 1, r + 2]
             assert [r.tolist() for r in got["ring"]] == [xs[(rank - s) % world].tolist() for s in (1, 2)]
             if rank != 1:
                 other = 2 - rank

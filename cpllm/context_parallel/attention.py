@@ -38,7 +38,7 @@ from cpllm.context_parallel.metadata import AttentionMetadata, RequestAttention
 from cpllm.context_parallel.partition import joined_key_runs, key_runs
 from cpllm.context_parallel.pass_q import pass_q_attention
 from cpllm.context_parallel.plan import StepPath
-from cpllm.distributed.comm import all_gather, all_to_all, ring_exchange
+from cpllm.distributed.comm import all_gather, all_gather_parts, all_to_all, ring_exchange
 from cpllm.distributed.parallel_context import ParallelContext
 
 
@@ -190,15 +190,19 @@ class PagedCPAttention(torch.nn.Module):
     def _gathered_new_tokens(self, q, k, v, k_pool, v_pool, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """Every new token's K/V on every PCP rank, stored, and each local run attended to them -> (out, lse);
         rows of no run (single tokens) stay (0, -inf)."""
-        if meta.has_new:
-            moved = tuple(all_gather(part, self.pcp.group) for part in self.backend.rows_to_move(k, v))
-            k_all, v_all = self.backend.rows_moved(moved)
-            rows = meta.write_rows
-        else:  # only single tokens: every PCP rank holds them at the same rows, so PCP rank 0's rows are local
-            k_all, v_all = k, v
-            rows = meta.write_rows
-        self.backend.store_kv(k_pool, v_pool, meta.write_slots, k_all, v_all, rows)  # in the pools' dtype
         whole = self._one_call(meta, q.shape[0])
+        k_all, v_all = k, v  # only single tokens: every PCP rank holds them at the same rows (PCP rank 0's: local)
+        if meta.has_new:
+            moved = self.backend.rows_to_move(k, v)
+            parts = all_gather_parts(moved, self.pcp.group)  # one host's slots, or None on every rank alike
+            if parts is not None and whole is not None:
+                return self._one_call_on_parts(q, parts, k_pool, v_pool, meta, whole)
+            if parts is not None:
+                moved = tuple(torch.cat([part[i] for part in parts]) for i in range(len(moved)))
+            else:
+                moved = tuple(all_gather(tensor, self.pcp.group) for tensor in moved)
+            k_all, v_all = self.backend.rows_moved(moved)
+        self.backend.store_kv(k_pool, v_pool, meta.write_slots, k_all, v_all, meta.write_rows)  # pools' dtype
         if whole is not None:  # one prompt's runs are every row: one call's result is the step's, as it comes
             request, end, offset = whole
             keys = _new_keys(request, 0, end)
@@ -213,6 +217,24 @@ class PagedCPAttention(torch.nn.Module):
         for request in runs:
             self._new_token_attention(q, k_all, v_all, request, out, lse)
         return out, lse
+
+    def _one_call_on_parts(self, q, parts, k_pool, v_pool, meta: AttentionMetadata, whole):
+        """`_gathered_new_tokens`' one call, reading every PCP rank's moved rows where the all-gather left them (one
+        host's shared slots): each rank's rows stored from its part, the request's first `end` new keys copied out
+        in position order (one copy, instead of concatenating the parts and then reordering them)."""
+        n, (request, end, offset) = meta.num_rows, whole
+        for rank, part in enumerate(parts):
+            k_part, v_part = self.backend.rows_moved(part)
+            mine = (meta.write_rows >= rank * n) & (meta.write_rows < (rank + 1) * n)
+            self.backend.store_kv(k_pool, v_pool, meta.write_slots[mine], k_part, v_part,
+                                  meta.write_rows[mine] - rank * n)
+        runs = sorted((new_start, rank, row, length) for rank, rank_runs in enumerate(request.source_rank_rows)
+                      for row, new_start, length in rank_runs if new_start < end)
+        ordered = tuple(torch.cat([parts[rank][i][row: row + min(length, end - new_start)]
+                                   for new_start, rank, row, length in runs]) for i in range(len(parts[0])))
+        keys, values = self.backend.rows_moved(ordered)
+        out, lse = self.backend.attend(q, keys, values, self.scale, True, causal_offset=offset)
+        return out.to(accumulator_dtype(q.dtype)), lse.float()
 
     def _one_call(self, meta: AttentionMetadata, rows: int):
         """(request, keys read, causal offset) where one backend call attends every row of the step to the first

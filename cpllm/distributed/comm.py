@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cpllm.distributed.shm_group import ShmGroup
+from cpllm.distributed.shm_group import ShmGroup, slot_offsets
 
 Group = dist.ProcessGroup | ShmGroup | None
 
@@ -61,6 +61,18 @@ def _shm_for(group: Group, tensor: torch.Tensor) -> ShmGroup | None:
     if isinstance(group, ShmGroup) and group.fits(tensor.numel() * tensor.element_size()):
         return group
     return None
+
+
+def all_gather_parts(tensors: tuple[torch.Tensor, ...], group: Group) -> list[tuple[torch.Tensor, ...]] | None:
+    """Every rank's `tensors` (the same shapes and dtypes on each) in one exchange, as views of one host's shared
+    slots in group-rank order, valid until this rank's next collective on `group` (copy out what is kept); None
+    where that path is not open: a group of one, no shared memory, or tensors that do not fit a slot. The same on
+    every rank of the group, so all of them take the same collectives."""
+    if group_size(group) == 1 or not isinstance(group, ShmGroup):
+        return None
+    if not group.fits(slot_offsets(tensors)[1]):
+        return None
+    return group.gather_parts(tensors)
 
 
 def all_gather(tensor: torch.Tensor, group: Group, *, dim: int = 0) -> torch.Tensor:

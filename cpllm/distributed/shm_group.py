@@ -35,8 +35,9 @@ import torch
 import torch.distributed as dist
 
 SHM_DIR = "/dev/shm"
-SLOT_BYTES = 2 << 20
-"""Bytes per slot (two per rank); bigger payloads take gloo."""
+SLOT_BYTES = 32 << 20
+"""Bytes per slot (two per rank); bigger payloads take gloo. A PCP rank's new K and V of a 16K-token SmolLM2 prompt
+(12 MiB) fit in one exchange; the file's pages are only taken as payloads touch them."""
 MIN_SLOT_BYTES = 64 << 10
 """Below this (a nearly full /dev/shm) the group keeps gloo."""
 HEADER_BYTES = 4096
@@ -119,14 +120,16 @@ class ShmGroup:
 
     # ---- the one synchronisation primitive ------------------------------------------------------------
 
-    def _exchange(self, payload: torch.Tensor | None, what: str) -> list[torch.Tensor]:
-        """Write `payload` (any dtype and strides, may be None) to this rank's slot, wait for every member; returns
-        all slots (uint8)."""
+    def _exchange(self, payload: torch.Tensor | tuple[torch.Tensor, ...] | None, what: str) -> list[torch.Tensor]:
+        """Write `payload` (any dtypes and strides, may be None; several tensors at `slot_offsets`) to this rank's
+        slot, wait for every member; returns all slots (uint8)."""
         self._seq += 1
         seq, parity = self._seq, self._seq % 2
-        if payload is not None:  # one copy straight from the payload's strides (a view of fused q|k|v rows)
-            slot = self._slots[parity][self.rank][: payload.numel() * payload.element_size()]
-            slot.view(payload.dtype).view(payload.shape).copy_(payload)
+        tensors = () if payload is None else payload if isinstance(payload, tuple) else (payload,)
+        for tensor, offset in zip(tensors, slot_offsets(tensors)[0]):
+            # one copy straight from the payload's strides (a view of fused q|k|v rows)
+            slot = self._slots[parity][self.rank][offset: offset + tensor.numel() * tensor.element_size()]
+            slot.view(tensor.dtype).view(tensor.shape).copy_(tensor)
         self._flags[self.rank] = seq
         self._wait(seq, what)
         return self._slots[parity]
@@ -190,6 +193,15 @@ class ShmGroup:
         slots = self._exchange(tensor, what)
         return [slots[r][:nbytes].view(tensor.dtype).view(tensor.shape) for r in range(self.size)]
 
+    def gather_parts(self, tensors: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
+        """Every member's `tensors` (the same shapes and dtypes on all), as views of the slots in group-rank order,
+        in one exchange: valid until this rank's next collective on the group (its peers may then write again), so
+        the caller copies out what it keeps before that."""
+        offsets, _ = slot_offsets(tensors)
+        slots = self._exchange(tensors, "all_gather")
+        return [tuple(slots[r][o: o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                      for t, o in zip(tensors, offsets)) for r in range(self.size)]
+
     def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Every member's equal-shaped tensor concatenated along `dim`, in group-rank order."""
         return torch.cat(self._parts(tensor, "all_gather"), dim=dim)
@@ -247,6 +259,15 @@ def open_shm_group(process_group: dist.ProcessGroup, members: list[int], rank: i
     if rank == creator:
         os.unlink(path)  # the mappings stay valid; nothing is left behind if a process dies
     return ShmGroup(process_group, members, rank, pids, mapping, slot_bytes, timeout_s)
+
+
+def slot_offsets(tensors: tuple[torch.Tensor, ...]) -> tuple[list[int], int]:
+    """Byte offset of each tensor in a slot, each on a 64-byte boundary, and the bytes they take in all."""
+    offsets, end = [], 0
+    for tensor in tensors:
+        offsets.append(end)
+        end += -(-tensor.numel() * tensor.element_size() // 64) * 64
+    return offsets, end
 
 
 def _create_file(size: int) -> tuple[str | None, int]:
