@@ -203,12 +203,9 @@ class PagedCPAttention(torch.nn.Module):
                 moved = tuple(all_gather(tensor, self.pcp.group) for tensor in moved)
             k_all, v_all = self.backend.rows_moved(moved)
         self.backend.store_kv(k_pool, v_pool, meta.write_slots, k_all, v_all, meta.write_rows)  # pools' dtype
-        if whole is not None:  # one prompt's runs are every row: one call's result is the step's, as it comes
-            request, end, offset = whole
-            keys = _new_keys(request, 0, end)
-            out, lse = self.backend.attend(q, _rows(k_all, keys), _rows(v_all, keys), self.scale, True,
-                                           causal_offset=offset)
-            return out.to(accumulator_dtype(q.dtype)), lse.float()
+        if whole is not None:  # one prompt's runs lead the rows: one call's result is the step's, as it comes
+            keys = _new_keys(whole.request, 0, whole.end)
+            return self._attend_one_call(q, _rows(k_all, keys), _rows(v_all, keys), whole)
         runs = [r for r in meta.requests if r.num_new > 1]
         if self.mods is None and sum(c.length for r in runs for c in r.local_chunks) == q.shape[0]:
             out, lse = _unset_partials(q)  # the runs write every row (they are disjoint): nothing to clear
@@ -222,7 +219,7 @@ class PagedCPAttention(torch.nn.Module):
         """`_gathered_new_tokens`' one call, reading every PCP rank's moved rows where the all-gather left them (one
         host's shared slots): each rank's rows stored from its part, the request's first `end` new keys copied out
         in position order (one copy, instead of concatenating the parts and then reordering them)."""
-        n, (request, end, offset) = meta.num_rows, whole
+        n, request, end = meta.num_rows, whole.request, whole.end
         for rank, part in enumerate(parts):
             k_part, v_part = self.backend.rows_moved(part)
             mine = (meta.write_rows >= rank * n) & (meta.write_rows < (rank + 1) * n)
@@ -233,28 +230,37 @@ class PagedCPAttention(torch.nn.Module):
         ordered = tuple(torch.cat([parts[rank][i][row: row + min(length, end - new_start)]
                                    for new_start, rank, row, length in runs]) for i in range(len(parts[0])))
         keys, values = self.backend.rows_moved(ordered)
-        out, lse = self.backend.attend(q, keys, values, self.scale, True, causal_offset=offset)
-        return out.to(accumulator_dtype(q.dtype)), lse.float()
+        return self._attend_one_call(q, keys, values, whole)
 
-    def _one_call(self, meta: AttentionMetadata, rows: int):
-        """(request, keys read, causal offset) where one backend call attends every row of the step to the first
-        new keys of the request in order, each row seeing its own position's prefix: one run (an int offset) or
-        several runs (a tensor of per-row offsets, where the backend takes one). None where the runs need calls of
-        their own."""
+    def _one_call(self, meta: AttentionMetadata, rows: int) -> OneCall | None:
+        """The one backend call that attends the step's rows to the first new keys of one request in position order,
+        each row seeing its own position's prefix: one run (an int offset) or several runs (a tensor of per-row
+        offsets, where the backend takes one); rows after the runs (padding, single tokens) see key 0 in the call
+        and are reset to (0, -inf) after it. None where the runs need calls of their own."""
         if not self.causal_offsets or self.mods is not None:
             return None
         found = _runs_of_all_rows(meta, rows)
         if found is None:
             return None
-        request, chunks = found
+        request, chunks, covered = found
         end = max(c.new_start + c.length for c in chunks)
-        if len(chunks) == 1:
-            return request, end, chunks[0].new_start
+        if len(chunks) == 1 and covered == rows:
+            return OneCall(request=request, end=end, offset=chunks[0].new_start, covered=covered)
         if not getattr(self.backend, "row_causal_offsets", False):
             return None
-        # row r of a run at rows [row, row + length) is new token new_start + (r - row)
-        offsets = torch.cat([torch.full((c.length,), c.new_start - c.row, dtype=torch.int32) for c in chunks])
-        return request, end, offsets
+        # row r of a run at rows [row, row + length) is new token new_start + (r - row); a row past them sees key 0
+        offsets = torch.cat([torch.full((c.length,), c.new_start - c.row, dtype=torch.int32) for c in chunks]
+                            + [-torch.arange(covered, rows, dtype=torch.int32)])
+        return OneCall(request=request, end=end, offset=offsets, covered=covered)
+
+    def _attend_one_call(self, q, keys, values, call: OneCall) -> tuple[torch.Tensor, torch.Tensor]:
+        """`call` on the keys and values of its request's first `call.end` new tokens in order -> (out, lse)."""
+        out, lse = self.backend.attend(q, keys, values, self.scale, True, causal_offset=call.offset)
+        out, lse = out.to(accumulator_dtype(q.dtype)), lse.float()
+        if call.covered < q.shape[0]:  # rows of no run: the partials of no key, as every other path leaves them
+            out[call.covered:] = 0
+            lse[call.covered:] = float("-inf")
+        return out, lse
 
     def _new_token_attention(self, q, k_all, v_all, request: RequestAttention, out, lse) -> None:
         """Each local run [s, s+n) sees new keys [0, s) unmasked plus itself causally (head-tail safe): one call with
@@ -461,9 +467,24 @@ def _empty_partials(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device))
 
 
+@dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
+class OneCall:
+    """A step whose rows one backend call attends (PagedCPAttention._one_call)."""
+
+    request: RequestAttention
+    """The one request with a run of new tokens."""
+    end: int
+    """Its first `end` new keys, in position order, are the call's keys."""
+    offset: int | torch.Tensor
+    """The causal offset: one int, or an int32 tensor with one per row."""
+    covered: int
+    """The rows of its runs, from row 0; the rest take (0, -inf)."""
+
+
 def _runs_of_all_rows(meta: AttentionMetadata, rows: int):
-    """(request, its local runs) where a step's local runs of new tokens are one request's and cover its `rows`
-    rows in order (one run, or a PCP rank's head and tail chunks of one prompt), else None."""
+    """(request, its local runs, the rows they cover) where a step's local runs of new tokens are one request's and
+    lead its `rows` rows in order (one run, or a PCP rank's head and tail chunks of one prompt, then any padding
+    rows of a rank holding fewer tokens), else None."""
     requests = [request for request in meta.requests if request.num_new > 1]
     if len(requests) != 1:
         return None
@@ -472,4 +493,4 @@ def _runs_of_all_rows(meta: AttentionMetadata, rows: int):
         if chunk.row != row:
             return None
         row += chunk.length
-    return (requests[0], chunks) if row == rows else None
+    return (requests[0], chunks, row) if 0 < row <= rows else None
