@@ -175,9 +175,20 @@ def _big(rank: int) -> torch.Tensor:
     return torch.full((SLOT_BYTES // 4 + 8,), float(rank + 1))
 
 
-def _copied(parts):
-    """all_gather_parts' views copied out before the next collective may overwrite them (None stays None)."""
-    return None if parts is None else [tuple(t.clone() for t in part) for part in parts]
+def _copied(buffers):
+    """all_gather_rows' views copied out before the next collective may overwrite them (None stays None)."""
+    return None if buffers is None else tuple(t.clone() for t in buffers)
+
+
+def _placed(rank: int, world: int) -> tuple[torch.Tensor, ...]:
+    """Rank r holds tokens r and 2 world - 1 - r (a head-tail split of 2 world tokens), in rows 0 and 1: the
+    token's number, in a float column and, transposed, in an int column pair."""
+    tokens = torch.tensor([rank, 2 * world - 1 - rank])
+    return tokens.float().view(2, 1), torch.stack([tokens, -tokens]).t()
+
+
+def _placements(rank: int, world: int) -> list[tuple[int, int, int]]:
+    return [(0, rank, 1), (1, 2 * world - 1 - rank, 1)]
 
 
 def _helpers(rank: int, g) -> dict:
@@ -197,8 +208,8 @@ def _helpers(rank: int, g) -> dict:
             input_split_sizes=[_count(rank, j) for j in range(world)],
             output_split_sizes=[_count(i, rank) for i in range(world)],
         ),
-        "parts": _copied(comm.all_gather_parts((_x(rank), _x(rank).transpose(0, 2), torch.arange(3) + rank), g)),
-        "big_parts": comm.all_gather_parts((_x(rank), _big(rank)), g),
+        "in_place": _copied(comm.all_gather_rows(_placed(rank, world), _placements(rank, world), 2 * world, g)),
+        "big_rows": comm.all_gather_rows((_big(rank).view(-1, 1),), [(0, 0, 1)], world * SLOT_BYTES // 4 + 16, g),
         "obj": comm.broadcast_object({"step": 7} if rank == 0 else None, src=0, group=g),
         "big_obj": len(comm.broadcast_object(b"x" * SLOT_BYTES if rank == 1 else None, src=1, group=g)),
     }
@@ -248,14 +259,13 @@ def test_comm_helpers_in_world_of_3(tmp_path):
             torch.testing.assert_close(got["scatter1"], sum(ys)[:, 2 * rank : 2 * rank + 2])
             torch.testing.assert_close(got["a2a"], torch.cat([_rows(i, rank) for i in range(world)]))
             assert got["obj"] == {"step": 7} and got["big_obj"] == SLOT_BYTES, transport
-            assert got["big_parts"] is None, "over a slot: no shared views (the caller gathers otherwise)"
+            assert got["big_rows"] is None, "past the slots: no shared buffers (the caller all-gathers)"
             if transport == "gloo":
-                assert got["parts"] is None, "only one host's shared slots hand out views"
-            else:  # each rank's tensors as it wrote them, a transposed view included, in group-rank order
-                for r, part in enumerate(got["parts"]):
-                    torch.testing.assert_close(part[0], xs[r])
-                    torch.testing.assert_close(part[1], xs[r].transpose(0, 2))
-                    assert part[2].tolist() == [r, r + 1, r + 2]
+                assert got["in_place"] is None, "only one host's shared memory gathers rows in place"
+            else:  # every rank's rows at their places: token t at row t, a transposed (strided) source included
+                tokens = torch.arange(2 * world)
+                assert got["in_place"][0].view(-1).tolist() == tokens.float().tolist()
+                assert got["in_place"][1].tolist() == torch.stack([tokens, -tokens]).t().tolist()
             assert [r.tolist() for r in got["ring"]] == [xs[(rank - s) % world].tolist() for s in (1, 2)]
             if rank != 1:
                 other = 2 - rank

@@ -38,7 +38,7 @@ from cpllm.context_parallel.metadata import AttentionMetadata, RequestAttention
 from cpllm.context_parallel.partition import joined_key_runs, key_runs
 from cpllm.context_parallel.pass_q import pass_q_attention
 from cpllm.context_parallel.plan import StepPath
-from cpllm.distributed.comm import all_gather, all_gather_parts, all_to_all, ring_exchange
+from cpllm.distributed.comm import all_gather, all_gather_rows, all_to_all, ring_exchange
 from cpllm.distributed.parallel_context import ParallelContext
 
 
@@ -190,19 +190,16 @@ class PagedCPAttention(torch.nn.Module):
     def _gathered_new_tokens(self, q, k, v, k_pool, v_pool, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """Every new token's K/V on every PCP rank, stored, and each local run attended to them -> (out, lse);
         rows of no run (single tokens) stay (0, -inf)."""
-        whole = self._one_call(meta, q.shape[0])
-        k_all, v_all = k, v  # only single tokens: every PCP rank holds them at the same rows (PCP rank 0's: local)
+        k_all, v_all, rows = k, v, meta.write_rows  # only single tokens: every PCP rank holds them at the same rows
         if meta.has_new:
-            moved = self.backend.rows_to_move(k, v)
-            parts = all_gather_parts(moved, self.pcp.group)  # one host's slots, or None on every rank alike
-            if parts is not None and whole is not None:
-                return self._one_call_on_parts(q, parts, k_pool, v_pool, meta, whole)
-            if parts is not None:
-                moved = tuple(torch.cat([part[i] for part in parts]) for i in range(len(moved)))
+            in_order = self._gather_in_order(k, v, meta)
+            if in_order is not None:
+                k_all, v_all, rows, meta = in_order
             else:
-                moved = tuple(all_gather(tensor, self.pcp.group) for tensor in moved)
-            k_all, v_all = self.backend.rows_moved(moved)
-        self.backend.store_kv(k_pool, v_pool, meta.write_slots, k_all, v_all, meta.write_rows)  # pools' dtype
+                moved = tuple(all_gather(part, self.pcp.group) for part in self.backend.rows_to_move(k, v))
+                k_all, v_all = self.backend.rows_moved(moved)
+        self.backend.store_kv(k_pool, v_pool, meta.write_slots, k_all, v_all, rows)  # in the pools' dtype
+        whole = self._one_call(meta, q.shape[0])
         if whole is not None:  # one prompt's runs lead the rows: one call's result is the step's, as it comes
             keys = _new_keys(whole.request, 0, whole.end)
             return self._attend_one_call(q, _rows(k_all, keys), _rows(v_all, keys), whole)
@@ -215,22 +212,27 @@ class PagedCPAttention(torch.nn.Module):
             self._new_token_attention(q, k_all, v_all, request, out, lse)
         return out, lse
 
-    def _one_call_on_parts(self, q, parts, k_pool, v_pool, meta: AttentionMetadata, whole):
-        """`_gathered_new_tokens`' one call, reading every PCP rank's moved rows where the all-gather left them (one
-        host's shared slots): each rank's rows stored from its part, the request's first `end` new keys copied out
-        in position order (one copy, instead of concatenating the parts and then reordering them)."""
-        n, request, end = meta.num_rows, whole.request, whole.end
-        for rank, part in enumerate(parts):
-            k_part, v_part = self.backend.rows_moved(part)
-            mine = (meta.write_rows >= rank * n) & (meta.write_rows < (rank + 1) * n)
-            self.backend.store_kv(k_pool, v_pool, meta.write_slots[mine], k_part, v_part,
-                                  meta.write_rows[mine] - rank * n)
-        runs = sorted((new_start, rank, row, length) for rank, rank_runs in enumerate(request.source_rank_rows)
-                      for row, new_start, length in rank_runs if new_start < end)
-        ordered = tuple(torch.cat([parts[rank][i][row: row + min(length, end - new_start)]
-                                   for new_start, rank, row, length in runs]) for i in range(len(parts[0])))
-        keys, values = self.backend.rows_moved(ordered)
-        return self._attend_one_call(q, keys, values, whole)
+    def _gather_in_order(self, k, v, meta: AttentionMetadata):
+        """(keys, values, the store's rows into them, meta reading them) where a step's one request's new K/V can be
+        gathered straight into position order: every PCP rank writes its runs at their positions of one host's
+        shared buffers, which every rank then reads in place (the store, the attention's keys as a slice) with no
+        concatenation and no reordering copy. None on every rank alike where not: several requests in the step,
+        no shared memory, or rows past its buffers (the all-gather then runs)."""
+        if len(meta.requests) != 1:
+            return None
+        request, n = meta.requests[0], meta.num_rows
+        placements = [(row, new_start, length) for row, new_start, length in request.source_rank_rows[self.pcp.rank]]
+        moved = all_gather_rows(self.backend.rows_to_move(k, v), placements, request.num_new, self.pcp.group)
+        if moved is None:
+            return None
+        # the store's rows: each gathered row (rank-major, as write_rows count them) at its token's position
+        position = torch.empty(self.pcp.size * n, dtype=torch.long)
+        for rank, rank_runs in enumerate(request.source_rank_rows):
+            for row, new_start, length in rank_runs:
+                position[rank * n + row: rank * n + row + length] = torch.arange(new_start, new_start + length)
+        in_order = dataclasses.replace(request, new_kv_rows=torch.arange(request.num_new), new_kv_first=0)
+        return (*self.backend.rows_moved(moved), position[meta.write_rows],
+                dataclasses.replace(meta, requests=(in_order,)))
 
     def _one_call(self, meta: AttentionMetadata, rows: int) -> OneCall | None:
         """The one backend call that attends the step's rows to the first new keys of one request in position order,

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cpllm.distributed.shm_group import ShmGroup, slot_offsets
+from cpllm.distributed.shm_group import ShmGroup
 
 Group = dist.ProcessGroup | ShmGroup | None
 
@@ -63,16 +63,18 @@ def _shm_for(group: Group, tensor: torch.Tensor) -> ShmGroup | None:
     return None
 
 
-def all_gather_parts(tensors: tuple[torch.Tensor, ...], group: Group) -> list[tuple[torch.Tensor, ...]] | None:
-    """Every rank's `tensors` (the same shapes and dtypes on each) in one exchange, as views of one host's shared
-    slots in group-rank order, valid until this rank's next collective on `group` (copy out what is kept); None
-    where that path is not open: a group of one, no shared memory, or tensors that do not fit a slot. The same on
-    every rank of the group, so all of them take the same collectives."""
+def all_gather_rows(tensors: tuple[torch.Tensor, ...], placements: list[tuple[int, int, int]], total_rows: int,
+                    group: Group) -> tuple[torch.Tensor, ...] | None:
+    """Every rank's rows of `tensors` gathered straight into their places: this rank's rows [src, src + n) of each
+    tensor land at rows [dst, dst + n) of a shared [total_rows, ...] buffer (`placements`: (src, dst, n)), the
+    ranks' rows together filling it. Views of one host's shared memory, valid until this rank's next collective on
+    `group` (copy out what is kept); None where that path is not open (a group of one, no shared memory, buffers
+    past its slots): the same on every rank of the group, so all of them take the same collectives."""
     if group_size(group) == 1 or not isinstance(group, ShmGroup):
         return None
-    if not group.fits(slot_offsets(tensors)[1]):
+    if not group.fits_rows(tensors, total_rows):
         return None
-    return group.gather_parts(tensors)
+    return group.gather_rows(tensors, placements, total_rows)
 
 
 def all_gather(tensor: torch.Tensor, group: Group, *, dim: int = 0) -> torch.Tensor:

@@ -22,6 +22,7 @@ same size, so all take the same path).
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import pickle
@@ -106,9 +107,9 @@ class ShmGroup:
         self.timeout_s = timeout_s
         self._mapping = mapping
         self._flags = np.frombuffer(mapping, dtype=np.int64, count=self.size)
-        base = torch.frombuffer(mapping, dtype=torch.uint8)
+        self._base = torch.frombuffer(mapping, dtype=torch.uint8)
         # [parity][group rank] -> that rank's slot
-        self._slots = [[base[self._offset(p, r): self._offset(p, r) + slot_bytes] for r in range(self.size)]
+        self._slots = [[self._base[self._offset(p, r): self._offset(p, r) + slot_bytes] for r in range(self.size)]
                        for p in range(2)]
         self._seq = 0
 
@@ -120,19 +121,25 @@ class ShmGroup:
 
     # ---- the one synchronisation primitive ------------------------------------------------------------
 
-    def _exchange(self, payload: torch.Tensor | tuple[torch.Tensor, ...] | None, what: str) -> list[torch.Tensor]:
-        """Write `payload` (any dtypes and strides, may be None; several tensors at `slot_offsets`) to this rank's
-        slot, wait for every member; returns all slots (uint8)."""
+    def _exchange(self, payload: torch.Tensor | None, what: str) -> list[torch.Tensor]:
+        """Write `payload` (any dtype and strides, may be None) to this rank's slot, wait for every member; returns
+        all slots (uint8)."""
+        seq, parity = self._next()
+        if payload is not None:  # one copy straight from the payload's strides (a view of fused q|k|v rows)
+            slot = self._slots[parity][self.rank][: payload.numel() * payload.element_size()]
+            slot.view(payload.dtype).view(payload.shape).copy_(payload)
+        self._arrive(seq, what)
+        return self._slots[parity]
+
+    def _next(self) -> tuple[int, int]:
+        """The next exchange's sequence number and the parity of the slots it writes."""
         self._seq += 1
-        seq, parity = self._seq, self._seq % 2
-        tensors = () if payload is None else payload if isinstance(payload, tuple) else (payload,)
-        for tensor, offset in zip(tensors, slot_offsets(tensors)[0]):
-            # one copy straight from the payload's strides (a view of fused q|k|v rows)
-            slot = self._slots[parity][self.rank][offset: offset + tensor.numel() * tensor.element_size()]
-            slot.view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        return self._seq, self._seq % 2
+
+    def _arrive(self, seq: int, what: str) -> None:
+        """Say this rank's writes of exchange `seq` are done, then wait for every member's."""
         self._flags[self.rank] = seq
         self._wait(seq, what)
-        return self._slots[parity]
 
     def _wait(self, seq: int, what: str) -> None:
         flags = self._flags
@@ -193,14 +200,26 @@ class ShmGroup:
         slots = self._exchange(tensor, what)
         return [slots[r][:nbytes].view(tensor.dtype).view(tensor.shape) for r in range(self.size)]
 
-    def gather_parts(self, tensors: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
-        """Every member's `tensors` (the same shapes and dtypes on all), as views of the slots in group-rank order,
-        in one exchange: valid until this rank's next collective on the group (its peers may then write again), so
-        the caller copies out what it keeps before that."""
-        offsets, _ = slot_offsets(tensors)
-        slots = self._exchange(tensors, "all_gather")
-        return [tuple(slots[r][o: o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-                      for t, o in zip(tensors, offsets)) for r in range(self.size)]
+    def fits_rows(self, tensors: tuple[torch.Tensor, ...], total_rows: int) -> bool:
+        """Whether `gather_rows`' buffers of `total_rows` rows of each of `tensors` fit one parity's slots."""
+        return _row_buffers(tensors, total_rows)[1] <= self.size * self.slot_bytes
+
+    def gather_rows(self, tensors: tuple[torch.Tensor, ...], placements: list[tuple[int, int, int]],
+                    total_rows: int) -> tuple[torch.Tensor, ...]:
+        """comm.all_gather_rows on one host: the buffers laid over one parity's slots of every member (contiguous in
+        the mapping), each member writing its rows at their places; views, valid until this rank's next exchange.
+        The parity's slots are free when this rank writes: every member has finished its exchange before (each
+        copies out what it keeps before its next collective), as for `_exchange`."""
+        seq, parity = self._next()
+        region = self._base[self._offset(parity, 0): self._offset(parity, self.size)]
+        offsets, _ = _row_buffers(tensors, total_rows)
+        buffers = tuple(region[o: o + total_rows * _row_bytes(t)].view(t.dtype).view(total_rows, *t.shape[1:])
+                        for t, o in zip(tensors, offsets))
+        for tensor, buffer in zip(tensors, buffers):
+            for src, dst, length in placements:
+                buffer[dst: dst + length].copy_(tensor[src: src + length])
+        self._arrive(seq, "all_gather_rows")
+        return buffers
 
     def all_gather(self, tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Every member's equal-shaped tensor concatenated along `dim`, in group-rank order."""
@@ -261,12 +280,18 @@ def open_shm_group(process_group: dist.ProcessGroup, members: list[int], rank: i
     return ShmGroup(process_group, members, rank, pids, mapping, slot_bytes, timeout_s)
 
 
-def slot_offsets(tensors: tuple[torch.Tensor, ...]) -> tuple[list[int], int]:
-    """Byte offset of each tensor in a slot, each on a 64-byte boundary, and the bytes they take in all."""
+def _row_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of one row (dim 0) of `tensor`."""
+    return math.prod(tensor.shape[1:]) * tensor.element_size()
+
+
+def _row_buffers(tensors: tuple[torch.Tensor, ...], total_rows: int) -> tuple[list[int], int]:
+    """Byte offset of each tensor's [total_rows, ...] buffer in a parity's slots, each on a 64-byte boundary, and
+    the bytes they take in all."""
     offsets, end = [], 0
     for tensor in tensors:
         offsets.append(end)
-        end += -(-tensor.numel() * tensor.element_size() // 64) * 64
+        end += -(-total_rows * _row_bytes(tensor) // 64) * 64
     return offsets, end
 
 
