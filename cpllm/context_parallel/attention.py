@@ -218,7 +218,7 @@ class PagedCPAttention(torch.nn.Module):
         shared buffers, which every rank then reads in place (the store, the attention's keys as a slice) with no
         concatenation and no reordering copy. None on every rank alike where not: several requests in the step,
         no shared memory, or rows past its buffers (the all-gather then runs)."""
-        if len(meta.requests) != 1:
+        if len(meta.requests) != 1 or meta.requests[0].num_new < 2:
             return None
         request, n = meta.requests[0], meta.num_rows
         placements = [(row, new_start, length) for row, new_start, length in request.source_rank_rows[self.pcp.rank]]
