@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from cpllm.kernels import library
-from cpllm.kernels.decode_rows import rope_qk_, silu_mul, store_rows_
+from cpllm.kernels.decode_rows import rope_qk_, silu_mul, store_rows_, widen_rope_qkv
 from cpllm.kernels.rms_norm import add_residual, add_rms_norm, rms_norm
 from cpllm.model.rope import apply_rope
 
@@ -47,6 +47,26 @@ def test_rope_declines_what_it_does_not_read():
     assert not rope_qk_(tables, q.to(torch.bfloat16), k.to(torch.bfloat16))
     assert not rope_qk_(tables, q.transpose(0, 1), k.transpose(0, 1))
     assert torch.equal(q, before)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_widened_rope_gives_the_widening_copy_and_rope_bits(threads, monkeypatch):
+    """A bf16 GEMM's q|k|v rows widened and rotated in one pass: bit for bit the float32 copy then rope_qk_ (v
+    widened only), on enough rows to run threaded."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    gen = torch.Generator().manual_seed(3)
+    rows = 300
+    qkv = torch.randn(rows, (HQ + 2 * HKV) * D, generator=gen).to(torch.bfloat16)
+    angles = torch.rand(rows, 1, D // 2, generator=gen) * 100
+    tables = (torch.cat([angles.cos()] * 2, -1).contiguous(),
+              torch.cat([-angles.sin(), angles.sin()], -1).contiguous())
+    want = qkv.float()
+    q, k, _ = want.split([HQ * D, HKV * D, HKV * D], dim=-1)
+    assert rope_qk_(tables, q.view(rows, HQ, D), k.view(rows, HKV, D))
+    assert torch.equal(widen_rope_qkv(tables, qkv, HQ, HKV, D), want)
+    assert widen_rope_qkv(tables, qkv.float(), HQ, HKV, D) is None  # float32 rows: rope_qk_'s job
+    with pytest.raises(ValueError, match="do not fit together"):
+        widen_rope_qkv(tables, qkv[:, :-D].contiguous(), HQ, HKV, D)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

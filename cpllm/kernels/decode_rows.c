@@ -42,6 +42,24 @@ int cpllm_rope_qk(float *q, int q_heads, int64_t q_stride, float *k, int k_heads
     return 0;
 }
 
+/* cpllm_rope_qk on a bf16 GEMM's q|k|v rows [tokens, (q_heads + k_heads + v_heads) * head_dim]: out (the same shape,
+ * float32, contiguous) = the rows widened (exact), q's and k's heads then rotated, each row while it is in cache: the
+ * bits of torch's widening copy followed by cpllm_rope_qk, in one pass over memory instead of three. */
+int cpllm_widen_rope_qkv(const uint16_t *qkv, int q_heads, int k_heads, int v_heads, int64_t tokens, int head_dim,
+                         const float *cos, const float *sin, float *out, int threads) {
+    if (head_dim > 512 || head_dim % 2) return CPLLM_UNSUPPORTED_SHAPE;
+    const int64_t width = (int64_t)(q_heads + k_heads + v_heads) * head_dim;
+#pragma omp parallel for num_threads(threads) schedule(static) if (tokens * width >= 65536)
+    for (int64_t t = 0; t < tokens; t++) {
+        const uint16_t *src = qkv + t * width;
+        float *row = out + t * width;
+        for (int64_t j = 0; j < width; j++) row[j] = from_bf16(src[j]);
+        rotate_heads(row, q_heads, head_dim, cos + t * head_dim, sin + t * head_dim);
+        rotate_heads(row + (int64_t)q_heads * head_dim, k_heads, head_dim, cos + t * head_dim, sin + t * head_dim);
+    }
+    return 0;
+}
+
 /* rows[i] of src (row_elems floats at src + rows[i] * src_stride, rows[i] < src_rows) into slot slots[i] of the pool
  * [num_slots, row_elems]. Every index is checked before the first write: CPLLM_ROW_OUT_OF_RANGE or
  * CPLLM_SLOT_OUT_OF_RANGE, and nothing written. */

@@ -43,6 +43,29 @@ def rope_qk_(tables: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torc
                              head_dim, cos.data_ptr(), sin.data_ptr()) == 0
 
 
+def widen_rope_qkv(tables: tuple[torch.Tensor, torch.Tensor], qkv: torch.Tensor, q_heads: int, k_heads: int,
+                   head_dim: int) -> torch.Tensor | None:
+    """qkv [N, (Hq + 2 Hkv) * D] bfloat16 (a bf16 GEMM's q|k|v) -> the same rows in float32 with q's and k's heads
+    rotated (`rope_qk_` on the widened rows, the same bits), in one pass; None where the kernel does not apply."""
+    cos, sin = tables
+    tokens = qkv.shape[0]
+    if torch.compiler.is_compiling() or qkv.dtype != torch.bfloat16 or qkv.device.type != "cpu" \
+            or not qkv.is_contiguous() or cos.dtype != torch.float32 \
+            or not (cos.is_contiguous() and sin.is_contiguous()):
+        return None
+    if qkv.shape[1] != (q_heads + 2 * k_heads) * head_dim or cos.numel() != tokens * head_dim \
+            or sin.numel() != tokens * head_dim:
+        raise ValueError(f"rotary kernel: q|k|v {tuple(qkv.shape)} for {q_heads} + 2 x {k_heads} heads of {head_dim} "
+                         f"and tables {tuple(cos.shape)}, {tuple(sin.shape)} do not fit together")
+    lib = load("decode_rows")
+    if lib is None:
+        return None
+    out = torch.empty(qkv.shape, dtype=torch.float32)
+    status = lib.cpllm_widen_rope_qkv(qkv.data_ptr(), q_heads, k_heads, k_heads, tokens, head_dim, cos.data_ptr(),
+                                      sin.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out if status == 0 else None
+
+
 def store_rows_(pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, rows: torch.Tensor) -> bool:
     """pool[slots[i]] = x[rows[i]] in the pool's dtype, for x [N, H, D] float32 and a contiguous pool
     [num_slots, H, D]; False where the kernel does not apply (nothing was written). A slot outside the pool or a

@@ -26,6 +26,7 @@ SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
     "decode_attention": {"cpllm_paged_decode_attention": (
         [_p, _p, _p, _i, _i64, _p, _i64, _p, _i, _i, _i, _i, _f, _i, _i, _p, _p], _i)},
     "decode_rows": {"cpllm_rope_qk": ([_p, _i, _i64, _p, _i, _i64, _i64, _i, _p, _p], _i),
+                    "cpllm_widen_rope_qkv": ([_p, _i, _i, _i, _i64, _i, _p, _p, _p, _i], _i),
                     "cpllm_store_rows": ([_p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _i], _i),
                     "cpllm_silu_mul": ([_p, _i64, _i64, _p, _i], None),
                     "cpllm_silu_mul_bf16": ([_p, _i64, _i64, _p, _i, _i], None)},

@@ -19,7 +19,7 @@ from cpllm.context_parallel.backend import AttentionBackend
 from cpllm.context_parallel.metadata import AttentionMetadata
 from cpllm.distributed.comm import low_latency
 from cpllm.distributed.parallel_context import ParallelContext
-from cpllm.kernels.decode_rows import rope_qk_, silu_mul
+from cpllm.kernels.decode_rows import rope_qk_, silu_mul, widen_rope_qkv
 from cpllm.kernels.rms_norm import add_residual
 from cpllm.kernels.prefill_attention import bf16_choice
 from cpllm.layers.gqa_triton.choice import kind_for
@@ -91,12 +91,12 @@ class LlamaAttention(torch.nn.Module):
         """`keep`: the rows whose output is needed (every row's K/V is still stored and attended); None: all.
         `native`: the output in the dtype o_proj rounded it to (RowParallelLinear.forward)."""
         n, d = hidden.shape[0], self.head_dim
-        qkv = self.qkv_proj(hidden)  # [N, (Hq + 2 Hkv) * D]
+        qkv, roped = self._qkv(hidden, rope_tables)  # [N, (Hq + 2 Hkv) * D]
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q, k = q.view(n, self.num_heads, d), k.view(n, self.num_kv_heads, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if not rope_qk_(rope_tables, q, k):  # in place, one C call (eager CPU float32), or torch's ops
+        if not roped and not rope_qk_(rope_tables, q, k):  # in place, one C call (eager CPU float32), or torch's ops
             q = apply_rope(rope_tables, q)  # [N, Hq, D]
             k = apply_rope(rope_tables, k)  # [N, Hkv, D]
         v = v.reshape(n, self.num_kv_heads, d)
@@ -106,6 +106,17 @@ class LlamaAttention(torch.nn.Module):
                 return out[:0]  # no row wanted: no projection (nor its all-reduce) on any rank
             out = out.index_select(0, keep)
         return self.o_proj(out, native=native)
+
+
+    def _qkv(self, hidden, rope_tables) -> tuple[torch.Tensor, bool]:
+        """q|k|v in the model's dtype, and whether q and k are rotated already: a bf16 GEMM's output (the default
+        path's prefill) widened and rotated in one C pass where no q/k norm comes between (the bits of the widening
+        copy and `rope_qk_`), else the projection as it is."""
+        qkv = self.qkv_proj(hidden, native=self.q_norm is None)
+        if qkv.dtype == self.qkv_proj.dtype:
+            return qkv, False
+        roped = widen_rope_qkv(rope_tables, qkv, self.num_heads, self.num_kv_heads, self.head_dim)
+        return (qkv.to(self.qkv_proj.dtype), False) if roped is None else (roped, True)
 
 
 class LlamaMLP(torch.nn.Module):
