@@ -95,10 +95,12 @@ def measure(strategies: list[str], tokens: int, rounds: int) -> list[dict]:
             pcp = build(2, strategy, tokens)
             try:
                 pairs = [(one_round(single, tokens, seed=r), one_round(pcp, tokens, seed=r)) for r in range(rounds)]
+                ran = {name: count for name, count in pcp.engine.executor.rank_stats().strategy_counts.items() if count}
             finally:
                 pcp.shutdown()
             single_runs += [one for one, _ in pairs]
-            rows.append({"pcp": 2, "strategy": strategy, "tokens": tokens, "runs": [two for _, two in pairs],
+            rows.append({"pcp": 2, "strategy": strategy, "ran": ran, "tokens": tokens,
+                         "runs": [two for _, two in pairs],
                          "ttft_s": min(two["wall_s"] for _, two in pairs),
                          "one_rank_ttft_s": min(one["wall_s"] for one, _ in pairs),
                          "one_rank_cpu_s": min(one["cpu_s"] for one, _ in pairs)})

@@ -218,6 +218,9 @@ def _pcp_layout(row: dict[str, Any]) -> str:
     if row["pcp"] == 1:
         return "one rank"
     if row["pcp"] == 2:
+        ran = row.get("ran", {})
+        if row["strategy"] == "auto" and ran:  # what auto chose for these prompts
+            return f"PCP=2 (auto: {', '.join(sorted(ran))})"
         return f"PCP=2 ({row['strategy']})"
     return "two one-rank engines at once (the bound)"
 
@@ -235,22 +238,30 @@ def amx_section(results: Results, images: str, rel: str) -> list[str]:
     lines += md_table(_target_rows(compare, results.get("ceiling_amx")))
     ceiling = results.get("ceiling_amx")
     if ceiling is not None:
+        one = next((row.get("bf16_matmul_gflops") for row in ceiling["results"] if row["threads"] == 1), None)
+        doubled = [f"{row['useful GFLOP/s'] / (2 * one):.2f}" for row in _target_rows(compare, ceiling)
+                   if row["threads"] == 2] if one else []
         lines += ["", "This machine's matmul rates (`cpllm bench ceiling`; bf16 and int8 at a side of 1,024, which "
-                  "is too small to keep two cores' tiles busy: the 2-thread bf16 rate came out barely above one "
+                  "is too small to keep two cores' tiles busy: the 2-thread bf16 rate comes out barely above one "
                   "thread's, so the 2-thread rows' fractions above overstate; against twice the one-thread rate they "
-                  "are 0.38 and 0.37):", ""] + md_table(ceiling["results"])
-    lines += ["", "Where a 2,048-token prefill on one core goes now (torch.profiler, 1 thread): prefill attention "
-              "about 45% (the AMX way at ~480 GFLOP/s: its softmax and the tile loads and stores around each block "
-              "bound it, not the tile products), the bf16 GEMMs about 40% (1,400-1,600 GFLOP/s, at the machine's "
-              "rate), and the rest the copies of q, k and v into float32 for rotary and the K/V store, the norms, "
-              "silu·up and the weights' dequantization. Since the first AMX measurement (0.49 of a 1,077 GFLOP/s "
-              "reading), two changes removed the wide copies between the GEMMs (bf16 from each GEMM to the next "
-              "where the next rounds to bf16 anyway: the same bits, casts 240 -> ~50 ms of a 2K prefill) and the "
-              "element-by-element layout changes around the attention's tiles (the AMX way 418 -> 488 GFLOP/s at "
-              "2K). Two further attempts measured no gain and were not kept: a one-pass softmax for blocks after the "
-              "first (the max taken on the way) and the next block's scores issued on the tiles while this block's "
-              "softmax runs. The 0.6 target (0.45 on one core against 1,450 GFLOP/s, the same command's reading "
-              "this time, 35% above the first's) needs the attention itself about twice as fast."]
+                  f"are {' and '.join(doubled) or 'not measured'}):", ""] + md_table(ceiling["results"])
+    lines += ["", "Where a 2,048-token prefill on one core goes now (cProfile and torch.profiler, 1 thread, 1.13 s "
+              "that run): prefill attention 369 ms (the AMX way at ~390 GFLOP/s in the engine: with the softmax left "
+              "out the tile work alone ran at ~660, with the tiles left out the softmax alone ~720, and the two barely "
+              "overlap), the bf16 GEMMs 418 ms (~1,040 GFLOP/s; the same shapes alone reach 1,250-1,470, and any "
+              "heavy call before one, even another GEMM, slows it to 750-900: its operands come back from beyond the "
+              "2 MiB L2), and about 300 ms of passes over the activations that run at the memory's ~11-15 GB/s on "
+              "one core (silu·up 82, casts 66, norms 55, weight dequantization 39, rotary 23, K/V store 21, residual "
+              "20 ms). Since the first AMX measurement (0.49 of a 1,077 GFLOP/s reading): bf16 between the GEMMs "
+              "(the same bits; casts 240 -> ~50 ms), the layout changes around the attention's tiles as 16 x 16 "
+              "transposes, blocks of 128 keys on the tiles (64 before: the accumulators' tile loads and stores paid "
+              "half as often, 5-10% of the attention at 2K), and q|k|v widened and rotated in one pass (1.05 -> "
+              "0.77 ms a layer alone). Tried and not kept: a one-pass softmax, the next block's scores issued during "
+              "this block's softmax, a degree-4 exp2, a reciprocal in silu (memory-bound: no gain), a kept "
+              "dequantization scratch and huge pages (THP_MEM_ALLOC_ENABLE: within noise). The 0.6 target needs the "
+              "attention about twice as fast and the activation passes halved; this machine's own bf16 rate reads "
+              "635-1,450 GFLOP/s from one run of `cpllm bench ceiling` to the next (a side of 1,024, best of 2), "
+              "so the fraction in the table moves with it."]
     for name, title in (("attention_ways", "after"), ("attention_ways_before", "before: 704c467, the first AMX way")):
         data = results.get(name)
         if data is not None:
@@ -265,14 +276,19 @@ def amx_section(results: Results, images: str, rel: str) -> list[str]:
                 for row in pcp["results"]]
         lines += ["", f"PCP=2 on the default weights at {pcp['results'][0]['tokens']} tokens, one thread per rank "
                   "(benchmarks/pcp_efficiency.py):", ""] + md_table(rows)
-        if any(row["pcp"] not in (1, 2) for row in pcp["results"]):
-            lines += ["", "The last row is two independent one-rank engines prefilling at once, one per core "
-                      "(`--concurrent`): as fast as one alone, so the two cores do not slow each other and what PCP=2 "
-                      "misses of 1.0 is its own cost at this size. The one-rank prefill got faster with the bf16 flow "
-                      "and the attention's transposes while what each rank does whole did not shrink: the per-layer "
-                      "Python and dispatch of a step, the weights' dequantization (about 37 ms a prefill on every "
-                      "rank), the K/V exchange (3 MiB a layer), the merges and the waits at each collective. The 0.95 "
-                      "target is missed."]
+        lines += ["", "The one rank's rounds alternate with each PCP=2 strategy's on the same prompts, and each "
+                  "efficiency is read against the one rank's fastest round of its block. `auto` now takes the "
+                  "all-gather for a fresh prompt on one CPU host (the cost model's CPU spec all-gathers through "
+                  "shared memory and counts the ring's second call and merge, context_parallel.md \"`auto`\"), and "
+                  "the all-gather path changed three ways: each PCP rank attends its head and tail runs in one kernel "
+                  "call with a causal offset per query row (no merge, no copy into the step's rows, K/V packed once), "
+                  "the prompt's new K/V are gathered straight into position order in shared memory (every rank writes "
+                  "its runs at their positions; no concatenation, no reordering copy), and a rank holding fewer tokens "
+                  "keeps the one call. Before these, `auto` ran the ring at 0.80 here (0.80-0.82 last session) and the "
+                  "all-gather reached 0.82-0.84. What PCP=2 still misses of 0.95: per-call costs that do not halve "
+                  "with the rows (each GEMM's cold operands, the weights' dequantization, 46 ms a prefill on every "
+                  "rank), the K/V written into shared memory, and a busier memory with both cores streaming. The "
+                  "two-engines row (`--concurrent`) bounds any two-rank layout on this machine."]
     if before_after is not None:
         lines += ["", f"Before and after (benchmarks/int4_before_after.py --before {before_after['before']}, "
                   f"{before_after['rounds']} round, {before_after['threads']} thread):", ""]
