@@ -71,11 +71,12 @@ def build(pcp: int, strategy: str, tokens: int):
     return llm
 
 
-def one_round(llm, tokens: int, seed: int) -> dict:
-    """Wall and CPU seconds of one fresh prompt's prefill (every process of this benchmark counted: the engines
-    not running sleep)."""
+def one_round(llm, tokens: int, seed: int, ranks: bool) -> dict:
+    """Wall and CPU seconds of one fresh prompt's prefill: of this process alone (the one-rank engine runs in it),
+    or with `ranks` of its rank processes too (a PCP engine's rank 0 runs here, the others in child processes,
+    which wait between its prefills)."""
     config = model_config_of(None)
-    pids = process_tree(os.getpid())
+    pids = process_tree(os.getpid()) if ranks else [os.getpid()]
     before, start = cpu_seconds(pids), time.perf_counter()
     time_prefill(llm, random_prompt(tokens, config.vocab_size, seed=seed))
     wall, after = time.perf_counter() - start, cpu_seconds(pids)
@@ -94,7 +95,8 @@ def measure(strategies: list[str], tokens: int, rounds: int) -> list[dict]:
         for strategy in strategies:
             pcp = build(2, strategy, tokens)
             try:
-                pairs = [(one_round(single, tokens, seed=r), one_round(pcp, tokens, seed=r)) for r in range(rounds)]
+                pairs = [(one_round(single, tokens, seed=r, ranks=False), one_round(pcp, tokens, seed=r, ranks=True))
+                         for r in range(rounds)]
                 ran = {name: count for name, count in pcp.engine.executor.rank_stats().strategy_counts.items() if count}
             finally:
                 pcp.shutdown()

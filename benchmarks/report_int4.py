@@ -290,12 +290,15 @@ def amx_section(results: Results, images: str, rel: str) -> list[str]:
                   "rank), the K/V written into shared memory, and a busier memory with both cores streaming. The "
                   "two-engines row (`--concurrent`) bounds any two-rank layout on this machine."]
     if before_after is not None:
+        rounds = before_after["rounds"]
         lines += ["", f"Before and after (benchmarks/int4_before_after.py --before {before_after['before']}, "
-                  f"{before_after['rounds']} round, {before_after['threads']} thread):", ""]
+                  f"{rounds} round{'s' * (rounds > 1)}, {before_after['threads']} thread; the sides take turns going "
+                  "first, each figure the median of its side's rounds):", ""]
         lines += md_table(_rows(before_after))
         lines += ["", "Decode runs the same VNNI integer kernel and fused decode layers on both sides (the issue's "
-                  "work touched prefill only); each figure is one round, so its after / before carries this machine's "
-                  "drift (`none` and transformers, whose decode did not change, moved 1.00-1.03 between the sides)."]
+                  "work touched prefill only), so its after / before is this machine's drift between the sides, as "
+                  "for `none` and transformers, whose decode did not change either; `auto` against `none` in the same "
+                  "process (the last two columns) is the figure to read."]
     quality = results.get("quality_amx")
     if quality is not None:
         lines += ["", "Quality against `none` (benchmarks/quality.py; the last two columns over a 2,048-token text):",
