@@ -2,10 +2,10 @@
 capacity and memory per device, and the one to use.
 
 The prefill strategy of each PCP layout is the one `--cp-prefill-strategy auto` would pick for the request
-(strategy.py: the faster of cpllm's ring and pass-Q by this same cost model); its TTFT is the cost model's for
-cpllm's implementation of that strategy. The recommendation: among layouts whose weights and the request's KV fit, those
-meeting the TTFT objective (all of them without one), the fastest decode when an objective is given, else the
-fastest TTFT.
+(strategy.py: the faster of cpllm's ring and pass-Q, and on a CPU host the all-gather, by this same cost model); its
+TTFT is the cost model's for cpllm's implementation of that strategy. The recommendation: among layouts whose weights
+and the request's KV fit, those meeting the TTFT objective (all of them without one), the fastest decode when an
+objective is given, else the fastest TTFT.
 """
 
 from __future__ import annotations
