@@ -17,6 +17,7 @@ import pytest
 
 from cpllm.bench.ceiling import linear_params_per_layer, prefill_flops
 from cpllm.bench.comm_volume import formula_bytes_per_layer
+from cpllm.distributed import shm_group
 from cpllm.bench.common import BenchLayout, parse_layout
 from cpllm.bench.prefill import layout_runs
 from cpllm.bench.serve_load import percentile
@@ -81,6 +82,10 @@ def test_comm_formula_uses_the_padded_rank_size(tokens, pcp):
     expected = 2 * (pcp - 1) * rows * config.num_key_value_heads * config.head_dim * 4
     assert formula_bytes_per_layer(config, tokens, pcp) == expected
     assert formula_bytes_per_layer(config, tokens, 1) == 0
+    # gathered in position order, rank 0 reads the other ranks' tokens only
+    others = tokens - len(rank_token_indices(tokens, pcp, 0))
+    assert formula_bytes_per_layer(config, tokens, pcp, in_order_rank=0) == \
+        2 * others * config.num_key_value_heads * config.head_dim * 4
 
 
 def test_percentile():
@@ -157,6 +162,8 @@ def test_bench_comm_measured_equals_formula(tiny_folder, tmp_path):
                                                                    for n in (10, 33)}
     for row in rows:
         assert row["measured_bytes_per_layer"] == row["formula_bytes_per_layer"] > 0, row
+        # ranks on one host gather an all-gather prefill's K/V in position order (no padding rows)
+        assert row["gathered_in_order"] == (row["strategy"] == "allgather" and shm_group.available()), row
 
 
 def test_bench_ceiling(tmp_path):

@@ -4,9 +4,10 @@ Formula (one request of T new tokens, no cached context, PCP = p, per rank):
   n = the largest rank's token count under the head-tail partition (every rank pads to it);
   each rank receives the other p - 1 ranks' K and V blocks of n rows:
       bytes_received = 2 * (p - 1) * n * kv_heads_per_rank * head_dim * dtype_bytes
-  for both `allgather` (one all-gather of K and one of V) and `ring` (p - 1 pass-KV steps of a
-  [2, n, heads, dim] block). The strategies move the same bytes; they differ in how fast the
-  transport is (gloo all-gather vs point-to-point) and in whether the transfer overlaps compute.
+  for `ring` (p - 1 pass-KV steps of a [2, n, heads, dim] block) and for `allgather` over gloo (one all-gather of
+  K and one of V). Where the ranks share a host, `allgather` gathers the request's K and V straight into position
+  order in shared memory (comm.all_gather_rows): a rank then reads the other ranks' tokens only, no padding,
+      bytes_received = 2 * (T - t_r) * kv_heads_per_rank * head_dim * dtype_bytes   (t_r: this rank's tokens).
 
 Measured: the collectives imported from cpllm.distributed.comm are wrapped, in this process only
 (global rank 0), for the duration of one prefill; each call records the bytes this rank received.
@@ -28,7 +29,7 @@ from cpllm.context_parallel.partition import rank_num_tokens
 from cpllm.distributed import comm
 from cpllm.distributed.parallel_dims import kv_heads_per_rank as _kv_heads_per_rank
 
-WRAPPED = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "ring_exchange")
+WRAPPED = ("all_gather", "all_gather_rows", "all_reduce", "reduce_scatter", "all_to_all", "ring_exchange")
 
 
 def kv_heads_per_rank(config: Any, tp: int) -> int:
@@ -36,10 +37,15 @@ def kv_heads_per_rank(config: Any, tp: int) -> int:
     return _kv_heads_per_rank(config.num_key_value_heads, tp)
 
 
-def formula_bytes_per_layer(config: Any, tokens: int, pcp: int, tp: int = 1, dtype_bytes: int = 4) -> int:
-    """Bytes of new K/V one rank receives per layer in a prefill of `tokens` (either strategy)."""
+def formula_bytes_per_layer(config: Any, tokens: int, pcp: int, tp: int = 1, dtype_bytes: int = 4,
+                            in_order_rank: int | None = None) -> int:
+    """Bytes of new K/V one rank receives per layer in a prefill of `tokens`: the padded blocks of the ring or a gloo
+    all-gather, or, with `in_order_rank`, the other ranks' tokens that rank reads from a gather in position order."""
     if pcp == 1:
         return 0
+    if in_order_rank is not None:
+        rows = tokens - rank_num_tokens(tokens, pcp, in_order_rank)
+        return 2 * rows * kv_heads_per_rank(config, tp) * config.head_dim * dtype_bytes
     rows = max(rank_num_tokens(tokens, pcp, r) for r in range(pcp))
     return 2 * (pcp - 1) * rows * kv_heads_per_rank(config, tp) * config.head_dim * dtype_bytes
 
@@ -50,11 +56,16 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _received(name: str, args: tuple, kwargs: dict, result: Any) -> int:
     """Bytes this rank received in one call (0 for a group of one)."""
-    group = args[1] if len(args) > 1 else kwargs.get("group")
+    group = args[3] if name == "all_gather_rows" else args[1] if len(args) > 1 else kwargs.get("group")
     world = comm.group_size(group)
     if world == 1:
         return 0
     tensor = args[0]
+    if name == "all_gather_rows":  # args: tensors, placements, total rows, group; None: not this path
+        if result is None:
+            return 0
+        own = sum(length for _, _, length in args[1])
+        return sum((args[2] - own) * _nbytes(t) // max(t.shape[0], 1) for t in tensor)
     if name == "all_gather":
         return _nbytes(tensor) * (world - 1)
     if name in ("all_reduce", "reduce_scatter"):
@@ -158,9 +169,11 @@ def run_comm_bench(
             for length in lengths:
                 counter = measure_prefill_comm(llm, random_prompt(length, config.vocab_size, seed=length))
                 measured = attention_bytes_per_layer(counter, config.num_hidden_layers)
-                formula = formula_bytes_per_layer(config, length, pcp, tp)
+                in_order = any(op == "all_gather_rows" and counter.bytes[(m, op)] for m, op in counter.calls)
+                formula = formula_bytes_per_layer(config, length, pcp, tp, in_order_rank=0 if in_order else None)
                 rows.append({"strategy": strategy, "pcp": pcp, "tp": tp, "prompt_tokens": length,
                              "measured_bytes_per_layer": measured, "formula_bytes_per_layer": formula,
+                             "gathered_in_order": in_order,
                              "ratio": round(measured / formula, 4) if formula else None,
                              "collective_s": round(sum(counter.seconds.values()), 3),
                              "calls": {f"{m}.{op}": n for (m, op), n in counter.calls.items()}})
