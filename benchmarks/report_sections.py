@@ -240,8 +240,12 @@ def comm_section(results: Results, images: str, rel: str) -> list[str]:
     lines = ["## Communication per prefill layer", "",
              "`cpllm bench comm`: bytes of new K/V one rank receives per layer. Formula: "
              "`2 * (PCP - 1) * n * kv_heads_per_rank * head_dim * 4` with `n` the largest rank's token count "
-             "under the head-tail partition (ranks pad to it); the same for both strategies. Measured: the "
-             "collectives of `cpllm.distributed.comm` wrapped in the driver process (rank 0) during one prefill.", ""]
+             "under the head-tail partition (ranks pad to it), for the ring and for an all-gather over gloo; where "
+             "the ranks share a host the all-gather gathers the prompt's K and V in position order in shared memory "
+             "(`comm.all_gather_rows`), and rank 0 reads `2 * (T - t_0) * kv_heads_per_rank * head_dim * 4`, the "
+             "other ranks' tokens only (`gathered_in_order`; rows measured before that path show the padded "
+             "figure). Measured: the collectives of `cpllm.distributed.comm` wrapped in the driver process (rank 0) "
+             "during one prefill.", ""]
     data = results.get("comm")
     if not data:
         return lines + _missing("comm")
