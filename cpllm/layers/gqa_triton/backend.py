@@ -121,6 +121,8 @@ class TritonPagedBackend:
     causal_offsets = False
     """Its prefill kernel's causal form is square only: the CP layer attends a run and the keys before it in two
     calls and merges them."""
+    row_causal_offsets = False
+    """Nor one offset per query row: a PCP rank's head and tail runs take calls of their own."""
     store_kv = staticmethod(_GQA.store_kv)  # index_copy_: one launch per pool, capturable in a CUDA graph
     attend = staticmethod(_attend)
     context_keys = staticmethod(_context_keys)
