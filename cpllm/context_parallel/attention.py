@@ -221,7 +221,7 @@ class PagedCPAttention(torch.nn.Module):
         if len(meta.requests) != 1 or meta.requests[0].num_new < 2:
             return None
         request, n = meta.requests[0], meta.num_rows
-        placements = [(row, new_start, length) for row, new_start, length in request.source_rank_rows[self.pcp.rank]]
+        placements = list(request.source_rank_rows[self.pcp.rank])  # (row, new_start, length): rows to positions
         moved = all_gather_rows(self.backend.rows_to_move(k, v), placements, request.num_new, self.pcp.group)
         if moved is None:
             return None
