@@ -48,8 +48,13 @@ def test_dequantize_gives_the_stored_weight_exactly(rows, cols):
     assert torch.equal(int4_gemm.dequantize(packed, rows), _stored(groups))
     # a range of blocks: rows [16, 48) (up to the last row where fewer)
     assert torch.equal(int4_gemm.dequantize(packed, rows, 1, 3), _stored(groups)[16:48])
-    # bfloat16: the stored weight rounded once to nearest even, as torch rounds it
-    assert torch.equal(int4_gemm.dequantize(packed, rows, dtype=torch.bfloat16), _stored(groups).bfloat16())
+    # bfloat16: the stored weight rounded once to nearest even, as torch rounds it, 16 rows at once (AVX-512 BF16)
+    # and row by row (AVX2, the fallback), whole and as a range of blocks
+    for row_by_row in (False, True):
+        bf16 = int4_gemm.dequantize(packed, rows, dtype=torch.bfloat16, row_by_row=row_by_row)
+        assert torch.equal(bf16, _stored(groups).bfloat16())
+        part = int4_gemm.dequantize(packed, rows, 1, 3, dtype=torch.bfloat16, row_by_row=row_by_row)
+        assert torch.equal(part, _stored(groups)[16:48].bfloat16())
 
 
 @needs_avx2

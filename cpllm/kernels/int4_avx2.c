@@ -235,9 +235,45 @@ static inline void store_row_bf16(const __m256 w[4], uint16_t *dst) {
 }
 #endif
 
+#if defined(CPLLM_INT4_AVX2) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define CPLLM_DEQUANT_AVX512 1
+#include "transpose16.h"
+
+/* One group's record as bfloat16 rows on AVX-512: the 16 rows at once, one register per input, so d and m are
+ * one vector each and nothing is unpacked per row. Piece i's 32-bit lane r holds row r's codes of inputs 4i..4i+3
+ * (low nibbles) and 16+4i.. (high); each input's 16 values are d q + m (an FMA: d q is exact, so one rounding, as
+ * group_row's multiply then add), inputs paired into bf16 words (round to nearest even, as bf16_bits), and the
+ * 16 x 16 words transposed into the rows' 64 bytes. The bits of the AVX2 way, 1.7x as fast on SmolLM2's layers. */
+static void record_rows_bf16(const uint8_t *record, int valid, uint16_t *out, int64_t K) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(record + 256)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(record + 288)));
+    /* (low bf16 of lane r, high of lane r) from one 2-way conversion: cvtne2ps puts the 16 of b then the 16 of a */
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i nibbles = _mm512_set1_epi32(0x0F0F0F0F), byte = _mm512_set1_epi32(0xFF);
+    __m512i words[16];  /* words[j]: inputs 2j, 2j + 1 of the 16 rows */
+    for (int i = 0; i < 4; i++) {
+        const __m512i piece = _mm512_loadu_si512((const void *)(record + 64 * i));
+        for (int half = 0; half < 2; half++) {
+            const __m512i codes = _mm512_and_si512(half ? _mm512_srli_epi32(piece, 4) : piece, nibbles);
+            __m512 w[4];
+            for (int b = 0; b < 4; b++)
+                w[b] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(codes, 8 * b), byte)),
+                                       m);
+            const int j = 8 * half + 2 * i;  /* inputs 16 half + 4 i + (0, 1) and (2, 3) */
+            words[j] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]));
+            words[j + 1] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(w[3], w[2]));
+        }
+    }
+    transpose16(words);
+    for (int r = 0; r < valid; r++) _mm512_storeu_si512((void *)(out + r * K), words[r]);
+}
+#endif
+
 /* Output rows [16 b0, min(16 b1, N)) of the packed weight as w = d q + m (d, m from float16) into out [rows, K],
- * row-major: float32, or bfloat16 (`bf16` != 0; w rounded to nearest even once). Returns 0, or -1 when the kernel
- * is not built for this CPU. */
+ * row-major: float32 (`bf16` 0), or bfloat16 (w rounded to nearest even once): 16 rows at a time where the CPU has
+ * AVX-512 BF16 (`bf16` 1), row by row on AVX2 (`bf16` 2, or 1 elsewhere; the tests run both). Returns 0, or -1 when
+ * the kernel is not built for this CPU. */
 int cpllm_int4_avx2_dequantize(const uint8_t *packed, int K, int N, int64_t b0, int64_t b1, void *out, int bf16,
                                int threads) {
 #ifdef CPLLM_INT4_AVX2
@@ -247,6 +283,12 @@ int cpllm_int4_avx2_dequantize(const uint8_t *packed, int K, int N, int64_t b0, 
         const int valid = N - b * BLOCK_ROWS < BLOCK_ROWS ? (int)(N - b * BLOCK_ROWS) : BLOCK_ROWS;
         for (int g = 0; g < G; g++) {
             const uint8_t *record = packed + (b * G + g) * (int64_t)RECORD_BYTES;
+#ifdef CPLLM_DEQUANT_AVX512
+            if (bf16 == 1) {
+                record_rows_bf16(record, valid, (uint16_t *)out + (b - b0) * BLOCK_ROWS * (int64_t)K + g * GROUP, K);
+                continue;
+            }
+#endif
             for (int r = 0; r < valid; r++) {
                 __m256 w[4];
                 group_row(record, r, w);

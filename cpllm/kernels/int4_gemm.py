@@ -31,9 +31,11 @@ INTEGER_KERNELS = {"vnni": int4_matmul.matmul, "avx2": int4_avx2.matmul}
 
 
 def dequantize(packed: torch.Tensor, out_features: int, first_block: int = 0, end_block: int | None = None,
-               out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+               out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+               row_by_row: bool = False) -> torch.Tensor:
     """[rows, in] in `dtype` (float32 or bfloat16): output rows [16 first_block, min(16 end_block, out_features))
-    of the packed weight."""
+    of the packed weight. bfloat16 runs 16 rows at once where the CPU has AVX-512 BF16, else (or `row_by_row`:
+    the fallback, for tests) row by row on AVX2; the same bits."""
     blocks, groups, _ = packed.shape
     int4_avx2.check_shapes(groups * QUANT_GROUP, packed, out_features)
     end_block = blocks if end_block is None else end_block
@@ -49,7 +51,8 @@ def dequantize(packed: torch.Tensor, out_features: int, first_block: int = 0, en
                          f"{(rows, groups * QUANT_GROUP)}")
     load_bound("int4_avx2").cpllm_int4_avx2_dequantize(packed.data_ptr(), groups * QUANT_GROUP, out_features,
                                                        first_block, end_block, out.data_ptr(),
-                                                       int(dtype == torch.bfloat16), torch.get_num_threads())
+                                                       (2 if row_by_row else 1) if dtype == torch.bfloat16 else 0,
+                                                       torch.get_num_threads())
     return out
 
 

@@ -30,32 +30,7 @@
  * and loads, not FMAs, would bound the loop. An empty asm that "changes" the register keeps the one load. */
 #define IN_REGISTER(x) __asm__("" : "+v"(x))
 
-/* r[0..15], the rows of a 16 x 16 matrix of 32-bit words, become its columns: words within 128-bit lanes, then
- * pairs of words, then the lanes themselves. The kernels' layout changes (q into pairs, V into V^T, the output
- * back into rows) run through it: element by element they took a fifth of a 2K-token call on AMX. */
-static inline void transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {  /* r[i + k] lane L: column 4 L + k of rows i .. i + 3 */
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int k = 0; k < 4; k++) {
-        const __m512i u0 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x44), u1 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xEE);
-        const __m512i u2 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x44);
-        const __m512i u3 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xEE);
-        t[k] = _mm512_shuffle_i32x4(u0, u2, 0x88);
-        t[4 + k] = _mm512_shuffle_i32x4(u0, u2, 0xDD);
-        t[8 + k] = _mm512_shuffle_i32x4(u1, u3, 0x88);
-        t[12 + k] = _mm512_shuffle_i32x4(u1, u3, 0xDD);
-    }
-    for (int i = 0; i < 16; i++) r[i] = t[i];
-}
+#include "transpose16.h"
 
 enum { ROWS = 64, VECS = ROWS / 16, BLOCK_KEYS = 128, MAX_D = 256 };
 /* bytes of the bf16 variant's per-thread pairs (PairTile): q pairs and probability pairs */

@@ -42,19 +42,19 @@ static inline __m512 exp16_nonpositive(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
-/* 2^x for x <= 0 on 16 lanes: 2^n times a degree-5 Taylor polynomial of e^(f ln2), f = x - n in [-1/2, 1/2]
- * (relative error below 3e-6: for prefill_attention.c's AMX way, which rounds the result to bf16, 4e-3, next). */
+/* 2^x for x <= 0 on 16 lanes: 2^floor(x) (scalef) times a degree-4 polynomial fitted to 2^f on f = x - floor(x)
+ * in [0, 1) (vreduceps: one instruction), its constant term 1 so that 2^0 is exactly 1. Relative error below 3e-6
+ * (for prefill_attention.c's AMX way, which rounds the result to bf16: 4e-3). Seven instructions where rounding to
+ * nearest and a degree-5 polynomial took nine: that way's softmax is bound by them. */
 static inline __m512 exp2_16_nonpositive(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 e = _mm512_set1_ps(1.33335581e-3f);
-    e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(9.61812911e-3f));
-    e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(5.55041087e-2f));
-    e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(2.40226507e-1f));
-    e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(6.93147181e-1f));
+    const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 e = _mm512_set1_ps(1.34266848e-2f);
+    e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(5.22424728e-2f));
+    e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(2.41280198e-1f));
+    e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(6.93044841e-1f));
     e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(e, n);
+    return _mm512_scalef_ps(e, x);
 }
 
 #endif
