@@ -248,9 +248,6 @@ static inline void store_row_bf16(const __m256 w[4], uint16_t *dst) {
 static void record_rows_bf16(const uint8_t *record, int valid, uint16_t *out, int64_t K) {
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(record + 256)));
     const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(record + 288)));
-    /* (low bf16 of lane r, high of lane r) from one 2-way conversion: cvtne2ps puts the 16 of b then the 16 of a */
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512i nibbles = _mm512_set1_epi32(0x0F0F0F0F), byte = _mm512_set1_epi32(0xFF);
     __m512i words[16];  /* words[j]: inputs 2j, 2j + 1 of the 16 rows */
     for (int i = 0; i < 4; i++) {
@@ -262,8 +259,8 @@ static void record_rows_bf16(const uint8_t *record, int valid, uint16_t *out, in
                 w[b] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(codes, 8 * b), byte)),
                                        m);
             const int j = 8 * half + 2 * i;  /* inputs 16 half + 4 i + (0, 1) and (2, 3) */
-            words[j] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(w[1], w[0]));
-            words[j + 1] = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(w[3], w[2]));
+            words[j] = bf16_pair_words(w[0], w[1]);
+            words[j + 1] = bf16_pair_words(w[2], w[3]);
         }
     }
     transpose16(words);

@@ -590,13 +590,6 @@ static void block_values_amx(const Problem *p, const uint16_t *vt, int k0, int c
         }
 }
 
-/* The 16 words (bf16 of lo[r], bf16 of hi[r] << 16), rounded to nearest even, from one conversion and a shuffle. */
-static inline __m512i bf16_pair_words(__m512 lo, __m512 hi) {
-    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-}
-
 /* The running max moves only where a block's max passes it by more than this: the terms are then at most
  * e^5.5 = 2^8, far inside float32 and bf16's range, and most blocks leave the output unscaled (the final division
  * by the sum is exact whichever max the terms were taken against). */

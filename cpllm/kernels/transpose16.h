@@ -1,4 +1,5 @@
-/* A 16 x 16 transpose of 32-bit words on AVX-512, shared by the kernels that #include it. */
+/* AVX-512 layout helpers shared by the kernels that #include them: a 16 x 16 transpose of 32-bit words, and
+ * (with AVX-512 BF16) two float vectors as their bf16 pair words. */
 #ifndef CPLLM_TRANSPOSE16_H
 #define CPLLM_TRANSPOSE16_H
 #if defined(__AVX512F__)
@@ -31,5 +32,13 @@ static inline void transpose16(__m512i r[16]) {
     for (int i = 0; i < 16; i++) r[i] = t[i];
 }
 
+#if defined(__AVX512BF16__)
+/* The 16 words (bf16 of lo[r], bf16 of hi[r] << 16), rounded to nearest even, from one conversion and a shuffle. */
+static inline __m512i bf16_pair_words(__m512 lo, __m512 hi) {
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                                22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+#endif
 #endif
 #endif
