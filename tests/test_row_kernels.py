@@ -50,12 +50,14 @@ def test_rope_declines_what_it_does_not_read():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_widened_rope_gives_the_widening_copy_and_rope_bits(threads, monkeypatch):
+@pytest.mark.parametrize("head_dim", [D, 24])
+def test_widened_rope_gives_the_widening_copy_and_rope_bits(threads, head_dim, monkeypatch):
     """A bf16 GEMM's q|k|v rows widened and rotated in one pass: bit for bit the float32 copy then rope_qk_ (v
-    widened only), on enough rows to run threaded."""
+    widened only), on enough rows to run threaded; a head size that is a multiple of 32 (AVX-512's registers) and
+    one that is not (the scalar way)."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     gen = torch.Generator().manual_seed(3)
-    rows = 300
+    rows, D = 300, head_dim
     qkv = torch.randn(rows, (HQ + 2 * HKV) * D, generator=gen).to(torch.bfloat16)
     angles = torch.rand(rows, 1, D // 2, generator=gen) * 100
     tables = (torch.cat([angles.cos()] * 2, -1).contiguous(),
@@ -72,11 +74,12 @@ def test_widened_rope_gives_the_widening_copy_and_rope_bits(threads, monkeypatch
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_store_writes_what_index_copy_writes(dtype):
     _, _, v, _ = _qkv(seed=1)
+    v[2, 0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-40, 3.0000002])  # rounding's edges
     pool, want = torch.zeros(40, HKV, D, dtype=dtype), torch.zeros(40, HKV, D, dtype=dtype)
     slots, rows = torch.tensor([3, 39, 17]), torch.tensor([4, 0, 2])
     assert store_rows_(pool, slots, v, rows)
     want.index_copy_(0, slots, v.index_select(0, rows).to(dtype))
-    assert torch.equal(pool, want)
+    torch.testing.assert_close(pool, want, rtol=0, atol=0, equal_nan=True)  # NaN's payload aside, the same bits
 
 
 def test_store_declines_a_pool_of_another_shape():
@@ -148,10 +151,11 @@ def test_silu_mul_matches_torch(rows):
 @pytest.mark.parametrize("rows", [1, 300])
 def test_silu_mul_on_bf16_rows_gives_the_float32_kernels_bits(rows):
     """bf16 gate | up (a bf16 GEMM's output): in float32 the float32 kernel's bits on the widened rows, in bf16
-    those rounded as torch rounds (to nearest even, NaN kept), through the vector body and the scalar tail."""
+    those rounded as torch rounds (to nearest even, NaN and subnormals kept), through the vector body and the scalar tail."""
     gen = torch.Generator().manual_seed(rows)
     gate_up = (torch.randn(rows, 200, generator=gen) * 6).to(torch.bfloat16)
     gate_up[0, 3], gate_up[0, 150] = float("nan"), float("inf")
+    gate_up[0, 5], gate_up[0, 105] = 1e-38, 1.0  # a subnormal product: the hardware's bf16 rounding flushes it
     wide = silu_mul(gate_up.float(), 100)
     torch.testing.assert_close(silu_mul(gate_up, 100, torch.float32), wide, rtol=0, atol=0, equal_nan=True)
     assert silu_mul(gate_up, 100) is None  # a bf16 model's own rows, not asked for: its torch ops round as it does

@@ -14,6 +14,26 @@
 
 enum { POOL_F32 = 0, POOL_F16 = 1, POOL_BF16 = 2 };
 
+#if defined(__AVX512F__)
+static inline __m512 bf16x16_to_f32(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline __m256i f32x16_to_bf16(__m512 f) {  /* to_bf16 on 16 lanes */
+#if defined(__AVX512BF16__)
+    /* The instruction rounds as to_bf16 does but flushes subnormal inputs to zero: those lanes take the integer
+     * way below (one class test; they are rare, and the integer way is four times the instructions). */
+    if (!_mm512_fpclass_ps_mask(f, 0x20)) return (__m256i)_mm512_cvtneps_pbh(f);
+#endif
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+}
+#endif
+
 __attribute__((optimize("fp-contract=off")))
 static void rotate_heads(float *restrict x, int heads, int head_dim, const float *restrict cos,
                          const float *restrict sin) {
@@ -45,18 +65,51 @@ int cpllm_rope_qk(float *q, int q_heads, int64_t q_stride, float *k, int k_heads
 /* cpllm_rope_qk on a bf16 GEMM's q|k|v rows [tokens, (q_heads + k_heads + v_heads) * head_dim]: out (the same shape,
  * float32, contiguous) = the rows widened (exact), q's and k's heads then rotated, each row while it is in cache: the
  * bits of torch's widening copy followed by cpllm_rope_qk, in one pass over memory instead of three. */
+#if defined(__AVX512F__)
+/* rotate_heads on a bf16 row's heads, widened on the way into out (half a multiple of 16): each lane's products and
+ * sum as rotate_heads rounds them (fp-contract off), so the same bits in registers instead of through a copy. */
+__attribute__((optimize("fp-contract=off")))
+static void widen_rotate_heads16(const uint16_t *restrict src, float *restrict out, int heads, int head_dim,
+                                 const float *restrict cos, const float *restrict sin) {
+    const int half = head_dim / 2;
+    for (int h = 0; h < heads; h++) {
+        const uint16_t *x = src + (int64_t)h * head_dim;
+        float *y = out + (int64_t)h * head_dim;
+        for (int i = 0; i < half; i += 16) {
+            const __m512 lo = bf16x16_to_f32(x + i), hi = bf16x16_to_f32(x + half + i);
+            _mm512_storeu_ps(y + i, _mm512_add_ps(_mm512_mul_ps(lo, _mm512_loadu_ps(cos + i)),
+                                                  _mm512_mul_ps(hi, _mm512_loadu_ps(sin + i))));
+            _mm512_storeu_ps(y + half + i, _mm512_add_ps(_mm512_mul_ps(hi, _mm512_loadu_ps(cos + half + i)),
+                                                         _mm512_mul_ps(lo, _mm512_loadu_ps(sin + half + i))));
+        }
+    }
+}
+#endif
+
+/* One token's row of cpllm_widen_rope_qkv. */
+static void widen_rope_row(const uint16_t *src, int q_heads, int k_heads, int64_t width, int head_dim,
+                           const float *cos, const float *sin, float *row) {
+    const int64_t rotated = (int64_t)(q_heads + k_heads) * head_dim;
+#if defined(__AVX512F__)
+    if (head_dim % 32 == 0) {
+        widen_rotate_heads16(src, row, q_heads + k_heads, head_dim, cos, sin);
+        for (int64_t j = rotated; j < width; j += 16) _mm512_storeu_ps(row + j, bf16x16_to_f32(src + j));
+        return;
+    }
+#endif
+    for (int64_t j = 0; j < width; j++) row[j] = from_bf16(src[j]);
+    rotate_heads(row, q_heads, head_dim, cos, sin);
+    rotate_heads(row + (int64_t)q_heads * head_dim, k_heads, head_dim, cos, sin);
+}
+
 int cpllm_widen_rope_qkv(const uint16_t *qkv, int q_heads, int k_heads, int v_heads, int64_t tokens, int head_dim,
                          const float *cos, const float *sin, float *out, int threads) {
     if (head_dim > 512 || head_dim % 2) return CPLLM_UNSUPPORTED_SHAPE;
     const int64_t width = (int64_t)(q_heads + k_heads + v_heads) * head_dim;
 #pragma omp parallel for num_threads(threads) schedule(static) if (tokens * width >= 65536)
-    for (int64_t t = 0; t < tokens; t++) {
-        const uint16_t *src = qkv + t * width;
-        float *row = out + t * width;
-        for (int64_t j = 0; j < width; j++) row[j] = from_bf16(src[j]);
-        rotate_heads(row, q_heads, head_dim, cos + t * head_dim, sin + t * head_dim);
-        rotate_heads(row + (int64_t)q_heads * head_dim, k_heads, head_dim, cos + t * head_dim, sin + t * head_dim);
-    }
+    for (int64_t t = 0; t < tokens; t++)
+        widen_rope_row(qkv + t * width, q_heads, k_heads, width, head_dim, cos + t * head_dim, sin + t * head_dim,
+                       out + t * width);
     return 0;
 }
 
@@ -77,7 +130,12 @@ int cpllm_store_rows(const float *src, int64_t src_stride, int64_t src_rows, con
             for (int64_t j = 0; j < row_elems; j++) d[j] = (_Float16)s[j];
         } else {
             uint16_t *d = (uint16_t *)pool + slots[i] * row_elems;
-            for (int64_t j = 0; j < row_elems; j++) d[j] = to_bf16(s[j]);
+            int64_t j = 0;
+#if defined(__AVX512F__)
+            for (; j + 16 <= row_elems; j += 16)
+                _mm256_storeu_si256((__m256i *)(d + j), f32x16_to_bf16(_mm512_loadu_ps(s + j)));
+#endif
+            for (; j < row_elems; j++) d[j] = to_bf16(s[j]);
         }
     }
     return CPLLM_OK;
@@ -114,21 +172,6 @@ void cpllm_silu_mul(const float *gate_up, int64_t batch, int64_t inter, float *o
         for (; i < inter; i++) o[i] = silu(g[i]) * u[i];
     }
 }
-
-#if defined(__AVX512F__)
-static inline __m512 bf16x16_to_f32(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-static inline __m256i f32x16_to_bf16(__m512 f) {  /* to_bf16 on 16 lanes */
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(r);
-}
-#endif
 
 /* cpllm_silu_mul on bfloat16 gate | up rows (a bf16 GEMM's output, widened exactly), out in float32 or, with
  * out_bf16, rounded to bfloat16 as torch rounds: the bits the float32 kernel followed by torch's cast give. */
