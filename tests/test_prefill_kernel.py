@@ -239,3 +239,23 @@ def test_an_unknown_bf16_way_is_refused():
     q, k, v = _qkv(4, 4, 2, 1, 64)
     with pytest.raises(ValueError, match="bf16_way 'tiles'"):
         prefill_attention(q, k, v, 0.1, True, bf16_products=True, bf16_way="tiles")
+
+
+@pytest.mark.parametrize("way, d", [(None, 64), (None, 36), ("avx512_bf16", 64), ("amx", 64)])
+def test_bf16_output_is_the_float32_output_rounded_as_torch_rounds(way, d):
+    """out_dtype bfloat16: every way writes its float32 output rounded to nearest even, bit for bit torch's cast of
+    that output (the whole 16-lane blocks and, at head size 36, the word-by-word rest), with the same lse."""
+    _skip_unless_built(way)
+    q, k, v = _qkv(150, 150, 6, 2, d, seed=11)
+    v[:, 0, 0], v[:, 0, 1] = 5e-39, 1e30  # outputs that are float32 subnormals, and large ones: rounding's edges
+    wide, wide_lse = prefill_attention(q, k, v, 0.1, True, bf16_products=way is not None, bf16_way=way)
+    narrow, narrow_lse = prefill_attention(q, k, v, 0.1, True, bf16_products=way is not None, bf16_way=way,
+                                           out_dtype=torch.bfloat16)
+    assert narrow.dtype == torch.bfloat16 and torch.equal(narrow_lse, wide_lse)
+    assert torch.equal(narrow.view(torch.int16), wide.to(torch.bfloat16).view(torch.int16))
+
+
+def test_an_output_dtype_other_than_float32_or_bfloat16_is_refused():
+    q, k, v = _qkv(4, 4, 2, 1, 64)
+    with pytest.raises(ValueError, match="out_dtype torch.float16"):
+        prefill_attention(q, k, v, 0.1, True, out_dtype=torch.float16)

@@ -82,7 +82,10 @@ class PagedCPAttention(torch.nn.Module):
         """The backend's `attend` takes `causal_offset=`: a run and the keys just before it go in one call."""
 
     def forward(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """out [N, Hq, D] in q's dtype, or in `out_dtype` (bfloat16: what the caller rounds it to next, a bf16
+        GEMM's input) where one backend call gives the step's output with no merge after it and the backend
+        writes it so (`narrow_output`): the same bits, without a float32 output written and read back."""
         # q [N, Hq, D]; k, v [N, Hkv, D]; k_pool, v_pool [num_slots, Hkv, D]; sinks [Hq] float32
         if self.mods is not None or sinks is not None:
             if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
@@ -94,13 +97,14 @@ class PagedCPAttention(torch.nn.Module):
             return self._one_shard_decode(q, k, v, k_pool, v_pool, meta)
         if plan is _PCP_DECODE:
             return self._pcp_decode(q, k, v, k_pool, v_pool, meta)
-        out, _ = self._general(q, k, v, k_pool, v_pool, meta)
-        return out.to(q.dtype)
+        out, _ = self._general(q, k, v, k_pool, v_pool, meta, out_dtype)
+        return out if out.dtype == out_dtype else out.to(q.dtype)
 
-    def _general(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata):
+    def _general(self, q, k, v, k_pool, v_pool, meta: AttentionMetadata, out_dtype: torch.dtype | None = None):
         """The path of steps with prompt chunks (and of single tokens the runner did not plan otherwise): new tokens
         over PCP by the step's strategy, then the cached context over the KV-shard group -> (out, lse) of the last
-        merge. The layer's score modifiers (`mods`, None for a plain layer) restrict each piece."""
+        merge. The layer's score modifiers (`mods`, None for a plain layer) restrict each piece. `out_dtype`: as
+        `forward` (offered to the gathered path's one call where no context merge follows)."""
         if k_pool.dtype != k.dtype:
             # A narrower --kv-cache-dtype: new tokens attend to the rounded K/V too, exactly what they read back from
             # the pool in later steps, so outputs do not depend on which tokens shared a chunk (nor on the layout).
@@ -115,7 +119,8 @@ class PagedCPAttention(torch.nn.Module):
             out, lse = _empty_partials(q)
             self._ring_new_tokens(q, k, v, k_pool, v_pool, meta, out, lse)
         else:
-            out, lse = self._gathered_new_tokens(q, k, v, k_pool, v_pool, meta)
+            narrow = None if meta.has_context or not getattr(self.backend, "narrow_output", False) else out_dtype
+            out, lse = self._gathered_new_tokens(q, k, v, k_pool, v_pool, meta, narrow)
         if meta.has_context:
             o_ctx, lse_ctx = self._context(q, k_pool, v_pool, meta)
             out, lse = merge_two(out, lse, o_ctx, lse_ctx)
@@ -187,9 +192,11 @@ class PagedCPAttention(torch.nn.Module):
         out, _ = self._replicated_query_context(q, k_pool, v_pool, meta)
         return out.to(q.dtype)
 
-    def _gathered_new_tokens(self, q, k, v, k_pool, v_pool, meta) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gathered_new_tokens(self, q, k, v, k_pool, v_pool, meta,
+                             out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Every new token's K/V on every PCP rank, stored, and each local run attended to them -> (out, lse);
-        rows of no run (single tokens) stay (0, -inf)."""
+        rows of no run (single tokens) stay (0, -inf). `out_dtype`: the one call's output in it (its backend
+        writes it so)."""
         k_all, v_all, rows = k, v, meta.write_rows  # only single tokens: every PCP rank holds them at the same rows
         if meta.has_new:
             in_order = self._gather_in_order(k, v, meta)
@@ -202,7 +209,7 @@ class PagedCPAttention(torch.nn.Module):
         whole = self._one_call(meta, q.shape[0])
         if whole is not None:  # one prompt's runs lead the rows: one call's result is the step's, as it comes
             keys = _new_keys(whole.request, 0, whole.end)
-            return self._attend_one_call(q, _rows(k_all, keys), _rows(v_all, keys), whole)
+            return self._attend_one_call(q, _rows(k_all, keys), _rows(v_all, keys), whole, out_dtype)
         runs = [r for r in meta.requests if r.num_new > 1]
         if self.mods is None and sum(c.length for r in runs for c in r.local_chunks) == q.shape[0]:
             out, lse = _unset_partials(q)  # the runs write every row (they are disjoint): nothing to clear
@@ -255,10 +262,13 @@ class PagedCPAttention(torch.nn.Module):
                             + [-torch.arange(covered, rows, dtype=torch.int32)])
         return OneCall(request=request, end=end, offset=offsets, covered=covered)
 
-    def _attend_one_call(self, q, keys, values, call: OneCall) -> tuple[torch.Tensor, torch.Tensor]:
-        """`call` on the keys and values of its request's first `call.end` new tokens in order -> (out, lse)."""
-        out, lse = self.backend.attend(q, keys, values, self.scale, True, causal_offset=call.offset)
-        out, lse = out.to(accumulator_dtype(q.dtype)), lse.float()
+    def _attend_one_call(self, q, keys, values, call: OneCall,
+                         out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`call` on the keys and values of its request's first `call.end` new tokens in order -> (out, lse); out in
+        `out_dtype` where the backend wrote it so, else in the accumulator dtype."""
+        narrow = {} if out_dtype is None else {"out_dtype": out_dtype}
+        out, lse = self.backend.attend(q, keys, values, self.scale, True, causal_offset=call.offset, **narrow)
+        out, lse = out if out.dtype == out_dtype else out.to(accumulator_dtype(q.dtype)), lse.float()
         if call.covered < q.shape[0]:  # rows of no run: the partials of no key, as every other path leaves them
             out[call.covered:] = 0
             lse[call.covered:] = float("-inf")

@@ -38,7 +38,7 @@ SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
     "int4_avx2": {"cpllm_int4_avx2_matmul": ([_p, _i64, _i, _p, _i, _p, _i], _i),
                   "cpllm_int4_avx2_dequantize": ([_p, _i, _i, _i64, _i64, _p, _i, _i], _i),
                   "cpllm_int4_avx2_available": ([], _i)},
-    "prefill_attention": {name: ([_p, _i64, _p, _p, _i64, _i, _i, _i, _i, _i, _f, _i, _p, _i, _p, _p], _i)
+    "prefill_attention": {name: ([_p, _i64, _p, _p, _i64, _i, _i, _i, _i, _i, _f, _i, _p, _i, _p, _p, _i], _i)
                           for name in ("cpllm_prefill_attention", "cpllm_prefill_attention_bf16",
                                        "cpllm_prefill_attention_amx")},
     "index_scores": {"cpllm_index_scores": (

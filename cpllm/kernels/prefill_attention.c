@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "vector_exp.h"
 
 #if defined(__AVX512F__)
@@ -43,6 +44,7 @@ typedef struct {
     const int32_t *row_offsets;  /* NULL, or query i's own causal offset (causal_offset must then be >= 0) */
     float scale;
     float *out, *lse;
+    int out_bf16;  /* out holds bfloat16, rounded as torch rounds the float32 output (1), or float32 (0) */
 } Problem;
 
 typedef struct {
@@ -185,13 +187,20 @@ static void block_values(const Problem *p, int g, int k0, int count, Tile *t) {
     }
 }
 
+/* Row r's outputs c .. c + 15 (x: already divided by the sum) at element `at` of out, in out's dtype. */
+static inline void store_outputs(const Problem *p, int64_t at, __m512 x) {
+    if (p->out_bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)p->out + at), f32x16_to_bf16(x));
+    else _mm512_storeu_ps(p->out + at, x);
+}
+
 static void store_tile(const Problem *p, int g, int r0, const Tile *t) {
     const int group = p->hq / p->hkv, rows_total = p->n_q * group;
     const int rows = rows_total - r0 < ROWS ? rows_total - r0 : ROWS;
-    float *dst[ROWS], inv[ROWS];
+    int64_t dst[ROWS];  /* row r's first output element */
+    float inv[ROWS];
     for (int r = 0; r < rows; r++) {
         const int i = (r0 + r) / group, h = g * group + (r0 + r) % group;
-        dst[r] = p->out + ((int64_t)i * p->hq + h) * p->d;
+        dst[r] = ((int64_t)i * p->hq + h) * p->d;
         inv[r] = 1.0f / t->l[r];
         p->lse[(int64_t)i * p->hq + h] = t->m[r] + logf(t->l[r]);
     }
@@ -202,11 +211,15 @@ static void store_tile(const Problem *p, int g, int r0, const Tile *t) {
             for (int a = 0; a < 16; a++) block[a] = _mm512_castps_si512(_mm512_load_ps(&t->ot[c + a][rb]));
             transpose16(block);  /* block[r]: row rb + r's outputs c .. c + 15 */
             for (int r = 0; r < 16 && rb + r < rows; r++)
-                _mm512_storeu_ps(dst[rb + r] + c,
-                                 _mm512_mul_ps(_mm512_castsi512_ps(block[r]), _mm512_set1_ps(inv[rb + r])));
+                store_outputs(p, dst[rb + r] + c,
+                              _mm512_mul_ps(_mm512_castsi512_ps(block[r]), _mm512_set1_ps(inv[rb + r])));
         }
     for (int r = 0; r < rows; r++)
-        for (int c = whole; c < p->d; c++) dst[r][c] = t->ot[c][r] * inv[r];
+        for (int c = whole; c < p->d; c++) {
+            const float x = t->ot[c][r] * inv[r];
+            if (p->out_bf16) ((uint16_t *)p->out)[dst[r] + c] = to_bf16(x);
+            else p->out[dst[r] + c] = x;
+        }
 }
 
 /* The keys a loaded tile reads: [0, *end), and the lowest last visible key of its rows (blocks past it mask). */
@@ -272,21 +285,21 @@ static int run_items(const Problem *p, const Packed *packed, TileRun run, int th
 
 static Problem make_problem(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
                             int n_q, int n_k, int hq, int hkv, int d, float scale, int causal_offset,
-                            const int32_t *row_offsets, float *out, float *lse) {
+                            const int32_t *row_offsets, float *out, float *lse, int out_bf16) {
     const Problem p = {.q = q, .k = k, .v = v, .q_stride = q_stride, .kv_stride = kv_stride, .n_q = n_q,
                        .n_k = n_k, .hq = hq, .hkv = hkv, .d = d, .causal_offset = causal_offset,
                        .row_offsets = row_offsets,
-                       .scale = scale, .out = out, .lse = lse};
+                       .scale = scale, .out = out, .lse = lse, .out_bf16 = out_bf16};
     return p;
 }
 
 int cpllm_prefill_attention(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
                             int n_q, int n_k, int hq, int hkv, int d, float scale, int causal_offset,
-                            const int32_t *row_offsets, int threads, float *out, float *lse) {
+                            const int32_t *row_offsets, int threads, float *out, float *lse, int out_bf16) {
     if (d > MAX_D || d % 4 || hq % hkv || n_k <= 0) return 1;
     const Problem p =
         make_problem(q, q_stride, k, v, kv_stride, n_q, n_k, hq, hkv, d, scale, causal_offset, row_offsets, out,
-                     lse);
+                     lse, out_bf16);
     return run_items(&p, NULL, run_tile_f32, threads);
 }
 
@@ -685,12 +698,12 @@ static int prefill_attention_amx(const Problem *p, int threads) {
 /* As cpllm_prefill_attention, on bf16 dot products (see above); 2 where not built with AVX-512 BF16. */
 int cpllm_prefill_attention_bf16(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
                                  int n_q, int n_k, int hq, int hkv, int d, float scale, int causal_offset,
-                                 const int32_t *row_offsets, int threads, float *out, float *lse) {
+                                 const int32_t *row_offsets, int threads, float *out, float *lse, int out_bf16) {
 #if defined(__AVX512BF16__)
     if (d > MAX_D || d % 4 || hq % hkv || n_k <= 0) return 1;
     const Problem p =
         make_problem(q, q_stride, k, v, kv_stride, n_q, n_k, hq, hkv, d, scale, causal_offset, row_offsets, out,
-                     lse);
+                     lse, out_bf16);
     const int64_t pairs = (n_k + 1) / 2;
     Packed packed = {.kb = aligned_alloc(64, ((size_t)hkv * n_k * d * sizeof(uint16_t) + 63) / 64 * 64),
                      .vp = aligned_alloc(64, ((size_t)hkv * pairs * d * sizeof(uint32_t) + 63) / 64 * 64)};
@@ -704,7 +717,7 @@ int cpllm_prefill_attention_bf16(const float *q, int64_t q_stride, const float *
     return status;
 #else
     (void)q, (void)q_stride, (void)k, (void)v, (void)kv_stride, (void)n_q, (void)n_k, (void)hq, (void)hkv, (void)d;
-    (void)scale, (void)causal_offset, (void)row_offsets, (void)threads, (void)out, (void)lse;
+    (void)scale, (void)causal_offset, (void)row_offsets, (void)threads, (void)out, (void)lse, (void)out_bf16;
     return 2;
 #endif
 }
@@ -713,17 +726,17 @@ int cpllm_prefill_attention_bf16(const float *q, int64_t q_stride, const float *
  * the OS refused the tile state, or a head size that is no multiple of 32. */
 int cpllm_prefill_attention_amx(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
                                 int n_q, int n_k, int hq, int hkv, int d, float scale, int causal_offset,
-                                const int32_t *row_offsets, int threads, float *out, float *lse) {
+                                const int32_t *row_offsets, int threads, float *out, float *lse, int out_bf16) {
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (d > MAX_D || d % 4 || hq % hkv || n_k <= 0) return 1;
     if (d % 32 || !amx_permitted()) return 2;
     const Problem p =
         make_problem(q, q_stride, k, v, kv_stride, n_q, n_k, hq, hkv, d, scale, causal_offset, row_offsets, out,
-                     lse);
+                     lse, out_bf16);
     return prefill_attention_amx(&p, threads);
 #else
     (void)q, (void)q_stride, (void)k, (void)v, (void)kv_stride, (void)n_q, (void)n_k, (void)hq, (void)hkv, (void)d;
-    (void)scale, (void)causal_offset, (void)row_offsets, (void)threads, (void)out, (void)lse;
+    (void)scale, (void)causal_offset, (void)row_offsets, (void)threads, (void)out, (void)lse, (void)out_bf16;
     return 2;
 #endif
 }
@@ -731,19 +744,19 @@ int cpllm_prefill_attention_amx(const float *q, int64_t q_stride, const float *k
 #else
 int cpllm_prefill_attention_bf16(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
                                  int n_q, int n_k, int hq, int hkv, int d, float scale, int causal_offset,
-                                 const int32_t *row_offsets, int threads, float *out, float *lse) {
+                                 const int32_t *row_offsets, int threads, float *out, float *lse, int out_bf16) {
     return 2;  /* no AVX-512 on this machine: the caller runs its torch path */
 }
 
 int cpllm_prefill_attention(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
                             int n_q, int n_k, int hq, int hkv, int d, float scale, int causal_offset,
-                            const int32_t *row_offsets, int threads, float *out, float *lse) {
+                            const int32_t *row_offsets, int threads, float *out, float *lse, int out_bf16) {
     return 2;  /* no AVX-512 on this machine: the caller runs its torch path */
 }
 
 int cpllm_prefill_attention_amx(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
                                 int n_q, int n_k, int hq, int hkv, int d, float scale, int causal_offset,
-                                const int32_t *row_offsets, int threads, float *out, float *lse) {
+                                const int32_t *row_offsets, int threads, float *out, float *lse, int out_bf16) {
     return 2;
 }
 #endif

@@ -58,7 +58,7 @@ def _call(lib, way: str, q, k, v, scale: float, causal_offset: int, threads: int
     return getattr(lib, ENTRIES[way])(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0),
                                       q.shape[0], k.shape[0], q.shape[1], k.shape[1], q.shape[2], scale,
                                       causal_offset, None if row_offsets is None else row_offsets.data_ptr(),
-                                      threads, out.data_ptr(), lse.data_ptr())
+                                      threads, out.data_ptr(), lse.data_ptr(), int(out.dtype == torch.bfloat16))
 
 
 def built_ways() -> tuple[str, ...]:
@@ -129,8 +129,11 @@ def _rows_in_place(x: torch.Tensor) -> bool:
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
                       bf16_products: bool = False, causal_offset: int | torch.Tensor = 0,
-                      bf16_way: str | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """out [L, Hq, D] float32 and lse [L, Hq] float32, or None where the kernel does not apply.
+                      bf16_way: str | None = None,
+                      out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """out [L, Hq, D] in `out_dtype` and lse [L, Hq] float32, or None where the kernel does not apply. out_dtype
+    float32, or bfloat16: the float32 output rounded as torch rounds it, written so (for a consumer that rounds it
+    anyway, as a bf16 GEMM's input: no float32 copy to write and read back).
 
     q [L, Hq, D], k and v [S, Hkv, D], L and S > 0; causal: query i sees keys j <= i + causal_offset (0 <=
     i + causal_offset <= S - 1), the offset one int or one per query (an int tensor [L]: runs of queries at other
@@ -157,7 +160,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         q = q.contiguous()
     if not (_rows_in_place(k) and _rows_in_place(v) and k.stride(0) == v.stride(0)):
         k, v = k.contiguous(), v.contiguous()
-    out = torch.empty(length, hq, d, dtype=torch.float32)
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"prefill attention: out_dtype {out_dtype}; float32 or bfloat16")
+    out = torch.empty(length, hq, d, dtype=out_dtype)
     lse = torch.empty(length, hq, dtype=torch.float32)
     way = (bf16_choice().way if bf16_way is None else bf16_way) if bf16_products else ""
     if way and way not in BF16_WAYS:

@@ -57,6 +57,9 @@ class GQAPagedBackend:
     row_causal_offsets = True
     """`causal_offset=` may also be an int tensor, one offset per query: a PCP rank's head and tail runs of one
     prompt in one call against the prompt's keys in order (the CP layer's gathered prefill)."""
+    narrow_output = True
+    """`attend` takes `out_dtype=torch.bfloat16`: the output of a call whose result goes straight to a bf16 GEMM
+    (no merge after it) written rounded, where the C kernel runs."""
     bf16_products = False
     """Prefill attention runs on bf16 dot products (`use_bf16_products`); False: float32, exact to its rounding."""
 

@@ -14,11 +14,13 @@ from cpllm.kernels.prefill_attention import prefill_attention
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-           bf16_products: bool = False, causal_offset: int | torch.Tensor = 0):
+           bf16_products: bool = False, causal_offset: int | torch.Tensor = 0, out_dtype: torch.dtype | None = None):
     # q [L, Hq, D], k/v [S, Hkv, D] -> out [L, Hq, D], lse [L, Hq]; causal: query i sees keys j <= i + causal_offset
-    # (one int, or an int tensor [L] of each query's own offset)
+    # (one int, or an int tensor [L] of each query's own offset); out_dtype bfloat16: out rounded so where the C
+    # kernel runs (the caller rounds it anyway), else out as it comes
     if q.shape[0] and k.shape[0]:
-        fast = prefill_attention(q, k, v, scale, causal, bf16_products, causal_offset)  # the C kernel, else None
+        fast = prefill_attention(q, k, v, scale, causal, bf16_products, causal_offset,
+                                 out_dtype=out_dtype or torch.float32)  # the C kernel, else None
         if fast is not None:
             return fast
     mask = None
@@ -40,10 +42,10 @@ millisecond per layer on one core), so short prompts and short pieces keep float
 
 
 def attend_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                causal_offset: int | torch.Tensor = 0):
+                causal_offset: int | torch.Tensor = 0, out_dtype: torch.dtype | None = None):
     """`attend` on bf16 dot products where the C kernel runs them (cpllm/kernels/prefill_attention.py), for
     calls of at least BF16_MIN_PAIRS query-key pairs."""
-    return attend(q, k, v, scale, causal, q.shape[0] * k.shape[0] >= BF16_MIN_PAIRS, causal_offset)
+    return attend(q, k, v, scale, causal, q.shape[0] * k.shape[0] >= BF16_MIN_PAIRS, causal_offset, out_dtype)
 
 
 def attend_single_tokens(q, k_ctx, v_ctx, decode, scale: float, every_row_sees_a_key: bool = False,

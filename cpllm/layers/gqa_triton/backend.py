@@ -123,6 +123,8 @@ class TritonPagedBackend:
     calls and merges them."""
     row_causal_offsets = False
     """Nor one offset per query row: a PCP rank's head and tail runs take calls of their own."""
+    narrow_output = False
+    """`attend` writes its own output dtype (no `out_dtype=`)."""
     store_kv = staticmethod(_GQA.store_kv)  # index_copy_: one launch per pool, capturable in a CUDA graph
     attend = staticmethod(_attend)
     context_keys = staticmethod(_context_keys)

@@ -100,7 +100,9 @@ class LlamaAttention(torch.nn.Module):
             q = apply_rope(rope_tables, q)  # [N, Hq, D]
             k = apply_rope(rope_tables, k)  # [N, Hkv, D]
         v = v.reshape(n, self.num_kv_heads, d)
-        out = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta).reshape(n, self.num_heads * d)  # [N, Hq * D]
+        # in o_proj's GEMM dtype where the attention can write it so (no float32 copy in between)
+        out = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta, out_dtype=self.o_proj.input_dtype(n))
+        out = out.reshape(n, self.num_heads * d)  # [N, Hq * D]
         if keep is not None:
             if keep.numel() == 0:
                 return out[:0]  # no row wanted: no projection (nor its all-reduce) on any rank
