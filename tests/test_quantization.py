@@ -32,6 +32,7 @@ from cpllm.config.engine import QUANT_GROUP
 from cpllm.distributed.parallel_context import ParallelContext
 from cpllm.distributed.parallel_dims import ParallelDims
 from cpllm.kernels import int4_avx2, int4_matmul
+from cpllm.layers.gqa import local_attention
 from cpllm.engine.llm import build_engine_config
 from cpllm.engine_args import engine_kwargs
 from cpllm.model.loaders.default_model import default_model_path
@@ -236,9 +237,11 @@ def compare(outputs, references) -> tuple[int, int, float, float]:
     return same, first, sum(diffs) / len(diffs), max(diffs)
 
 
-def run_engine(path: str, **options) -> list:
+def run_engine(path: str, alone: int = 0, **options) -> list:
+    """The 16 random prompts in one batch, then `alone` more one at a time (each step then one request's)."""
     with LLM(path, **ENGINE, **options) as llm:
-        return llm.generate(random_prompts(), PARAMS)
+        return llm.generate(random_prompts(), PARAMS) + [
+            llm.generate([prompt], PARAMS)[0] for prompt in random_prompts(alone, seed=1)]
 
 
 @pytest.fixture(scope="module")
@@ -374,7 +377,8 @@ def test_smollm2_auto_still_answers_paris(caplog):
 @pytest.mark.skipif(not int4_avx2.available(), reason="no AVX2 int4 kernel (its dequantizer runs the GEMM way)")
 def test_bf16_flow_between_the_gemms_gives_the_float32_flows_bits(quantized_gguf, monkeypatch):
     """With every int4 call on bf16 GEMMs, the layers hand each other bf16 where the next GEMM rounds to it anyway
-    (norms written in bf16, gate|up and o_proj left in bf16, the activation rounded once): outputs are bit for bit
+    (norms written in bf16, gate|up and o_proj left in bf16, the activation rounded once, the attention's output
+    written in bf16): outputs are bit for bit
     those of the float32 flow, in which each GEMM widens its output and the next rounds its input."""
     from cpllm.kernels import int4_choice
 
@@ -390,10 +394,19 @@ def test_bf16_flow_between_the_gemms_gives_the_float32_flows_bits(quantized_gguf
         return y
 
     monkeypatch.setattr(GroupedWeight, "matmul_native", counted)
-    narrow = run_engine(quantized_gguf, quantization="auto")
+    attention_outputs, kernel = [], local_attention.prefill_attention
+
+    def attention(*args, **kwargs):
+        attention_outputs.append(kwargs.get("out_dtype"))
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(local_attention, "prefill_attention", attention)
+    narrow = run_engine(quantized_gguf, alone=2, quantization="auto")
     assert sum(narrow_outputs) >= len(narrow)  # the flow ran (a single rank runs in this process)
+    assert torch.bfloat16 in attention_outputs  # and the attention wrote o_proj's bf16 input itself
     monkeypatch.setattr(GroupedWeight, "matmul_native", lambda self, x, bias=None: self.matmul(x, bias))
     monkeypatch.setattr(GroupedWeight, "input_dtype", lambda self, rows: None)
-    wide = run_engine(quantized_gguf, quantization="auto")
+    wide = run_engine(quantized_gguf, alone=2, quantization="auto")
+    assert len(narrow) == len(wide) == 18
     for a, b in zip(narrow, wide):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids and prompt_logprobs(a) == prompt_logprobs(b)
