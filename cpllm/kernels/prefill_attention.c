@@ -609,9 +609,10 @@ static void block_values_amx(const Problem *p, const uint16_t *vt, int k0, int c
 #define LAZY_MAX 5.55f
 #define LOG2E 1.44269504f
 
-/* e^(s - m) = 2^(s log2(e) - m log2(e)): one fused multiply-subtract, then exp2_16_nonpositive. */
-static inline __m512 exp_from(const float *scores, __m512 m_log2) {
-    return exp2_16_nonpositive(_mm512_fmsub_ps(_mm512_load_ps(scores), _mm512_set1_ps(LOG2E), m_log2));
+/* e^(s - m) = 2^(s log2(e) - m log2(e)) in the lanes `seen`, 0 elsewhere: one fused multiply-subtract, then
+ * exp2_16_masked (scores and the max are finite: no clamp). */
+static inline __m512 exp_from(__mmask16 seen, const float *scores, __m512 m_log2) {
+    return exp2_16_masked(seen, _mm512_fmsub_ps(_mm512_load_ps(scores), _mm512_set1_ps(LOG2E), m_log2));
 }
 
 /* block_softmax for the AMX variant: a lazily moved max, e raised through 2^x, the probabilities written straight
@@ -640,8 +641,8 @@ static void block_softmax_amx(const Problem *p, int k0, int count, int masked, T
             const int j = 2 * j2;
             const __mmask16 seen0 = seen_by(masked, k0 + j, last);
             const __mmask16 seen1 = j + 1 < count ? seen_by(masked, k0 + j + 1, last) : 0;
-            const __m512 e0 = _mm512_maskz_mov_ps(seen0, exp_from(&t->st[j][16 * b], m_log2));
-            const __m512 e1 = _mm512_maskz_mov_ps(seen1, exp_from(&t->st[j + 1][16 * b], m_log2));
+            const __m512 e0 = exp_from(seen0, &t->st[j][16 * b], m_log2);
+            const __m512 e1 = exp_from(seen1, &t->st[j + 1][16 * b], m_log2);
             sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
             _mm512_store_si512((void *)&pt->pp[j2][16 * b], bf16_pair_words(e0, e1));
         }

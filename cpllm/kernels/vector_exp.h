@@ -42,19 +42,24 @@ static inline __m512 exp16_nonpositive(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 
-/* 2^x for x <= 0 on 16 lanes: 2^floor(x) (scalef) times a degree-4 polynomial fitted to 2^f on f = x - floor(x)
- * in [0, 1) (vreduceps: one instruction), its constant term 1 so that 2^0 is exactly 1. Relative error below 3e-6
- * (for prefill_attention.c's AMX way, which rounds the result to bf16: 4e-3). Seven instructions where rounding to
- * nearest and a degree-5 polynomial took nine: that way's softmax is bound by them. */
-static inline __m512 exp2_16_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+/* 2^x on 16 lanes for finite x (an infinity gives NaN), 0 in the lanes outside `keep`: 2^floor(x) (scalef, which
+ * also applies the mask) times a degree-4 polynomial fitted to 2^f on f = x - floor(x) in [0, 1) (vreduceps: one
+ * instruction), its constant term 1 so that 2^0 is exactly 1. Relative error below 3e-6 (for prefill_attention.c's
+ * AMX way, which rounds the result to bf16: 4e-3). Six instructions where rounding to nearest, a degree-5
+ * polynomial and a separate mask took ten: that way's softmax is bound by them. */
+static inline __m512 exp2_16_masked(__mmask16 keep, __m512 x) {
     const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     __m512 e = _mm512_set1_ps(1.34266848e-2f);
     e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(5.22424728e-2f));
     e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(2.41280198e-1f));
     e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(6.93044841e-1f));
     e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(e, x);
+    return _mm512_maskz_scalef_ps(keep, e, x);
+}
+
+/* exp2_16_masked on every lane for x <= 0, -infinity included (clamped first: 2^-126 for it, not NaN). */
+static inline __m512 exp2_16_nonpositive(__m512 x) {
+    return exp2_16_masked(0xFFFF, _mm512_max_ps(x, _mm512_set1_ps(-126.0f)));
 }
 
 #endif
