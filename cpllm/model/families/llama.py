@@ -8,6 +8,7 @@ which hides context parallelism from the model.
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -188,6 +189,19 @@ class LlamaMLP(torch.nn.Module):
         return act
 
 
+class PendingResidual(NamedTuple):
+    """A layer's output left as a sum still to make, residual + delta (the MLP's bf16 output), for the next layer
+    to add in its input norm's one pass (cpllm_add_rms_norm) instead of a pass of its own: the same bits."""
+
+    residual: torch.Tensor
+    """The float32 residual stream before the MLP's output is added."""
+    delta: torch.Tensor
+    """The MLP's output, as its GEMM rounded it."""
+
+    def resolve(self) -> torch.Tensor:
+        return add_residual(self.residual, self.delta)
+
+
 class LlamaDecoderLayer(torch.nn.Module):
     def __init__(self, config: ModelConfig, index: int, parallel: ParallelContext, dtype: torch.dtype,
                  backend: AttentionBackend | None = None, max_positions: int | None = None):
@@ -210,17 +224,21 @@ class LlamaDecoderLayer(torch.nn.Module):
             split = not parallel.dims.kv_replicated and low_latency(parallel.group("pcp"))
             self.mlp = LlamaMLP(config, f"{prefix}.mlp", parallel, dtype, split)
 
-    def forward(self, hidden, rope_tables, kv_cache, meta, keep: torch.Tensor | None = None):
+    def forward(self, hidden, rope_tables, kv_cache, meta, keep: torch.Tensor | None = None, defer: bool = False):
         """`keep`: the rows to compute past attention (the last layer of a step that samples from a few rows).
 
         Where the projections run bf16 GEMMs (the default path's prefill), each norm is rounded to bf16 as it is
         written and o_proj's bf16 output is added to the residual as it is (the residual stays float32): the bits
-        of the float32 flow, whose casts the GEMMs would make anyway."""
+        of the float32 flow, whose casts the GEMMs would make anyway. `hidden` may be the previous layer's
+        PendingResidual, and with `defer` (the next layer takes one) this layer's output is one where its MLP
+        gave bf16."""
         narrow = getattr(self.self_attn, "input_dtype", None)  # an attention or MLP that has it takes `native`
         if narrow is None:
+            hidden = hidden.resolve() if isinstance(hidden, PendingResidual) else hidden
             attn = self.self_attn(self.input_layernorm(hidden), rope_tables, kv_cache, meta, keep)
         else:
-            normed = self.input_layernorm.add_and_norm(hidden, None, narrow(hidden.shape[0]))[1]
+            residual, delta = hidden if isinstance(hidden, PendingResidual) else (hidden, None)
+            hidden, normed = self.input_layernorm.add_and_norm(residual, delta, narrow(residual.shape[0]))
             attn = self.self_attn(normed, rope_tables, kv_cache, meta, keep, native=True)
         if keep is not None and keep.numel() == 0:  # no row wanted: the K/V store was all there was to do
             return hidden[:0]
@@ -231,7 +249,13 @@ class LlamaDecoderLayer(torch.nn.Module):
             return hidden + self.mlp(normed, meta)
         hidden, normed = self.post_attention_layernorm.add_and_norm(residual, attn,
                                                                     mlp_input(residual.shape[0], meta))
-        return add_residual(hidden, self.mlp(normed, meta, native=True))
+        delta = self.mlp(normed, meta, native=True)
+        return PendingResidual(hidden, delta) if defer else add_residual(hidden, delta)
+
+
+def takes_pending_residual(layer: torch.nn.Module) -> bool:
+    """`layer` runs LlamaDecoderLayer's forward, which takes the previous layer's PendingResidual."""
+    return getattr(type(layer), "forward", None) is LlamaDecoderLayer.forward
 
 
 def call_layer(layer: LlamaDecoderLayer, hidden, rope_tables, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
@@ -365,8 +389,12 @@ class LlamaForCausalLM(torch.nn.Module):
             layer_step = meta if layer_meta is None else layer_meta[index]
             if index == last and keep is not None:
                 return layer(hidden, rope_tables, kv_cache, layer_step, keep)
-            hidden = run_layer(layer, hidden, rope_tables, kv_cache, layer_step)
-        return hidden
+            if run_layer is call_layer and index < last and takes_pending_residual(self.layers[index + 1]) \
+                    and takes_pending_residual(layer):  # eager layers: the residual add joins the next norm's pass
+                hidden = layer(hidden, rope_tables, kv_cache, layer_step, defer=True)
+            else:
+                hidden = run_layer(layer, hidden, rope_tables, kv_cache, layer_step)
+        return hidden  # the last layer is never deferred
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
