@@ -199,6 +199,7 @@ class PendingResidual(NamedTuple):
     """The MLP's output, as its GEMM rounded it."""
 
     def resolve(self) -> torch.Tensor:
+        """The sum, in a pass of its own (for a layer that does not take it into its norm)."""
         return add_residual(self.residual, self.delta)
 
 
