@@ -14,7 +14,6 @@
 
 enum { POOL_F32 = 0, POOL_F16 = 1, POOL_BF16 = 2 };
 
-
 __attribute__((optimize("fp-contract=off")))
 static void rotate_heads(float *restrict x, int heads, int head_dim, const float *restrict cos,
                          const float *restrict sin) {
@@ -43,9 +42,6 @@ int cpllm_rope_qk(float *q, int q_heads, int64_t q_stride, float *k, int k_heads
     return 0;
 }
 
-/* cpllm_rope_qk on a bf16 GEMM's q|k|v rows [tokens, (q_heads + k_heads + v_heads) * head_dim]: out (the same shape,
- * float32, contiguous) = the rows widened (exact), q's and k's heads then rotated, each row while it is in cache: the
- * bits of torch's widening copy followed by cpllm_rope_qk, in one pass over memory instead of three. */
 #if defined(__AVX512F__)
 /* rotate_heads on a bf16 row's heads, widened on the way into out (half a multiple of 16): each lane's products and
  * sum as rotate_heads rounds them (fp-contract off), so the same bits in registers instead of through a copy. */
@@ -83,6 +79,9 @@ static void widen_rope_row(const uint16_t *src, int q_heads, int k_heads, int64_
     rotate_heads(row + (int64_t)q_heads * head_dim, k_heads, head_dim, cos, sin);
 }
 
+/* cpllm_rope_qk on a bf16 GEMM's q|k|v rows [tokens, (q_heads + k_heads + v_heads) * head_dim]: out (the same shape,
+ * float32, contiguous) = the rows widened (exact), q's and k's heads then rotated, each row while it is in cache: the
+ * bits of torch's widening copy followed by cpllm_rope_qk, in one pass over memory instead of three. */
 int cpllm_widen_rope_qkv(const uint16_t *qkv, int q_heads, int k_heads, int v_heads, int64_t tokens, int head_dim,
                          const float *cos, const float *sin, float *out, int threads) {
     if (head_dim > 512 || head_dim % 2) return CPLLM_UNSUPPORTED_SHAPE;

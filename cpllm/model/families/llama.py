@@ -281,6 +281,10 @@ class LlamaForCausalLM(torch.nn.Module):
             self.decoder_layer(config, i, parallel, dtype, max_positions)
             for i in range(config.num_hidden_layers)
         )
+        takes = [takes_pending_residual(layer) for layer in self.layers]
+        self.defers_residual = tuple(a and b for a, b in zip(takes, takes[1:])) + (False,)
+        """Per layer: its eager forward hands the next layer a PendingResidual (both run LlamaDecoderLayer's
+        forward; never the last)."""
         self.norm = self.final_norm(config, dtype)
         tied = self.embed_tokens if config.tie_word_embeddings else None
         # the head split adds one collective per step: only where collectives are cheap
@@ -390,8 +394,7 @@ class LlamaForCausalLM(torch.nn.Module):
             layer_step = meta if layer_meta is None else layer_meta[index]
             if index == last and keep is not None:
                 return layer(hidden, rope_tables, kv_cache, layer_step, keep)
-            if run_layer is call_layer and index < last and takes_pending_residual(self.layers[index + 1]) \
-                    and takes_pending_residual(layer):  # eager layers: the residual add joins the next norm's pass
+            if run_layer is call_layer and self.defers_residual[index]:  # the residual add joins the next norm's pass
                 hidden = layer(hidden, rope_tables, kv_cache, layer_step, defer=True)
             else:
                 hidden = run_layer(layer, hidden, rope_tables, kv_cache, layer_step)
