@@ -204,6 +204,28 @@ def test_bf16_products_follow_a_max_that_jumps_or_falls_between_blocks(boost, wa
     torch.testing.assert_close(out.double(), want_out, rtol=0, atol=2 ** -8 * float(v.abs().max()))
 
 
+@pytest.mark.parametrize("way", BF16_WAYS)
+def test_bf16_products_with_scores_hundreds_apart_leave_the_callers_subnormals(way):
+    """Every other key scaled by 300: rows' scores spread by hundreds, so many e^(s - m) fall under float32's
+    smallest normal (the AMX way flushes them while its blocks run). The result is still attention on the rounded
+    operands, and the calling thread keeps its subnormals afterwards."""
+    _skip_unless_built(way)
+    q, k, v = _qkv(300, 300, 9, 3, 64, seed=9)
+    k = k.clone()
+    k[::2] *= 300.0
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # the kernel runs on this thread
+    try:
+        out, lse = prefill_attention(q, k, v, 0.125, True, bf16_products=True, bf16_way=way)
+        subnormal = float(torch.tensor([1e-39]) * 2.0)
+    finally:
+        torch.set_num_threads(previous)
+    want_out, want_lse = _reference(_bf16(q * 0.125), _bf16(k), _bf16(v), 1.0, True)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-4)  # lse in the thousands: float32's ulp
+    torch.testing.assert_close(out.double(), want_out, rtol=0, atol=2 ** -8 * float(v.abs().max()))
+    assert subnormal > 0  # flush-to-zero would give 0
+
+
 @pytest.mark.parametrize("way, d", [("amx", 36), ("amx", 64), ("avx512_bf16", 64)])
 def test_amx_elsewhere_is_the_float32_kernel(way, d):
     """A way that does not run here, or AMX on a head size that is no multiple of 32, runs the float32 kernel."""
