@@ -473,10 +473,12 @@ static void run_tile_bf16(const Problem *p, const Packed *packed, int g, int r0,
  * [d / 2][row] (AMX's B operand holds consecutive pairs of its inner dimension in one 32-bit word), and out^T
  * [d][row] += V^T [d][key] times the probability pairs [key / 2][row]. Every tile is 16 rows of 64 bytes. K is
  * packed as the bf16 variant's kb and V transposed (vt [hkv][d][keys]), both padded with zeros to a whole block of
- * keys so that a tile never reads past them; the head size must be a multiple of 32 (one A tile's width). With the
- * products on tiles the softmax is most of the time left, so it has its own form here: e raised through 2^x and a
- * degree-5 polynomial, the probabilities converted straight into their pairs, and a running max that moves only
- * by more than LAZY_MAX (with the 2 x 2 blocking below, 1.24x / 1.33x the first AMX form at 2K / 8K tokens). */
+ * keys so that a tile never reads past them; the head size must be a multiple of 32 (one A tile's width). The
+ * scores and probability pairs are held grouped by 16 rows (st_at, pp_at). With the products on tiles (at the
+ * machine's bf16 matmul rate) the softmax is the largest part left, so it has its own form here: e raised through
+ * 2^x (exp2_16_masked: a degree-4 polynomial, the causal mask in its scalef), the probabilities converted straight
+ * into their pairs, and a running max that moves only by more than LAZY_MAX (with the 2 x 2 blocking below, 1.24x /
+ * 1.33x the first AMX form at 2K / 8K tokens). */
 enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18, TILE_KEYS = 16, STEP_KEYS = 32 };
 enum { MXCSR_FTZ_DAZ = 0x8040 };  /* flush-to-zero (bit 15) and denormals-are-zero (bit 6) */
 
