@@ -115,19 +115,22 @@ def test_rms_norm_leaves_other_dtypes_to_torch():
 
 @pytest.mark.parametrize("rows", [1, 300])
 @pytest.mark.parametrize("delta_dtype", [None, torch.float32, torch.bfloat16])
-def test_add_rms_norm_gives_the_bits_of_add_norm_and_cast(rows, delta_dtype):
+@pytest.mark.parametrize("width", [576, 100])
+def test_add_rms_norm_gives_the_bits_of_add_norm_and_cast(rows, delta_dtype, width):
     """The residual add and the next norm in one pass: the sum is torch's add (a bf16 delta widened), the norm the
-    unfused kernel's on that sum, in float32 or rounded to bf16 as torch rounds; 300 rows take the threaded path."""
+    unfused kernel's on that sum, in float32 or rounded to bf16 as torch rounds; 300 rows take the threaded path,
+    width 100 the 16-lane body and its scalar tail, and a row scaled to 1e-38 puts subnormals through the rounding."""
     gen = torch.Generator().manual_seed(rows)
-    x, w = torch.randn(rows, 576, generator=gen), torch.randn(576, generator=gen)
-    delta = None if delta_dtype is None else torch.randn(rows, 576, generator=gen).to(delta_dtype)
+    x, w = torch.randn(rows, width, generator=gen), torch.randn(width, generator=gen)
+    w[::7] *= 1e-38  # norms of about 1: these lanes' products are subnormal before the bf16 rounding
+    delta = None if delta_dtype is None else torch.randn(rows, width, generator=gen).to(delta_dtype)
     total_want = x if delta is None else x + delta.float()
     for out_dtype in (torch.float32, torch.bfloat16):
         total, normed = add_rms_norm(x, delta, w, 1e-5, out_dtype)
         assert torch.equal(total, total_want) and normed.dtype == out_dtype
         assert torch.equal(normed, rms_norm(total_want, w, 1e-5).to(out_dtype))
     assert add_rms_norm(x, delta, w, 1e-5, torch.float16) is None  # another output dtype: the caller's torch path
-    with pytest.raises(ValueError, match="width 576"):
+    with pytest.raises(ValueError, match=f"width {width}"):
         add_rms_norm(x, delta, w[:64], 1e-5, torch.float32)
 
 

@@ -39,30 +39,55 @@ void cpllm_rms_norm(const float *x, const float *w, float eps, int64_t rows, int
         norm_row(x + (r / groups) * stride + (r % groups) * width, w, eps, width, out + r * width);
 }
 
+/* sr = xr + delta's row (float32, or bf16 widened exactly): 16 lanes at a time where the CPU has AVX-512. */
+static void add_row(const float *restrict xr, const void *delta_row, int delta_bf16, int64_t width,
+                    float *restrict sr) {
+    int64_t j = 0;
+    if (delta_bf16) {
+        const uint16_t *dr = (const uint16_t *)delta_row;
+#if defined(__AVX512F__)
+        for (; j + LANES <= width; j += LANES)
+            _mm512_storeu_ps(sr + j, _mm512_add_ps(_mm512_loadu_ps(xr + j), bf16x16_to_f32(dr + j)));
+#endif
+        for (; j < width; j++) sr[j] = xr[j] + from_bf16(dr[j]);
+    } else {
+        const float *dr = (const float *)delta_row;
+        for (; j < width; j++) sr[j] = xr[j] + dr[j];
+    }
+}
+
+/* o = w * (x * scale) rounded to bf16 as to_bf16 rounds; 16 lanes at a time where the CPU has AVX-512 (the
+ * compiler's own vectorization of this loop took 256-bit vectors and the integer rounding: 1.7 cycles a value). */
+static void scale_row_bf16(const float *restrict x, const float *restrict w, float scale, int64_t width,
+                           uint16_t *restrict o) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (; j + LANES <= width; j += LANES) {
+        const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(w + j), _mm512_mul_ps(_mm512_loadu_ps(x + j), vscale));
+        _mm256_storeu_si256((__m256i *)(o + j), f32x16_to_bf16(y));
+    }
+#endif
+    for (; j < width; j++) o[j] = to_bf16(w[j] * (x[j] * scale));
+}
+
 /* The residual add and the next norm in one pass over contiguous rows [rows, width]: sum = x + delta (delta float32,
  * or bf16 with delta_bf16: a bf16 GEMM's output, widened exactly; NULL: sum is x and is not written), then
  * out = w * (sum / sqrt(mean(sum^2) + eps)) in float32, or rounded to bf16 with out_bf16 (as torch rounds): the
  * bits of torch's add, cpllm_rms_norm and torch's cast, without the two intermediates. */
 void cpllm_add_rms_norm(const float *x, const void *delta, int delta_bf16, const float *w, float eps, int64_t rows,
                         int64_t width, float *sum, void *out, int out_bf16, int threads) {
+    const int64_t delta_bytes = delta_bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows > 64)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * width;
         if (delta != NULL) {
-            float *sr = sum + r * width;
-            if (delta_bf16) {
-                const uint16_t *dr = (const uint16_t *)delta + r * width;
-                for (int64_t j = 0; j < width; j++) sr[j] = xr[j] + from_bf16(dr[j]);
-            } else {
-                const float *dr = (const float *)delta + r * width;
-                for (int64_t j = 0; j < width; j++) sr[j] = xr[j] + dr[j];
-            }
-            xr = sr;
+            add_row(xr, (const char *)delta + r * width * delta_bytes, delta_bf16, width, sum + r * width);
+            xr = sum + r * width;
         }
         const float scale = row_scale(xr, eps, width);
         if (out_bf16) {
-            uint16_t *o = (uint16_t *)out + r * width;
-            for (int64_t j = 0; j < width; j++) o[j] = to_bf16(w[j] * (xr[j] * scale));
+            scale_row_bf16(xr, w, scale, width, (uint16_t *)out + r * width);
         } else {
             float *o = (float *)out + r * width;
             for (int64_t j = 0; j < width; j++) o[j] = w[j] * (xr[j] * scale);
