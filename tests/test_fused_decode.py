@@ -38,6 +38,10 @@ pytestmark = pytest.mark.skipif(not int4_matmul.available(), reason="no AVX-512 
 FOUR_BIT = {"q_proj": QType.Q4_0, "k_proj": QType.Q4_1, "v_proj": QType.Q4_0, "o_proj": QType.Q4_1,
             "gate_proj": QType.Q4_1, "up_proj": QType.Q4_0, "down_proj": QType.Q4_0, "embed_tokens": QType.Q8_0}
 ENGINE = dict(max_model_len=256, block_size=4, threads_per_rank=1)
+TEAM_STEPS = dict(max_num_batched_tokens=48)
+"""The team tests' steps: at most 48 rows, so the prompts stay on the int4 integer kernel (BF16_MIN_ROWS is 64).
+They compare decode teams with one rank; a TP rank's bf16 GEMM partial sums would round the prompts' rows apart
+from one rank's by ~3e-3 (the bf16 format's own rounding)."""
 two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2,
                                reason="a decode team of two ranks needs a core for each (DecodeTeam.open)")
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1, prompt_logprobs=1)
@@ -116,8 +120,8 @@ def test_pcp_ranks_decode_as_a_team_and_match_one_rank(four_bit_gguf, monkeypatc
     of the attention: its KV shard, or its half of a replicated context). Greedy tokens equal one rank's, logprobs
     within 1e-3 (attention parts merge by log-sum-exp in another order, and the prompt's attention is split over
     the ranks; measured up to 8e-5)."""
-    one_rank, _ = _run(four_bit_gguf, True, monkeypatch, quantization=quantization)
-    with LLM(four_bit_gguf, **ENGINE, prefill_context_parallel_size=2, cp_kv_cache_layout=layout,
+    one_rank, _ = _run(four_bit_gguf, True, monkeypatch, quantization=quantization, **TEAM_STEPS)
+    with LLM(four_bit_gguf, **ENGINE, **TEAM_STEPS, prefill_context_parallel_size=2, cp_kv_cache_layout=layout,
              quantization=quantization, distributed_timeout=60) as llm:
         two_ranks = llm.generate(_prompts_for(quantization), PARAMS)
         decode, steps = llm.engine.executor.rank_info.decode, llm.engine.executor.rank_stats().fused_steps
@@ -137,9 +141,9 @@ def test_tp_ranks_decode_as_a_team_and_match_one_rank(four_bit_gguf, one_kv_head
     the queries and attention parts meeting in shared memory. Greedy tokens equal one rank's, logprobs within 1e-3
     (sums in another order; measured up to 4e-5). With PCP=1 the replicated layout holds the same shards (DCP's)."""
     path = four_bit_gguf if kv_heads == 2 else one_kv_head_gguf
-    one_rank, _ = _run(path, True, monkeypatch, quantization=quantization)
-    with LLM(path, **ENGINE, tensor_parallel_size=2, decode_context_parallel_size=dcp, quantization=quantization,
-             cp_kv_cache_layout=layout, distributed_timeout=60) as llm:
+    one_rank, _ = _run(path, True, monkeypatch, quantization=quantization, **TEAM_STEPS)
+    with LLM(path, **ENGINE, **TEAM_STEPS, tensor_parallel_size=2, decode_context_parallel_size=dcp,
+             quantization=quantization, cp_kv_cache_layout=layout, distributed_timeout=60) as llm:
         two_ranks = llm.generate(_prompts_for(quantization), PARAMS)
         decode, steps = llm.engine.executor.rank_info.decode, llm.engine.executor.rank_stats().fused_steps
         assert decode.fused_tensor_parallel and decode.team is not None and steps >= PARAMS.max_tokens - 1

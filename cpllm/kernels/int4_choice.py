@@ -31,10 +31,12 @@ PROBE_SHAPE = (1536, 576)
 """(out, in) of the layer the start-up measurement multiplies (SmolLM2's widest input count to its MLP)."""
 PROBE_ROWS = (32, 64, 128, 256, 512)
 """Row counts at which both AVX2 ways are timed."""
-BF16_MIN_ROWS = 256
-"""The lowest threshold bf16 GEMMs may take: below it a short prompt or a batch of decodes keeps the integer
-kernel's rounding whatever a noisy measurement says (the float32 GEMMs round as little as the integer kernel, and
-may start lower)."""
+BF16_MIN_ROWS = 64
+"""The lowest threshold bf16 GEMMs may take: below it a batch of decodes keeps the integer kernel's rounding
+whatever a noisy measurement says (the float32 GEMMs round as little as the integer kernel, and may start lower).
+Short prompts above it take the GEMMs where the probe says they pay: at 128 rows they did in 0.57x the integer
+kernel's time on an AMX core. The ranks of one engine then take the highest threshold any of them measured
+(cpllm/worker/int4_agreement.py)."""
 NEVER = 1 << 62
 """`gemm_from_rows` when the GEMMs won at no measured row count."""
 

@@ -27,6 +27,7 @@ from cpllm.step import SchedulerOutput, output_positions
 from cpllm.model.execution.cuda_graphs import decode_graphs_for
 from cpllm.layers.registry import state_layer_specs
 from cpllm.state_slots import engine_state_slots
+from cpllm.worker.int4_agreement import agree_gemm_threshold
 from cpllm.worker.kv_cache import (allocate_kv_cache, allocate_states, copy_state_slots, group_block_counts,
                                    layer_bytes_per_block, layer_cache_spec, state_bytes)
 from cpllm.worker.rank_capabilities import rank_capabilities
@@ -55,6 +56,7 @@ class ModelRunner:
             self.model = model_class(config.model.architecture)(config.model, self.parallel, self.dtype,
                                                                 config.scheduler.max_model_len)
         self.model.load_weights(open_weights(config.model_path))
+        agree_gemm_threshold(self.model, groups.moe_group, device)  # one rounding per row count on every rank
         _, self.num_kv_heads = self.parallel.kv_heads(config.model.num_key_value_heads)
         element_bytes = torch.empty((), dtype=self.dtype).element_size()
         self.step_strategy = StepStrategy(config.parallel, engine_cost(

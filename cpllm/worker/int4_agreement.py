@@ -1,0 +1,43 @@
+"""The ranks of one replica agree on where their int4 layers switch from the integer kernel to the dequantized GEMMs.
+
+Each process measures that row count at start-up (cpllm/kernels/int4_choice.py), and one noisy probe can land a
+step apart from another's (64 rows on one rank, 128 on the next). Ranks that took different thresholds would round
+the same row count differently: a TP shard's columns, or a PCP rank's rows, through bf16 GEMMs on one rank and the
+integer kernel on another. So once the weights are loaded every rank of the replica takes the highest threshold any
+of them measured (the integer kernel's rounding kept the longest); one all-reduce of one integer, on every rank
+alike whether or not its model has such layers.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from cpllm.distributed.comm import all_reduce
+from cpllm.model.formats.group_kernels import Int4Linear
+
+logger = logging.getLogger(__name__)
+
+INTEGER_BACKENDS = ("vnni", "avx2")
+"""The backends that switch to GEMMs at a row count (aten has no threshold)."""
+
+
+def agree_gemm_threshold(model: torch.nn.Module, group, device: torch.device) -> int | None:
+    """Give every int4 layer of `model` the highest `gemm_from_rows` measured on any rank of `group` (the replica's
+    ranks; every one of them calls this once, after loading); the threshold taken, or None where this rank has no
+    such layer."""
+    layers = [m for m in model.modules() if isinstance(m, Int4Linear) and m.backend in INTEGER_BACKENDS]
+    own = max((layer.gemm_from_rows for layer in layers), default=0)
+    highest = torch.tensor([own], dtype=torch.long, device=device)
+    all_reduce(highest, group, op=dist.ReduceOp.MAX)
+    if not layers:
+        return None
+    agreed = int(highest.item())
+    for layer in layers:
+        layer.gemm_from_rows = agreed
+    if agreed != own:
+        logger.info("int4 GEMMs from %d rows, the highest threshold the replica's ranks measured (this one: %d)",
+                    agreed, own)
+    return agreed
