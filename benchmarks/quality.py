@@ -7,7 +7,10 @@ For each format (cpllm `auto`, and llama.cpp on the same GGUF file when llama-cp
   how many completions are identical, and the mean share of each completion before its first differing token;
 - the mean per-token log-likelihood of TEXT, and its mean difference from `none`'s (per token, same ids);
 - the same over LONG_TOKENS tokens (TEXT's ids repeated): a prefill long enough for the prefill paths (the int4
-  layers' dequantized GEMMs from a few hundred rows, bf16 GEMMs and attention where the CPU has bf16 dot products).
+  layers' dequantized GEMMs, bf16 GEMMs and attention where the CPU has bf16 dot products). Its repeats are easy to
+  predict, so its mean difference is diluted; TEXT's is the per-token figure.
+The notes say which int4 kernel ran TEXT (its ~111 rows sit near the measured threshold):
+`CPLLM_INT4_GEMM_FROM_ROWS=64` or `=never` runs it on the GEMMs or on the integer kernel.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from cpllm.bench.common import machine_info  # noqa: E402
 from cpllm.bench.report import print_table, write_json  # noqa: E402
 from cpllm.engine.llm import LLM  # noqa: E402
 from cpllm.engine.sampling_params import SamplingParams  # noqa: E402
+from cpllm.kernels import int4_choice  # noqa: E402
 from cpllm.model.loaders.default_model import default_model_path  # noqa: E402
 
 PROMPTS = [
@@ -103,6 +107,18 @@ def _llama_cpp_logprobs(llm, ids: list[int]) -> list[float]:
     return [float(scores[i - 1, ids[i]] - log_z[i - 1]) for i in range(1, len(ids))]
 
 
+def int4_note(text_tokens: int) -> str:
+    """Which int4 kernel ran the scored text in this process: the threshold is measured at start-up (or set by
+    CPLLM_INT4_GEMM_FROM_ROWS), and the short text's rows fall on either side of it."""
+    choice = int4_choice.choose()
+    if not choice.gemm_dtype or choice.gemm_from_rows == int4_choice.NEVER:
+        return f"int4 layers: the {choice.backend} kernel at every row count"
+    ran = (f"{choice.gemm_dtype} GEMMs" if text_tokens >= choice.gemm_from_rows
+           else f"the {choice.backend} integer kernel")
+    return (f"int4 layers: {choice.gemm_dtype} GEMMs from {choice.gemm_from_rows} rows, so the {text_tokens}-token "
+            f"text ran {ran}")
+
+
 def compare(name: str, result: dict, reference: dict) -> dict:
     same, shares = 0, []
     for got, want in zip(result["completions"], reference["completions"]):
@@ -138,7 +154,9 @@ def main() -> None:
                                                            reference["long_ids"], args.threads), reference))
     else:
         notes.append("llama.cpp skipped: llama-cpp-python is not installed (pip install llama-cpp-python==0.3.36)")
+    notes.append(int4_note(len(reference["text_ids"])))
     print_table("quality against cpllm none (float32)", rows)
+    print("\n".join(notes))
     write_json(args.out, {"command": "quality", "argv": sys.argv[1:], "machine": machine_info(), "notes": notes,
                           "model": os.path.basename(model), "max_tokens": MAX_TOKENS, "text_tokens":
                           len(reference["text_ids"]), "rows": rows})

@@ -10,6 +10,8 @@ reported features replaced: each missing feature must lead to the fallback.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_int4_kernel import _groups, _simulated
@@ -197,3 +199,20 @@ def test_bfloat16_gemms_are_measured_only_where_the_cpu_reports_them():
     for bf16, amx in ((True, False), (False, True)):
         features = int4_choice.CpuFeatures(avx2=True, fma=True, f16c=True, avx512_vnni=True, avx512_bf16=bf16, amx=amx)
         assert int4_choice.gemm_dtypes(features) == ("float32", "bfloat16")
+
+
+def test_the_threshold_override_replaces_the_measured_row_count(monkeypatch):
+    measured = int4_choice.Int4Choice(backend="avx2", gemm_from_rows=128, gemm_dtype="bfloat16", decode_gbps=1.0,
+                                      gemm_gflops={"bfloat16": 900.0}, reason="test")
+    assert int4_choice.with_threshold_override(measured) == measured  # unset: the measurement stands
+    for value, rows in (("300", 300), (" never ", int4_choice.NEVER), ("1", 1)):
+        monkeypatch.setenv(int4_choice.THRESHOLD_ENV, value)
+        chosen = int4_choice.with_threshold_override(measured)
+        assert chosen.gemm_from_rows == rows and chosen.gemm_dtype == "bfloat16"
+        assert int4_choice.THRESHOLD_ENV in chosen.reason
+    no_gemms = dataclasses.replace(measured, gemm_from_rows=int4_choice.NEVER, gemm_dtype="")
+    assert int4_choice.with_threshold_override(no_gemms) == no_gemms  # nothing to switch to
+    for bad in ("0", "-5", "12.5", "many"):
+        monkeypatch.setenv(int4_choice.THRESHOLD_ENV, bad)
+        with pytest.raises(ValueError, match=f"{int4_choice.THRESHOLD_ENV}='{bad}'"):
+            int4_choice.with_threshold_override(measured)

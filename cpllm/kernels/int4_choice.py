@@ -15,8 +15,10 @@ compiled for them (`-march=native`), and both must agree. `CPLLM_KERNELS=0` give
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +41,9 @@ kernel's time on an AMX core. The ranks of one engine then take the highest thre
 (cpllm/worker/int4_agreement.py)."""
 NEVER = 1 << 62
 """`gemm_from_rows` when the GEMMs won at no measured row count."""
+THRESHOLD_ENV = "CPLLM_INT4_GEMM_FROM_ROWS"
+"""Replaces the measured threshold where set: a row count of 1 or more, or "never" (the integer kernel's rounding
+at every count, at its speed). The dtype is still the measured one."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -136,7 +141,7 @@ def measured_choice(backend: str, dtypes: tuple[str, ...], reason: str) -> Int4C
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        choice = _measured(backend, dtypes, reason)
+        choice = with_threshold_override(_measured(backend, dtypes, reason))
     finally:
         torch.set_num_threads(saved)
     rates = ", ".join(f"{dtype} {rate:.1f}" for dtype, rate in choice.gemm_gflops.items())
@@ -145,6 +150,20 @@ def measured_choice(backend: str, dtypes: tuple[str, ...], reason: str) -> Int4C
                 choice.decode_gbps, max(PROBE_ROWS), rates or "(none)", choice.gemm_dtype or "no",
                 "no" if choice.gemm_from_rows == NEVER else choice.gemm_from_rows)
     return choice
+
+
+def with_threshold_override(choice: Int4Choice) -> Int4Choice:
+    """`choice` with the threshold THRESHOLD_ENV names, where it is set and the choice has GEMMs to switch to."""
+    value = os.environ.get(THRESHOLD_ENV, "").strip()
+    if not value or not choice.gemm_dtype:
+        return choice
+    if value == "never":
+        rows = NEVER
+    elif value.isdigit() and int(value) >= 1:
+        rows = int(value)
+    else:
+        raise ValueError(f"{THRESHOLD_ENV}={value!r}: a row count of 1 or more, or 'never'")
+    return dataclasses.replace(choice, gemm_from_rows=rows, reason=f"{choice.reason}; threshold from {THRESHOLD_ENV}")
 
 
 def _measured(backend: str, dtypes: tuple[str, ...], reason: str) -> Int4Choice:
