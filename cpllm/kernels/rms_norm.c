@@ -57,7 +57,7 @@ static void add_row(const float *restrict xr, const void *delta_row, int delta_b
 }
 
 /* o = w * (x * scale) rounded to bf16 as to_bf16 rounds; 16 lanes at a time where the CPU has AVX-512 (the
- * compiler's own vectorization of this loop took 256-bit vectors and the integer rounding: 1.7 cycles a value). */
+ * compiler's own vectorization of this loop took 256-bit vectors and the integer rounding). */
 static void scale_row_bf16(const float *restrict x, const float *restrict w, float scale, int64_t width,
                            uint16_t *restrict o) {
     int64_t j = 0;
