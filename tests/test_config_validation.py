@@ -391,3 +391,12 @@ def test_deprecated_interleave_alias(command):
     assert old.cp_kv_cache_interleave_size == new.cp_kv_cache_interleave_size == 8
     assert engine_kwargs(old)["cp_kv_cache_interleave_size"] == 8
     assert parser.parse_args(command).cp_kv_cache_interleave_size == 1
+
+
+@pytest.mark.parametrize("value", ["0", "lots", "-64"])
+def test_a_bad_int4_threshold_is_refused_at_configuration(base_folder, monkeypatch, value):
+    """CPLLM_INT4_GEMM_FROM_ROWS is read with the configuration: a bad value fails before any rank loads weights."""
+    monkeypatch.setenv("CPLLM_INT4_GEMM_FROM_ROWS", value)
+    refused(base_folder, f"CPLLM_INT4_GEMM_FROM_ROWS='{value}'", "'never'")
+    monkeypatch.setenv("CPLLM_INT4_GEMM_FROM_ROWS", "never")
+    assert build_engine_config(base_folder).model_path == base_folder

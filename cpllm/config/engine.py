@@ -13,6 +13,7 @@ from typing import Any
 
 from cpllm.config.attention import (GEMMA_ARCHITECTURES, check_attention_fields, check_compile_decode_attention,
                                     hf_gemma_fields, hf_layer_types)
+from cpllm.config.int4_threshold import threshold_override
 from cpllm.config.deepseek import DEEPSEEK_MOE_ARCHITECTURES, MLAConfig, deepseek_moe_config
 from cpllm.config.moe import MOE_ARCHITECTURES, MoEConfig
 from cpllm.config.kimi_linear import (KIMI_LINEAR_ARCHITECTURES, KimiDeltaConfig, check_kimi_options, kimi_fields,
@@ -358,6 +359,7 @@ class EngineConfig:
                 f"cp_kv_cache_interleave_size={interleave} must divide block_size={self.cache.block_size}"
             )
         check_quantized_widths(self.model, self.parallel.tensor_parallel_size)
+        threshold_override()  # a bad CPLLM_INT4_GEMM_FROM_ROWS is refused here, before any rank loads weights
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             raise ValueError("speculative_config must be a SpeculativeConfig here (build_engine_config validates "
                              f"the dict), got {type(self.speculative_config).__name__}")

@@ -18,13 +18,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from cpllm.config.int4_threshold import NEVER, THRESHOLD_ENV, threshold_override
 from cpllm.kernels import int4_avx2, int4_gemm, int4_matmul
 
 logger = logging.getLogger(__name__)
@@ -39,11 +39,6 @@ whatever a noisy measurement says (the float32 GEMMs round as little as the inte
 Short prompts above it take the GEMMs where the probe says they pay: at 128 rows they did in 0.57x the integer
 kernel's time on an AMX core. The ranks of one engine then take the highest threshold any of them measured
 (cpllm/worker/int4_agreement.py)."""
-NEVER = 1 << 62
-"""`gemm_from_rows` when the GEMMs won at no measured row count."""
-THRESHOLD_ENV = "CPLLM_INT4_GEMM_FROM_ROWS"
-"""Replaces the measured threshold where set: a row count of 1 or more, or "never" (the integer kernel's rounding
-at every count, at its speed). The dtype is still the measured one."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -153,16 +148,11 @@ def measured_choice(backend: str, dtypes: tuple[str, ...], reason: str) -> Int4C
 
 
 def with_threshold_override(choice: Int4Choice) -> Int4Choice:
-    """`choice` with the threshold THRESHOLD_ENV names, where it is set and the choice has GEMMs to switch to."""
-    value = os.environ.get(THRESHOLD_ENV, "").strip()
-    if not value or not choice.gemm_dtype:
+    """`choice` with the threshold THRESHOLD_ENV names (cpllm/config/int4_threshold.py), where it is set and the
+    choice has GEMMs to switch to."""
+    rows = threshold_override()
+    if rows is None or not choice.gemm_dtype:
         return choice
-    if value == "never":
-        rows = NEVER
-    elif value.isdigit() and int(value) >= 1:
-        rows = int(value)
-    else:
-        raise ValueError(f"{THRESHOLD_ENV}={value!r}: a row count of 1 or more, or 'never'")
     return dataclasses.replace(choice, gemm_from_rows=rows, reason=f"{choice.reason}; threshold from {THRESHOLD_ENV}")
 
 
