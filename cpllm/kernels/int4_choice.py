@@ -8,7 +8,8 @@ measurement at start-up, logged once per process.
   torch's GEMMs (int4_gemm.py), in bfloat16 where the CPU reports bf16 dot products (AVX-512 BF16) or AMX tiles,
   which oneDNN runs, else in float32. The start-up measurement times the integer kernel and each candidate GEMM
   dtype on one SmolLM2-sized layer at a few row counts; the dtype fastest at the largest count is taken, and the
-  threshold that minimizes the time per row summed over the probed counts (`NEVER` where the GEMMs never win).
+  threshold that minimizes the time per row summed over the probed counts (`NEVER` where the GEMMs never win), or
+  the one `CPLLM_INT4_GEMM_FROM_ROWS` sets (cpllm/config/int4_threshold.py).
 The features come from /proc/cpuinfo (`cpu_features`, which tests replace); a kernel also reports whether it was
 compiled for them (`-march=native`), and both must agree. `CPLLM_KERNELS=0` gives "aten".
 """
@@ -36,8 +37,8 @@ PROBE_ROWS = (32, 64, 128, 256, 512)
 BF16_MIN_ROWS = 64
 """The lowest threshold bf16 GEMMs may take: below it a batch of decodes keeps the integer kernel's rounding
 whatever a noisy measurement says (the float32 GEMMs round as little as the integer kernel, and may start lower).
-Short prompts above it take the GEMMs where the probe says they pay: at 128 rows they did in 0.57x the integer
-kernel's time on an AMX core. The ranks of one engine then take the highest threshold any of them measured
+Short prompts above it take the GEMMs where the probe says they pay: on an AMX core a 128-token prompt then
+prefilled in 0.54x the time it took on the integer kernel. The ranks of one engine then take the highest threshold any of them measured
 (cpllm/worker/int4_agreement.py)."""
 
 
