@@ -16,19 +16,18 @@ import torch
 import torch.distributed as dist
 
 from cpllm.distributed.comm import all_reduce
+from cpllm.kernels.int4_gemm import INTEGER_KERNELS
 from cpllm.model.formats.group_kernels import Int4Linear
 
 logger = logging.getLogger(__name__)
-
-INTEGER_BACKENDS = ("vnni", "avx2")
-"""The backends that switch to GEMMs at a row count (aten has no threshold)."""
 
 
 def agree_gemm_threshold(model: torch.nn.Module, group, device: torch.device) -> int | None:
     """Give every int4 layer of `model` the highest `gemm_from_rows` measured on any rank of `group` (the replica's
     ranks; every one of them calls this once, after loading); the threshold taken, or None where this rank has no
     such layer."""
-    layers = [m for m in model.modules() if isinstance(m, Int4Linear) and m.backend in INTEGER_BACKENDS]
+    # the layers whose integer kernel hands over to GEMMs at a row count (aten's have no threshold)
+    layers = [m for m in model.modules() if isinstance(m, Int4Linear) and m.backend in INTEGER_KERNELS]
     own = max((layer.gemm_from_rows for layer in layers), default=0)
     highest = torch.tensor([own], dtype=torch.long, device=device)
     all_reduce(highest, group, op=dist.ReduceOp.MAX)
