@@ -84,6 +84,8 @@ class ModelRunner:
             self.model.fused_decode = None
         self._form_decode_team()
         self.compiled_decode = CompiledDecode(self.model, device) if config.compile_decode else None
+        self._last_layer_local = self.model.last_layer_rows_local()
+        """The last layer's rows past attention meet in no PCP collective: each PCP rank may keep its own."""
         self.plan_counts: dict[str, int] = {}
         """Steps run with each plan since start (by path: `StepPath` values), counted once per step."""
         if self.model.fused_decode is None and self.compiled_decode is None:
@@ -181,7 +183,7 @@ class ModelRunner:
                 sync_replicas(caches, group_batch.replica_sync, self.groups.pcp_group, self.groups.pcp_rank)
         if not batch.output_rows:
             return None
-        rows = hidden if keep is not None else self._gather_output_rows(hidden, batch)
+        rows = self._gather_output_rows(hidden, batch, kept=keep is not None)
         if self.groups.pcp_rank != 0 and not plan.lm_head_split:
             return None  # the LM head runs on PCP rank 0's TP group only
         logits = self.model.logits(rows)  # split over PCP: every PCP rank computes a share of the vocabulary
@@ -234,22 +236,34 @@ class ModelRunner:
         return tuple(rows)
 
     def _rows_kept(self, batch: StepBatch) -> torch.Tensor | None:
-        """The rows the driver samples from, where the last layer can skip the others: one PCP rank (over PCP the
-        MoE and LM-head collectives want every rank's rows), and fewer output rows than rows."""
-        if self.groups.pcp_size > 1 or len(batch.output_rows) == batch.token_ids.shape[0]:
+        """This rank's rows the driver samples from, where the last layer can skip the others (past its attention:
+        every row's K/V is still stored and attended), or None: every row. Under PCP each rank keeps its own
+        sampled rows, none where it holds none, unless the last layer's rows meet in a collective after attention
+        (a decode team, where every rank holds every row; split MLPs; a MoE block, which gathers as many rows from
+        every rank). A 4,096-token prompt under PCP=2 then runs one o_proj and MLP row on one rank where it ran
+        2,048 on each."""
+        if self.groups.pcp_size == 1:
+            rows = [row for _, row in batch.output_rows]
+        else:
+            plan = batch.attention.plan
+            if plan.team or plan.mlp_split or not self._last_layer_local:
+                return None
+            rows = [row for rank, row in batch.output_rows if rank == self.groups.pcp_rank]
+        if len(rows) == batch.token_ids.shape[0]:
             return None
-        return torch.tensor([row for _, row in batch.output_rows], dtype=torch.long, device=self.device)
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
 
-    def _gather_output_rows(self, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        """Hidden states of the rows the driver samples from, collected on every PCP rank in driver order."""
+    def _gather_output_rows(self, hidden: torch.Tensor, batch: StepBatch, kept: bool) -> torch.Tensor:
+        """Hidden states of the rows the driver samples from, collected on every PCP rank in driver order; `kept`:
+        `hidden` holds this rank's sampled rows only (`_rows_kept`), in their order."""
         me = self.groups.pcp_rank
         if self.groups.pcp_size == 1 or batch.attention.plan.team:  # a team's ranks all hold every row's state
-            return hidden[torch.tensor([row for _, row in batch.output_rows], device=hidden.device)]
+            return hidden if kept else hidden[torch.tensor([row for _, row in batch.output_rows], device=hidden.device)]
         out = torch.zeros(len(batch.output_rows), hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
         mine = [(i, row) for i, (p, row) in enumerate(batch.output_rows) if p == me]
         if mine:
             idx = torch.tensor([i for i, _ in mine], device=hidden.device)
-            out[idx] = hidden[torch.tensor([row for _, row in mine], device=hidden.device)]
+            out[idx] = hidden if kept else hidden[torch.tensor([row for _, row in mine], device=hidden.device)]
         # Each row is non-zero on exactly one rank, so the sum is exact.
         return all_reduce(out, self.groups.pcp_group)
 

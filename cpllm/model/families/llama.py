@@ -354,6 +354,12 @@ class LlamaForCausalLM(torch.nn.Module):
             return "sliding-window attention"  # PagedCPAttention applies the window; the C layers do not
         return None
 
+    def last_layer_rows_local(self) -> bool:
+        """Past its attention, the last layer computes each row alone (no collective over PCP: the step may keep
+        another count of rows on each PCP rank, none on a rank that holds no sampled row). A MoE block all-gathers
+        every PCP rank's rows, as many on each."""
+        return not any(isinstance(module, SparseMoEBlock) for module in self.layers[-1].modules())
+
     def pack_weights(self) -> None:
         """Attention projections and shared experts in oneDNN's layout (the routed experts pack at load): for models
         whose float weights no fused decode layer reads in place, and outside compiled graphs (formats/packed_weights.py)."""
