@@ -1,4 +1,5 @@
-"""The ranks of one replica take one int4 GEMM threshold: the highest any of them measured (two gloo processes)."""
+"""The ranks of one replica take one int4 GEMM threshold, the highest any of them measured, and one AMX tile bound,
+the lowest any of them measured (two gloo processes)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ TIMEOUT_S = 60.0
 """Bound of every collective: a broken agreement fails instead of hanging."""
 MEASURED = (64, 128)
 """The threshold each rank's (replaced) start-up probe gives."""
+TILES = (1024, 512)
+"""The AMX tile bound each rank's probe gives."""
 
 
 def _int4_layers(count: int) -> torch.nn.Module:
@@ -32,7 +35,7 @@ def _rank_main(rank: int, port: int, results) -> None:
     try:
         torch.set_num_threads(1)
         measured = int4_choice.Int4Choice(backend="avx2", gemm_from_rows=MEASURED[rank], gemm_dtype="bfloat16",
-                                          decode_gbps=0.0, gemm_gflops={}, reason="test")
+                                          decode_gbps=0.0, gemm_gflops={}, tiles_below=TILES[rank], reason="test")
         int4_choice.choose = lambda features=None: measured  # each rank's own probe, set apart on purpose
         groups = init_distributed(ParallelConfig(prefill_context_parallel_size=2, distributed_timeout_s=TIMEOUT_S),
                                   rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
@@ -40,7 +43,7 @@ def _rank_main(rank: int, port: int, results) -> None:
         try:
             model = _int4_layers(2)
             agreed = agree_gemm_threshold(model, groups.moe_group, torch.device("cpu"))
-            thresholds = [layer.gemm_from_rows for layer in model]
+            thresholds = [(layer.gemm_from_rows, layer.tiles_below) for layer in model]
             # a rank whose model has no int4 layer still joins, and leaves the other's threshold its own
             alone = agree_gemm_threshold(_int4_layers(1) if rank == 0 else torch.nn.Linear(2, 2), groups.moe_group,
                                          torch.device("cpu"))
@@ -52,7 +55,7 @@ def _rank_main(rank: int, port: int, results) -> None:
 
 
 @pytest.mark.skipif(not int4_avx2.available(), reason="the int4 integer kernels are not built here")
-def test_ranks_take_the_highest_measured_threshold():
+def test_ranks_take_the_highest_threshold_and_lowest_tile_bound():
     ctx = mp.get_context("spawn")
     results, port = ctx.Queue(), find_free_port()
     procs = [ctx.Process(target=_rank_main, args=(rank, port, results), daemon=True) for rank in range(2)]
@@ -68,5 +71,5 @@ def test_ranks_take_the_highest_measured_threshold():
                 proc.kill()
     for rank, (status, value) in reports.items():
         assert status == "ok", f"rank {rank}: {value}"
-    assert reports[0][1] == (128, [128, 128], 64)
-    assert reports[1][1] == (128, [128, 128], None)
+    assert reports[0][1] == (128, [(128, 512), (128, 512)], 64)
+    assert reports[1][1] == (128, [(128, 512), (128, 512)], None)

@@ -6,10 +6,14 @@ measurement at start-up, logged once per process.
   else aten's int4 kernel ("aten", bfloat16 activations, no threshold).
 - The GEMMs, for many rows (prefill): from `gemm_from_rows` rows on, the weight is dequantized tile by tile for
   torch's GEMMs (int4_gemm.py), in bfloat16 where the CPU reports bf16 dot products (AVX-512 BF16) or AMX tiles,
-  which oneDNN runs, else in float32. The start-up measurement times the integer kernel and each candidate GEMM
-  dtype on one SmolLM2-sized layer at a few row counts; the dtype fastest at the largest count is taken, and the
-  threshold that minimizes the time per row summed over the probed counts (`NEVER` where the GEMMs never win), or
-  the one `CPLLM_INT4_GEMM_FROM_ROWS` sets (cpllm/config/int4_threshold.py).
+  which oneDNN runs, else in float32. Where AMX tiles run, below `tiles_below` rows the bf16 way multiplies on
+  tiles fed straight from the int4 records instead (int4_amx.py): no whole dequantized weight, no oneDNN reorder.
+  The start-up measurement times the integer kernel and each candidate GEMM dtype on one SmolLM2-sized layer at a
+  few row counts; the dtype fastest at the largest count is taken, and the threshold that minimizes the time per
+  row summed over the probed counts (`NEVER` where the GEMMs never win), or the one `CPLLM_INT4_GEMM_FROM_ROWS`
+  sets (cpllm/config/int4_threshold.py).
+- `tiles_below` is the row count, among TILE_PROBE_ROWS, that minimizes the two bf16 ways' time per row summed over
+  those counts, the weights taken in turn as a prefill's layers are (on a Sapphire Rapids core: 2,048).
 The features come from /proc/cpuinfo (`cpu_features`, which tests replace); a kernel also reports whether it was
 compiled for them (`-march=native`), and both must agree. `CPLLM_KERNELS=0` gives "aten".
 """
@@ -26,7 +30,7 @@ from pathlib import Path
 import torch
 
 from cpllm.config.int4_threshold import NEVER, THRESHOLD_ENV, threshold_override
-from cpllm.kernels import int4_avx2, int4_gemm, int4_matmul
+from cpllm.kernels import int4_amx, int4_avx2, int4_gemm, int4_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +38,11 @@ PROBE_SHAPE = (1536, 576)
 """(out, in) of the layer the start-up measurement multiplies (SmolLM2's widest input count to its MLP)."""
 PROBE_ROWS = (32, 64, 128, 256, 512)
 """Row counts at which both AVX2 ways are timed."""
+TILE_PROBE_ROWS = (*PROBE_ROWS, 1024, 2048)
+"""Row counts at which the AMX tile kernel and the bf16 dequantize-and-GEMM way are timed against each other."""
+COLD_WEIGHTS = 4
+"""Weights that probe multiplies in turn, as a prefill's layers follow each other (one weight called again and again
+measured the tiles ahead of oneDNN at 2,048 rows, where in SmolLM2's layers they took 1.08-1.13x its time)."""
 BF16_MIN_ROWS = 64
 """The lowest threshold bf16 GEMMs may take: below it a batch of decodes keeps the integer kernel's rounding
 whatever a noisy measurement says (the float32 GEMMs round as little as the integer kernel, and may start lower).
@@ -91,6 +100,9 @@ class Int4Choice:
     gemm_gflops: dict[str, float]
     """Useful GFLOP/s on 1 thread of the dequantize-and-GEMM way in each measured dtype, at the largest probed row
     count (empty where not measured)."""
+    tiles_below: int = 0
+    """Rows below which the bfloat16 way runs on AMX tiles fed from the int4 records (int4_amx.py), one of
+    TILE_PROBE_ROWS; 0 where it never does (no AMX, float32 GEMMs, or slower at every probed count)."""
     reason: str
     """Why these kernels: the features found, or what was missing."""
 
@@ -141,10 +153,11 @@ def measured_choice(backend: str, dtypes: tuple[str, ...], reason: str) -> Int4C
     finally:
         torch.set_num_threads(saved)
     rates = ", ".join(f"{dtype} {rate:.1f}" for dtype, rate in choice.gemm_gflops.items())
+    tiles = f" (on AMX tiles below {choice.tiles_below} rows)" if choice.tiles_below else ""
     logger.info("int4 kernel: %s (%s); measured on 1 thread: decode by int8 dot products at %.2f GB/s of weights, "
-                "dequantized GEMMs at %d rows %s GFLOP/s; %s GEMMs from %s rows", backend, reason,
+                "dequantized GEMMs at %d rows %s GFLOP/s; %s GEMMs from %s rows%s", backend, reason,
                 choice.decode_gbps, max(PROBE_ROWS), rates or "(none)", choice.gemm_dtype or "no",
-                "no" if choice.gemm_from_rows == NEVER else choice.gemm_from_rows)
+                "no" if choice.gemm_from_rows == NEVER else choice.gemm_from_rows, tiles)
     return choice
 
 
@@ -157,13 +170,19 @@ def with_threshold_override(choice: Int4Choice) -> Int4Choice:
     return dataclasses.replace(choice, gemm_from_rows=rows, reason=f"{choice.reason}; threshold from {THRESHOLD_ENV}")
 
 
-def _measured(backend: str, dtypes: tuple[str, ...], reason: str) -> Int4Choice:
+def _probe_weight(seed: int) -> torch.Tensor:
+    """A random packed int4 weight of PROBE_SHAPE."""
     out_features, in_features = PROBE_SHAPE
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, PROBE_SHAPE, dtype=torch.uint8, generator=gen)
     d = torch.rand(out_features, in_features // 32, generator=gen) * 0.01
-    packed = int4_matmul.pack(codes, d, -8 * d)
-    x = torch.randn(max(PROBE_ROWS), in_features, generator=gen)
+    return int4_matmul.pack(codes, d, -8 * d)
+
+
+def _measured(backend: str, dtypes: tuple[str, ...], reason: str) -> Int4Choice:
+    out_features, in_features = PROBE_SHAPE
+    packed = _probe_weight(0)
+    x = torch.randn(max(TILE_PROBE_ROWS), in_features, generator=torch.Generator().manual_seed(0))
     integer = int4_gemm.INTEGER_KERNELS[backend]
     int_one = _best_seconds([lambda: integer(x[:1], packed, out_features)])[0]
     per_row = []  # (integer, gemm in each dtype...) seconds per row at each probed count
@@ -175,6 +194,12 @@ def _measured(backend: str, dtypes: tuple[str, ...], reason: str) -> Int4Choice:
         per_row.append([seconds / rows for seconds in _best_seconds(calls)])
     flops = 2 * out_features * in_features
     gflops = {name: round(flops / per_row[-1][1 + i] / 1e9, 1) for i, name in enumerate(dtypes)}
+    tiles_below = 0
+    if "bfloat16" in dtypes and int4_amx.available():
+        tiles_below, bf16_per_row = _tiles_below(x)
+        column = 1 + dtypes.index("bfloat16")
+        for rows, times in zip(PROBE_ROWS, per_row):  # the bf16 way's time: whichever form runs at that count
+            times[column] = bf16_per_row[rows]
     gemm_from_rows, gemm_dtype = NEVER, ""
     if dtypes:
         best = min(range(len(dtypes)), key=lambda i: per_row[-1][1 + i])
@@ -185,7 +210,29 @@ def _measured(backend: str, dtypes: tuple[str, ...], reason: str) -> Int4Choice:
                  for limit in (*limits, NEVER)}
         gemm_from_rows = min(costs, key=costs.get)
     return Int4Choice(backend=backend, gemm_from_rows=gemm_from_rows, gemm_dtype=gemm_dtype,
-                      decode_gbps=round(packed.numel() / int_one / 1e9, 2), gemm_gflops=gflops, reason=reason)
+                      decode_gbps=round(packed.numel() / int_one / 1e9, 2), gemm_gflops=gflops,
+                      tiles_below=tiles_below if gemm_dtype == "bfloat16" else 0, reason=reason)
+
+
+def _tiles_below(x: torch.Tensor) -> tuple[int, dict[int, float]]:
+    """(the row count below which the AMX tiles run, {rows: seconds per row of the bf16 way that runs there}) from
+    both bf16 ways timed on rows of `x` at TILE_PROBE_ROWS: the bound with the least time per row summed over those
+    counts."""
+    out_features = PROBE_SHAPE[0]
+    per_row = {}  # rows -> (tiles, dequantize + GEMM) seconds per row
+    weights = [_probe_weight(seed) for seed in range(COLD_WEIGHTS)]
+    xb = x.to(torch.bfloat16)
+    for rows in TILE_PROBE_ROWS:
+        calls = [lambda: [int4_amx.matmul(xb[:rows], w, out_features, native=True) for w in weights],
+                 lambda: [int4_gemm.dequantized_matmul(xb[:rows], w, out_features, torch.bfloat16, native=True)
+                          for w in weights]]
+        per_row[rows] = [seconds / rows / len(weights) for seconds in _best_seconds(calls, rounds=2)]
+    # no bound past the largest probe: beyond it nothing was measured (and the tiles fall behind as rows grow)
+    costs = {bound: sum(times[0] if rows < bound else times[1] for rows, times in per_row.items())
+             for bound in TILE_PROBE_ROWS}
+    bound = min(costs, key=costs.get)
+    bound = 0 if bound == min(TILE_PROBE_ROWS) else bound  # below the smallest probe: the tiles never paid
+    return bound, {rows: times[0] if rows < bound else times[1] for rows, times in per_row.items()}
 
 
 def _best_seconds(calls: list, rounds: int = 3) -> list[float]:
