@@ -22,29 +22,14 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
-#include <sys/syscall.h>
 
 enum { GROUP = 32, BLOCK_ROWS = 16, RECORD_BYTES = 320, TILE_WORDS = 512, PANEL_BYTES = 512 << 10 };
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
-#include "transpose16.h"
 
-enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* Linux hands a process the AMX tile state only when asked (once per process; oneDNN asks the same way). */
-static int amx_permitted(void) {
-    static int state = 0;  /* 0 not asked, 1 granted, -1 refused */
-    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-    return state == 1;
-}
+#include "amx_tiles.h"
+#include "int4_record.h"
 
 /* Tiles 0-3: accumulators C[a][b] (a: rows 0-15 or 16-31 of the 32, b: the first or second 16 columns); 4, 5: the
  * A tiles of those rows; 6, 7: the B tiles of those columns. `rows0` / `rows1` rows in each half (a tail of x). */
@@ -59,25 +44,12 @@ static void configure_tiles(int rows0, int rows1) {
     _tile_loadconfig(&config);
 }
 
-/* One record (16 output rows x 32 inputs) as a B tile: row j = the bf16 pair words of inputs 2j, 2j + 1. The
- * arithmetic of int4_avx2.c's record_rows_bf16 (d q + m in one FMA, rounded once), so the same bf16 weights. */
+/* One record (16 output rows x 32 inputs) as a B tile: row j = the bf16 pair words of inputs 2j, 2j + 1
+ * (int4_record.h: the 16-row dequantizer's bf16 weights). */
 static void record_tile(const uint8_t *record, uint16_t *tile) {
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(record + 256)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(record + 288)));
-    const __m512i nibbles = _mm512_set1_epi32(0x0F0F0F0F), byte = _mm512_set1_epi32(0xFF);
-    for (int i = 0; i < 4; i++) {
-        const __m512i piece = _mm512_loadu_si512((const void *)(record + 64 * i));
-        for (int half = 0; half < 2; half++) {
-            const __m512i codes = _mm512_and_si512(half ? _mm512_srli_epi32(piece, 4) : piece, nibbles);
-            __m512 w[4];
-            for (int b = 0; b < 4; b++)
-                w[b] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(codes, 8 * b), byte)),
-                                       m);
-            const int j = 8 * half + 2 * i;  /* inputs 16 half + 4 i + (0, 1) and (2, 3) */
-            _mm512_store_si512((void *)(tile + 32 * j), bf16_pair_words(w[0], w[1]));
-            _mm512_store_si512((void *)(tile + 32 * (j + 1)), bf16_pair_words(w[2], w[3]));
-        }
-    }
+    __m512i words[16];
+    record_pair_words(record, words);
+    for (int j = 0; j < 16; j++) _mm512_store_si512((void *)(tile + 32 * j), words[j]);
 }
 
 /* Accumulator `c`'s `rows` x `cols` results into y (row stride y_stride elements), through a 1 KB stage: bf16

@@ -237,32 +237,13 @@ static inline void store_row_bf16(const __m256 w[4], uint16_t *dst) {
 
 #if defined(CPLLM_INT4_AVX2) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define CPLLM_DEQUANT_AVX512 1
-#include "transpose16.h"
+#include "int4_record.h"
 
-/* One group's record as bfloat16 rows on AVX-512: the 16 rows at once, one register per input, so d and m are
- * one vector each and nothing is unpacked per row. Piece i's 32-bit lane r holds row r's codes of inputs 4i..4i+3
- * (low nibbles) and 16+4i.. (high); each input's 16 values are d q + m (an FMA: d q is exact, so one rounding, as
- * group_row's multiply then add), inputs paired into bf16 words (round to nearest even, as bf16_bits), and the
- * 16 x 16 words transposed into the rows' 64 bytes. The bits of the AVX2 way (w is never a float32 subnormal, which
- * vcvtne2ps2bf16 would flush), 1.7x as fast on SmolLM2's layers. */
+/* One group's record as bfloat16 rows on AVX-512: its pair words (int4_record.h) transposed 16 x 16 into the rows'
+ * 64 bytes. The bits of the AVX2 way, 1.7x as fast on SmolLM2's layers. */
 static void record_rows_bf16(const uint8_t *record, int valid, uint16_t *out, int64_t K) {
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(record + 256)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(record + 288)));
-    const __m512i nibbles = _mm512_set1_epi32(0x0F0F0F0F), byte = _mm512_set1_epi32(0xFF);
     __m512i words[16];  /* words[j]: inputs 2j, 2j + 1 of the 16 rows */
-    for (int i = 0; i < 4; i++) {
-        const __m512i piece = _mm512_loadu_si512((const void *)(record + 64 * i));
-        for (int half = 0; half < 2; half++) {
-            const __m512i codes = _mm512_and_si512(half ? _mm512_srli_epi32(piece, 4) : piece, nibbles);
-            __m512 w[4];
-            for (int b = 0; b < 4; b++)
-                w[b] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(codes, 8 * b), byte)),
-                                       m);
-            const int j = 8 * half + 2 * i;  /* inputs 16 half + 4 i + (0, 1) and (2, 3) */
-            words[j] = bf16_pair_words(w[0], w[1]);
-            words[j + 1] = bf16_pair_words(w[2], w[3]);
-        }
-    }
+    record_pair_words(record, words);
     transpose16(words);
     for (int r = 0; r < valid; r++) _mm512_storeu_si512((void *)(out + r * K), words[r]);
 }

@@ -464,8 +464,7 @@ static void run_tile_bf16(const Problem *p, const Packed *packed, int g, int r0,
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 
 /* The AMX variant: the bf16 variant's tiles, pairs and online softmax, with both products on AMX tiles
  * (tdpbf16ps: a 16 x 16 float32 tile += a 16 x 32 bf16 tile times a 32 x 16 one, float32 accumulation).
@@ -479,21 +478,8 @@ static void run_tile_bf16(const Problem *p, const Packed *packed, int g, int r0,
  * 2^x (exp2_16_masked: a degree-4 polynomial, the causal mask in its scalef), the probabilities converted straight
  * into their pairs, and a running max that moves only by more than LAZY_MAX (with the 2 x 2 blocking below, 1.24x /
  * 1.33x the first AMX form at 2K / 8K tokens). */
-enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18, TILE_KEYS = 16, STEP_KEYS = 32 };
+enum { TILE_KEYS = 16, STEP_KEYS = 32 };
 enum { MXCSR_FTZ_DAZ = 0x8040 };  /* flush-to-zero (bit 15) and denormals-are-zero (bit 6) */
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* Linux hands a process the AMX tile state only when asked (once per process; oneDNN asks the same way). */
-static int amx_permitted(void) {
-    static int state = 0;  /* 0 not asked, 1 granted, -1 refused */
-    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-    return state == 1;
-}
 
 static void configure_tiles(void) {
     TileConfig config;
