@@ -3,8 +3,8 @@
 For a few hundred rows, dequantizing a whole weight and handing it to oneDNN's bf16 GEMM costs more than the
 products: oneDNN reorders the weight on every call, and the dequantized copy goes out to memory and back. This
 kernel turns each stored group of 16 output rows x 32 inputs into one AMX B tile in L2 and multiplies there (on one
-Sapphire Rapids core, SmolLM2's four projections in 0.4-0.55x the time at 64-256 rows, 0.75x at 512, even at
-1,024 and a little behind from 2,048). Its bf16 weights are the other bf16 ways' (w = d q + m rounded once), its
+Sapphire Rapids core, SmolLM2's four projections in 0.45-0.62x the time at 64-256 rows, 0.72x at 512, 0.93x at
+1,024, 1.02-1.13x at 2,048). Its bf16 weights are the other bf16 ways' (w = d q + m rounded once), its
 accumulation float32, a row's result independent of the other rows. int4_choice.py measures below which row count
 it runs. `matmul` returns None where it does not run here (no AMX, the OS refused the tile state, kernels off).
 """
