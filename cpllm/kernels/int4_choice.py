@@ -38,11 +38,13 @@ PROBE_SHAPE = (1536, 576)
 """(out, in) of the layer the start-up measurement multiplies (SmolLM2's widest input count to its MLP)."""
 PROBE_ROWS = (32, 64, 128, 256, 512)
 """Row counts at which both AVX2 ways are timed."""
-TILE_PROBE_ROWS = (*PROBE_ROWS, 1024, 2048)
-"""Row counts at which the AMX tile kernel and the bf16 dequantize-and-GEMM way are timed against each other."""
-COLD_WEIGHTS = 4
+TILE_PROBE_ROWS = (64, 128, 256, 512, 1024, 2048)
+"""Row counts at which the AMX tile kernel and the bf16 dequantize-and-GEMM way are timed against each other (from
+the bf16 GEMMs' floor, BF16_MIN_ROWS)."""
+COLD_WEIGHTS = 2
 """Weights that probe multiplies in turn, as a prefill's layers follow each other (one weight called again and again
-measured the tiles ahead of oneDNN at 2,048 rows, where in SmolLM2's layers they took 1.08-1.13x its time)."""
+measured the tiles ahead of oneDNN at 2,048 rows, where in SmolLM2's layers they took 1.02-1.13x its time; two
+in turn, about 0.25 s of start-up, put the bound at 2,048 on every start, as four did in twice the time)."""
 BF16_MIN_ROWS = 64
 """The lowest threshold bf16 GEMMs may take: below it a batch of decodes keeps the integer kernel's rounding
 whatever a noisy measurement says (the float32 GEMMs round as little as the integer kernel, and may start lower).
@@ -199,7 +201,7 @@ def _measured(backend: str, dtypes: tuple[str, ...], reason: str) -> Int4Choice:
         tiles_below, bf16_per_row = _tiles_below(x)
         column = 1 + dtypes.index("bfloat16")
         for rows, times in zip(PROBE_ROWS, per_row):  # the bf16 way's time: whichever form runs at that count
-            times[column] = bf16_per_row[rows]
+            times[column] = bf16_per_row.get(rows, times[column])
     gemm_from_rows, gemm_dtype = NEVER, ""
     if dtypes:
         best = min(range(len(dtypes)), key=lambda i: per_row[-1][1 + i])
