@@ -128,7 +128,7 @@ def test_the_tile_bound_is_where_the_summed_time_is_least(monkeypatch, tiles_fas
         return [rows * (0.5 if rows < tiles_faster_below * int4_choice.COLD_WEIGHTS else 2.0), rows * 1.0]
 
     monkeypatch.setattr(int4_choice, "_best_seconds", timed)
-    found, per_row = int4_choice._tiles_below(torch.zeros(1, 576))
+    found, per_row = int4_choice._tiles_below()
     assert found == bound
     assert per_row == {rows: (0.5 if rows < tiles_faster_below else 2.0) if rows < bound else 1.0
                        for rows in int4_choice.TILE_PROBE_ROWS}

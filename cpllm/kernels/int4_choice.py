@@ -184,7 +184,7 @@ def _probe_weight(seed: int) -> torch.Tensor:
 def _measured(backend: str, dtypes: tuple[str, ...], reason: str) -> Int4Choice:
     out_features, in_features = PROBE_SHAPE
     packed = _probe_weight(0)
-    x = torch.randn(max(TILE_PROBE_ROWS), in_features, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(max(PROBE_ROWS), in_features, generator=torch.Generator().manual_seed(0))
     integer = int4_gemm.INTEGER_KERNELS[backend]
     int_one = _best_seconds([lambda: integer(x[:1], packed, out_features)])[0]
     per_row = []  # (integer, gemm in each dtype...) seconds per row at each probed count
@@ -198,7 +198,7 @@ def _measured(backend: str, dtypes: tuple[str, ...], reason: str) -> Int4Choice:
     gflops = {name: round(flops / per_row[-1][1 + i] / 1e9, 1) for i, name in enumerate(dtypes)}
     tiles_below = 0
     if "bfloat16" in dtypes and int4_amx.available():
-        tiles_below, bf16_per_row = _tiles_below(x)
+        tiles_below, bf16_per_row = _tiles_below()
         column = 1 + dtypes.index("bfloat16")
         for rows, times in zip(PROBE_ROWS, per_row):  # the bf16 way's time: whichever form runs at that count
             times[column] = bf16_per_row.get(rows, times[column])
@@ -216,14 +216,13 @@ def _measured(backend: str, dtypes: tuple[str, ...], reason: str) -> Int4Choice:
                       tiles_below=tiles_below if gemm_dtype == "bfloat16" else 0, reason=reason)
 
 
-def _tiles_below(x: torch.Tensor) -> tuple[int, dict[int, float]]:
+def _tiles_below() -> tuple[int, dict[int, float]]:
     """(the row count below which the AMX tiles run, {rows: seconds per row of the bf16 way that runs there}) from
-    both bf16 ways timed on rows of `x` at TILE_PROBE_ROWS: the bound with the least time per row summed over those
-    counts."""
-    out_features = PROBE_SHAPE[0]
+    both bf16 ways timed at TILE_PROBE_ROWS: the bound with the least time per row summed over those counts."""
+    out_features, in_features = PROBE_SHAPE
     per_row = {}  # rows -> (tiles, dequantize + GEMM) seconds per row
     weights = [_probe_weight(seed) for seed in range(COLD_WEIGHTS)]
-    xb = x.to(torch.bfloat16)
+    xb = torch.randn(max(TILE_PROBE_ROWS), in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     for rows in TILE_PROBE_ROWS:
         calls = [lambda: [int4_amx.matmul(xb[:rows], w, out_features, native=True) for w in weights],
                  lambda: [int4_gemm.dequantized_matmul(xb[:rows], w, out_features, torch.bfloat16, native=True)
