@@ -113,7 +113,7 @@ def int4_note(text_tokens: int) -> str:
     choice = int4_choice.choose()
     if not choice.gemm_dtype or choice.gemm_from_rows == int4_choice.NEVER:
         return f"int4 layers: the {choice.backend} kernel at every row count"
-    tiles = " on AMX tiles fed from the int4 records" if text_tokens < choice.tiles_below else ""
+    tiles = " fed straight from the int4 records" if text_tokens < choice.records_below else ""
     ran = (f"{choice.gemm_dtype} GEMMs{tiles}" if text_tokens >= choice.gemm_from_rows
            else f"the {choice.backend} integer kernel")
     return (f"int4 layers: {choice.gemm_dtype} GEMMs from {choice.gemm_from_rows} rows, so the {text_tokens}-token "

@@ -35,7 +35,7 @@ def _rank_main(rank: int, port: int, results) -> None:
     try:
         torch.set_num_threads(1)
         measured = int4_choice.Int4Choice(backend="avx2", gemm_from_rows=MEASURED[rank], gemm_dtype="bfloat16",
-                                          decode_gbps=0.0, gemm_gflops={}, tiles_below=TILES[rank], reason="test")
+                                          decode_gbps=0.0, gemm_gflops={}, records_below=TILES[rank], reason="test")
         int4_choice.choose = lambda features=None: measured  # each rank's own probe, set apart on purpose
         groups = init_distributed(ParallelConfig(prefill_context_parallel_size=2, distributed_timeout_s=TIMEOUT_S),
                                   rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
@@ -43,7 +43,7 @@ def _rank_main(rank: int, port: int, results) -> None:
         try:
             model = _int4_layers(2)
             agreed = agree_gemm_threshold(model, groups.moe_group, torch.device("cpu"))
-            thresholds = [(layer.gemm_from_rows, layer.tiles_below) for layer in model]
+            thresholds = [(layer.gemm_from_rows, layer.records_below) for layer in model]
             # a rank whose model has no int4 layer still joins, and leaves the other's threshold its own
             alone = agree_gemm_threshold(_int4_layers(1) if rank == 0 else torch.nn.Linear(2, 2), groups.moe_group,
                                          torch.device("cpu"))

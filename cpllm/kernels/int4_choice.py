@@ -6,14 +6,16 @@ measurement at start-up, logged once per process.
   else aten's int4 kernel ("aten", bfloat16 activations, no threshold).
 - The GEMMs, for many rows (prefill): from `gemm_from_rows` rows on, the weight is dequantized tile by tile for
   torch's GEMMs (int4_gemm.py), in bfloat16 where the CPU reports bf16 dot products (AVX-512 BF16) or AMX tiles,
-  which oneDNN runs, else in float32. Where AMX tiles run, below `tiles_below` rows the bf16 way multiplies on
-  tiles fed straight from the int4 records instead (int4_amx.py): no whole dequantized weight, no oneDNN reorder.
+  which oneDNN runs, else in float32. Below `records_below` rows the bf16 way runs on a kernel fed straight from the
+  int4 records instead (int4_records.py: AMX tiles where the CPU has them, else AVX-512 BF16 dot products): no whole
+  dequantized weight, no oneDNN reorder.
   The start-up measurement times the integer kernel and each candidate GEMM dtype on one SmolLM2-sized layer at a
   few row counts; the dtype fastest at the largest count is taken, and the threshold that minimizes the time per
   row summed over the probed counts (`NEVER` where the GEMMs never win), or the one `CPLLM_INT4_GEMM_FROM_ROWS`
   sets (cpllm/config/int4_threshold.py).
-- `tiles_below` is the row count, among TILE_PROBE_ROWS, that minimizes the two bf16 ways' time per row summed over
-  those counts, the weights taken in turn as a prefill's layers are (on a Sapphire Rapids core: 2,048).
+- `records_below` is the bound, among RECORD_PROBE_ROWS and one past the largest, that minimizes the two bf16 ways'
+  time per row summed over those counts, the weights taken in turn as a prefill's layers are (on a Sapphire Rapids
+  core: 2,048; on a Zen 4 core: 2,049, the dot products through 2,048 rows).
 The features come from /proc/cpuinfo (`cpu_features`, which tests replace); a kernel also reports whether it was
 compiled for them (`-march=native`), and both must agree. `CPLLM_KERNELS=0` gives "aten".
 """
@@ -30,7 +32,7 @@ from pathlib import Path
 import torch
 
 from cpllm.config.int4_threshold import NEVER, THRESHOLD_ENV, threshold_override
-from cpllm.kernels import int4_amx, int4_avx2, int4_gemm, int4_matmul
+from cpllm.kernels import int4_avx2, int4_gemm, int4_matmul, int4_records
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +40,8 @@ PROBE_SHAPE = (1536, 576)
 """(out, in) of the layer the start-up measurement multiplies (SmolLM2's widest input count to its MLP)."""
 PROBE_ROWS = (32, 64, 128, 256, 512)
 """Row counts at which both AVX2 ways are timed."""
-TILE_PROBE_ROWS = (64, 128, 256, 512, 1024, 2048)
-"""Row counts at which the AMX tile kernel and the bf16 dequantize-and-GEMM way are timed against each other (from
+RECORD_PROBE_ROWS = (64, 128, 256, 512, 1024, 2048)
+"""Row counts at which the record-fed kernel and the bf16 dequantize-and-GEMM way are timed against each other (from
 the bf16 GEMMs' floor, BF16_MIN_ROWS)."""
 COLD_WEIGHTS = 2
 """Weights that probe multiplies in turn, as a prefill's layers follow each other (one weight called again and again
@@ -102,9 +104,10 @@ class Int4Choice:
     gemm_gflops: dict[str, float]
     """Useful GFLOP/s on 1 thread of the dequantize-and-GEMM way in each measured dtype, at the largest probed row
     count (empty where not measured)."""
-    tiles_below: int = 0
-    """Rows below which the bfloat16 way runs on AMX tiles fed from the int4 records (int4_amx.py), one of
-    TILE_PROBE_ROWS; 0 where it never does (no AMX, float32 GEMMs, or slower at every probed count)."""
+    records_below: int = 0
+    """Rows below which the bfloat16 way runs on the kernel fed from the int4 records (int4_records.py: AMX tiles
+    or AVX-512 BF16 dot products), one of `record_bounds()`; 0 where it never does (neither kernel runs here, float32
+    GEMMs, or slower at every probed count)."""
     reason: str
     """Why these kernels: the features found, or what was missing."""
 
@@ -155,11 +158,12 @@ def measured_choice(backend: str, dtypes: tuple[str, ...], reason: str) -> Int4C
     finally:
         torch.set_num_threads(saved)
     rates = ", ".join(f"{dtype} {rate:.1f}" for dtype, rate in choice.gemm_gflops.items())
-    tiles = f" (on AMX tiles below {choice.tiles_below} rows)" if choice.tiles_below else ""
+    records = (f" (fed from the records by {int4_records.kernel_here()} below {choice.records_below} rows)"
+               if choice.records_below else "")
     logger.info("int4 kernel: %s (%s); measured on 1 thread: decode by int8 dot products at %.2f GB/s of weights, "
                 "dequantized GEMMs at %d rows %s GFLOP/s; %s GEMMs from %s rows%s", backend, reason,
                 choice.decode_gbps, max(PROBE_ROWS), rates or "(none)", choice.gemm_dtype or "no",
-                "no" if choice.gemm_from_rows == NEVER else choice.gemm_from_rows, tiles)
+                "no" if choice.gemm_from_rows == NEVER else choice.gemm_from_rows, records)
     return choice
 
 
@@ -196,9 +200,9 @@ def _measured(backend: str, dtypes: tuple[str, ...], reason: str) -> Int4Choice:
         per_row.append([seconds / rows for seconds in _best_seconds(calls)])
     flops = 2 * out_features * in_features
     gflops = {name: round(flops / per_row[-1][1 + i] / 1e9, 1) for i, name in enumerate(dtypes)}
-    tiles_below = 0
-    if "bfloat16" in dtypes and int4_amx.available():
-        tiles_below, bf16_per_row = _tiles_below()
+    records_below = 0
+    if "bfloat16" in dtypes and int4_records.available():
+        records_below, bf16_per_row = _records_below()
         column = 1 + dtypes.index("bfloat16")
         for rows, times in zip(PROBE_ROWS, per_row):  # the bf16 way's time: whichever form runs at that count
             times[column] = bf16_per_row.get(rows, times[column])
@@ -213,27 +217,36 @@ def _measured(backend: str, dtypes: tuple[str, ...], reason: str) -> Int4Choice:
         gemm_from_rows = min(costs, key=costs.get)
     return Int4Choice(backend=backend, gemm_from_rows=gemm_from_rows, gemm_dtype=gemm_dtype,
                       decode_gbps=round(packed.numel() / int_one / 1e9, 2), gemm_gflops=gflops,
-                      tiles_below=tiles_below if gemm_dtype == "bfloat16" else 0, reason=reason)
+                      records_below=records_below if gemm_dtype == "bfloat16" else 0, reason=reason)
 
 
-def _tiles_below() -> tuple[int, dict[int, float]]:
-    """(the row count below which the AMX tiles run, {rows: seconds per row of the bf16 way that runs there}) from
-    both bf16 ways timed at TILE_PROBE_ROWS: the bound with the least time per row summed over those counts."""
+def _records_below() -> tuple[int, dict[int, float]]:
+    """(the row count below which the record-fed kernel runs, {rows: seconds per row of the bf16 way that runs
+    there}) from both bf16 ways timed at RECORD_PROBE_ROWS: the bound with the least time per row summed over those
+    counts."""
     out_features, in_features = PROBE_SHAPE
-    per_row = {}  # rows -> (tiles, dequantize + GEMM) seconds per row
+    per_row = {}  # rows -> (records, dequantize + GEMM) seconds per row
     weights = [_probe_weight(seed) for seed in range(COLD_WEIGHTS)]
-    xb = torch.randn(max(TILE_PROBE_ROWS), in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    for rows in TILE_PROBE_ROWS:
-        calls = [lambda: [int4_amx.matmul(xb[:rows], w, out_features, native=True) for w in weights],
+    xb = torch.randn(max(RECORD_PROBE_ROWS), in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    for rows in RECORD_PROBE_ROWS:
+        calls = [lambda: [int4_records.matmul(xb[:rows], w, out_features, native=True) for w in weights],
                  lambda: [int4_gemm.dequantized_matmul(xb[:rows], w, out_features, torch.bfloat16, native=True)
                           for w in weights]]
         per_row[rows] = [seconds / rows / len(weights) for seconds in _best_seconds(calls, rounds=2)]
-    # no bound past the largest probe: beyond it nothing was measured (and the tiles fall behind as rows grow)
+    # no bound past the largest probe (itself included): beyond it nothing was measured, and both record-fed kernels
+    # fall behind oneDNN as rows grow (the tiles from 2,048 rows on a Sapphire Rapids core, the dot products from
+    # 8,192 on a Zen 4 core)
     costs = {bound: sum(times[0] if rows < bound else times[1] for rows, times in per_row.items())
-             for bound in TILE_PROBE_ROWS}
+             for bound in record_bounds()}
     bound = min(costs, key=costs.get)
-    bound = 0 if bound == min(TILE_PROBE_ROWS) else bound  # below the smallest probe: the tiles never paid
+    bound = 0 if bound == min(RECORD_PROBE_ROWS) else bound  # below the smallest probe: they never paid
     return bound, {rows: times[0] if rows < bound else times[1] for rows, times in per_row.items()}
+
+
+def record_bounds() -> tuple[int, ...]:
+    """The bounds `_records_below` may take: each probed row count, and one past the largest (the record kernels run
+    through it)."""
+    return (*RECORD_PROBE_ROWS, max(RECORD_PROBE_ROWS) + 1)
 
 
 def _best_seconds(calls: list, rounds: int = 3) -> list[float]:

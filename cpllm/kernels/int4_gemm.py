@@ -6,13 +6,13 @@ runs. `dequantize` writes w = d q + m (cpllm/kernels/int4_avx2.c, from the store
 to bfloat16 for that dtype) into a transient scratch of at most `SCRATCH_BYTES`: it lives for one call, so the
 weight bytes per rank do not grow. `linear` picks the integer kernel ("vnni", int4_matmul.c, or "avx2",
 int4_avx2.c) below `gemm_from_rows` rows and the GEMMs from there, as the start-up measurement chose
-(int4_choice.py); it is a torch custom op under torch.compile. Below `tiles_below` rows the bfloat16 way runs the
-AMX tile kernel instead (int4_amx.py: each stored group straight into a tile, no whole dequantized weight and no
-oneDNN reorder; int4_choice.py measures where it pays). Results are float32 (a bfloat16 GEMM's output is
-rounded to bfloat16 first, its accumulation is float32), or with `native` the GEMM's own bfloat16: the same values
-without the widening copy, for a consumer that reads bf16 (the MLP's silu(gate) * up; at 8K rows that copy of
-SmolLM2's gate|up output cost as much as a fifth of the GEMM). Bad widths or output counts raise ValueError naming
-both.
+(int4_choice.py); it is a torch custom op under torch.compile. Below `records_below` rows the bfloat16 way runs a
+kernel fed straight from the records instead (int4_records.py: AMX tiles, or AVX-512 BF16 dot products; each stored
+group straight into an operand, no whole dequantized weight and no oneDNN reorder; int4_choice.py measures where
+it pays). Results are float32 (a bfloat16 GEMM's output is rounded to bfloat16 first, its accumulation is float32),
+or with `native` the GEMM's own bfloat16: the same values without the widening copy, for a consumer that reads bf16
+(the MLP's silu(gate) * up; at 8K rows that copy of SmolLM2's gate|up output cost as much as a fifth of the GEMM).
+Bad widths or output counts raise ValueError naming both.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from cpllm.config.engine import QUANT_GROUP
-from cpllm.kernels import int4_amx, int4_avx2, int4_matmul
+from cpllm.kernels import int4_avx2, int4_matmul, int4_records
 from cpllm.kernels.int4_matmul import BLOCK_ROWS
 from cpllm.kernels.library import load_bound
 
@@ -60,12 +60,12 @@ def dequantize(packed: torch.Tensor, out_features: int, first_block: int = 0, en
 
 def dequantized_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int,
                        dtype: torch.dtype = torch.float32, native: bool = False,
-                       tiles_below: int = 0) -> torch.Tensor:
+                       records_below: int = 0) -> torch.Tensor:
     """y [M, out_features] = x [M, in] W^T through GEMMs in `dtype` on tiles of W dequantized in turn; float32, or
-    in `dtype` with `native`. In bfloat16 below `tiles_below` rows: the AMX tile kernel, where it runs."""
+    in `dtype` with `native`. In bfloat16 below `records_below` rows: the record-fed kernel, where one runs."""
     xg = x if x.dtype == dtype and x.is_contiguous() else x.to(dtype).contiguous()
-    if dtype == torch.bfloat16 and xg.shape[0] < tiles_below:
-        y = int4_amx.matmul(xg, packed, out_features, native)
+    if dtype == torch.bfloat16 and xg.shape[0] < records_below:
+        y = int4_records.matmul(xg, packed, out_features, native)
         if y is not None:
             return y
     int4_avx2.check_shapes(xg.shape[1], packed, out_features)
@@ -82,13 +82,13 @@ def dequantized_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int,
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, integer: str, gemm_from_rows: int,
-           gemm_dtype: str, native: bool = False, tiles_below: int = 0) -> torch.Tensor:
-    """The `integer` kernel below `gemm_from_rows` rows, `dequantized_matmul` in `gemm_dtype` from there (the tile
-    kernel below `tiles_below` rows); a custom op under torch.compile (float32 there: `native` asks, it does not
-    oblige)."""
+           gemm_dtype: str, native: bool = False, records_below: int = 0) -> torch.Tensor:
+    """The `integer` kernel below `gemm_from_rows` rows, `dequantized_matmul` in `gemm_dtype` from there (the
+    record-fed kernel below `records_below` rows); a custom op under torch.compile (float32 there: `native` asks, it
+    does not oblige)."""
     if torch.compiler.is_compiling():
-        return int4_linear_op(x, packed, out_features, integer, gemm_from_rows, gemm_dtype, tiles_below)
-    return _linear(x, packed, out_features, integer, gemm_from_rows, gemm_dtype, native, tiles_below)
+        return int4_linear_op(x, packed, out_features, integer, gemm_from_rows, gemm_dtype, records_below)
+    return _linear(x, packed, out_features, integer, gemm_from_rows, gemm_dtype, native, records_below)
 
 
 def gemm_dtype_for(rows: int, gemm_from_rows: int, gemm_dtype: str) -> torch.dtype | None:
@@ -98,19 +98,19 @@ def gemm_dtype_for(rows: int, gemm_from_rows: int, gemm_dtype: str) -> torch.dty
 
 
 def _linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, integer: str, gemm_from_rows: int,
-            gemm_dtype: str, native: bool = False, tiles_below: int = 0) -> torch.Tensor:
+            gemm_dtype: str, native: bool = False, records_below: int = 0) -> torch.Tensor:
     if x.shape[0] >= gemm_from_rows:
-        return dequantized_matmul(x, packed, out_features, GEMM_DTYPES[gemm_dtype], native, tiles_below)
+        return dequantized_matmul(x, packed, out_features, GEMM_DTYPES[gemm_dtype], native, records_below)
     return INTEGER_KERNELS[integer](x, packed, out_features)
 
 
 @torch.library.custom_op("cpllm::int4_linear", mutates_args=())
 def int4_linear_op(x: torch.Tensor, packed: torch.Tensor, out_features: int, integer: str, gemm_from_rows: int,
-                   gemm_dtype: str, tiles_below: int) -> torch.Tensor:
+                   gemm_dtype: str, records_below: int) -> torch.Tensor:
     """`linear` as one opaque op of a compiled graph."""
-    return _linear(x, packed, out_features, integer, gemm_from_rows, gemm_dtype, tiles_below=tiles_below)
+    return _linear(x, packed, out_features, integer, gemm_from_rows, gemm_dtype, records_below=records_below)
 
 
 @int4_linear_op.register_fake
-def _(x, packed, out_features, integer, gemm_from_rows, gemm_dtype, tiles_below):
+def _(x, packed, out_features, integer, gemm_from_rows, gemm_dtype, records_below):
     return x.new_empty(x.shape[0], out_features, dtype=torch.float32)

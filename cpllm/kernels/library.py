@@ -37,6 +37,8 @@ SIGNATURES: dict[str, dict[str, tuple[list, object]]] = {
                     "cpllm_int4_available": ([], _i)},
     "int4_amx": {"cpllm_int4_amx_matmul": ([_p, _i64, _i, _p, _i, _i, _p, _i64, _i, _i], _i),
                  "cpllm_int4_amx_available": ([], _i)},
+    "int4_dpbf16": {"cpllm_int4_dpbf16_matmul": ([_p, _i64, _i, _p, _i, _i, _p, _i64, _i, _i], _i),
+                    "cpllm_int4_dpbf16_available": ([], _i)},
     "int4_avx2": {"cpllm_int4_avx2_matmul": ([_p, _i64, _i, _p, _i, _p, _i], _i),
                   "cpllm_int4_avx2_dequantize": ([_p, _i, _i, _i64, _i64, _p, _i, _i], _i),
                   "cpllm_int4_avx2_available": ([], _i)},

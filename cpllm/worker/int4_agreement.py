@@ -5,8 +5,8 @@ step apart from another's (64 rows on one rank, 128 on the next). Ranks that too
 the same row count differently: a TP shard's columns, or a PCP rank's rows, through bf16 GEMMs on one rank and the
 integer kernel on another. So once the weights are loaded every rank of the replica takes the highest threshold any
 of them measured (the integer kernel's rounding kept the longest), and the lowest row count below which any of them
-runs the bf16 GEMMs on AMX tiles fed from the int4 records (int4_amx.py, whose accumulation order oneDNN's GEMM does
-not share at every count); one all-reduce of two integers, on every rank alike whether or not its model has such
+runs the bf16 GEMMs on the kernels fed from the int4 records (int4_records.py, whose accumulation order oneDNN's GEMM
+does not share at every count); one all-reduce of two integers, on every rank alike whether or not its model has such
 layers.
 """
 
@@ -26,21 +26,21 @@ logger = logging.getLogger(__name__)
 
 
 def agree_gemm_threshold(model: torch.nn.Module, group, device: torch.device) -> int | None:
-    """Give every int4 layer of `model` the highest `gemm_from_rows` and the lowest `tiles_below` measured on any
+    """Give every int4 layer of `model` the highest `gemm_from_rows` and the lowest `records_below` measured on any
     rank of `group` (the replica's ranks; every one of them calls this once, after loading); the threshold taken,
     or None where this rank has no such layer."""
     # the layers whose integer kernel hands over to GEMMs at a row count (aten's have no threshold)
     layers = [m for m in model.modules() if isinstance(m, Int4Linear) and m.backend in INTEGER_KERNELS]
     own = max((layer.gemm_from_rows for layer in layers), default=0)
-    own_tiles = min((layer.tiles_below for layer in layers), default=NEVER)
-    highest = torch.tensor([own, -own_tiles], dtype=torch.long, device=device)  # the lowest bound as a maximum
+    own_bound = min((layer.records_below for layer in layers), default=NEVER)
+    highest = torch.tensor([own, -own_bound], dtype=torch.long, device=device)  # the lowest bound as a maximum
     all_reduce(highest, group, op=dist.ReduceOp.MAX)
     if not layers:
         return None
-    agreed, tiles = int(highest[0].item()), -int(highest[1].item())
+    agreed, bound = int(highest[0].item()), -int(highest[1].item())
     for layer in layers:
-        layer.gemm_from_rows, layer.tiles_below = agreed, tiles
-    if (agreed, tiles) != (own, own_tiles):
-        logger.info("int4 GEMMs from %d rows, on AMX tiles below %d: the highest threshold and lowest tile bound the "
-                    "replica's ranks measured (this one: %d and %d)", agreed, tiles, own, own_tiles)
+        layer.gemm_from_rows, layer.records_below = agreed, bound
+    if (agreed, bound) != (own, own_bound):
+        logger.info("int4 GEMMs from %d rows, fed from the records below %d: the highest threshold and lowest bound "
+                    "the replica's ranks measured (this one: %d and %d)", agreed, bound, own, own_bound)
     return agreed

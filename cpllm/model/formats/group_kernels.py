@@ -59,9 +59,10 @@ class Int4Linear(torch.nn.Module):
         """vnni / avx2: rows from which a call runs GEMMs on the dequantized weight (measured at start-up)."""
         self.gemm_dtype = choice.gemm_dtype
         """vnni / avx2: those GEMMs' dtype, "bfloat16" or "float32" (measured at start-up)."""
-        self.tiles_below = choice.tiles_below
-        """vnni / avx2 with bfloat16 GEMMs: rows below which they run on AMX tiles fed from the int4 records
-        (cpllm/kernels/int4_amx.py; 0: never; measured at start-up)."""
+        self.records_below = choice.records_below
+        """vnni / avx2 with bfloat16 GEMMs: rows below which they run on the kernels fed straight from the int4
+        records, AMX tiles or AVX-512 BF16 dot products (cpllm/kernels/int4_records.py; 0: never; measured at
+        start-up)."""
         self.weight_format = "int8" if repeat_input == 2 else "int4"
         """What the groups hold, for the start-up log's weight bytes (cpllm/model/formats/report.py)."""
         if self.backend in ("vnni", "avx2"):  # one packed layout for both kernels
@@ -94,7 +95,7 @@ class Int4Linear(torch.nn.Module):
         if self.backend in ("vnni", "avx2"):
             xk = x.repeat(1, self.repeat_input) if self.repeat_input > 1 else x
             y = int4_gemm.linear(xk, self.packed, self.out_features, self.backend, self.gemm_from_rows,
-                                 self.gemm_dtype, native, self.tiles_below)
+                                 self.gemm_dtype, native, self.records_below)
             return y if native else y.to(x.dtype)
         xk = x.to(KERNEL_DTYPE)
         xk = xk.repeat(1, self.repeat_input) if self.repeat_input > 1 else xk.contiguous()

@@ -1,15 +1,16 @@
-"""The int4 layers' prefill GEMM: AMX tiles fed straight from the int4 records against dequantization and oneDNN.
+"""The int4 layers' prefill GEMM: the kernel fed straight from the int4 records against dequantization and oneDNN.
 
-    python benchmarks/int4_tiles.py --rows 64,128,256,512,1024,2048 --threads 1,2 \
-        --json benchmarks/results/int4_tiles_amx.json
+    python benchmarks/int4_records.py --rows 64,128,256,512,1024,2048 --threads 1,2 \
+        --json benchmarks/results/int4_records.json
 
-Both sides multiply bf16 activations by the same random 4-bit groups: `tiles` is cpllm/kernels/int4_amx.c (each
-group of 16 output rows x 32 inputs dequantized into one AMX tile in L2), `dequantize + oneDNN` is
+Both sides multiply bf16 activations by the same random 4-bit groups: `records` is the record-fed kernel this CPU
+runs (cpllm/kernels/int4_records.py: AMX tiles, int4_amx.c, or else AVX-512 BF16 dot products, int4_dpbf16.c; each
+group of 16 output rows x 32 inputs dequantized into one operand in L2), `dequantize + oneDNN` is
 `int4_gemm.dequantized_matmul` in bfloat16 (the whole weight dequantized, then torch's GEMM). One pass is SmolLM2's
 four projections (q|k|v, o, gate|up, down) over 30 layers with their own weights, so weights come from memory as
 in a prefill. The sides alternate in rounds; each cell keeps its fastest. `differing` is the fraction of outputs
 whose bf16 bits differ between the sides (accumulation order; each is within a bf16 rounding of the exact product).
-Needs a CPU with AMX (the script says so and exits elsewhere).
+Needs a CPU with AMX or AVX-512 BF16 (the script says so and exits elsewhere); the JSON names the kernel.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 from cpllm.bench.common import machine_info, parse_int_list
 from cpllm.bench.report import print_table, write_json
-from cpllm.kernels import int4_amx, int4_gemm, int4_matmul
+from cpllm.kernels import int4_gemm, int4_matmul, int4_records
 
 LAYERS = 30
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -42,7 +43,7 @@ def _weights() -> list[tuple[torch.Tensor, int]]:
 
 
 def _sides() -> dict:
-    return {"tiles": lambda x, packed, n: int4_amx.matmul(x, packed, n, native=True),
+    return {"records": lambda x, packed, n: int4_records.matmul(x, packed, n, native=True),
             "dequantize + oneDNN": lambda x, packed, n: int4_gemm.dequantized_matmul(x, packed, n, torch.bfloat16,
                                                                                      native=True)}
 
@@ -73,16 +74,18 @@ def main() -> None:
     parser.add_argument("--rows", default="64,128,256,512,1024,2048")
     parser.add_argument("--threads", default="1")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", default="benchmarks/results/int4_tiles.json")
+    parser.add_argument("--json", default="benchmarks/results/int4_records.json")
     args = parser.parse_args()
-    if not int4_amx.available():
-        sys.exit("int4_tiles: this CPU (or OS) runs no AMX tiles; nothing to measure")
+    kernel = int4_records.kernel_here()
+    if kernel is None:
+        sys.exit("int4_records: this CPU (or OS) runs neither AMX tiles nor AVX-512 BF16; nothing to measure")
     weights = _weights()
     rows = [row for threads in parse_int_list(args.threads, "--threads")
             for count in parse_int_list(args.rows, "--rows") for row in measure(count, threads, weights, args.rounds)]
     print_table("int4 prefill GEMMs, SmolLM2's 30 layers", rows)
-    write_json(args.json, {"command": "int4_tiles", "cpllm": os.path.dirname(__import__("cpllm").__file__),
-                           "machine": machine_info(), "results": rows})
+    write_json(args.json, {"command": "int4_records", "kernel": kernel,
+                           "cpllm": os.path.dirname(__import__("cpllm").__file__), "machine": machine_info(),
+                           "results": rows})
 
 
 if __name__ == "__main__":
