@@ -29,8 +29,9 @@ from cpllm.bench.prefill import WARMUP_TOKENS, time_prefill
 from cpllm.context_parallel.partition import rank_token_ranges
 
 CATEGORIES = {
-    "linear": ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu"),
-    "attention kernel": ("aten::_scaled_dot_product_flash_attention_for_cpu",),
+    "linear": ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu",
+               "cpllm::int4_dequantized_matmul"),  # the int4 prefill GEMMs' own C calls (dequantizer, record-fed)
+    "attention kernel": ("aten::_scaled_dot_product_flash_attention_for_cpu", "cpllm::prefill_flash_attention"),
 }
 COLLECTIVE_MARKERS = ("gloo", "c10d", "wait", "broadcast", "all_gather", "all_to_all", "allreduce", "send", "recv")
 

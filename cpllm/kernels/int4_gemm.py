@@ -63,6 +63,12 @@ def dequantized_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int,
                        records_below: int = 0) -> torch.Tensor:
     """y [M, out_features] = x [M, in] W^T through GEMMs in `dtype` on tiles of W dequantized in turn; float32, or
     in `dtype` with `native`. In bfloat16 below `records_below` rows: the record-fed kernel, where one runs."""
+    with torch.profiler.record_function("cpllm::int4_dequantized_matmul"):  # a profile's name for the C calls
+        return _dequantized_matmul(x, packed, out_features, dtype, native, records_below)
+
+
+def _dequantized_matmul(x: torch.Tensor, packed: torch.Tensor, out_features: int, dtype: torch.dtype, native: bool,
+                        records_below: int) -> torch.Tensor:
     xg = x if x.dtype == dtype and x.is_contiguous() else x.to(dtype).contiguous()
     if dtype == torch.bfloat16 and xg.shape[0] < records_below:
         y = int4_records.matmul(xg, packed, out_features, native)
