@@ -111,7 +111,7 @@ def test_the_choice_measures_a_bound_where_a_record_fed_kernel_runs():
     choice = int4_choice.measured_choice("vnni" if int4_matmul.available() else "avx2", ("float32", "bfloat16"),
                                          "test")
     if choice.gemm_dtype == "bfloat16":
-        assert choice.records_below in (0, *int4_choice.record_bounds()[1:])
+        assert choice.records_below in (0, *int4_choice.RECORD_BOUNDS[1:])
     else:
         assert choice.records_below == 0
 

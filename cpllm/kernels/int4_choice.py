@@ -43,6 +43,9 @@ PROBE_ROWS = (32, 64, 128, 256, 512)
 RECORD_PROBE_ROWS = (64, 128, 256, 512, 1024, 2048)
 """Row counts at which the record-fed kernel and the bf16 dequantize-and-GEMM way are timed against each other (from
 the bf16 GEMMs' floor, BF16_MIN_ROWS)."""
+RECORD_BOUNDS = (*RECORD_PROBE_ROWS, max(RECORD_PROBE_ROWS) + 1)
+"""The bounds `_records_below` may take: each probed row count, and one past the largest (the record-fed kernels
+run through it)."""
 COLD_WEIGHTS = 2
 """Weights that probe multiplies in turn, as a prefill's layers follow each other (one weight called again and again
 measured the tiles ahead of oneDNN at 2,048 rows, where in SmolLM2's layers they took 1.02-1.13x its time; two
@@ -106,7 +109,7 @@ class Int4Choice:
     count (empty where not measured)."""
     records_below: int = 0
     """Rows below which the bfloat16 way runs on the kernel fed from the int4 records (int4_records.py: AMX tiles
-    or AVX-512 BF16 dot products), one of `record_bounds()`; 0 where it never does (neither kernel runs here, float32
+    or AVX-512 BF16 dot products), one of RECORD_BOUNDS; 0 where it never does (neither kernel runs here, float32
     GEMMs, or slower at every probed count)."""
     reason: str
     """Why these kernels: the features found, or what was missing."""
@@ -237,16 +240,10 @@ def _records_below() -> tuple[int, dict[int, float]]:
     # fall behind oneDNN as rows grow (the tiles from 2,048 rows on a Sapphire Rapids core, the dot products from
     # 8,192 on a Zen 4 core)
     costs = {bound: sum(times[0] if rows < bound else times[1] for rows, times in per_row.items())
-             for bound in record_bounds()}
+             for bound in RECORD_BOUNDS}
     bound = min(costs, key=costs.get)
     bound = 0 if bound == min(RECORD_PROBE_ROWS) else bound  # below the smallest probe: they never paid
     return bound, {rows: times[0] if rows < bound else times[1] for rows, times in per_row.items()}
-
-
-def record_bounds() -> tuple[int, ...]:
-    """The bounds `_records_below` may take: each probed row count, and one past the largest (the record kernels run
-    through it)."""
-    return (*RECORD_PROBE_ROWS, max(RECORD_PROBE_ROWS) + 1)
 
 
 def _best_seconds(calls: list, rounds: int = 3) -> list[float]:

@@ -15,23 +15,28 @@ refused AMX's tile state, kernels off).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from cpllm.kernels.int4_avx2 import check_shapes
-from cpllm.kernels.library import load, load_bound
+from cpllm.kernels.library import enabled, load_bound
 
 KERNELS = ("int4_amx", "int4_dpbf16")
 """The record-fed kernels, by library name, in the order tried: tiles first."""
 
 
+@functools.cache
+def _runs(name: str) -> bool:
+    """The kernel `name` is built for this CPU's instructions and (AMX) the OS grants the tile state: asked once per
+    process, since neither changes (every prefill GEMM asks which kernel runs)."""
+    lib = load_bound(name)
+    return lib is not None and getattr(lib, f"cpllm_{name}_available")() == 1
+
+
 def kernel_here(kernels: tuple[str, ...] = KERNELS) -> str | None:
-    """The first of `kernels` that runs here: the kernels are on, it is built for this CPU's instructions, and (AMX)
-    the OS grants the tile state; None where none does."""
-    for name in kernels:
-        lib = load(name)
-        if lib is not None and getattr(lib, f"cpllm_{name}_available")() == 1:
-            return name
-    return None
+    """The first of `kernels` that runs here, while the kernels are on; None where none does."""
+    return next((name for name in kernels if _runs(name)), None) if enabled() else None
 
 
 def available() -> bool:
